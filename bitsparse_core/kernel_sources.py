@@ -1,0 +1,21 @@
+"""Locating the CUDA C++ sources, from a checkout or an installed wheel."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+
+def kernel_dir() -> Path:
+    """The folder holding the ``.cu`` / ``.cuh`` sources."""
+    spec = importlib.util.find_spec("bitsparse_core._kernels")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    checkout = Path(__file__).resolve().parent.parent / "kernels"
+    if checkout.is_dir():
+        return checkout
+    raise FileNotFoundError("bitsparse_core's CUDA sources (kernels/) are missing from this install")
+
+
+def read_source(name: str) -> str:
+    return (kernel_dir() / name).read_text()

@@ -1,0 +1,142 @@
+"""Serialized buffers: ``to_bytes``, ``from_bytes`` and the full validator.
+
+:func:`validate` applies the spec's rules V1-V18 in order and raises the one
+named error of the first rule broken; a buffer it accepts decodes to exactly
+one tensor. Rules are checked cheapest first: the header (V1-V11), the layout
+(V12-V13), the checksum (V14), then the payload (V15-V18).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from . import format as _fmt
+from .errors import (ChecksumError, ChunkOffsetsError, MaskCountError, NonzeroPaddingError,
+                     SectionLayoutError, TrailingBytesError, TruncatedBufferError, ZeroValueError)
+from .packed import PackedTensor, host_plane
+from .reference import chunk_offsets, decode_values
+
+_NAMES = ("mask", "offsets", "values", "signs")
+
+
+def to_bytes(p: PackedTensor) -> bytes:
+    """Serialize ``p`` (from any backend) with capacity trimmed to nnz."""
+    p.check()
+    nnz = p.nnz
+    lay = _fmt.layout(p.shape, p.dtype, p.encoding, nnz, p.chunk_log2)
+    buf = bytearray(lay.total_size)
+    for name, (off, length) in lay.sections.items():
+        if length:
+            plane = host_plane(p, name).view(np.uint8).reshape(-1)[:length].copy()
+            _clear_tail_bits(plane, _used_bits(name, p, nnz))
+            buf[off:off + length] = plane.tobytes()
+    buf[:lay.header_size] = _fmt.encode_header(lay, nnz)
+    struct.pack_into("<I", buf, _fmt.CHECKSUM_SLICE.start, _fmt.crc32(buf))
+    return bytes(buf)
+
+
+def _used_bits(name: str, p: PackedTensor, nnz: int):
+    """Meaningful bits at the start of a trimmed section (the rest is padding)."""
+    if name == "mask":
+        return p.numel
+    if name == "values" and p.encoding != _fmt.Encoding.RAW:
+        return nnz * p.dtype.magnitude_bits
+    if name == "signs":
+        return nnz
+    return None  # whole bytes
+
+
+def _clear_tail_bits(plane: np.ndarray, used_bits) -> None:
+    if used_bits is not None and used_bits % 8 and plane.size:
+        plane[-1] &= (1 << (used_bits % 8)) - 1
+
+
+def _tail_bits_zero(plane: np.ndarray, used_bits: int) -> bool:
+    """Every bit of ``plane`` at or past bit ``used_bits`` is zero."""
+    first_full = -(-used_bits // 8)
+    if np.any(plane[first_full:]):
+        return False
+    if used_bits % 8:
+        return not (int(plane[used_bits // 8]) >> (used_bits % 8))
+    return True
+
+
+def validate(buf) -> _fmt.Header:
+    """Check every rule of the spec; return the header or raise the rule's error."""
+    mv = memoryview(buf).cast("B")
+    h = _fmt.decode_header(mv)                                                  # V1-V11
+    lay = _fmt.layout(h.shape, h.dtype, h.encoding, h.capacity, h.chunk_log2)
+    expected = (lay.mask, lay.offsets, lay.values, lay.signs)
+    for name, got, want in zip(_NAMES, h.sections, expected):                   # V12
+        if tuple(got) != tuple(want):
+            raise SectionLayoutError(f"{name} section at (offset, length)={tuple(got)}; "
+                                     f"the size formula gives {tuple(want)}")
+    if h.total_size != lay.total_size:
+        raise SectionLayoutError(f"total_size={h.total_size}; the size formula gives {lay.total_size}")
+    if len(mv) < h.total_size:                                                  # V1
+        raise TruncatedBufferError(f"buffer holds {len(mv)} of its {h.total_size} bytes")
+    if len(mv) > h.total_size:                                                  # V13
+        raise TrailingBytesError(f"{len(mv) - h.total_size} bytes follow the {h.total_size}-byte buffer")
+    if _fmt.crc32(mv) != h.checksum:                                            # V14
+        raise ChecksumError(f"stored CRC-32 {h.checksum:#010x}, computed {_fmt.crc32(mv):#010x}")
+    raw = np.frombuffer(mv, dtype=np.uint8)
+    _check_padding(raw, h, lay)                                                 # V15
+    mask = raw[slice(lay.mask[0], lay.mask[0] + lay.mask[1])]
+    nonzero = np.unpackbits(mask, count=h.numel, bitorder="little").view(bool)
+    count = int(np.count_nonzero(nonzero))
+    if count != h.nnz:                                                          # V16
+        raise MaskCountError(f"mask has {count} set bits, header says nnz={h.nnz}")
+    offsets = raw[lay.offsets[0]:lay.offsets[0] + lay.offsets[1]].view(f"<u{lay.offset_width}")
+    want = chunk_offsets(nonzero, h.chunk_log2)
+    if not np.array_equal(offsets, want):                                       # V17
+        bad = int(np.flatnonzero(offsets != want)[0])
+        raise ChunkOffsetsError(f"chunk offset {bad} is {int(offsets[bad])}, mask gives {int(want[bad])}")
+    p = _packed_view(raw, h, lay)
+    stored = decode_values(p, p.values, p.signs, h.nnz)
+    zeros = np.flatnonzero(stored == 0)
+    if zeros.size:                                                              # V18
+        raise ZeroValueError(f"stored value {int(zeros[0])} has the all-zero bit pattern")
+    return h
+
+
+_validate_buffer = validate  # from_bytes' keyword argument shadows the name
+
+
+def _check_padding(raw: np.ndarray, h: _fmt.Header, lay: _fmt.Layout) -> None:
+    used = {"mask": h.numel, "offsets": None,
+            "values": (h.nnz * (h.dtype.bits if h.encoding == _fmt.Encoding.RAW
+                                else h.dtype.magnitude_bits)),
+            "signs": h.nnz if h.encoding == _fmt.Encoding.SIGNPLANE else None}
+    header_used = _fmt.FIXED_HEADER_SIZE + 8 * len(h.shape)
+    if np.any(raw[header_used:h.header_size]):
+        raise NonzeroPaddingError("header padding after the shape is not zero")
+    for name, (off, length) in lay.sections.items():
+        gap_end = off + _fmt.align(length)
+        if np.any(raw[off + length:gap_end]):
+            raise NonzeroPaddingError(f"alignment padding after the {name} section is not zero")
+        if used[name] is not None and not _tail_bits_zero(raw[off:off + length], used[name]):
+            raise NonzeroPaddingError(f"padding bits at the end of the {name} section are not zero")
+
+
+def _packed_view(raw: np.ndarray, h: _fmt.Header, lay: _fmt.Layout) -> PackedTensor:
+    planes = {name: raw[off:off + length] for name, (off, length) in lay.sections.items()}
+    planes["offsets"] = planes["offsets"].view(f"<u{lay.offset_width}")
+    return PackedTensor(tuple(h.shape), h.dtype, h.encoding, h.chunk_log2, h.capacity,
+                        planes["mask"], planes["offsets"], planes["values"], planes["signs"],
+                        backend="numpy", device=("cpu", 0), _nnz=h.nnz)
+
+
+def from_bytes(buf, *, validate: bool = True) -> PackedTensor:
+    """A CPU PackedTensor viewing ``buf`` (zero-copy). ``validate=False`` checks only
+    the header and layout; use it only on buffers you produced yourself."""
+    mv = memoryview(buf).cast("B")
+    if validate:
+        h = _validate_buffer(mv)
+    else:
+        h = _fmt.decode_header(mv)
+        if len(mv) < h.total_size:
+            raise TruncatedBufferError(f"buffer holds {len(mv)} of its {h.total_size} bytes")
+    lay = _fmt.layout(h.shape, h.dtype, h.encoding, h.capacity, h.chunk_log2)
+    return _packed_view(np.frombuffer(mv, dtype=np.uint8), h, lay)
