@@ -31,7 +31,22 @@ from .serialize import from_bytes, validate
 
 __version__ = "0.1.0"
 
+
+
+def _cupy_backend():
+    from .cupy_backend import CupyBackend
+    return CupyBackend()
+
+
+def _numba_backend():
+    from .numba_backend import NumbaBackend
+    return NumbaBackend()
+
+
+# Priority order: for CUDA inputs, backend="auto" takes CuPy, then Numba.
 register_backend("numpy", "cpu", NumpyBackend)
+register_backend("cupy", "cuda", _cupy_backend)
+register_backend("numba", "cuda", _numba_backend)
 
 
 def pack(x, *, encoding="auto", backend: str = "auto", chunk_log2: int = DEFAULT_CHUNK_LOG2,
@@ -66,7 +81,45 @@ def unpack(p: PackedTensor, out=None, *, stream=None, allocator=None):
     return get_backend(p.backend).unpack(p, out=out, stream=stream, allocator=allocator)
 
 
-__all__ = ["pack", "unpack", "validate", "from_bytes", "PackedTensor", "Encoding", "layout",
+def _backend_for(x, backend: str):
+    return select_backend(backend, device_of(x)[0])
+
+
+def relu_pack(a, *, square: bool = False, encoding="nosign", backend: str = "auto",
+              chunk_log2: int = DEFAULT_CHUNK_LOG2, capacity=None, dtype=None, stream=None,
+              allocator=None):
+    """One pass over the pre-activation ``a``: ``(y, p)`` with ``y = relu(a)`` (or
+    ``relu(a)**2`` when ``square``) dense for the next matmul and ``p = pack(relu(a))``."""
+    return _backend_for(a, backend).relu_pack(
+        a, square=square, dtype=dtype, encoding=encoding, chunk_log2=chunk_log2,
+        capacity=capacity, stream=stream, allocator=allocator)
+
+
+def relu_backward(grad, p: PackedTensor, *, stream=None, allocator=None):
+    """ReLU's input gradient from the mask alone: ``grad`` where ``p``'s bit is set, else 0."""
+    return get_backend(p.backend).relu_backward(grad, p, stream=stream, allocator=allocator)
+
+
+def relu2_backward(grad, p: PackedTensor, *, stream=None, allocator=None):
+    """ReLU²'s input gradient ``2·r·grad`` (0 where r <= 0), reading r from ``p``."""
+    return get_backend(p.backend).relu2_backward(grad, p, stream=stream, allocator=allocator)
+
+
+def masked_pack(u, p_mask: PackedTensor, *, encoding="signplane", dtype=None, stream=None,
+                allocator=None) -> PackedTensor:
+    """``u`` at the positions set in ``p_mask`` (gated ReLU's up projection), sharing its mask."""
+    return get_backend(p_mask.backend).masked_pack(u, p_mask, dtype=dtype, encoding=encoding,
+                                                   stream=stream, allocator=allocator)
+
+
+def gated_backward(grad, p_r: PackedTensor, p_u: PackedTensor, *, stream=None, allocator=None):
+    """For ``h = relu(g) * u``: ``(grad_g, grad_u)`` from the two packed tensors."""
+    return get_backend(p_r.backend).gated_backward(grad, p_r, p_u, stream=stream,
+                                                   allocator=allocator)
+
+
+__all__ = ["pack", "unpack", "relu_pack", "relu_backward", "relu2_backward", "masked_pack",
+           "gated_backward", "validate", "from_bytes", "PackedTensor", "Encoding", "layout",
            "packed_size", "register_backend", "get_backend", "registered_backends",
            "backend_available", "dtypes", "errors", "format", "DEFAULT_CHUNK_LOG2",
            *errors.__all__]

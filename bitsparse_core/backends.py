@@ -18,6 +18,17 @@ Contract (duck-typed; see :class:`Backend`):
 ``unpack(p, *, out, stream, allocator)``   dense array (DLPack-exportable).
 ``read_nnz(p)`` / ``read_status(p)``      fetch pending device-side counters.
 ``to_numpy(array)``                        a plane as a host NumPy array.
+
+Fused activation ops (semantics: :mod:`bitsparse_core.reference_ops`, which
+every backend must match bit for bit):
+
+``relu_pack(a, *, square, dtype, encoding, chunk_log2, capacity, stream, allocator)``
+    -> ``(y, p)``: dense relu(a) (or relu(a)**2) and pack(relu(a)) in one pass.
+``relu_backward(grad, p, *, stream, allocator)``   grad where the mask is set.
+``relu2_backward(grad, p, *, stream, allocator)``  2·r·grad where r > 0.
+``masked_pack(u, p_mask, *, dtype, encoding, stream, allocator)``
+    -> u's values at p_mask's set positions, sharing its mask (gated ReLU).
+``gated_backward(grad, p_r, p_u, *, stream, allocator)`` -> ``(grad_g, grad_u)``.
 """
 
 from __future__ import annotations

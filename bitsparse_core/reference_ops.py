@@ -1,0 +1,100 @@
+"""Reference (NumPy) semantics of the fused activation ops every backend offers.
+
+These are the executable spec of the GPU kernels' fused paths: a GPU result
+must equal these bit for bit. Float products are formed exactly in float32
+(a product of two bf16/fp16/fp8 values always fits) and rounded once to the
+tensor's dtype, round-to-nearest-even -- the same single rounding PyTorch's
+elementwise kernels perform.
+
+ReLU here is ``r = a if a > 0 else +0.0``, with NaN passed through (as
+``torch.relu`` does); ``-0.0`` becomes ``+0.0`` so a packed ReLU output never
+has a sign bit set and ``nosign`` is always legal for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import dtypes as _dt
+from . import format as _fmt
+from .packed import PackedTensor
+from .reference import pack_array, unpack_planes
+
+
+def relu_bits(a: np.ndarray, dtype: _dt.DType) -> np.ndarray:
+    """relu(a) as computed by every backend: keep a where a > 0 or a is NaN, else +0."""
+    f = a.astype(np.float32)
+    keep = (f > 0) | np.isnan(f)
+    return np.where(keep, a, np.zeros((), dtype=dtype.numpy)).astype(dtype.numpy)
+
+
+def _round(x32: np.ndarray, dtype: _dt.DType) -> np.ndarray:
+    return x32.astype(dtype.numpy)
+
+
+def relu_pack(a: np.ndarray, dtype: _dt.DType, *, square: bool = False, encoding="nosign",
+              chunk_log2: int = _fmt.DEFAULT_CHUNK_LOG2, capacity=None):
+    """``(y, p)``: the dense ``relu(a)`` (``relu(a)**2`` if ``square``) for the next
+    matmul, and ``p = pack(relu(a))`` -- the unsquared ReLU, from which both
+    backward rules and the square can be recomputed."""
+    r = relu_bits(a, dtype)
+    p = pack_array(r, dtype, encoding, chunk_log2=chunk_log2, capacity=capacity)
+    if square:
+        r32 = r.astype(np.float32)
+        y = _round(r32 * r32, dtype)
+    else:
+        y = r.copy()
+    return y, p
+
+
+def mask_of(p: PackedTensor) -> np.ndarray:
+    return np.unpackbits(np.asarray(p.mask, dtype=np.uint8), count=p.numel,
+                         bitorder="little").view(bool).reshape(p.shape)
+
+
+def relu_backward(grad: np.ndarray, p: PackedTensor) -> np.ndarray:
+    """``grad`` where the mask bit is set, else +0 (reads only the mask)."""
+    return np.where(mask_of(p), grad, np.zeros((), dtype=grad.dtype)).astype(grad.dtype)
+
+
+def relu2_backward(grad: np.ndarray, p: PackedTensor) -> np.ndarray:
+    """``d relu(a)**2 / da * grad = 2 r grad`` where ``r > 0``, else +0 (NaN r gives +0,
+    as PyTorch's threshold_backward does)."""
+    r = unpack_planes(p, p.mask, p.values, p.signs).view(p.dtype.numpy)
+    r32 = np.asarray(r, dtype=np.float32)
+    g = _round(grad.astype(np.float32) * (2.0 * r32), p.dtype)
+    return np.where(r32 > 0, g, np.zeros((), dtype=p.dtype.numpy)).astype(p.dtype.numpy)
+
+
+def masked_pack(u: np.ndarray, dtype: _dt.DType, p_mask: PackedTensor, *,
+                encoding="signplane") -> PackedTensor:
+    """``u``'s bit patterns at the positions set in ``p_mask``'s mask (zeros included),
+    sharing that mask and its chunk offsets: the gated-ReLU companion plane.
+
+    The result is an in-memory tensor only (a stored value may be zero, which a
+    standalone format-v1 buffer forbids); ``to_bytes`` refuses it.
+    """
+    from .reference import encode_values
+    encoding = _fmt.Encoding.parse(encoding)
+    bits = u.reshape(-1).view(dtype.uint)
+    stored = bits[mask_of(p_mask).reshape(-1)]
+    if encoding == _fmt.Encoding.NOSIGN and np.any(stored >> (dtype.bits - 1)):
+        from .errors import EncodingError
+        raise EncodingError("nosign encoding: a gated value has its sign bit set")
+    values, signs = encode_values(stored, dtype, encoding, stored.size)
+    return PackedTensor(tuple(u.shape), dtype, encoding, p_mask.chunk_log2, stored.size,
+                        p_mask.mask, p_mask.offsets, values, signs, backend="numpy",
+                        device=("cpu", 0), _nnz=int(stored.size), extra={"shares_mask": True})
+
+
+def gated_backward(grad: np.ndarray, p_r: PackedTensor, p_u: PackedTensor):
+    """For ``h = relu(g) * u``: ``(grad_g, grad_u)`` with ``grad_u = grad * r`` and
+    ``grad_g = grad * u`` where ``r > 0``, else +0; each product rounded once."""
+    dtype = p_r.dtype
+    r = unpack_planes(p_r, p_r.mask, p_r.values, p_r.signs)
+    u = unpack_planes(p_u, p_u.mask, p_u.values, p_u.signs)
+    r32, u32, g32 = (np.asarray(t, dtype=np.float32) for t in (r, u, grad))
+    zero = np.zeros((), dtype=dtype.numpy)
+    grad_u = _round(g32 * r32, dtype)
+    grad_g = np.where(r32 > 0, _round(g32 * u32, dtype), zero).astype(dtype.numpy)
+    return grad_g, grad_u
