@@ -129,6 +129,10 @@ class CapacityOverflowError(InputError, OverflowError):
     """A fixed-capacity pack held more nonzeros than the capacity; the rest were dropped."""
 
 
+class NotSerializableError(InputError, ValueError):
+    """The tensor is in-memory only (e.g. a masked_pack companion sharing another mask)."""
+
+
 class OutputMismatchError(InputError, ValueError):
     """An ``out=`` array has the wrong shape, dtype, device or layout."""
 

@@ -13,7 +13,7 @@ import struct
 import numpy as np
 
 from . import format as _fmt
-from .errors import (ChecksumError, ChunkOffsetsError, MaskCountError, NonzeroPaddingError,
+from .errors import (ChecksumError, NotSerializableError, ChunkOffsetsError, MaskCountError, NonzeroPaddingError,
                      SectionLayoutError, TrailingBytesError, TruncatedBufferError, ZeroValueError)
 from .packed import PackedTensor, host_plane
 from .reference import chunk_offsets, decode_values
@@ -23,6 +23,9 @@ _NAMES = ("mask", "offsets", "values", "signs")
 
 def to_bytes(p: PackedTensor) -> bytes:
     """Serialize ``p`` (from any backend) with capacity trimmed to nnz."""
+    if p.extra.get("shares_mask"):
+        raise NotSerializableError("a masked_pack tensor shares another tensor's mask and may "
+                                   "store zeros; it has no standalone format-v1 form")
     p.check()
     nnz = p.nnz
     lay = _fmt.layout(p.shape, p.dtype, p.encoding, nnz, p.chunk_log2)

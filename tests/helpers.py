@@ -1,0 +1,43 @@
+"""Data generators shared by the CPU tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bitsparse_core import dtypes as D
+
+ALL_DTYPES = D.ALL
+ENCODINGS = ("raw", "nosign", "signplane")
+
+
+def special_patterns(dtype: D.DType) -> np.ndarray:
+    """Bit patterns that break careless codecs: ±0, ±inf, NaN payloads, subnormals, extremes."""
+    b = dtype.bits
+    sign = 1 << (b - 1)
+    exp_bits = {16: (8 if dtype is D.BFLOAT16 else 5), 32: 8, 8: (4 if dtype is D.FLOAT8_E4M3FN else 5)}[b]
+    mant = b - 1 - exp_bits
+    exp_all = ((1 << exp_bits) - 1) << mant
+    pats = {0, sign, 1, sign | 1, (1 << mant) - 1, exp_all, sign | exp_all, exp_all | 1,
+            exp_all | (1 << (mant - 1)), sign | exp_all | ((1 << mant) - 1), sign - 1, (1 << b) - 1}
+    return np.array(sorted(pats), dtype=dtype.uint)
+
+
+def random_tensor(rng, shape, dtype: D.DType, sparsity: float, *, signed=True,
+                  specials=True) -> np.ndarray:
+    """Random bit patterns (every pattern possible) with the given fraction zeroed."""
+    n = int(np.prod(shape, dtype=np.int64))
+    bits = rng.integers(0, 1 << dtype.bits, size=n, dtype=np.uint64).astype(dtype.uint)
+    if specials and n:
+        sp = special_patterns(dtype)
+        where = rng.integers(0, n, size=min(n, 2 * sp.size))
+        bits[where] = sp[rng.integers(0, sp.size, size=where.size)]
+    if not signed:
+        bits &= np.array(dtype.sign_mask - 1, dtype=dtype.uint)
+    bits[rng.random(n) < sparsity] = 0
+    return bits.view(dtype.numpy).reshape(shape)
+
+
+def same_bits(a, b, dtype: D.DType) -> bool:
+    a = np.asarray(a)
+    b = np.asarray(b)
+    return a.shape == b.shape and np.array_equal(a.view(dtype.uint), b.view(dtype.uint))
