@@ -86,8 +86,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.mode.startswith("ours"):
             encoding = self.mode.split("-", 1)[1]
-            y = bst.relu2_ffn(x, self.fc.weight, self.fc.bias, self.proj.weight,
-                              self.proj.bias, encoding=encoding)
+            y = bst.relu_ffn(x, self.fc.weight, self.fc.bias, self.proj.weight,
+                             self.proj.bias, square=True, encoding=encoding)
         else:
             h = F.relu(self.fc(x))
             if self.record:
@@ -207,9 +207,10 @@ def main(argv=None) -> int:
         res, params = train(variant, args, data, init_state, device)
         results[variant] = res
         final_params[variant] = params
+        peak = f"{res['peak_bytes'] / 2**20:.0f} MiB" if res["peak_bytes"] else "n/a"
         print(f"{variant:<12} final loss {res['losses'][-1]:.4f}  "
               f"median step {1e3 * statistics.median(res['times'][2:] or res['times']):.1f} ms  "
-              f"peak {res['peak_bytes'] and res['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+              f"peak {peak}", flush=True)
 
     dense = results["dense"]
     summary = {"config": {k: v for k, v in vars(args).items() if k != "out"},

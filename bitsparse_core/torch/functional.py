@@ -1,0 +1,272 @@
+"""Autograd ops of the FFN patterns, keeping the activation packed between forward and backward.
+
+Each op covers the activation *and the matmul after it*: that second matmul is
+the only other user of the dense activation, so once it has run nothing holds
+the dense tensor and it is freed; the op saves only the packed planes (and the
+weight, which autograd keeps anyway). The first matmul stays ordinary PyTorch.
+
+Bit-identity with the plain PyTorch FFN (``nn.Linear`` + ``torch.relu`` /
+``torch.square`` / ``*``) is a design requirement, so the backward formulas
+repeat PyTorch's own for ``linear``: ``grad_in = grad @ W``,
+``grad_W = grad.T @ h``, ``grad_b = grad.sum(0)``, on the same 2-D views, in the
+same dtypes, and autocast is resolved the way autocast resolves ``linear``
+(weights cast to the autocast dtype by a differentiable ``.to``). The
+activation gradients are the fused backend ops, whose reference semantics are
+PyTorch's (``threshold_backward`` zeroes the gradient where ``relu(a) <= 0``).
+
+Where the results can differ from PyTorch's, all with non-finite or
+signed-zero data (see ``docs/torch.md``):
+
+* a pre-activation of exactly ``-0.0``: ``torch.relu`` keeps ``-0.0``, the
+  packed ReLU stores ``+0.0``; gradients are the same, and a product sum only
+  differs if every term of it is a zero;
+* NaN activations: ReLU² and gated gradients at a NaN are 0 here, NaN in
+  PyTorch (ReLU's mask-only gradient passes NaN positions like PyTorch);
+* gated: ``relu(g) * u`` is recomputed for ``grad_W2`` from ``u`` stored only
+  where ``g > 0``, so an infinite/NaN ``u`` where ``g <= 0`` (a NaN in the
+  dense product) and the sign of the zero products are not reproduced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from . import _bridge as B
+
+ENCODINGS = ("raw", "nosign", "signplane", "auto")
+
+
+def _check_encoding(encoding: str, what: str = "encoding") -> str:
+    if not isinstance(encoding, str) or encoding.lower() not in ENCODINGS:
+        raise ValueError(f"{what}={encoding!r}; use one of {', '.join(ENCODINGS)}")
+    return encoding.lower()
+
+
+def _check_input(t: torch.Tensor, name: str) -> None:
+    B.check_device(t.device)
+    B.bs_dtype(t.dtype)
+    if t.layout != torch.strided:
+        raise B.UnsupportedDeviceError(f"{name}: only strided (dense) tensors can be packed")
+
+
+def _autocast_dtype(device: torch.device):
+    """The dtype autocast would run ``linear`` in on this device, or None."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def _autocast(t, dtype):
+    """What autocast's ``linear`` does to an argument: floating tensors (not float64)
+    are cast to the autocast dtype, differentiably."""
+    if t is None or dtype is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+        return t
+    return t.to(dtype)
+
+
+class _Saved:
+    """Packed tensors <-> ``ctx.save_for_backward``: plane tensors go through autograd's
+    saved-tensor machinery (so checkpointing and saved-tensor hooks see them), the
+    metadata stays on ``ctx``."""
+
+    @staticmethod
+    def planes(call: B.Call, p, owners):
+        return B.planes_as_torch(p, owners), B.skeleton(p)
+
+    @staticmethod
+    def restore(ctx, planes, skel, call: B.Call):
+        B.keep_alive_on_stream(planes, call, ctx.pack_stream)
+        return B.rebuild(skel, planes)
+
+
+def _unpack(call: B.Call, p, dtype, shape) -> torch.Tensor:
+    arr = call.backend.unpack(p, **call.kwargs)
+    return B.as_torch(arr, dtype, shape, call.owners())
+
+
+def _linear_backward(ctx, grad_out, weight, h_fn):
+    """PyTorch's ``addmm``/``mm`` backward for ``out = h @ W.T + b`` on the 2-D views.
+
+    ``h_fn()`` makes the dense input (only when ``grad_W`` is needed); returns
+    ``(grad_h, grad_W, grad_b)`` with ``grad_h`` still 2-D.
+    """
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_h = grad_w = grad_b = None
+    if ctx.needs_input_grad[ctx.weight_index]:
+        h = h_fn()
+        grad_w = g2.t().mm(h.reshape(-1, h.shape[-1]))
+        del h
+    if ctx.has_bias and ctx.needs_input_grad[ctx.weight_index + 1]:
+        grad_b = g2.sum([0], keepdim=True).view(g2.shape[-1])
+    if any(ctx.needs_input_grad[:ctx.weight_index]):
+        grad_h = g2.mm(weight)
+    return grad_h, grad_w, grad_b
+
+
+class ReLULinearFunction(torch.autograd.Function):
+    """``out = F.linear(relu(a), W, b)`` (``relu(a)**2`` when ``square``), saving ``pack(relu(a))``."""
+
+    @staticmethod
+    def forward(ctx, a, weight, bias, square, encoding, backend, mm_dtype):
+        call = B.Call(a.device, backend)
+        a = a.contiguous()
+        obj, dt = B.export(a)
+        # On CUDA the exact size is settled while the second matmul runs (see PendingPack);
+        # "auto" may have to re-pack as raw, which the backend does synchronously.
+        overlap = call.cuda and encoding != "auto"
+        y_arr, p = call.backend.relu_pack(obj, square=square, dtype=dt, encoding=encoding,
+                                          capacity=a.numel() if overlap else None,
+                                          **call.kwargs)
+        owners = call.owners()
+        y = B.as_torch(y_arr, a.dtype, a.shape, owners)
+        if overlap:
+            pending = B.PendingPack(call, p, owners)
+        else:
+            planes, skel = _Saved.planes(call, p, owners)
+        del y_arr, p, owners
+        with torch.autocast(a.device.type, enabled=False):
+            out = F.linear(y if mm_dtype is None else y.to(mm_dtype), weight, bias)
+        del y
+        if overlap:
+            planes, skel = pending.finish()
+            del pending
+        ctx.save_for_backward(weight, *planes)
+        ctx.skel, ctx.pack_stream, ctx.backend = skel, call.stream, backend
+        ctx.square, ctx.has_bias, ctx.weight_index = square, bias is not None, 1
+        ctx.a_dtype, ctx.a_shape, ctx.mm_dtype = a.dtype, tuple(a.shape), mm_dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        weight, *planes = ctx.saved_tensors
+        call = B.Call(grad_out.device, ctx.backend)
+        p = _Saved.restore(ctx, planes, ctx.skel, call)
+
+        def h_fn():
+            h = _unpack(call, p, ctx.a_dtype, ctx.a_shape)
+            if ctx.square:
+                h.mul_(h)  # the forward's relu(a)**2, rounded the same single way
+            return h if ctx.mm_dtype is None else h.to(ctx.mm_dtype)
+
+        grad_h, grad_w, grad_b = _linear_backward(ctx, grad_out, weight, h_fn)
+        grad_a = None
+        if grad_h is not None:
+            grad_h = grad_h.view(ctx.a_shape)
+            if grad_h.dtype != ctx.a_dtype:
+                grad_h = grad_h.to(ctx.a_dtype)
+            op = call.backend.relu2_backward if ctx.square else call.backend.relu_backward
+            grad_a = B.as_torch(op(grad_h, p, **call.kwargs), ctx.a_dtype, ctx.a_shape,
+                                call.owners())
+        return grad_a, grad_w, grad_b, None, None, None, None
+
+
+class GatedReLULinearFunction(torch.autograd.Function):
+    """``out = F.linear(relu(g) * u, W, b)``, saving ``pack(relu(g))`` and ``u`` where
+    ``relu(g) != 0``, the two sharing one bitmask."""
+
+    @staticmethod
+    def forward(ctx, g, u, weight, bias, encoding, u_encoding, backend, mm_dtype):
+        if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device:
+            raise ValueError(f"gate and up must match: {g.dtype}{tuple(g.shape)} on {g.device} "
+                             f"vs {u.dtype}{tuple(u.shape)} on {u.device}")
+        call = B.Call(g.device, backend)
+        g, u = g.contiguous(), u.contiguous()
+        obj, dt = B.export(g)
+        r_arr, p_r = call.backend.relu_pack(obj, square=False, dtype=dt, encoding=encoding,
+                                            **call.kwargs)
+        owners = call.owners()
+        r = B.as_torch(r_arr, g.dtype, g.shape, owners)
+        h = torch.mul(r, u)  # exactly the dense relu(g) * u
+        del r
+        obj, dt = B.export(u)
+        p_u = call.backend.masked_pack(obj, p_r, dtype=dt, encoding=u_encoding, **call.kwargs)
+        owners += call.owners()
+        planes_r, skel_r = _Saved.planes(call, p_r, owners)
+        planes_u, skel_u = _Saved.planes(call, p_u, owners)
+        with torch.autocast(g.device.type, enabled=False):
+            out = F.linear(h if mm_dtype is None else h.to(mm_dtype), weight, bias)
+        del h
+        # p_u shares p_r's mask and offsets: save only its values and signs.
+        ctx.save_for_backward(weight, *planes_r, planes_u[2], planes_u[3])
+        ctx.skel_r, ctx.skel_u, ctx.pack_stream, ctx.backend = skel_r, skel_u, call.stream, backend
+        ctx.has_bias, ctx.weight_index = bias is not None, 2
+        ctx.a_dtype, ctx.a_shape, ctx.mm_dtype = g.dtype, tuple(g.shape), mm_dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        weight, mask, offsets, values_r, signs_r, values_u, signs_u = ctx.saved_tensors
+        call = B.Call(grad_out.device, ctx.backend)
+        p_r = _Saved.restore(ctx, (mask, offsets, values_r, signs_r), ctx.skel_r, call)
+        p_u = _Saved.restore(ctx, (mask, offsets, values_u, signs_u), ctx.skel_u, call)
+        p_u.mask, p_u.offsets = p_r.mask, p_r.offsets
+
+        def h_fn():
+            h = _unpack(call, p_r, ctx.a_dtype, ctx.a_shape)
+            h.mul_(_unpack(call, p_u, ctx.a_dtype, ctx.a_shape))
+            return h if ctx.mm_dtype is None else h.to(ctx.mm_dtype)
+
+        grad_h, grad_w, grad_b = _linear_backward(ctx, grad_out, weight, h_fn)
+        grad_g = grad_u = None
+        if grad_h is not None:
+            grad_h = grad_h.view(ctx.a_shape)
+            if grad_h.dtype != ctx.a_dtype:
+                grad_h = grad_h.to(ctx.a_dtype)
+            gg, gu = call.backend.gated_backward(grad_h, p_r, p_u, **call.kwargs)
+            owners = call.owners()
+            grad_g = B.as_torch(gg, ctx.a_dtype, ctx.a_shape, owners)
+            grad_u = B.as_torch(gu, ctx.a_dtype, ctx.a_shape, owners)
+        return grad_g, grad_u, grad_w, grad_b, None, None, None, None
+
+
+# --------------------------------------------------------------------------- #
+# Functional API                                                              #
+# --------------------------------------------------------------------------- #
+def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "nosign",
+                backend: str = "auto"):
+    """``F.linear(torch.relu(a), weight, bias)`` (``torch.relu(a)**2`` if ``square``),
+    storing the activation packed for backward."""
+    _check_input(a, "a")
+    encoding = _check_encoding(encoding)
+    mm = _autocast_dtype(a.device)
+    weight, bias = _autocast(weight, mm), _autocast(bias, mm)
+    mm_dtype = mm if mm is not None and a.dtype != mm else None
+    return ReLULinearFunction.apply(a, weight, bias, bool(square), encoding, backend, mm_dtype)
+
+
+def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
+                      u_encoding: str | None = None, backend: str = "auto"):
+    """``F.linear(torch.relu(g) * u, weight, bias)`` (ReGLU), storing relu(g) packed and
+    ``u`` only where ``g > 0`` (``u_encoding`` defaults to ``signplane``, or ``raw``
+    when ``encoding='raw'``)."""
+    _check_input(g, "g")
+    _check_input(u, "u")
+    encoding = _check_encoding(encoding)
+    if u_encoding is None:
+        u_encoding = "raw" if encoding == "raw" else "signplane"
+    u_encoding = _check_encoding(u_encoding, "u_encoding")
+    if u_encoding == "auto":
+        u_encoding = "signplane"  # u is signed: "auto" would need a scan of u first
+    mm = _autocast_dtype(g.device)
+    weight, bias = _autocast(weight, mm), _autocast(bias, mm)
+    mm_dtype = mm if mm is not None and g.dtype != mm else None
+    return GatedReLULinearFunction.apply(g, u, weight, bias, encoding, u_encoding, backend,
+                                         mm_dtype)
+
+
+def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign",
+             backend: str = "auto"):
+    """``relu(x W1ᵀ + b1) W2ᵀ + b2`` (ReLU² when ``square``) with the activation stored packed."""
+    return relu_linear(F.linear(x, w1, b1), w2, b2, square=square, encoding=encoding,
+                       backend=backend)
+
+
+def gated_relu_ffn(x, w_gate, b_gate, w_up, b_up, w2, b2, *, encoding: str = "nosign",
+                   u_encoding: str | None = None, backend: str = "auto"):
+    """``(relu(x Wgᵀ + bg) * (x Wuᵀ + bu)) W2ᵀ + b2`` with both activations stored packed."""
+    return gated_relu_linear(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), w2, b2,
+                             encoding=encoding, u_encoding=u_encoding, backend=backend)

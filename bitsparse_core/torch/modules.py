@@ -1,0 +1,83 @@
+"""Drop-in FFN modules: the usual ``nn.Linear`` parameters, the activation stored packed.
+
+Each module has exactly the parameters (names, shapes, init) of the plain
+PyTorch FFN written with ``nn.Linear``, so a ``state_dict`` moves between the
+two unchanged; :meth:`from_dense` shares an existing module's ``nn.Linear``s.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .functional import _check_encoding, gated_relu_linear, relu_linear
+
+
+class _PackedFFN(nn.Module):
+    def __init__(self, encoding, backend):
+        super().__init__()
+        self.encoding = _check_encoding(encoding)
+        self.backend = backend
+
+    def extra_repr(self) -> str:
+        return f"encoding={self.encoding!r}, backend={self.backend!r}"
+
+
+class PackedReLUFFN(_PackedFFN):
+    """``fc2(relu(fc1(x)))`` storing ``relu(fc1(x))`` packed (bitmask + nonzero values)."""
+
+    square = False
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool = True, *, encoding: str = "nosign",
+                 backend: str = "auto", device=None, dtype=None):
+        super().__init__(encoding, backend)
+        self.fc1 = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return relu_linear(self.fc1(x), self.fc2.weight, self.fc2.bias, square=self.square,
+                           encoding=self.encoding, backend=self.backend)
+
+    @classmethod
+    def from_dense(cls, fc1: nn.Linear, fc2: nn.Linear, *, encoding: str = "nosign",
+                   backend: str = "auto"):
+        """A packed FFN sharing the parameters of two existing ``nn.Linear``s."""
+        m = cls.__new__(cls)
+        _PackedFFN.__init__(m, encoding, backend)
+        m.fc1, m.fc2 = fc1, fc2
+        return m
+
+
+class PackedReLU2FFN(PackedReLUFFN):
+    """``fc2(relu(fc1(x))**2)`` (Primer / modded-nanoGPT) storing ``relu(fc1(x))`` packed;
+    backward takes ``2·relu`` from the packed values and recomputes the square for ``dW2``."""
+
+    square = True
+
+
+class PackedReGLUFFN(_PackedFFN):
+    """``down_proj(relu(gate_proj(x)) * up_proj(x))`` storing ``relu(gate)`` packed and
+    ``up`` only where ``gate > 0``, both behind one bitmask."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool = True, *, encoding: str = "nosign",
+                 u_encoding: str | None = None, backend: str = "auto", device=None, dtype=None):
+        super().__init__(encoding, backend)
+        self.u_encoding = u_encoding
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_relu_linear(self.gate_proj(x), self.up_proj(x), self.down_proj.weight,
+                                 self.down_proj.bias, encoding=self.encoding,
+                                 u_encoding=self.u_encoding, backend=self.backend)
+
+    @classmethod
+    def from_dense(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, *,
+                   encoding: str = "nosign", u_encoding: str | None = None,
+                   backend: str = "auto"):
+        m = cls.__new__(cls)
+        _PackedFFN.__init__(m, encoding, backend)
+        m.u_encoding = u_encoding
+        m.gate_proj, m.up_proj, m.down_proj = gate_proj, up_proj, down_proj
+        return m

@@ -1,0 +1,205 @@
+"""bitsparse_core.torch on CUDA: bit-identical training, saved bytes = packed size,
+torch's allocator and streams, hooks, checkpoint, autocast."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# cuBLAS needs this before its first use to be deterministic under use_deterministic_algorithms.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+torch = pytest.importorskip("torch")
+
+import bitsparse_core as bc  # noqa: E402
+from bitsparse_core.torch import compress_saved_tensors, relu_linear  # noqa: E402
+from torch_models import (ENCODINGS, KINDS, assert_same_training, make_pair,  # noqa: E402
+                          saved_tensors_of, train)
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda_backend_ready() -> bool:
+    return torch.cuda.is_available() and bc.backend_available("cupy")
+
+
+@pytest.fixture(autouse=True)
+def cuda_deterministic():
+    if not _cuda_backend_ready():
+        pytest.skip("needs a CUDA GPU, torch with CUDA and the cupy backend")
+    prev = torch.are_deterministic_algorithms_enabled()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.use_deterministic_algorithms(prev)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _data(shape, d, dtype, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(*shape, d, generator=g, device="cuda").to(dtype)
+    target = torch.randn(*shape, d, generator=g, device="cuda")
+    return x, target
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_is_bit_identical_cuda(kind, encoding, dtype):
+    dense, ours = make_pair(kind, encoding, d=64, f=384, dtype=dtype, device="cuda")
+    x, target = _data((4, 96), 64, dtype)
+    assert_same_training(train(dense, x, target), train(ours, x, target))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_autocast_bf16_cuda(kind):
+    dense, ours = make_pair(kind, "nosign", d=64, f=256, device="cuda")
+    x, target = _data((2, 64), 64, torch.float32)
+    assert_same_training(train(dense, x, target, autocast=torch.bfloat16),
+                         train(ours, x, target, autocast=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_cuda(kind):
+    dense, ours = make_pair(kind, "raw", d=64, f=256, dtype=torch.bfloat16, device="cuda",
+                            checkpoint=False)
+    x, target = _data((2, 64), 64, torch.bfloat16)
+    assert_same_training(train(dense, x, target), train(ours, x, target))
+
+
+@pytest.mark.parametrize("kind", ["relu2", "reglu"])
+def test_side_stream_matches_default_stream(kind):
+    """Forward and backward on a non-default stream: kernels follow torch's current stream."""
+    dense, ours = make_pair(kind, "nosign", d=64, f=256, dtype=torch.bfloat16, device="cuda")
+    x, target = _data((2, 64), 64, torch.bfloat16)
+    ref = train(dense, x, target, steps=2)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        got = train(ours, x, target, steps=2)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert_same_training(ref, got)
+
+
+def _requested_bytes() -> int:
+    return torch.cuda.memory_stats()["requested_bytes.all.current"]
+
+
+@pytest.mark.parametrize("encoding", ["raw", "nosign", "signplane"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_saved_bytes_are_the_packed_size(kind, encoding):
+    """What one FFN keeps from forward to backward is its packed planes, nothing dense:
+    the bytes requested from the caching allocator grow by exactly the planes' buffers
+    (plus the output). (memory_allocated would count whole cached blocks: the allocator
+    hands out a large block up to 1 MiB bigger than asked without splitting it.)"""
+    n, d, f = 4096, 256, 1024
+    dense, ours = make_pair(kind, encoding, d=d, f=f, layers=1, dtype=torch.bfloat16,
+                            device="cuda", neg_bias=0.8)
+    blk = ours.blocks[0]
+    x, _ = _data((n,), d, torch.bfloat16)
+    for _ in range(2):  # warm up the same path: kernels, cuBLAS workspaces, pinned memory
+        saved_tensors_of(lambda: blk(x))[0].float().sum().backward()
+    blk.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = _requested_bytes()
+    out, saved = saved_tensors_of(lambda: blk(x))
+    grown = _requested_bytes() - before
+
+    planes = [t for t in saved if t.dtype in (torch.uint8, torch.uint32, torch.uint64)]
+    assert [t for t in saved if t.is_floating_point() and t.numel() >= n * f] == []
+    storages = {}
+    for t in planes:
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+
+    assert grown == out.numel() * out.element_size() + sum(storages.values())
+    first = blk.gate_proj if kind == "reglu" else blk.fc1
+    a = first(x).detach()
+    _, p = bc.relu_pack(a, encoding=encoding, stream=torch.cuda.current_stream().cuda_stream)
+    lay = p.layout
+    want = lay.mask[1] + lay.offsets[1] + lay.values[1] + lay.signs[1]
+    if kind == "reglu":
+        u = blk.up_proj(x).detach()
+        pu = bc.masked_pack(u, p, encoding="raw" if encoding == "raw" else "signplane",
+                            stream=torch.cuda.current_stream().cuda_stream)
+        want += pu.layout.values[1] + pu.layout.signs[1]
+    assert sum(t.numel() * t.element_size() for t in planes) == want
+    # ... and byte for byte the planes of the backend's own exact pack
+    import cupy
+    ref = [p.mask, p.offsets, p.values, p.signs]
+    if kind == "reglu":
+        ref += [pu.values, pu.signs]
+    assert len(planes) == len(ref)
+    for got, exp in zip(planes, ref):
+        assert got.cpu().numpy().tobytes() == cupy.asnumpy(exp).tobytes()
+    dense_bytes = n * f * 2 * (1 if kind == "relu" else 2)
+    assert grown < dense_bytes / 2
+
+
+def test_hooks_bit_identical_cuda():
+    def mlp():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 64)).cuda().bfloat16()
+        with torch.no_grad():
+            m[0].bias.sub_(0.6)
+            m[2].bias.sub_(0.3)
+        return m
+
+    class Hooked(torch.nn.Module):
+        def __init__(self, inner, hooks):
+            super().__init__()
+            self.inner, self.hooks = inner, hooks
+
+        def forward(self, x):
+            with self.hooks:
+                return self.inner(x)
+
+    hooks = compress_saved_tensors(min_numel=4096)
+    x, target = _data((8, 64), 64, torch.bfloat16)
+    ref = train(mlp(), x, target)
+    got = train(Hooked(mlp(), hooks), x, target)
+    got = [(l, {k[6:]: v for k, v in g.items()}, {k[6:]: v for k, v in p.items()})
+           for l, g, p in got]
+    assert_same_training(ref, got)
+    assert hooks.stats.packed == 6 and hooks.stats.packed_bytes < hooks.stats.dense_bytes / 2
+
+
+def test_hooks_unpack_on_another_stream():
+    hooks = compress_saved_tensors(min_numel=1)
+    t = torch.relu(torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16) - 1)
+    packed = hooks._pack(t)
+    assert packed is not t
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        back = hooks._unpack(packed)
+        del packed  # planes freed while the unpack may still run on s: record_stream guards
+        junk = torch.empty(1 << 22, device="cuda", dtype=torch.uint8).fill_(0xFF)
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(back.view(torch.int16), t.view(torch.int16))
+    del junk
+
+
+def test_errors_cuda():
+    w = torch.randn(4, 8, device="cuda", dtype=torch.float64)
+    with pytest.raises(bc.UnsupportedDTypeError):
+        relu_linear(torch.randn(3, 8, device="cuda", dtype=torch.float64), w)
+    with pytest.raises(bc.UnsupportedDeviceError):
+        relu_linear(torch.randn(3, 8, device="cuda"), torch.randn(4, 8, device="cuda"),
+                    backend="numpy")
+
+
+def test_nosign_refuses_negative_nan_cuda():
+    """relu keeps -NaN's sign bit; nosign cannot store it: the forward raises (status word)."""
+    a = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    a.view(torch.int16)[3, 7] = -64  # 0xFFC0: a NaN with its sign bit set
+    w = torch.randn(32, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(bc.EncodingError):
+        relu_linear(a, w, encoding="nosign")
+    out = relu_linear(a, w, encoding="signplane")
+    assert out.shape == (64, 32)
