@@ -8,12 +8,13 @@ from pathlib import Path
 
 def kernel_dir() -> Path:
     """The folder holding the ``.cu`` / ``.cuh`` sources."""
+    # A checkout's own sources first: an installed copy elsewhere may be stale.
+    checkout = Path(__file__).resolve().parent.parent / "kernels"
+    if (checkout / "__init__.py").is_file():
+        return checkout
     spec = importlib.util.find_spec("bitsparse_core._kernels")
     if spec is not None and spec.submodule_search_locations:
         return Path(list(spec.submodule_search_locations)[0])
-    checkout = Path(__file__).resolve().parent.parent / "kernels"
-    if checkout.is_dir():
-        return checkout
     raise FileNotFoundError("bitsparse_core's CUDA sources (kernels/) are missing from this install")
 
 

@@ -1,0 +1,376 @@
+"""GPU plumbing shared by the CUDA backends (CuPy and Numba): streams, inputs,
+allocation, and the dense output arrays.
+
+Contract
+========
+
+Streams.  Every GPU entry point takes ``stream=``: ``None`` (CuPy's current
+stream), a raw ``cudaStream_t`` as an int (1 = legacy default, 2 = per-thread
+default), a ``cupy.cuda.Stream`` (``.ptr``), or any object with ``.cuda_stream``
+(torch streams) or ``.handle`` (Numba streams). :func:`stream_handle` turns it
+into the raw int every kernel launch uses. Nothing runs on an implicit stream.
+
+Inputs.  :func:`import_cuda` takes a CUDA tensor through DLPack
+(``x.__dlpack__(stream=ours)``, so the producer orders its pending work before
+our stream, as the DLPack stream rule says) or, failing that, through
+``__cuda_array_interface__`` (v3: if it names a stream we make ours wait on
+it). It returns a :class:`CudaTensor` (pointer, shape, DType, device, owner).
+Non-C-contiguous tensors raise :class:`NonContiguousError`; dtypes outside the
+five raise :class:`UnsupportedDTypeError`. ``dtype=`` reinterprets an integer
+tensor of the same width (CuPy has no bf16 / fp8 arrays: pass uint16 / uint8).
+
+Allocation.  An allocator is any callable
+``allocator(nbytes: int, device: int, stream: int) -> obj`` where ``obj``
+exposes ``__cuda_array_interface__`` or ``__dlpack__`` for a 1-D uint8 buffer of
+at least ``nbytes`` bytes on ``device``, usable in stream order on ``stream``;
+the object is kept alive as long as any view of the memory. The default is
+CuPy's memory pool (stream-ordered on ``stream``); :func:`torch_allocator` uses
+PyTorch's caching allocator so ``torch.cuda.max_memory_allocated`` sees it.
+A packed tensor is ONE allocation (:func:`packed_allocation`): its sections at
+the offsets of :func:`bitsparse_core.format.layout` minus the header (so
+64-byte aligned, exactly the payload of a serialized buffer), then a 64-byte
+status area (u32 status word, u32 pad, u64 nnz) the kernels write.
+
+Outputs.  Dense results (unpack, relu_pack's y, backward gradients) are
+:class:`CudaArray`: ``__dlpack__`` exports the true dtype (bf16 code 4, fp8
+codes 10 / 12) and implements the producer side of the stream rule (an event
+recorded on our stream, the consumer's stream made to wait on it);
+``__cuda_array_interface__`` is there too, with the dtype's unsigned integer
+typestr for bf16 / fp8 (the interface has no codes for them).
+
+CUDA runtime calls (events, copies, pointer queries) go through CuPy's
+runtime bindings, which both backends have on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from . import dtypes as _dt
+from . import format as _fmt
+from .dlpack import KDL_CUDA, KDL_CUDA_MANAGED, import_capsule, make_capsule, resolve_dtype
+from .errors import NonContiguousError, OutputMismatchError, UnsupportedDeviceError, UnsupportedDTypeError
+
+STATUS_BYTES = 64
+_CUDA_DEVICES = (KDL_CUDA, KDL_CUDA_MANAGED)
+
+
+def _runtime():
+    from cupy.cuda import runtime
+    return runtime
+
+
+# --------------------------------------------------------------------------- #
+# Streams                                                                     #
+# --------------------------------------------------------------------------- #
+def stream_handle(stream) -> int:
+    """The raw ``cudaStream_t`` (as an int) for a user's stream argument."""
+    if stream is None:
+        import cupy
+        return int(cupy.cuda.get_current_stream().ptr)
+    if isinstance(stream, (int, np.integer)):
+        if int(stream) < 0:
+            raise ValueError(f"stream handle {stream} is negative")
+        return int(stream)
+    for attr in ("cuda_stream", "ptr"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    if hasattr(stream, "handle"):                      # numba.cuda streams
+        h = stream.handle
+        return int(getattr(h, "value", h) or 0)
+    raise TypeError(f"cannot use {type(stream).__name__} as a CUDA stream; pass an int handle, "
+                    "a cupy/torch/numba stream, or None")
+
+
+def dlpack_stream_arg(handle: int) -> int:
+    """Our stream as the DLPack ``stream=`` argument (0 is not allowed there)."""
+    return 1 if handle == 0 else handle
+
+
+def same_stream(a: int, b: int) -> bool:
+    legacy = (0, 1)
+    return a == b or (a in legacy and b in legacy)
+
+
+def stream_wait(consumer: int, producer: int, device: int) -> None:
+    """Make ``consumer`` wait for the work queued so far on ``producer``."""
+    if same_stream(consumer, producer):
+        return
+    rt = _runtime()
+    prev = rt.getDevice()
+    rt.setDevice(device)
+    try:
+        ev = rt.eventCreateWithFlags(rt.eventDisableTiming)
+        rt.eventRecord(ev, producer)
+        rt.streamWaitEvent(consumer, ev, 0)
+        rt.eventDestroy(ev)        # released once the wait has been satisfied
+    finally:
+        rt.setDevice(prev)
+
+
+# --------------------------------------------------------------------------- #
+# Inputs                                                                      #
+# --------------------------------------------------------------------------- #
+@dataclass
+class CudaTensor:
+    """A C-contiguous CUDA tensor we may read (and, for ``out=``, write)."""
+    ptr: int
+    shape: tuple
+    dtype: _dt.DType
+    device: int
+    owner: Any = field(repr=False)
+
+    @property
+    def numel(self) -> int:
+        return _fmt.numel_of(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def aligned16(self) -> bool:
+        return self.ptr % 16 == 0
+
+
+_TYPESTR_CODES = {"f": 2, "u": 1, "i": 0}
+
+
+def _c_contiguous(shape, strides_elems) -> bool:
+    if strides_elems is None:
+        return True
+    expect = 1
+    for dim, st in zip(reversed(shape), reversed(strides_elems)):
+        if dim != 1 and st != expect:
+            return False
+        expect *= dim
+    return True
+
+
+def _from_cai(x, dtype, handle: int) -> CudaTensor:
+    cai = x.__cuda_array_interface__
+    shape = tuple(int(s) for s in cai["shape"])
+    typestr = cai["typestr"]
+    kind, itemsize = typestr[1], int(typestr[2:])
+    code = _TYPESTR_CODES.get(kind)
+    if code is None and kind == "V" and dtype is not None:
+        code = 1                                      # raw bits with a dtype override
+    if code is None:
+        raise UnsupportedDTypeError(f"__cuda_array_interface__ typestr {typestr!r} is not supported; "
+                                    "pass dtype= for raw bit patterns")
+    dt = resolve_dtype(code, itemsize * 8, 1, dtype)
+    strides = cai.get("strides")
+    if strides is not None:
+        if any(s % itemsize for s in strides):
+            raise NonContiguousError(f"strides {strides} are not multiples of the item size")
+        strides = tuple(int(s) // itemsize for s in strides)
+    if _fmt.numel_of(shape) and not _c_contiguous(shape, strides):
+        raise NonContiguousError(f"tensor with shape {shape} and strides {cai.get('strides')} is not "
+                                 "C-contiguous; make it contiguous first")
+    ptr = int(cai["data"][0] or 0)
+    if ptr:
+        attrs = _runtime().pointerGetAttributes(ptr)
+        device = int(attrs.device)
+    else:
+        device = _runtime().getDevice()
+    producer = cai.get("stream")
+    if producer is not None and cai.get("version", 0) >= 3:
+        stream_wait(handle, int(producer), device)
+    return CudaTensor(ptr, shape, dt, device, x)
+
+
+def import_cuda(x, dtype=None, stream: int = 0) -> CudaTensor:
+    """Describe a CUDA tensor (no copy), ordered before work on ``stream``."""
+    if isinstance(x, CudaArray):
+        dt = x.dtype
+        if dtype is not None:
+            want = _dt.resolve(dtype)
+            if want != dt:
+                raise UnsupportedDTypeError(f"dtype={want.name} given for a {dt.name} array")
+        stream_wait(stream, x.stream, x.device)
+        return CudaTensor(x.ptr, x.shape, dt, x.device, x)
+    if hasattr(x, "__dlpack__"):
+        dev_type, dev_id = x.__dlpack_device__()
+        if int(dev_type) not in _CUDA_DEVICES:
+            raise UnsupportedDeviceError(f"tensor lives on DLPack device type {dev_type}, not CUDA")
+        imp = import_capsule(x.__dlpack__(stream=dlpack_stream_arg(stream)))
+        dt = resolve_dtype(imp.code, imp.bits, imp.lanes, dtype)
+        if imp.numel and not imp.is_c_contiguous:
+            raise NonContiguousError(f"tensor with shape {imp.shape} and strides {imp.strides} is not "
+                                     "C-contiguous; call .contiguous() first")
+        return CudaTensor(int(imp.data), tuple(imp.shape), dt, int(imp.device_id), (x, imp.owner))
+    if hasattr(x, "__cuda_array_interface__"):
+        return _from_cai(x, dtype, stream)
+    raise TypeError(f"{type(x).__name__} is neither a DLPack producer nor a CUDA array")
+
+
+# --------------------------------------------------------------------------- #
+# Allocation                                                                  #
+# --------------------------------------------------------------------------- #
+Allocator = Callable[[int, int, int], Any]
+
+
+def cupy_allocator(nbytes: int, device: int, stream: int):
+    """CuPy's memory pool, stream-ordered on ``stream``."""
+    import cupy
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream, device):
+        return cupy.empty(nbytes, dtype=cupy.uint8)
+
+
+def torch_allocator(nbytes: int, device: int, stream: int):
+    """PyTorch's caching allocator (counted by ``torch.cuda.max_memory_allocated``)."""
+    import torch
+    dev = torch.device("cuda", device)
+    if stream in (0, 1, 2):
+        with torch.cuda.device(dev):
+            return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev)):
+        return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+
+@dataclass
+class DeviceBuffer:
+    ptr: int
+    nbytes: int
+    device: int
+    owner: Any = field(repr=False)
+
+
+def allocate(nbytes: int, device: int, stream: int, allocator: Optional[Allocator] = None) -> DeviceBuffer:
+    """``nbytes`` bytes from ``allocator`` (default: CuPy's pool), checked."""
+    alloc = allocator or cupy_allocator
+    obj = alloc(int(nbytes), int(device), int(stream))
+    if hasattr(obj, "__cuda_array_interface__"):
+        cai = obj.__cuda_array_interface__
+        ptr = int(cai["data"][0] or 0)
+        size = _fmt.numel_of(cai["shape"]) * int(cai["typestr"][2:])
+        owner = obj
+    elif hasattr(obj, "__dlpack__"):
+        imp = import_capsule(obj.__dlpack__(stream=dlpack_stream_arg(stream)))
+        ptr, size, owner = int(imp.data), imp.numel * imp.bits // 8, (obj, imp.owner)
+    else:
+        raise TypeError(f"allocator returned {type(obj).__name__}, which exposes neither "
+                        "__cuda_array_interface__ nor __dlpack__")
+    if size < nbytes or (nbytes and not ptr):
+        raise MemoryError(f"allocator returned {size} bytes; {nbytes} were requested")
+    return DeviceBuffer(ptr, int(nbytes), int(device), owner)
+
+
+@dataclass
+class PackedAllocation:
+    """One buffer holding every section of a packed tensor, plus the status area."""
+    buffer: DeviceBuffer
+    spans: dict          # section name -> (byte offset in the buffer, length)
+    status_offset: int
+
+    def ptr(self, name: str) -> int:
+        return self.buffer.ptr + self.spans[name][0]
+
+    @property
+    def status_ptr(self) -> int:
+        return self.buffer.ptr + self.status_offset
+
+
+def packed_allocation(lay: _fmt.Layout, device: int, stream: int, allocator=None,
+                      sections=("mask", "offsets", "values", "signs")) -> PackedAllocation:
+    """ONE allocation for ``sections`` of ``lay`` (64-byte aligned, layout order)."""
+    spans, pos = {}, 0
+    for name in sections:
+        length = lay.sections[name][1]
+        spans[name] = (pos, length)
+        pos += _fmt.align(length)
+    buf = allocate(pos + STATUS_BYTES, device, stream, allocator)
+    return PackedAllocation(buf, spans, pos)
+
+
+# --------------------------------------------------------------------------- #
+# Outputs                                                                     #
+# --------------------------------------------------------------------------- #
+def _typestr(dtype: _dt.DType) -> str:
+    if dtype.dl_code == _dt.DL_FLOAT:
+        return f"<f{dtype.itemsize}"
+    return f"<u{dtype.itemsize}" if dtype.itemsize > 1 else "|u1"
+
+
+class CudaArray:
+    """A dense C-contiguous result on a CUDA device, produced on ``stream``."""
+
+    def __init__(self, ptr: int, shape, dtype: _dt.DType, device: int, owner, stream: int):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.device = int(device)
+        self.stream = int(stream)
+        self._owner = owner
+
+    @classmethod
+    def empty(cls, shape, dtype: _dt.DType, device: int, stream: int, allocator=None) -> "CudaArray":
+        nbytes = _fmt.numel_of(shape) * dtype.itemsize
+        buf = allocate(nbytes, device, stream, allocator)
+        return cls(buf.ptr, shape, dtype, device, buf, stream)
+
+    @property
+    def size(self) -> int:
+        return _fmt.numel_of(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"CudaArray(shape={self.shape}, dtype={self.dtype.name}, device=cuda:{self.device})"
+
+    # DLPack producer ---------------------------------------------------------
+    def __dlpack_device__(self):
+        return (KDL_CUDA, self.device)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if dl_device is not None and tuple(int(v) for v in dl_device) != (KDL_CUDA, self.device):
+            raise BufferError(f"cannot export a cuda:{self.device} array to DLPack device {dl_device}")
+        if copy:
+            raise BufferError("CudaArray exports without copying; copy=True is not supported")
+        # Stream rule: None means the legacy default stream, -1 means no sync.
+        if stream is None:
+            stream = 1
+        if int(stream) == 0:
+            raise BufferError("stream=0 is ambiguous in DLPack; use 1 (legacy) or 2 (per-thread)")
+        if int(stream) != -1:
+            stream_wait(int(stream), self.stream, self.device)
+        return make_capsule(self.ptr, self.shape, self.dtype, KDL_CUDA, self.device, self)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": _typestr(self.dtype), "strides": None,
+                "data": (self.ptr, False), "version": 3,
+                "stream": dlpack_stream_arg(self.stream)}
+
+    def get(self) -> np.ndarray:
+        """An explicit copy to host memory (a NumPy array of the true dtype)."""
+        from .dlpack import exportable
+        out = np.empty(self.shape, dtype=self.dtype.numpy)
+        if out.nbytes:
+            rt = _runtime()
+            prev = rt.getDevice()
+            rt.setDevice(self.device)
+            try:
+                rt.memcpyAsync(out.ctypes.data, self.ptr, out.nbytes, rt.memcpyDeviceToHost,
+                               self.stream)
+                rt.streamSynchronize(self.stream)
+            finally:
+                rt.setDevice(prev)
+        return exportable(out)
+
+
+def check_out(out: CudaTensor, shape, dtype: _dt.DType, device: int) -> None:
+    if out.dtype != dtype or tuple(out.shape) != tuple(shape):
+        raise OutputMismatchError(f"out has {out.dtype.name}{tuple(out.shape)}; "
+                                  f"need {dtype.name}{tuple(shape)}")
+    if out.device != device:
+        raise OutputMismatchError(f"out lives on cuda:{out.device}; the data on cuda:{device}")

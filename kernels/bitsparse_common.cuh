@@ -1,0 +1,298 @@
+// Shared device code of the bitsparse kernels: element formats, exact float
+// conversions and products, bit-stream tails, warp helpers.
+//
+// Everything here is integer arithmetic on bit patterns except one product,
+// done in inline PTX so that CuPy's unconditional -ftz=true cannot flush
+// subnormals. Functions marked BS_HD also compile as host C++ (g++), which is
+// how tests/test_kernel_math.py checks them against NumPy / ml_dtypes on a
+// machine without a GPU.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define BS_HD __host__ __device__ __forceinline__
+#define BS_D __device__ __forceinline__
+#else
+#define BS_HD static inline
+#endif
+
+// Format ids, shared with bitsparse_core/cupy_backend.py (_FMT).
+#define BS_BF16 0
+#define BS_FP16 1
+#define BS_FP32 2
+#define BS_E4M3 3
+#define BS_E5M2 4
+
+template <int FMT> struct Fmt;
+template <> struct Fmt<BS_BF16> { typedef u16 T; enum { BITS = 16, EXP = 8, MAN = 7 }; };
+template <> struct Fmt<BS_FP16> { typedef u16 T; enum { BITS = 16, EXP = 5, MAN = 10 }; };
+template <> struct Fmt<BS_FP32> { typedef u32 T; enum { BITS = 32, EXP = 8, MAN = 23 }; };
+template <> struct Fmt<BS_E4M3> { typedef u8 T; enum { BITS = 8, EXP = 4, MAN = 3 }; };
+template <> struct Fmt<BS_E5M2> { typedef u8 T; enum { BITS = 8, EXP = 5, MAN = 2 }; };
+
+template <int FMT> BS_HD bool bs_is_nan(u32 b) {
+    if (FMT == BS_E4M3) return (b & 0x7fu) == 0x7fu;  // e4m3fn: only S.1111.111 is NaN
+    const u32 mag = b & ((1u << (Fmt<FMT>::BITS - 1)) - 1u);
+    const u32 inf = ((1u << Fmt<FMT>::EXP) - 1u) << Fmt<FMT>::MAN;
+    return mag > inf;
+}
+
+// relu keeps a where a > 0 or a is NaN (reference_ops.relu_bits).
+template <int FMT> BS_HD bool bs_relu_keeps(u32 b) {
+    const u32 sign = 1u << (Fmt<FMT>::BITS - 1);
+    return ((b & sign) == 0u && b != 0u) || bs_is_nan<FMT>(b);
+}
+
+// float32(a) > 0 for a stored bit pattern (NaN and zeros are not > 0).
+template <int FMT> BS_HD bool bs_positive(u32 b) {
+    const u32 sign = 1u << (Fmt<FMT>::BITS - 1);
+    return (b & sign) == 0u && b != 0u && !bs_is_nan<FMT>(b);
+}
+
+// Exact widening to float32 bits. NaN payloads move up unchanged, as NumPy's
+// half -> float does (an fp8 NaN's payload never survives the rounding back).
+template <int FMT> BS_HD u32 bs_to_f32(u32 b) {
+    if (FMT == BS_FP32) return b;
+    if (FMT == BS_BF16) return b << 16;
+    const int EXP = Fmt<FMT>::EXP, MAN = Fmt<FMT>::MAN, BITS = Fmt<FMT>::BITS;
+    const int BIAS = (1 << (EXP - 1)) - 1;
+    const u32 s = (b >> (BITS - 1)) & 1u;
+    const u32 e = (b >> MAN) & ((1u << EXP) - 1u);
+    u32 m = b & ((1u << MAN) - 1u);
+    if (bs_is_nan<FMT>(b)) return (s << 31) | 0x7f800000u | (m << (23 - MAN));
+    if (FMT != BS_E4M3 && e == (1u << EXP) - 1u) return (s << 31) | 0x7f800000u;  // inf
+    if (e == 0) {
+        if (m == 0) return s << 31;
+        int ex = 1 - BIAS;                       // subnormal: normalise the significand
+        while (!(m & (1u << MAN))) { m <<= 1; --ex; }
+        return (s << 31) | ((u32)(ex + 127) << 23) | ((m & ((1u << MAN) - 1u)) << (23 - MAN));
+    }
+    return (s << 31) | ((e - BIAS + 127) << 23) | (m << (23 - MAN));
+}
+
+// float32 bits -> FMT, round to nearest even, with the NaN / overflow rules of
+// ml_dtypes (bf16, fp8) and NumPy (fp16): bf16 NaN -> sign|0x7fc0; fp16 NaN
+// keeps the top payload bits; e4m3fn has no inf (inf and overflow -> NaN 0x7f);
+// e5m2 NaN -> sign|0x7e.
+template <int FMT> BS_HD u32 bs_from_f32(u32 f) {
+    if (FMT == BS_FP32) return f;
+    const u32 s = f >> 31, a = f & 0x7fffffffu;
+    if (FMT == BS_BF16) {
+        if (a > 0x7f800000u) return (s << 15) | 0x7fc0u;
+        return (f + 0x7fffu + ((f >> 16) & 1u)) >> 16;
+    }
+    const int EXP = Fmt<FMT>::EXP, MAN = Fmt<FMT>::MAN, BITS = Fmt<FMT>::BITS;
+    const int BIAS = (1 << (EXP - 1)) - 1;
+    const u32 sgn = s << (BITS - 1);
+    const u32 inf = ((1u << EXP) - 1u) << MAN;
+    if (a > 0x7f800000u) {
+        if (FMT == BS_FP16) {
+            u32 h = 0x7c00u | ((a & 0x7fffffu) >> 13);
+            return sgn | (h == 0x7c00u ? 0x7c01u : h);
+        }
+        return FMT == BS_E4M3 ? (sgn | 0x7fu) : (sgn | 0x7eu);
+    }
+    if (a == 0x7f800000u) return FMT == BS_E4M3 ? (sgn | 0x7fu) : (sgn | inf);
+    const int e32 = (int)(a >> 23);
+    const u32 m32 = a & 0x7fffffu;
+    const u32 sig = e32 ? (m32 | 0x800000u) : m32;
+    const int ue = e32 ? e32 - 127 : -126;
+    const int emin = 1 - BIAS;
+    u32 code;
+    if (ue >= emin) {
+        const int sh = 23 - MAN > 0 ? 23 - MAN : 1;  // (fp32 returned above)
+        const u32 v = ((u32)(ue + BIAS) << 23) | m32;
+        code = (v + (1u << (sh - 1)) - 1u + ((v >> sh) & 1u)) >> sh;
+    } else {
+        const int sh = emin - ue + 23 - MAN;     // >= 14: value / smallest subnormal
+        if (sh > 25) {
+            code = 0;
+        } else {
+            const u32 q = sig >> sh, rem = sig & ((1u << sh) - 1u), half = 1u << (sh - 1);
+            code = q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
+        }
+    }
+    if (FMT == BS_E4M3) {
+        if (code > 0x7eu) code = 0x7fu;          // overflow -> NaN (no inf in e4m3fn)
+    } else if (code > inf) {
+        code = inf;
+    }
+    return sgn | code;
+}
+
+// The float32 product as NumPy computes it on x86-64: IEEE round-to-nearest-
+// even with subnormals; a NaN result is the first NaN operand made quiet, or
+// the default NaN 0xffc00000 (inf * 0).
+BS_HD u32 bs_mul_f32(u32 a, u32 b) {
+    u32 r;
+#if defined(__CUDA_ARCH__)
+    asm("mul.rn.f32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));  // no .ftz
+#else
+    union { u32 u; float f; } x, y, z;
+    x.u = a; y.u = b;
+    z.f = x.f * y.f;
+    r = z.u;
+#endif
+    if ((r & 0x7fffffffu) > 0x7f800000u) {
+        if ((a & 0x7fffffffu) > 0x7f800000u) return a | 0x400000u;
+        if ((b & 0x7fffffffu) > 0x7f800000u) return b | 0x400000u;
+        return 0xffc00000u;
+    }
+    return r;
+}
+
+// round(a * b) to FMT with both operands in FMT (products of these formats are
+// exact in float32 except fp32 itself, which rounds once, as NumPy does).
+template <int FMT> BS_HD u32 bs_mul_round(u32 a, u32 b) {
+    return bs_from_f32<FMT>(bs_mul_f32(bs_to_f32<FMT>(a), bs_to_f32<FMT>(b)));
+}
+
+// relu2 backward: round(g * (2 r)) where r > 0, else +0.
+template <int FMT> BS_HD u32 bs_relu2_grad(u32 g, u32 r) {
+    if (!bs_positive<FMT>(r)) return 0u;
+    const u32 two_r = bs_mul_f32(0x40000000u, bs_to_f32<FMT>(r));
+    return bs_from_f32<FMT>(bs_mul_f32(bs_to_f32<FMT>(g), two_r));
+}
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+// ------------------------------------------------------------------------- //
+// Device-only helpers                                                       //
+// ------------------------------------------------------------------------- //
+#define BS_FULL 0xffffffffu
+#define BS_THREADS 256
+#define BS_WARPS 8
+
+// Last <= 32 bits of a bit stream, top-aligned: bit 31 is the stream's last
+// bit. Concatenation keeps the suffix, so it is associative (a monoid); the
+// decoupled look-back folds predecessors' tails with it.
+struct BsTail { u32 bits; u32 len; };
+
+BS_D BsTail bs_tail_cat(BsTail far, BsTail near) {
+    if (near.len >= 32u) return near;
+    if (near.len == 0u) return far;
+    BsTail t;
+    t.bits = (far.bits >> near.len) | near.bits;
+    t.len = min(far.len + near.len, 32u);
+    return t;
+}
+
+// A 32-bit word of a byte plane of length len, zero past the end (planes are
+// never read beyond their section).
+BS_D u32 bs_load_word(const u8* p, u64 len, u64 wi) {
+    const u64 b = wi * 4u;
+    if (b + 4u <= len) return reinterpret_cast<const u32*>(p)[wi];
+    u32 r = 0;
+    for (u32 k = 0; k < 4u; ++k)
+        if (b + k < len) r |= (u32)p[b + k] << (8u * k);
+    return r;
+}
+
+// Look-back publication: tails are written relaxed, the flag with release
+// semantics; readers load the flag with acquire and then the tails (no full
+// fences, which would also wait for the block's other outstanding stores).
+BS_D u64 bs_ld_acquire(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+BS_D void bs_st_release(u64* p, u64 v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+BS_D u32 bs_ld_relaxed(const u32* p) {
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+BS_D void bs_st_relaxed(u32* p, u32 v) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+// Tile descriptors: one 16-byte access each way, never torn.
+BS_D ulonglong2 bs_ld_desc(const ulonglong2* p) {
+    ulonglong2 v;
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+    return v;
+}
+BS_D void bs_st_desc(ulonglong2* p, u64 a, u64 b) {
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" :: "l"(p), "l"(a), "l"(b) : "memory");
+}
+BS_D u64 bs_ld_volatile(const u64* p) { return *reinterpret_cast<const volatile u64*>(p); }
+BS_D u32 bs_ld_volatile(const u32* p) { return *reinterpret_cast<const volatile u32*>(p); }
+BS_D void bs_st_volatile(u64* p, u64 v) { *reinterpret_cast<volatile u64*>(p) = v; }
+BS_D void bs_st_volatile(u32* p, u32 v) { *reinterpret_cast<volatile u32*>(p) = v; }
+
+// Element i of a 16-byte vector viewed as V elements of T.
+template <typename T> BS_D T bs_lane(const uint4& v, int i) {
+    const u32 w = (i * (int)sizeof(T)) / 4 == 0 ? v.x
+                : (i * (int)sizeof(T)) / 4 == 1 ? v.y
+                : (i * (int)sizeof(T)) / 4 == 2 ? v.z : v.w;
+    if (sizeof(T) == 4) return (T)w;
+    const int sh = ((i * (int)sizeof(T)) % 4) * 8;
+    return (T)(w >> sh);
+}
+
+template <typename T> BS_D void bs_set_lane(uint4& v, int i, T x) {
+    const int word = (i * (int)sizeof(T)) / 4;
+    const int sh = ((i * (int)sizeof(T)) % 4) * 8;
+    const u32 m = (sizeof(T) == 4) ? 0xffffffffu : (((1u << (8 * sizeof(T))) - 1u) << sh);
+    const u32 bits = ((u32)x << sh) & m;
+    if (word == 0) v.x = (v.x & ~m) | bits;
+    else if (word == 1) v.y = (v.y & ~m) | bits;
+    else if (word == 2) v.z = (v.z & ~m) | bits;
+    else v.w = (v.w & ~m) | bits;
+}
+
+// The V elements of one 16-byte vector at element index g of a tensor of
+// numel elements: one vector load when aligned and in range, else scalars
+// (zero past the end).
+template <typename T> BS_D uint4 bs_load_vec(const T* x, u64 g, u64 numel, bool aligned) {
+    const int V = 16 / sizeof(T);
+    if (aligned && g + V <= numel) return *reinterpret_cast<const uint4*>(x + g);
+    uint4 v = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+        if (g + i < numel) bs_set_lane<T>(v, i, x[g + i]);
+    return v;
+}
+
+template <typename T> BS_D void bs_store_vec(T* y, u64 g, u64 numel, bool aligned, const uint4& v) {
+    const int V = 16 / sizeof(T);
+    if (aligned && g + V <= numel) { *reinterpret_cast<uint4*>(y + g) = v; return; }
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+        if (g + i < numel) y[g + i] = bs_lane<T>(v, i);
+}
+
+// Inclusive warp scan of a u32 (fields packed 16 bits apart add independently).
+BS_D u32 bs_warp_scan(u32 x, int lane) {
+#pragma unroll
+    for (int s = 1; s < 32; s <<= 1) {
+        const u32 y = __shfl_up_sync(BS_FULL, x, s);
+        if (lane >= s) x += y;
+    }
+    return x;
+}
+
+// Ranks within a warp for R rounds (R even): start[r] is the warp-relative index
+// of this lane's first set bit in round r (rounds in order, lanes in order);
+// returns the warp's total. Two rounds share one packed scan.
+template <int R>
+BS_D u32 bs_scan_rounds(const u32 (&bits)[R], int lane, u32 (&start)[R]) {
+    u32 acc = 0;
+#pragma unroll
+    for (int q = 0; q < R / 2; ++q) {
+        const u32 packed = (u32)__popc(bits[2 * q]) | ((u32)__popc(bits[2 * q + 1]) << 16);
+        const u32 incl = bs_warp_scan(packed, lane);
+        const u32 excl = incl - packed;
+        const u32 tot = __shfl_sync(BS_FULL, incl, 31);
+        start[2 * q] = acc + (excl & 0xffffu);
+        start[2 * q + 1] = acc + (tot & 0xffffu) + (excl >> 16);
+        acc += (tot & 0xffffu) + (tot >> 16);
+    }
+    return acc;
+}
+#endif

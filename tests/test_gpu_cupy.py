@@ -1,0 +1,477 @@
+"""The CuPy backend against the NumPy reference codec and reference_ops, bit for bit.
+
+Runs only where CuPy and a CUDA device exist (marker ``gpu``); elsewhere the
+module skips. Every check draws fresh random data and compares whole planes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_util import random_bits, require_cuda, special_patterns
+
+cp = require_cuda("cupy")
+
+import bitsparse_core as bc  # noqa: E402
+from bitsparse_core import cuda_interop as ci  # noqa: E402
+from bitsparse_core import dtypes as _dt  # noqa: E402
+from bitsparse_core import reference, reference_ops  # noqa: E402
+from bitsparse_core.errors import (CapacityOverflowError, EncodingError,  # noqa: E402
+                                   NonContiguousError, OutputMismatchError,
+                                   UnsupportedDTypeError)
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = list(_dt.ALL)
+ENCODINGS = ["raw", "nosign", "signplane", "auto"]
+SHAPES = [(), (0,), (1,), (7,), (33, 65), (4097,), (3, 5003), (2, 3, 4, 5), (70001,)]
+BE = bc.get_backend("cupy")
+
+
+def _rng(request):
+    seed = np.random.SeedSequence().entropy % (1 << 32)
+    print(f"seed={seed} for {request.node.name}")
+    return np.random.default_rng(seed)
+
+
+def dev(arr: np.ndarray):
+    """A CuPy array of ``arr``'s bits (CuPy has no bf16 / fp8): pass ``dtype=``."""
+    return cp.asarray(arr.copy(order="C").view(_dt.resolve(arr.dtype).uint))
+
+
+def host(plane) -> np.ndarray:
+    return np.asarray(BE.to_numpy(plane)).view(np.uint8).reshape(-1)
+
+
+def assert_same(p, ref, where=""):
+    assert p.shape == ref.shape and p.dtype == ref.dtype, where
+    assert p.encoding == ref.encoding, f"{where}: {p.encoding} vs {ref.encoding}"
+    assert p.capacity == ref.capacity, where
+    assert p.nnz == ref.nnz, where
+    for name in ("mask", "offsets", "values", "signs"):
+        got = host(getattr(p, name))
+        want = np.asarray(getattr(ref, name)).view(np.uint8).reshape(-1)
+        assert got.size == want.size, f"{where}: {name} has {got.size} bytes, want {want.size}"
+        if not np.array_equal(got, want):
+            bad = np.flatnonzero(got != want)
+            pytest.fail(f"{where}: {name} differs at bytes {bad[:8]} "
+                        f"(got {got[bad[:8]]}, want {want[bad[:8]]}) of {got.size}")
+
+
+def assert_bits(gpu_array, want: np.ndarray, where=""):
+    got = np.asarray(BE.to_numpy(gpu_array))
+    dt = _dt.resolve(want.dtype)
+    assert got.shape == want.shape, where
+    g, w = got.view(dt.uint), want.copy(order="C").view(dt.uint)
+    if not np.array_equal(g, w):
+        bad = np.flatnonzero(g.reshape(-1) != w.reshape(-1))
+        pytest.fail(f"{where}: {bad.size} elements differ, first at {bad[:5]}: "
+                    f"got {[hex(v) for v in g.reshape(-1)[bad[:5]]]}, "
+                    f"want {[hex(v) for v in w.reshape(-1)[bad[:5]]]}")
+
+
+def test_kernels_built_for_this_device():
+    major, minor = cp.cuda.Device().compute_capability[:1], cp.cuda.Device().compute_capability[1:]
+    from bitsparse_core.cupy_backend import ROUNDS, get_kernel
+    k = get_kernel(cp.cuda.runtime.getDevice(), "pack", 0, 1, 0, ROUNDS["pack"])
+    assert k.attributes["binary_version"] == int(major + minor)
+
+
+# --------------------------------------------------------------------------- #
+# pack / unpack vs the reference codec                                        #
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
+def test_pack_matches_reference(request, dt, encoding):
+    rng = _rng(request)
+    for shape in SHAPES:
+        for sparsity in (0.0, 0.6, 0.97, 1.0):
+            signs = encoding != "nosign" and not (encoding == "auto" and rng.random() < 0.5)
+            x = random_bits(rng, shape, dt, sparsity, signs=signs)
+            chunk_log2 = int(rng.choice([9, 10, 12, 13]))
+            where = f"{dt.name} {encoding} {shape} s={sparsity} c={chunk_log2}"
+            ref = reference.pack_array(x, dt, encoding, chunk_log2=chunk_log2)
+            p = bc.pack(dev(x), dtype=dt.name, encoding=encoding, chunk_log2=chunk_log2,
+                        backend="cupy")
+            assert p._nnz is not None, "exact packing knows nnz"
+            assert_same(p, ref, where)
+            y = bc.unpack(p)
+            assert_bits(y, x, where)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
+def test_every_bit_pattern(request, dt):
+    """All 2**16 / 2**8 patterns, shuffled, in several encodings and tile phases."""
+    rng = _rng(request)
+    pats = np.arange(1 << min(dt.bits, 16), dtype=np.uint64)
+    if dt.bits == 32:
+        pats = rng.integers(0, 1 << 32, 1 << 16, dtype=np.uint64)
+        pats = np.concatenate([pats, special_patterns(dt).astype(np.uint64)])
+    for rep in range(3):
+        bits = rng.permutation(np.repeat(pats, 3))[: pats.size * 3 - rep * 17].astype(dt.uint)
+        x = bits.view(dt.numpy)
+        for enc in ("raw", "signplane", "auto"):
+            ref = reference.pack_array(x, dt, enc)
+            p = bc.pack(dev(x), dtype=dt.name, encoding=enc, backend="cupy")
+            assert_same(p, ref, f"{dt.name} {enc} rep {rep}")
+            assert_bits(bc.unpack(p), x, f"{dt.name} {enc} rep {rep}")
+        pos = x.view(dt.uint) & np.array(dt.sign_mask - 1, dtype=dt.uint)
+        xp = pos.view(dt.numpy)
+        ref = reference.pack_array(xp, dt, "nosign")
+        p = bc.pack(dev(xp), dtype=dt.name, encoding="nosign", backend="cupy")
+        assert_same(p, ref, f"{dt.name} nosign rep {rep}")
+        assert_bits(bc.unpack(p), xp)
+
+
+@pytest.mark.parametrize("chunk_log2", [9, 11, 12, 14, 16, 19])
+@pytest.mark.parametrize("dt", [_dt.BFLOAT16, _dt.FLOAT32, _dt.FLOAT8_E5M2], ids=lambda d: d.name)
+def test_chunk_sizes_and_many_tiles(request, dt, chunk_log2):
+    """Chunks smaller than, equal to and spanning few or many tiles (unpack prefix modes)."""
+    rng = _rng(request)
+    n = int(rng.integers(1 << 20, 3 << 20))
+    x = random_bits(rng, (n,), dt, float(rng.choice([0.3, 0.9, 0.995])))
+    for enc in ("signplane", "raw"):
+        ref = reference.pack_array(x, dt, enc, chunk_log2=chunk_log2)
+        p = bc.pack(dev(x), dtype=dt.name, encoding=enc, chunk_log2=chunk_log2, backend="cupy")
+        assert_same(p, ref, f"{dt.name} {enc} n={n} c={chunk_log2}")
+        assert_bits(bc.unpack(p), x)
+
+
+def test_nonzero_runs_and_empty_tiles(request):
+    """Long runs of empty tiles between single values: look-back tails across many tiles."""
+    rng = _rng(request)
+    for dt in DTYPES:
+        n = 300_000
+        bits = np.zeros(n, dtype=dt.uint)
+        idx = rng.choice(n, 37, replace=False)
+        bits[idx] = rng.integers(1, 1 << (dt.bits - 1), 37, dtype=np.uint64).astype(dt.uint)
+        bits[-1] = 1
+        x = bits.view(dt.numpy)
+        for enc in ("nosign", "signplane", "raw"):
+            ref = reference.pack_array(x, dt, enc)
+            p = bc.pack(dev(x), dtype=dt.name, encoding=enc, backend="cupy")
+            assert_same(p, ref, f"{dt.name} {enc} sparse runs")
+            assert_bits(bc.unpack(p), x)
+
+
+def test_misaligned_input_and_out(request):
+    rng = _rng(request)
+    for dt in (_dt.BFLOAT16, _dt.FLOAT8_E4M3FN, _dt.FLOAT32):
+        x = random_bits(rng, (50_001,), dt, 0.7)
+        big = cp.zeros(x.size + 1, dtype=dt.uint)
+        big[1:] = dev(x)
+        view = big[1:]
+        assert view.data.ptr % 16 != 0
+        ref = reference.pack_array(x, dt, "signplane")
+        p = bc.pack(view, dtype=dt.name, encoding="signplane", backend="cupy")
+        assert_same(p, ref, f"misaligned {dt.name}")
+        out = cp.full(x.size + 3, 0x5A, dtype=dt.uint)
+        res = bc.unpack(p, out=_Bits(out[3:], dt))
+        assert isinstance(res, _Bits)
+        assert np.array_equal(cp.asnumpy(out[3:]), x.view(dt.uint))
+        assert np.all(cp.asnumpy(out[:3]) == 0x5A)
+
+
+class _Bits:
+    """A CuPy uint array exported through DLPack as another dtype (bf16 / fp8 bits)."""
+
+    def __init__(self, arr, dt):
+        self.arr, self.dt = arr, dt
+
+    def __dlpack_device__(self):
+        return (2, self.arr.device.id)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        from bitsparse_core.dlpack import make_capsule
+        return make_capsule(self.arr.data.ptr, self.arr.shape, self.dt, 2, self.arr.device.id,
+                            self.arr)
+
+
+class _CaiOnly:
+    """An object offering only __cuda_array_interface__ (the fallback import path)."""
+
+    def __init__(self, arr):
+        self.arr = arr
+        self.__cuda_array_interface__ = arr.__cuda_array_interface__
+
+
+def test_cuda_array_interface_input(request):
+    rng = _rng(request)
+    for dt in (_dt.FLOAT16, _dt.FLOAT32, _dt.BFLOAT16):
+        x = random_bits(rng, (3001,), dt, 0.5)
+        arr = cp.asarray(x) if dt.name != "bfloat16" else dev(x)
+        p = bc.pack(_CaiOnly(arr), dtype=None if dt.name != "bfloat16" else "bfloat16",
+                    encoding="signplane", backend="cupy")
+        assert_same(p, reference.pack_array(x, dt, "signplane"), f"CAI {dt.name}")
+
+
+# --------------------------------------------------------------------------- #
+# fixed capacity                                                              #
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
+def test_fixed_capacity(request, dt):
+    rng = _rng(request)
+    x = random_bits(rng, (40_000,), dt, 0.8, signs=False)
+    nnz = int(np.count_nonzero(x.view(dt.uint)))
+    for enc in ("nosign", "signplane", "raw"):
+        for cap in (nnz + 1000, nnz, nnz - 1, nnz // 3, 0):
+            ref = reference.pack_array(x, dt, enc, capacity=cap)
+            p = bc.pack(dev(x), dtype=dt.name, encoding=enc, capacity=cap, backend="cupy")
+            assert p._nnz is None and p.status is not None, "fixed capacity must not sync"
+            assert_same(p, ref, f"{dt.name} {enc} cap={cap} nnz={nnz}")
+            assert BE.read_nnz(p) == nnz
+            if cap >= nnz:
+                p.check()
+                assert_bits(bc.unpack(p), x)
+            else:
+                with pytest.raises(CapacityOverflowError):
+                    p.check()
+                with pytest.raises(CapacityOverflowError):
+                    bc.unpack(p)
+                assert BE.read_status(p) & 2
+
+
+def test_nosign_violations(request):
+    rng = _rng(request)
+    dt = _dt.BFLOAT16
+    x = random_bits(rng, (10_000,), dt, 0.5, signs=False)
+    x.view(dt.uint)[1234] = 0x8000        # -0.0 is stored (nonzero pattern) with its sign
+    with pytest.raises(EncodingError):
+        bc.pack(dev(x), dtype=dt.name, encoding="nosign", backend="cupy")
+    p = bc.pack(dev(x), dtype=dt.name, encoding="nosign", capacity=5000, backend="cupy")
+    with pytest.raises(EncodingError):
+        p.check()
+    p = bc.pack(dev(x), dtype=dt.name, encoding="auto", capacity=9000, backend="cupy")
+    assert p.encoding == bc.Encoding.RAW
+    assert_same(p, reference.pack_array(x, dt, "auto", capacity=9000), "auto fixed")
+
+
+# --------------------------------------------------------------------------- #
+# > 2**31 elements (cheap device-side checks)                                 #
+# --------------------------------------------------------------------------- #
+_GEN = None
+_MASK = None
+
+
+def _mask_of(x):
+    """LSB-first mask bytes of x != 0 (cupy.packbits stops at 2**31 elements)."""
+    global _MASK
+    if _MASK is None:
+        _MASK = cp.ElementwiseKernel(
+            "raw T x, uint64 n", "uint8 m",
+            """unsigned int b = 0;
+               for (int t = 0; t < 8; ++t) {
+                   unsigned long long e = (unsigned long long)i * 8ull + t;
+                   if (e < n && x[e] != 0) b |= 1u << t;
+               }
+               m = (unsigned char)b;""", "bitsparse_test_mask")
+    m = cp.empty((x.size + 7) // 8, dtype=cp.uint8)
+    _MASK(x, np.uint64(x.size), m)
+    return m
+
+
+def _big(n, dt, sparsity_per_256):
+    """A deterministic hashed pattern of n elements, generated on the device."""
+    global _GEN
+    if _GEN is None:
+        _GEN = cp.ElementwiseKernel(
+            "uint32 thresh, uint32 bmask", "T y",
+            """unsigned long long h = (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+               h ^= h >> 29; h *= 0xBF58476D1CE4E5B9ull; h ^= h >> 32;
+               unsigned int v = (unsigned int)h & bmask;
+               y = ((unsigned int)(h >> 40) & 255u) < thresh ? (T)0 : (T)(v ? v : 1u);""",
+            "bitsparse_test_hash")
+    y = cp.empty(n, dtype=dt.uint)
+    _GEN(np.uint32(sparsity_per_256), np.uint32((1 << dt.bits) - 1), y)
+    return y
+
+
+@pytest.mark.parametrize("n,dt,enc", [((1 << 32) + 12_345, _dt.BFLOAT16, "raw"),
+                                      ((1 << 31) + 4_321, _dt.FLOAT8_E4M3FN, "signplane")],
+                         ids=["bf16-2^32+", "fp8-2^31+"])
+def test_over_2_31_elements(n, dt, enc):
+    free = cp.cuda.runtime.memGetInfo()[0]
+    if free < 6 * n * dt.itemsize:
+        pytest.skip("not enough device memory")
+    x = _big(n, dt, 180)
+    p = bc.pack(x, dtype=dt.name, encoding=enc, backend="cupy")
+    nz = x != 0
+    nnz = int(cp.count_nonzero(nz))
+    assert p.nnz == nnz
+    assert p.offsets.dtype == (np.uint64 if n >= 1 << 32 else np.uint32)
+    assert cp.array_equal(p.mask, _mask_of(x))
+    chunk = 1 << p.chunk_log2
+    full = n // chunk
+    counts = nz[: full * chunk].reshape(full, chunk).sum(axis=1, dtype=cp.uint64)
+    offs = p.offsets.astype(cp.uint64)
+    assert int(offs[0]) == 0 and int(offs[-1]) == nnz
+    assert cp.array_equal(offs[1: full + 1] - offs[:full], counts)
+    del counts, offs
+    if enc == "raw":      # the values are x's nonzeros in order: same sum, and the round trip below
+        assert int(p.values.view(dt.uint).sum(dtype=cp.uint64)) == int(x.sum(dtype=cp.uint64))
+    del nz
+    y = bc.unpack(p)
+    yv = cp.ndarray(x.shape, dtype=dt.uint, memptr=cp.cuda.MemoryPointer(
+        cp.cuda.UnownedMemory(y.ptr, y.nbytes, y), 0))
+    cp.cuda.runtime.deviceSynchronize()
+    assert cp.array_equal(yv, x)
+
+
+# --------------------------------------------------------------------------- #
+# streams                                                                     #
+# --------------------------------------------------------------------------- #
+def test_non_default_and_concurrent_streams(request):
+    rng = _rng(request)
+    dt = _dt.BFLOAT16
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    xs = [random_bits(rng, (1 << 20,), dt, sp) for sp in (0.5, 0.9, 0.99, 0.7)]
+    with s1:                       # upload on s1, pack with stream=s1: no default stream
+        d = [dev(x) for x in xs]
+    packed = []
+    for i, arr in enumerate(d):
+        s = (s1, s2)[i % 2]
+        if s is s2:
+            s2.wait_event(s1.record())
+        packed.append(bc.pack(arr, dtype=dt.name, encoding="signplane", capacity=1 << 20,
+                              stream=s, backend="cupy"))
+    outs = [bc.unpack(p, stream=(s2, s1)[i % 2]) for i, p in enumerate(packed)]
+    for x, p, y in zip(xs, packed, outs):
+        ref = reference.pack_array(x, dt, "signplane", capacity=1 << 20)
+        assert_same(p, ref, "streams")
+        assert_bits(y, x, "streams")
+
+
+def test_torch_streams_and_dlpack(request):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = _rng(request)
+    side = torch.cuda.Stream()
+    for dt, tdt in ((_dt.BFLOAT16, torch.bfloat16), (_dt.FLOAT16, torch.float16),
+                    (_dt.FLOAT32, torch.float32), (_dt.FLOAT8_E4M3FN, torch.float8_e4m3fn),
+                    (_dt.FLOAT8_E5M2, torch.float8_e5m2)):
+        x = random_bits(rng, (1000, 37), dt, 0.75)
+        with torch.cuda.stream(side):
+            ix = x.view({8: np.uint8, 16: np.int16, 32: np.int32}[dt.bits]).copy()
+            tx = torch.from_numpy(ix).to("cuda").view(tdt)
+            try:
+                p = bc.pack(tx, encoding="signplane", stream=side, backend="cupy")
+            except (BufferError, RuntimeError, TypeError):   # torch without DLPack fp8 codes
+                p = bc.pack(tx.view(torch.uint8), dtype=dt.name, encoding="signplane",
+                            stream=side, backend="cupy")
+            y = bc.unpack(p, stream=side)
+            ty = torch.from_dlpack(y)            # producer-side stream rule
+            assert ty.dtype == tdt and tuple(ty.shape) == x.shape
+            same = torch.equal(ty.view({8: torch.uint8, 16: torch.int16, 32: torch.int32}[dt.bits]),
+                               tx.view({8: torch.uint8, 16: torch.int16, 32: torch.int32}[dt.bits]))
+        side.synchronize()
+        assert same, dt.name
+        assert_same(p, reference.pack_array(x, dt, "signplane"), f"torch {dt.name}")
+        out = torch.empty_like(tx)
+        bc.unpack(p, out=out, stream=torch.cuda.current_stream())
+        assert torch.equal(out.view(torch.uint8), tx.view(torch.uint8))
+
+
+def test_cupy_dlpack_and_cai_round_trip(request):
+    rng = _rng(request)
+    for dt, cdt in ((_dt.FLOAT16, cp.float16), (_dt.FLOAT32, cp.float32)):
+        x = random_bits(rng, (777, 13), dt, 0.6)
+        cx = cp.asarray(x)                       # native CuPy float array
+        p = bc.pack(cx, encoding="auto", backend="cupy")
+        y = bc.unpack(p)
+        assert cp.from_dlpack(y).dtype == cdt
+        assert cp.array_equal(cp.from_dlpack(y).view(dt.uint), cx.view(dt.uint))
+        assert cp.array_equal(cp.asarray(y).view(dt.uint), cx.view(dt.uint))   # CAI
+        assert_same(p, reference.pack_array(x, dt, "auto"), f"cupy native {dt.name}")
+
+
+def test_torch_allocator_sees_memory(request):
+    torch = pytest.importorskip("torch")
+    rng = _rng(request)
+    x = random_bits(rng, (1 << 22,), _dt.BFLOAT16, 0.9)
+    before = torch.cuda.memory_allocated()
+    p = bc.pack(dev(x), dtype="bfloat16", encoding="signplane", backend="cupy",
+                allocator=ci.torch_allocator)
+    assert torch.cuda.memory_allocated() - before >= p.nbytes - p.layout.header_size
+    assert_same(p, reference.pack_array(x, _dt.BFLOAT16, "signplane"), "torch allocator")
+    y = bc.unpack(p, allocator=ci.torch_allocator)
+    assert_bits(y, x)
+
+
+# --------------------------------------------------------------------------- #
+# fused ops vs reference_ops                                                  #
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
+def test_fused_ops(request, dt):
+    rng = _rng(request)
+    for shape in ((0,), (), (513,), (64, 1001)):
+        a = random_bits(rng, shape, dt, 0.3)
+        g = random_bits(rng, shape, dt, 0.1)
+        u = random_bits(rng, shape, dt, 0.2)
+        if dt.name == "float8_e4m3fn":                    # keep NaN with a sign out of nosign
+            a.view(dt.uint)[...] = np.where(a.view(dt.uint) == 0xff, 0x7f, a.view(dt.uint))
+        else:
+            nan = np.isnan(a.astype(np.float32))
+            a.view(dt.uint)[nan] &= np.array(dt.sign_mask - 1, dtype=dt.uint)
+        for square in (False, True):
+            for enc, cap in (("nosign", None), ("signplane", None), ("raw", None), ("nosign", "fit")):
+                capacity = None
+                if cap == "fit":
+                    capacity = int(np.count_nonzero(reference_ops.relu_bits(a, dt).view(dt.uint)))
+                y_ref, p_ref = reference_ops.relu_pack(a, dt, square=square, encoding=enc,
+                                                       capacity=capacity)
+                y, p = bc.relu_pack(dev(a), dtype=dt.name, square=square, encoding=enc,
+                                    capacity=capacity, backend="cupy")
+                where = f"relu_pack {dt.name} {shape} square={square} {enc} cap={capacity}"
+                assert_bits(y, y_ref, where)
+                assert_same(p, p_ref, where)
+        _, p = bc.relu_pack(dev(a), dtype=dt.name, backend="cupy")
+        _, p_ref = reference_ops.relu_pack(a, dt)
+        G = _Bits(dev(g), dt)
+        assert_bits(bc.relu_backward(G, p), reference_ops.relu_backward(g, p_ref), "relu_bwd")
+        assert_bits(bc.relu2_backward(G, p), reference_ops.relu2_backward(g, p_ref), "relu2_bwd")
+        for enc in ("signplane", "raw"):
+            pu = bc.masked_pack(_Bits(dev(u), dt), p, encoding=enc)
+            pu_ref = reference_ops.masked_pack(u, dt, p_ref, encoding=enc)
+            assert_same(pu, pu_ref, f"masked_pack {enc}")
+            gg, gu = bc.gated_backward(G, p, pu)
+            gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
+            assert_bits(gg, gg_ref, f"gated grad_g {enc}")
+            assert_bits(gu, gu_ref, f"gated grad_u {enc}")
+        # a p_u with its own mask takes the dense path
+        pu2 = bc.pack(dev(u), dtype=dt.name, encoding="raw", backend="cupy")
+        pu2_ref = reference.pack_array(u, dt, "raw")
+        gg, gu = bc.gated_backward(G, p, pu2)
+        gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu2_ref)
+        assert_bits(gg, gg_ref, "gated dense grad_g")
+        assert_bits(gu, gu_ref, "gated dense grad_u")
+
+
+def test_masked_pack_nosign_status(request):
+    rng = _rng(request)
+    dt = _dt.FLOAT16
+    a = random_bits(rng, (5000,), dt, 0.5)
+    u = random_bits(rng, (5000,), dt, 0.0)
+    _, p = bc.relu_pack(dev(a), dtype=dt.name, encoding="signplane", backend="cupy")
+    pu = bc.masked_pack(_Bits(dev(u), dt), p, encoding="nosign")
+    with pytest.raises(EncodingError):
+        pu.check()
+
+
+# --------------------------------------------------------------------------- #
+# input errors                                                                #
+# --------------------------------------------------------------------------- #
+def test_input_errors():
+    x = cp.zeros((64, 32), dtype=cp.float16)
+    with pytest.raises(NonContiguousError):
+        bc.pack(x.T, backend="cupy")
+    with pytest.raises(UnsupportedDTypeError):
+        bc.pack(cp.zeros(10, dtype=cp.float64), backend="cupy")
+    with pytest.raises(UnsupportedDTypeError):
+        bc.pack(cp.zeros(10, dtype=cp.uint16), backend="cupy")           # bits need dtype=
+    p = bc.pack(cp.ones(100, dtype=cp.float16), backend="cupy")
+    with pytest.raises(OutputMismatchError):
+        bc.unpack(p, out=cp.zeros(99, dtype=cp.float16))
+    with pytest.raises(OutputMismatchError):
+        bc.unpack(p, out=cp.zeros(100, dtype=cp.float32))

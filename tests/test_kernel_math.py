@@ -1,0 +1,166 @@
+"""The kernels' float arithmetic (kernels/bitsparse_common.cuh), run as host C++.
+
+The fused GPU ops must round exactly as reference_ops does through NumPy and
+ml_dtypes. The conversions and the product are plain integer code shared by
+host and device, so they are checked here on the CPU against NumPy: every
+16-bit and 8-bit pattern, and a dense sweep of float32 patterns. Skips where no
+C++ compiler is installed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from bitsparse_core import dtypes as _dt
+from bitsparse_core.kernel_sources import kernel_dir
+
+FMT = {"bfloat16": 0, "float16": 1, "float32": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}
+
+_SHIM = r"""
+#include "bitsparse_common.cuh"
+#define DISPATCH(F, ...) switch (fmt) { \
+    case 0: F<0>(__VA_ARGS__); break; case 1: F<1>(__VA_ARGS__); break; \
+    case 2: F<2>(__VA_ARGS__); break; case 3: F<3>(__VA_ARGS__); break; \
+    default: F<4>(__VA_ARGS__); }
+template <int F> static void from_f32(const u32* in, u32* out, long n) {
+    for (long i = 0; i < n; ++i) out[i] = bs_from_f32<F>(in[i]); }
+template <int F> static void to_f32(const u32* in, u32* out, long n) {
+    for (long i = 0; i < n; ++i) out[i] = bs_to_f32<F>(in[i]); }
+template <int F> static void mul_round(const u32* a, const u32* b, u32* out, long n) {
+    for (long i = 0; i < n; ++i) out[i] = bs_mul_round<F>(a[i], b[i]); }
+template <int F> static void relu2(const u32* g, const u32* r, u32* out, long n) {
+    for (long i = 0; i < n; ++i) out[i] = bs_relu2_grad<F>(g[i], r[i]); }
+template <int F> static void relu(const u32* a, u32* out, long n) {
+    for (long i = 0; i < n; ++i) out[i] = bs_relu_keeps<F>(a[i]) ? a[i] : 0u; }
+extern "C" {
+void bs_from(int fmt, const u32* in, u32* out, long n) { DISPATCH(from_f32, in, out, n) }
+void bs_to(int fmt, const u32* in, u32* out, long n) { DISPATCH(to_f32, in, out, n) }
+void bs_mul(int fmt, const u32* a, const u32* b, u32* out, long n) { DISPATCH(mul_round, a, b, out, n) }
+void bs_relu2(int fmt, const u32* g, const u32* r, u32* out, long n) { DISPATCH(relu2, g, r, out, n) }
+void bs_relu(int fmt, const u32* a, u32* out, long n) { DISPATCH(relu, a, out, n) }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    d = tmp_path_factory.mktemp("bsmath")
+    src = d / "shim.cpp"
+    src.write_text(_SHIM)
+    so = d / "shim.so"
+    # No -ffast-math: the host product must be IEEE, as NumPy's is.
+    subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{kernel_dir()}",
+                    str(src), "-o", str(so)], check=True)
+    return ctypes.CDLL(str(so))
+
+
+def _call(lib, fn, fmt, *arrays):
+    arrays = [np.ascontiguousarray(a, dtype=np.uint32) for a in arrays]
+    out = np.empty_like(arrays[0])
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    getattr(lib, fn)(ctypes.c_int(FMT[fmt]), *[ptr(a) for a in arrays], ptr(out),
+                     ctypes.c_long(out.size))
+    return out
+
+
+def _patterns(dt: _dt.DType) -> np.ndarray:
+    return np.arange(1 << dt.bits, dtype=np.uint64).astype(dt.uint)
+
+
+def _f32_sweep(rng) -> np.ndarray:
+    """Every exponent with dense mantissas near the rounding boundaries, plus random bits."""
+    exps = np.arange(256, dtype=np.uint32)
+    low = np.arange(1 << 12, dtype=np.uint32)
+    mant = np.concatenate([low, 0x7fffff - low, (1 << 13) * np.arange(1 << 10, dtype=np.uint32),
+                           (1 << 20) - 2048 + low[:4096]])
+    mant = mant[mant <= 0x7fffff]
+    body = (exps[:, None] << 23) | mant[None, :]
+    body = body.reshape(-1)
+    rand = rng.integers(0, 1 << 32, 1 << 21, dtype=np.uint64).astype(np.uint32)
+    allv = np.concatenate([body, body | 0x80000000, rand])
+    return allv
+
+
+SMALL = [_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT8_E4M3FN, _dt.FLOAT8_E5M2]
+
+
+@pytest.mark.parametrize("dt", SMALL, ids=lambda d: d.name)
+def test_from_f32_matches_numpy(lib, dt):
+    rng = np.random.default_rng(1)
+    f = _f32_sweep(rng)
+    with np.errstate(all="ignore"):
+        want = f.view(np.float32).astype(dt.numpy).view(dt.uint).astype(np.uint32)
+    got = _call(lib, "bs_from", dt.name, f)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, [(hex(f[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]
+
+
+@pytest.mark.parametrize("dt", SMALL, ids=lambda d: d.name)
+def test_to_f32_exact(lib, dt):
+    pats = _patterns(dt)
+    want = pats.view(dt.numpy).astype(np.float32).view(np.uint32)
+    got = _call(lib, "bs_to", dt.name, pats.astype(np.uint32))
+    wnan = np.isnan(want.view(np.float32))
+    assert np.array_equal(np.isnan(got.view(np.float32)), wnan)
+    if dt == _dt.FLOAT16:
+        assert np.array_equal(got, want)      # NumPy keeps fp16 NaN payloads
+    else:
+        assert np.array_equal(got[~wnan], want[~wnan])
+
+
+@pytest.mark.parametrize("dt", SMALL + [_dt.FLOAT32], ids=lambda d: d.name)
+def test_products_match_reference(lib, dt):
+    """relu(a)**2, grad*r and relu2's 2*r*grad as reference_ops rounds them."""
+    rng = np.random.default_rng(2)
+    n = 1 << 20
+    if dt.bits == 32:
+        a = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+        b = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+        # plus specials: NaN payloads, infs, zeros, subnormal products
+        sp = np.array([0x7f800001, 0xffc01234, 0x7f800000, 0xff800000, 0, 0x80000000, 1,
+                       0x00800000, 0x3f800000, 0x1f800000], dtype=np.uint32)
+        a = np.concatenate([a, np.repeat(sp, sp.size)])
+        b = np.concatenate([b, np.tile(sp, sp.size)])
+    else:
+        pats = _patterns(dt)
+        a = rng.choice(pats, n).astype(np.uint32)
+        b = rng.choice(pats, n).astype(np.uint32)
+        if dt.bits == 8:   # every pair
+            a = np.repeat(pats, pats.size).astype(np.uint32)
+            b = np.tile(pats, pats.size).astype(np.uint32)
+    A = a.astype(dt.uint).view(dt.numpy)
+    B = b.astype(dt.uint).view(dt.numpy)
+    with np.errstate(all="ignore"):
+        want = (A.astype(np.float32) * B.astype(np.float32)).astype(dt.numpy)
+        r32 = B.astype(np.float32)
+        want2 = np.where(r32 > 0, (A.astype(np.float32) * (2.0 * r32)).astype(dt.numpy),
+                         np.zeros((), dt.numpy)).astype(dt.numpy)
+    got = _call(lib, "bs_mul", dt.name, a, b)
+    assert np.array_equal(got, want.view(dt.uint).astype(np.uint32))
+    got2 = _call(lib, "bs_relu2", dt.name, a, b)
+    assert np.array_equal(got2, want2.view(dt.uint).astype(np.uint32))
+
+
+@pytest.mark.parametrize("dt", SMALL + [_dt.FLOAT32], ids=lambda d: d.name)
+def test_relu_predicate(lib, dt):
+    from bitsparse_core.reference_ops import relu_bits
+    if dt.bits == 32:
+        pats = np.random.default_rng(3).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+        pats = np.concatenate([pats, np.array([0, 0x80000000, 0x7f800001, 0xff800001, 1, 0x80000001],
+                                              dtype=np.uint32)])
+    else:
+        pats = _patterns(dt).astype(np.uint32)
+    x = pats.astype(dt.uint).view(dt.numpy)
+    with np.errstate(all="ignore"):
+        want = relu_bits(x, dt).view(dt.uint).astype(np.uint32)
+    assert np.array_equal(_call(lib, "bs_relu", dt.name, pats), want)
