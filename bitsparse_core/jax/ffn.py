@@ -1,0 +1,237 @@
+"""custom_vjp FFN ops whose saved activation is packed (bitmask + offsets + values).
+
+Each op covers up projection, activation and down projection, because the down
+projection's weight gradient needs the activation: an activation-only op would
+leave the dense output saved by the following matmul. Saved for the backward:
+the op's inputs (x and the weights, which plain autodiff saves too) and the
+packed ReLU output -- never the dense pre-activation or activation.
+
+Gradients are bit-identical to plain autodiff of the dense FFN
+(``jnp.dot`` / ``jax.nn.relu`` / ``jnp.square`` / ``*``): the backward uses
+``jax.vjp`` of the very same dense building blocks, so the primitives, their
+order and their dtypes are those autodiff would emit. Only the activation's
+own rule is ours, and it selects exactly what ``jax.nn.relu``'s rule selects
+(``select(a > 0, g, 0)``); see docs/jax.md for the NaN / -0.0 corners.
+
+Values live in a fixed-capacity buffer (``density`` bounds the fraction of
+nonzeros). If a batch overflows it, the backward recomputes the activation
+from the saved input under ``lax.cond``: never truncated, only slower. That
+recomputed matmul is compiled separately from the forward one; on CPU its bits
+match, on an H200 at full size they did not always (docs/jax.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import format as _fmt
+from . import codec
+
+
+@dataclass(frozen=True)
+class PackConfig:
+    """Static packing parameters of an FFN op (hashable: a jit static argument)."""
+    density: float = 0.25          # bound on the fraction of positive pre-activations
+    encoding: str = "nosign"       # ReLU outputs never carry a sign bit
+    u_encoding: str = "signplane"  # gated companion values are signed
+    chunk_log2: int = _fmt.DEFAULT_CHUNK_LOG2
+
+    def capacity(self, shape) -> int:
+        return codec.capacity_for(_fmt.numel_of(shape), self.density)
+
+
+def _up(x, w, b):
+    """``x @ w (+ b)``: the up projection exactly as the dense reference writes it."""
+    a = jnp.dot(x, w)
+    return a if b is None else a + b
+
+
+def _recompute_up(x, w, b):
+    """The up projection again, for the overflow path. The barrier keeps XLA from
+    fusing the activation into this matmul's epilogue, so the recomputed matmul is
+    compiled like the forward one, whose output has several users (an attempt at
+    the same bits on GPU; see docs/jax.md)."""
+    return lax.optimization_barrier(_up(x, w, b))
+
+
+@partial(jax.jit, static_argnums=0)
+def _vjp_apply(fn, ct, *primals):
+    return jax.vjp(fn, *primals)[1](ct)
+
+
+def _vjp(fn, *primals):
+    """Cotangent function of ``fn`` at ``primals`` (autodiff's own transpose rules).
+
+    Under jit, so the primal recomputation that jax.vjp implies is dead code XLA
+    removes, even when the backward runs eagerly.
+    """
+    return lambda ct: _vjp_apply(fn, ct, *primals)
+
+
+def _pack(a, cfg: PackConfig, u=None):
+    return codec.relu_pack_planes(a, capacity=cfg.capacity(a.shape), encoding=cfg.encoding,
+                                  chunk_log2=cfg.chunk_log2, u=u, u_encoding=cfg.u_encoding)
+
+
+# --------------------------------------------------------------------------- #
+# ReLU and ReLU² FFN                                                          #
+# --------------------------------------------------------------------------- #
+def _act(r, square: bool):
+    return jnp.square(r) if square else r
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _relu_ffn(x, w1, b1, w2, cfg, square):
+    return jnp.dot(_act(jax.nn.relu(_up(x, w1, b1)), square), w2)
+
+
+def _relu_ffn_fwd(x, w1, b1, w2, cfg, square):
+    a = _up(x, w1, b1)
+    out = jnp.dot(_act(jax.nn.relu(a), square), w2)
+    return out, (x, w1, b1, w2, _pack(a, cfg))
+
+
+def _relu_ffn_bwd(cfg, square, res, g):
+    x, w1, b1, w2, p = res
+    # r = relu(a), from the packed values, or recomputed if the batch overflowed.
+    r = lax.cond(p.overflowed, lambda: jax.nn.relu(_recompute_up(x, w1, b1)),
+                 lambda: codec.decode_dense(p))
+    y = _act(r, square)
+    dy, dw2 = _vjp(jnp.dot, y, w2)(g)
+    if square:
+        (dr,) = _vjp(jnp.square, r)(dy)
+        da = jnp.where(r > 0, dr, jnp.zeros((), dr.dtype))
+    else:
+        # The mask alone decides (complete even after an overflow).
+        da = jnp.where(codec.mask_of(p), dy, jnp.zeros((), dy.dtype))
+    dx, dw1, db1 = _vjp(_up, x, w1, b1)(da)
+    return dx, dw1, db1, dw2
+
+
+_relu_ffn.defvjp(_relu_ffn_fwd, _relu_ffn_bwd)
+
+
+def relu_ffn(x, w1, b1, w2, cfg: PackConfig = PackConfig()):
+    """``relu(x @ w1 + b1) @ w2`` (``b1`` may be None), saving ``pack(relu(a))``."""
+    return _relu_ffn(x, w1, b1, w2, cfg, False)
+
+
+def relu2_ffn(x, w1, b1, w2, cfg: PackConfig = PackConfig()):
+    """``relu(x @ w1 + b1)**2 @ w2`` (``b1`` may be None), saving ``pack(relu(a))``;
+    the backward recomputes ``r**2`` and ``2 r`` from the packed ``r``."""
+    return _relu_ffn(x, w1, b1, w2, cfg, True)
+
+
+# --------------------------------------------------------------------------- #
+# Gated ReLU FFN                                                              #
+# --------------------------------------------------------------------------- #
+# x enters twice (x_u, x_g) so that autodiff itself accumulates the two input
+# gradients with the residual stream's, in the order it would for the dense
+# ``relu(x @ wg) * (x @ wu)`` (u's contribution first): float addition is not
+# associative, so summing them here would change the bits.
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _gated_ffn(x_u, x_g, wg, bg, wu, bu, w2, cfg):
+    return jnp.dot(jax.nn.relu(_up(x_g, wg, bg)) * _up(x_u, wu, bu), w2)
+
+
+def _gated_ffn_fwd(x_u, x_g, wg, bg, wu, bu, w2, cfg):
+    ag = _up(x_g, wg, bg)
+    u = _up(x_u, wu, bu)
+    out = jnp.dot(jax.nn.relu(ag) * u, w2)
+    p_r, p_u = _pack(ag, cfg, u=u)
+    return out, (x_u, x_g, wg, bg, wu, bu, w2, p_r, p_u)
+
+
+def _gated_ffn_bwd(cfg, res, g):
+    x_u, x_g, wg, bg, wu, bu, w2, p_r, p_u = res
+    r, u = lax.cond(p_r.overflowed,
+                    lambda: (jax.nn.relu(_recompute_up(x_g, wg, bg)),
+                             _recompute_up(x_u, wu, bu)),
+                    lambda: (codec.decode_dense(p_r), codec.decode_dense(p_u)))
+    h = r * u
+    dh, dw2 = _vjp(jnp.dot, h, w2)(g)
+    dr, du = _vjp(jnp.multiply, r, u)(dh)
+    dag = jnp.where(r > 0, dr, jnp.zeros((), dr.dtype))
+    dx_u, dwu, dbu = _vjp(_up, x_u, wu, bu)(du)
+    dx_g, dwg, dbg = _vjp(_up, x_g, wg, bg)(dag)
+    return dx_u, dx_g, dwg, dbg, dwu, dbu, dw2
+
+
+_gated_ffn.defvjp(_gated_ffn_fwd, _gated_ffn_bwd)
+
+
+def gated_ffn(x, wg, wu, w2, bg=None, bu=None, cfg: PackConfig = PackConfig()):
+    """``(relu(x @ wg + bg) * (x @ wu + bu)) @ w2``, saving ``pack(relu(g))`` and ``u``
+    at its mask's positions (the gated companion plane)."""
+    return _gated_ffn(x, x, wg, bg, wu, bu, w2, cfg)
+
+
+# --------------------------------------------------------------------------- #
+# A small FFN stack: init / apply                                             #
+# --------------------------------------------------------------------------- #
+def init_stack(key, n_layers: int, d: int, f: int, *, kind: str = "relu",
+               dtype=jnp.bfloat16, negative_fraction: float = 0.8):
+    """Parameters of ``n_layers`` residual FFN blocks ``x + ffn(x)``.
+
+    Weights are N(0, 1/fan_in); the up-projection bias is set so that, for unit
+    inputs, about ``negative_fraction`` of pre-activations are negative.
+    """
+    from statistics import NormalDist
+    shift = NormalDist().inv_cdf(negative_fraction)
+    layers = []
+    for k in jax.random.split(key, n_layers):
+        k1, k2, k3 = jax.random.split(k, 3)
+        w1 = (jax.random.normal(k1, (d, f), jnp.float32) / d ** 0.5).astype(dtype)
+        w2 = (jax.random.normal(k2, (f, d), jnp.float32) / f ** 0.5).astype(dtype)
+        b1 = jnp.full((f,), -shift, dtype)
+        layer = {"w1": w1, "b1": b1, "w2": w2}
+        if kind == "gated":
+            layer["wu"] = (jax.random.normal(k3, (d, f), jnp.float32) / d ** 0.5).astype(dtype)
+        layers.append(layer)
+    return layers
+
+
+def dense_block(layer, x, kind: str):
+    """The plain JAX reference block (no packing), as autodiff sees it."""
+    if kind == "relu":
+        return jnp.dot(jax.nn.relu(jnp.dot(x, layer["w1"]) + layer["b1"]), layer["w2"])
+    if kind == "relu2":
+        return jnp.dot(jnp.square(jax.nn.relu(jnp.dot(x, layer["w1"]) + layer["b1"])),
+                       layer["w2"])
+    if kind == "gated":
+        return jnp.dot(jax.nn.relu(jnp.dot(x, layer["w1"]) + layer["b1"])
+                       * jnp.dot(x, layer["wu"]), layer["w2"])
+    raise ValueError(f"unknown FFN kind {kind!r}; use 'relu', 'relu2' or 'gated'")
+
+
+def packed_block(layer, x, kind: str, cfg: PackConfig = PackConfig()):
+    """The same block through the packed custom_vjp ops."""
+    if kind == "relu":
+        return relu_ffn(x, layer["w1"], layer["b1"], layer["w2"], cfg)
+    if kind == "relu2":
+        return relu2_ffn(x, layer["w1"], layer["b1"], layer["w2"], cfg)
+    if kind == "gated":
+        return gated_ffn(x, layer["w1"], layer["wu"], layer["w2"], bg=layer["b1"], cfg=cfg)
+    raise ValueError(f"unknown FFN kind {kind!r}; use 'relu', 'relu2' or 'gated'")
+
+
+def apply_stack(layers, x, *, kind: str = "relu", mode: str = "packed",
+                cfg: PackConfig = PackConfig()):
+    """Run the residual stack. mode: 'packed' (these ops), 'dense' (plain JAX) or
+    'checkpoint' (plain JAX under jax.checkpoint, one block at a time)."""
+    if mode == "packed":
+        block = partial(packed_block, kind=kind, cfg=cfg)
+    elif mode == "dense":
+        block = partial(dense_block, kind=kind)
+    elif mode == "checkpoint":
+        block = jax.checkpoint(partial(dense_block, kind=kind))
+    else:
+        raise ValueError(f"unknown mode {mode!r}; use 'packed', 'dense' or 'checkpoint'")
+    for layer in layers:
+        x = x + block(layer, x)
+    return x
