@@ -7,8 +7,13 @@ tensor's dtype, round-to-nearest-even -- the same single rounding PyTorch's
 elementwise kernels perform.
 
 ReLU here is ``r = a if a > 0 else +0.0``, with NaN passed through (as
-``torch.relu`` does); ``-0.0`` becomes ``+0.0`` so a packed ReLU output never
-has a sign bit set and ``nosign`` is always legal for it.
+``torch.relu`` does); ``-0.0`` becomes ``+0.0``, so a packed ReLU output has a
+sign bit set only for a negative NaN (which ``nosign`` then refuses).
+
+Where these rules meet PyTorch's: ``relu_backward`` (mask only) equals
+``threshold_backward`` everywhere, NaN included. ``relu2_backward`` and the
+gated ``grad_g`` give +0 where ``r`` is NaN; PyTorch propagates the NaN there.
+The forward activation is NaN in that case either way.
 """
 
 from __future__ import annotations
@@ -58,8 +63,7 @@ def relu_backward(grad: np.ndarray, p: PackedTensor) -> np.ndarray:
 
 
 def relu2_backward(grad: np.ndarray, p: PackedTensor) -> np.ndarray:
-    """``d relu(a)**2 / da * grad = 2 r grad`` where ``r > 0``, else +0 (NaN r gives +0,
-    as PyTorch's threshold_backward does)."""
+    """``d relu(a)**2 / da * grad = 2 r grad`` where ``r > 0``, else +0 (NaN r gives +0)."""
     r = unpack_planes(p, p.mask, p.values, p.signs).view(p.dtype.numpy)
     r32 = np.asarray(r, dtype=np.float32)
     g = _round(grad.astype(np.float32) * (2.0 * r32), p.dtype)
