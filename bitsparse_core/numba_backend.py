@@ -1,0 +1,586 @@
+"""The ``numba`` backend: format-v1 pack/unpack and the fused ops with Numba CUDA.
+
+Same contract and bit-exact results as the NumPy reference (see
+:mod:`bitsparse_core.backends`); the kernels live in
+:mod:`bitsparse_core.numba_kernels`, the shared GPU plumbing (streams, zero-copy
+inputs, the pluggable allocator, DLPack outputs) in
+:mod:`bitsparse_core.cuda_interop`. A packed tensor is one allocation, its
+planes are views into it (CuPy arrays, like the CuPy backend's, so either
+backend unpacks the other's tensors).
+
+Host syncs happen only where a size must be known on the host:
+
+* ``capacity=None`` (exact): the one-pass kernel packs into a worst-case layout,
+  one sync reads the count, the sections are copied into an exact allocation;
+* ``encoding="auto"``: one sync reads the nosign status (a set sign bit re-packs
+  as raw);
+* ``capacity=K`` with an explicit encoding: no sync; ``p.nnz`` / ``p.check()``
+  read the device-side count and status word later;
+* ``masked_pack`` of a tensor whose count is still pending: one sync (the
+  companion's capacity is that count, as in the reference).
+
+A packed tensor remembers the stream it was made on (``extra["stream"]``); an
+op on another stream first makes that stream wait for it (an event), so planes
+are never read before they are written.
+
+Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the same host code runs on
+NumPy arrays standing in for device memory (:class:`_SimPlatform`); that is how
+CI tests it without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import format as _fmt
+from . import numba_kernels as K
+from .errors import EncodingError, OutputMismatchError, UnsupportedDeviceError
+from .packed import PackedTensor
+
+Encoding = _fmt.Encoding
+_ALIGN = 64
+STATUS_BYTES = 64      # u32 status word, u32 pad, u64 count (cuda_interop's status area)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Alloc:
+    """One packed tensor's allocation: its sections (64-byte aligned, format order,
+    each padded so whole 32-bit words can be written) and the status area."""
+
+    def __init__(self, P, lay: _fmt.Layout, st, allocator, sections):
+        self.lay = lay
+        self.spans, pos = {}, 0
+        for name in sections:
+            n = lay.sections[name][1]
+            self.spans[name] = (pos, n)
+            pos += _fmt.align(n, _ALIGN)
+        self.status_offset = pos
+        self.buf = P.alloc(pos + STATUS_BYTES, st, allocator)
+
+    def plane(self, P, name, np_dtype):
+        off, n = self.spans[name]
+        return P.plane(self.buf, off, n, np_dtype)
+
+
+# ----------------------------------------------------------------------------
+# Platforms: where device memory comes from and how kernels see it.
+# ----------------------------------------------------------------------------
+class _SimPlatform:
+    """NumPy arrays as device memory, for the CUDA simulator."""
+
+    def __init__(self):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        self._fake = FakeCUDAArray
+
+    def stream(self, stream):
+        return None
+
+    def device(self, st):
+        return ("cuda", 0)
+
+    def import_dense(self, x, dtype, st):
+        from .dlpack import to_numpy
+        arr, dt = to_numpy(x, dtype)
+        return arr.reshape(-1).view(np.uint8), tuple(arr.shape), dt
+
+    def import_out(self, out, shape, dt, st):
+        from .dlpack import to_numpy
+        arr, odt = to_numpy(out)
+        if odt != dt or tuple(arr.shape) != tuple(shape):
+            raise OutputMismatchError(f"out has {odt.name}{tuple(arr.shape)}; "
+                                      f"need {dt.name}{tuple(shape)}")
+        if not arr.flags.writeable:
+            raise OutputMismatchError("out is read-only")
+        return arr.reshape(-1).view(np.uint8)
+
+    def new_dense(self, shape, dt, st, allocator):
+        from .dlpack import exportable
+        n = _fmt.numel_of(shape) * dt.itemsize
+        buf = self.alloc(n, st, allocator)
+        return buf, exportable(buf[:n].view(dt.numpy).reshape(shape))
+
+    def alloc(self, nbytes, st, allocator):
+        if allocator is not None:
+            return np.asarray(allocator(int(nbytes), 0, 0)).reshape(-1).view(np.uint8)
+        # Poisoned, not zeroed: the tests see any byte a kernel fails to write.
+        return np.full(int(nbytes), 0xA5, dtype=np.uint8)
+
+    def import_plane(self, plane):
+        return np.asarray(plane).reshape(-1).view(np.uint8)
+
+    def ptr(self, buf):
+        return buf.ctypes.data
+
+    def plane(self, buf, off, nbytes, np_dtype):
+        return buf[off:off + nbytes].view(np_dtype)
+
+    def view(self, buf, off, count, np_dtype):
+        size = np.dtype(np_dtype).itemsize
+        return self._fake(buf[off:off + count * size].view(np_dtype))
+
+    def memset0(self, buf, off, nbytes, st):
+        buf[off:off + nbytes] = 0
+
+    def copy(self, dst, doff, src, soff, nbytes, st):
+        dst[doff:doff + nbytes] = src[soff:soff + nbytes]
+
+    def read(self, buf, off, count, np_dtype, st):
+        size = np.dtype(np_dtype).itemsize
+        return buf[off:off + count * size].view(np_dtype).copy()
+
+    def launch(self, kernel, grid, block, st, *args):
+        kernel[grid, block](*args)
+
+    def order_after(self, p, st):
+        pass
+
+
+class _GpuPlatform:
+    """Device memory through cuda_interop; kernels see zero-copy Numba views."""
+
+    def __init__(self):
+        from numba import cuda
+        from numba.cuda.cudadrv import devicearray, driver
+        from . import cuda_interop as ci
+        self.cuda, self.driver, self.devicearray, self.ci = cuda, driver, devicearray, ci
+        self._streams = {}
+
+    # A stream is (raw handle, device, numba Stream).
+    def stream(self, stream):
+        h = self.ci.stream_handle(stream)
+        ns = self._streams.get(h)
+        if ns is None:
+            ns = self.cuda.external_stream(h) if h else self.cuda.default_stream()
+            self._streams[h] = ns
+        return h, ns
+
+    def device(self, st):
+        return ("cuda", int(self.cuda.get_current_device().id))
+
+    def _dev(self):
+        return int(self.cuda.get_current_device().id)
+
+    def import_dense(self, x, dtype, st):
+        t = self.ci.import_cuda(x, dtype=dtype, stream=st[0])
+        self._check_dev(t.device)
+        return t, tuple(t.shape), t.dtype
+
+    def _check_dev(self, device):
+        if device != self._dev():
+            raise UnsupportedDeviceError(f"tensor on cuda:{device}, but Numba's current device is "
+                                         f"cuda:{self._dev()}; select it with numba.cuda.select_device")
+
+    def import_out(self, out, shape, dt, st):
+        t = self.ci.import_cuda(out, stream=st[0])
+        self.ci.check_out(t, shape, dt, self._dev())
+        return t
+
+    def new_dense(self, shape, dt, st, allocator):
+        arr = self.ci.CudaArray.empty(shape, dt, self._dev(), st[0], allocator)
+        return arr, arr
+
+    def alloc(self, nbytes, st, allocator):
+        return self.ci.allocate(nbytes, self._dev(), st[0], allocator)
+
+    def import_plane(self, plane):
+        cai = plane.__cuda_array_interface__
+        n = _fmt.numel_of(cai["shape"]) * int(cai["typestr"][2:])
+        return self.ci.DeviceBuffer(int(cai["data"][0] or 0), n, self._dev(), plane)
+
+    def ptr(self, buf):
+        return int(buf.ptr)
+
+    def plane(self, buf, off, nbytes, np_dtype):
+        import cupy
+        dt = np.dtype(np_dtype)
+        mem = cupy.cuda.UnownedMemory(int(buf.ptr) + off, nbytes, buf, self._dev())
+        return cupy.ndarray((nbytes // dt.itemsize,), dtype=dt,
+                            memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+    def view(self, buf, off, count, np_dtype):
+        dt = np.dtype(np_dtype)
+        ptr = int(buf.ptr) + off if count else 0
+        data = self.driver.MemoryPointer(self.cuda.current_context(),
+                                         self.driver.binding.CUdeviceptr(ptr),
+                                         size=count * dt.itemsize, owner=buf)
+        return self.devicearray.DeviceNDArray(shape=(count,), strides=(dt.itemsize,), dtype=dt,
+                                              gpu_data=data, stream=0)
+
+    def memset0(self, buf, off, nbytes, st):
+        if nbytes:
+            self.driver.device_memset(self.view(buf, off, nbytes, np.uint8), 0, nbytes, stream=st[1])
+
+    def copy(self, dst, doff, src, soff, nbytes, st):
+        if nbytes:
+            self.driver.device_to_device(self.view(dst, doff, nbytes, np.uint8),
+                                         self.view(src, soff, nbytes, np.uint8), nbytes,
+                                         stream=st[1])
+
+    def read(self, buf, off, count, np_dtype, st):
+        out = np.zeros(count, dtype=np_dtype)
+        if out.nbytes:
+            self.driver.device_to_host(out, self.view(buf, off, out.nbytes, np.uint8), out.nbytes,
+                                       stream=st[1])
+            st[1].synchronize()
+        return out
+
+    def launch(self, kernel, grid, block, st, *args):
+        if grid > 0:
+            kernel[grid, block, st[1]](*args)
+
+    def order_after(self, p, st):
+        """Make our stream wait for the work that produced p's planes (on p's stream)."""
+        producer = p.extra.get("stream")
+        if producer is not None:
+            self.ci.stream_wait(st[0], int(producer), p.device[1])
+
+
+_PLATFORM = None
+
+
+def _platform():
+    global _PLATFORM
+    if _PLATFORM is None:
+        _PLATFORM = _SimPlatform() if K.SIM else _GpuPlatform()
+    return _PLATFORM
+
+
+# ----------------------------------------------------------------------------
+# The backend
+# ----------------------------------------------------------------------------
+class NumbaBackend:
+    """CUDA backend written with ``numba.cuda.jit``."""
+
+    name = "numba"
+    device_type = "cuda"
+    incl_every = 1      # look-back publication period (tests raise it; see k_pack)
+
+    def is_available(self) -> bool:
+        if K.SIM:
+            return True
+        try:
+            from numba import cuda
+            import cupy  # noqa: F401 -- cuda_interop's allocator and runtime calls
+            return bool(cuda.is_available())
+        except Exception:  # noqa: BLE001 -- no numba-cuda, CuPy, driver or device: unavailable
+            return False
+
+    # ----------------------------------------------------------- views
+    @staticmethod
+    def _dense_views(P, buf, numel, dt):
+        """(elements, uint64 words, fast) views of a dense tensor; ``fast`` when it is
+        8-byte aligned (whole groups of 8 elements then move as uint64 words)."""
+        el = P.view(buf, 0, numel, dt.uint)
+        fast = P.ptr(buf) % 8 == 0
+        w64 = P.view(buf, 0, numel * dt.itemsize // 8 if fast else 0, np.uint64)
+        return el, w64, fast
+
+    @staticmethod
+    def _plane_views(P, plane, nbytes):
+        """(bytes, uint32 words) views of a plane; the word view covers the whole
+        words only, and is empty when the plane is not 4-byte aligned (the kernels
+        then read bytes)."""
+        buf = P.import_plane(plane)
+        b8 = P.view(buf, 0, nbytes, np.uint8)
+        w32 = P.view(buf, 0, nbytes // 4 if P.ptr(buf) % 4 == 0 else 0, np.uint32)
+        return b8, w32
+
+    def _stored(self, P, p):
+        """Kernel arguments of p's values and signs: (vb, vw, nvb, sb, sw, nsb)."""
+        lay = p.layout
+        vb, vw = self._plane_views(P, p.values, lay.values[1])
+        sb, sw = self._plane_views(P, p.signs, lay.signs[1])
+        return vb, vw, lay.values[1], sb, sw, lay.signs[1]
+
+    def _tile_offsets(self, P, p, st, allocator):
+        """(mask, array, shift, keep): tile i's first value index is
+        array[(i << TILE_LOG2) >> shift]; ``keep`` must outlive the queued kernels."""
+        lay = p.layout
+        n_tiles = _ceil_div(p.numel, K.TILE)
+        mask = P.view(P.import_plane(p.mask), 0, lay.mask[1], np.uint8)
+        if p.chunk_log2 <= K.TILE_LOG2:
+            odt = np.dtype(f"<u{lay.offset_width}")
+            return mask, P.view(P.import_plane(p.offsets), 0, lay.n_chunks + 1, odt), p.chunk_log2, None
+        # Chunks span several tiles: prefix-sum the mask's popcount per tile.
+        scratch = P.alloc((n_tiles + 3) * 8, st, allocator)
+        cnt = P.view(scratch, 0, n_tiles + 1, np.int64)
+        info = P.view(scratch, (n_tiles + 1) * 8, 2, np.int64)
+        P.launch(K.k_mask_count, n_tiles, K.NT, st, mask, (p.numel + 7) >> 3, cnt)
+        P.launch(K.k_scan, 1, K.SCAN_NT, st, cnt, n_tiles, info)
+        return mask, cnt, K.TILE_LOG2, scratch
+
+    @staticmethod
+    def _check_packed(p):
+        if p.device[0] != "cuda":
+            raise UnsupportedDeviceError(f"packed tensor lives on {p.device}; the numba backend "
+                                         "works on CUDA tensors")
+
+    # ----------------------------------------------------------- packing
+    def pack(self, x, *, dtype=None, encoding="auto", chunk_log2=_fmt.DEFAULT_CHUNK_LOG2,
+             capacity=None, stream=None, allocator=None) -> PackedTensor:
+        P = _platform()
+        st = P.stream(stream)
+        buf, shape, dt = P.import_dense(x, dtype, st)
+        return self._pack(P, st, buf, shape, dt, K.MODE_PACK, encoding, chunk_log2, capacity,
+                          allocator)
+
+    def relu_pack(self, a, *, square=False, dtype=None, encoding="nosign",
+                  chunk_log2=_fmt.DEFAULT_CHUNK_LOG2, capacity=None, stream=None, allocator=None):
+        P = _platform()
+        st = P.stream(stream)
+        buf, shape, dt = P.import_dense(a, dtype, st)
+        ybuf, y = P.new_dense(shape, dt, st, allocator)
+        p = self._pack(P, st, buf, shape, dt, K.MODE_RELU2 if square else K.MODE_RELU, encoding,
+                       chunk_log2, capacity, allocator, ybuf)
+        return y, p
+
+    def _pack(self, P, st, buf, shape, dt, mode, encoding, chunk_log2, capacity, allocator,
+              ybuf=None):
+        chunk_log2 = _fmt.check_chunk_log2(chunk_log2)
+        auto = isinstance(encoding, str) and encoding.lower() == "auto"
+        enc = Encoding.NOSIGN if auto else Encoding.parse(encoding)
+        numel = _fmt.numel_of(shape)
+        if capacity is not None:
+            capacity = int(capacity)
+        exact = capacity is None
+        lay = _fmt.layout(shape, dt, enc, numel if exact else capacity, chunk_log2)
+        al = _Alloc(P, lay, st, allocator, ("mask", "offsets", "values", "signs"))
+        keep = self._run_pack(P, st, buf, numel, dt, mode, lay, al, allocator, ybuf, None,
+                              zero_tail=not exact)
+        if exact or auto:
+            status, total = (int(v) for v in P.read(al.buf, al.status_offset, 2, np.int64, st))
+            if status & 1:
+                if auto:
+                    return self._pack(P, st, buf, shape, dt, mode, Encoding.RAW, chunk_log2,
+                                      capacity, allocator, ybuf)
+                raise EncodingError("nosign encoding: a stored value has its sign bit set; "
+                                    "use encoding='signplane' or 'raw'")
+            if exact:
+                lay, al = self._shrink(P, st, lay, al, total, allocator)
+            return self._packed(P, st, lay, al, total, False, keep)
+        return self._packed(P, st, lay, al, None, enc == Encoding.NOSIGN, keep)
+
+    def _run_pack(self, P, st, buf, numel, dt, mode, lay, al, allocator, ybuf, p_mask,
+                  zero_tail):
+        """Launch the one-pass pack into ``al`` (and, at fixed capacity, zero what
+        lies past the stored values). Returns the scratch, which must outlive the
+        queued kernels."""
+        if numel == 0:
+            P.memset0(al.buf, 0, al.status_offset + STATUS_BYTES, st)
+            return None
+        enc = lay.encoding
+        n_tiles = _ceil_div(numel, K.TILE)
+        head = (K.SCRATCH_HEAD + n_tiles) * 8
+        scratch = P.alloc(head + 16 * n_tiles, st, allocator)
+        P.memset0(scratch, 0, head, st)
+        desc = P.view(scratch, 0, K.SCRATCH_HEAD + n_tiles, np.int64)
+        tails = P.view(scratch, head, 4 * n_tiles, np.uint32)
+        xe, x64, use64 = self._dense_views(P, buf, numel, dt)
+        if ybuf is not None:
+            ye, y64, yfast = self._dense_views(P, ybuf, numel, dt)
+        else:
+            ye, y64, yfast = xe, x64, False
+        vt, vw, sw = self._value_views(P, lay, al)
+        stat = P.view(al.buf, al.status_offset, 2, np.int64)
+        if p_mask is None:
+            mask = P.view(al.buf, al.spans["mask"][0], lay.mask[1], np.uint8)
+            offsets = P.view(al.buf, al.spans["offsets"][0], lay.n_chunks + 1,
+                             np.dtype(f"<u{lay.offset_width}"))
+            msrc = mask
+        else:
+            msrc = P.view(P.import_plane(p_mask.mask), 0, lay.mask[1], np.uint8)
+            mask, offsets = msrc, P.view(scratch, 0, 0, np.uint32)
+        kern = K.kernels_for(dt.name)
+        P.launch(kern.pack, n_tiles, K.NT, st, xe, x64, use64, numel, mode, ye, y64, yfast, msrc,
+                 int(enc), lay.capacity, int(self.incl_every), mask, offsets, lay.chunk_log2, vt,
+                 vw, sw, desc, tails, stat)
+        if zero_tail and lay.capacity > 0:
+            words = lay.capacity if enc == Encoding.RAW else max(vw.size, sw.size)
+            grid = min(_ceil_div(max(words, 1), 256), 4096)
+            P.launch(kern.zero_tail, grid, 256 if not K.SIM else 32, st, stat, lay.capacity,
+                     int(enc), vt, vw, sw)
+        return scratch
+
+    @staticmethod
+    def _value_views(P, lay, al):
+        """Kernel views of the values / signs sections being written (the word views
+        run into each section's padding up to a whole word)."""
+        enc, dt = lay.encoding, lay.dtype
+        vo, vn = al.spans["values"]
+        so, sn = al.spans["signs"]
+        raw = enc == Encoding.RAW
+        vt = P.view(al.buf, vo, vn // dt.itemsize if raw else 0, dt.uint)
+        vw = P.view(al.buf, vo, 0 if raw else _ceil_div(vn, 4), np.uint32)
+        sw = P.view(al.buf, so, _ceil_div(sn, 4) if enc == Encoding.SIGNPLANE else 0, np.uint32)
+        return vt, vw, sw
+
+    def _shrink(self, P, st, lay, al, nnz, allocator):
+        """Copy the sections of a worst-case layout into an exact-size allocation."""
+        exact = _fmt.layout(lay.shape, lay.dtype, lay.encoding, nnz, lay.chunk_log2)
+        out = _Alloc(P, exact, st, allocator, ("mask", "offsets", "values", "signs"))
+        head = al.spans["offsets"][0] + al.spans["offsets"][1]    # mask + offsets: same spans
+        P.copy(out.buf, 0, al.buf, 0, head, st)
+        for name in ("values", "signs"):
+            P.copy(out.buf, out.spans[name][0], al.buf, al.spans[name][0],
+                   exact.sections[name][1], st)
+        P.copy(out.buf, out.status_offset, al.buf, al.status_offset, 16, st)
+        return exact, out
+
+    def _packed(self, P, st, lay, al, nnz, with_status, keep, mask=None, offsets=None,
+                extra=None):
+        odt = np.dtype(f"<u{lay.offset_width}")
+        p = PackedTensor(tuple(lay.shape), lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
+                         al.plane(P, "mask", np.uint8) if mask is None else mask,
+                         al.plane(P, "offsets", odt) if offsets is None else offsets,
+                         al.plane(P, "values", np.uint8), al.plane(P, "signs", np.uint8),
+                         backend=self.name, device=P.device(st), _nnz=nnz,
+                         status=(P.plane(al.buf, al.status_offset, 4, np.int32)
+                                 if with_status else None),
+                         extra=dict(extra or {}))
+        p.extra["stream"] = st[0] if st is not None else 0
+        if keep is not None:
+            p.extra["_scratch"] = keep   # read by kernels still queued on the stream
+        return p
+
+    def masked_pack(self, u, p_mask, *, dtype=None, encoding="signplane", stream=None,
+                    allocator=None) -> PackedTensor:
+        P = _platform()
+        self._check_packed(p_mask)
+        st = P.stream(stream)
+        buf, shape, dt = P.import_dense(u, dtype, st)
+        if tuple(shape) != tuple(p_mask.shape) or dt != p_mask.dtype:
+            raise OutputMismatchError(f"u is {dt.name}{tuple(shape)}, mask tensor is "
+                                      f"{p_mask.dtype.name}{tuple(p_mask.shape)}")
+        enc = Encoding.parse(encoding)
+        P.order_after(p_mask, st)
+        nnz = p_mask.nnz  # the companion stores every masked position (sync if pending)
+        lay = _fmt.layout(shape, dt, enc, nnz, p_mask.chunk_log2)
+        al = _Alloc(P, lay, st, allocator, ("values", "signs"))
+        keep = self._run_pack(P, st, buf, p_mask.numel, dt, K.MODE_MASKED, lay, al, allocator,
+                              None, p_mask, zero_tail=False)
+        return self._packed(P, st, lay, al, nnz, enc == Encoding.NOSIGN, keep, mask=p_mask.mask,
+                            offsets=p_mask.offsets, extra={"shares_mask": True})
+
+    # ----------------------------------------------------------- unpacking
+    def unpack(self, p: PackedTensor, *, out=None, stream=None, allocator=None):
+        P = _platform()
+        self._check_packed(p)
+        st = P.stream(stream)
+        P.order_after(p, st)
+        p.check()
+        if out is not None:
+            obuf, result = P.import_out(out, p.shape, p.dtype, st), out
+        else:
+            obuf, result = P.new_dense(p.shape, p.dtype, st, allocator)
+        self._decode(P, st, p, 0, None, obuf, allocator)
+        return result
+
+    def relu2_backward(self, grad, p, *, stream=None, allocator=None):
+        P = _platform()
+        self._check_packed(p)
+        st = P.stream(stream)
+        P.order_after(p, st)
+        p.check()
+        gbuf = self._grad(P, st, grad, p)
+        obuf, result = P.new_dense(p.shape, p.dtype, st, allocator)
+        self._decode(P, st, p, 1, gbuf, obuf, allocator)
+        return result
+
+    def _decode(self, P, st, p, op, gbuf, obuf, allocator):
+        numel, dt = p.numel, p.dtype
+        n_tiles = _ceil_div(numel, K.TILE)
+        if n_tiles == 0:
+            return
+        mask, toff, shift, keep = self._tile_offsets(P, p, st, allocator)
+        oe, o64, ofast = self._dense_views(P, obuf, numel, dt)
+        if gbuf is not None:
+            ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
+        else:
+            ge, g64, gfast = oe, o64, False
+        P.launch(K.kernels_for(dt.name).unpack, n_tiles, K.NT, st, mask, numel, toff, shift,
+                 int(p.encoding), *self._stored(P, p), op, ge, g64, gfast, oe, o64, ofast)
+        del keep  # the allocator orders its reuse after the queued kernel
+
+    def relu_backward(self, grad, p, *, stream=None, allocator=None):
+        P = _platform()
+        self._check_packed(p)
+        st = P.stream(stream)
+        P.order_after(p, st)
+        gbuf = self._grad(P, st, grad, p)
+        numel, dt = p.numel, p.dtype
+        obuf, result = P.new_dense(p.shape, dt, st, allocator)
+        ngroups = (numel + 7) >> 3
+        if ngroups:
+            mask = P.view(P.import_plane(p.mask), 0, p.layout.mask[1], np.uint8)
+            ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
+            oe, o64, ofast = self._dense_views(P, obuf, numel, dt)
+            block = 32 if K.SIM else 256
+            P.launch(K.kernels_for(dt.name).relu_backward, min(_ceil_div(ngroups, block), 8192),
+                     block, st, mask, numel, ge, g64, gfast, oe, o64, ofast)
+        return result
+
+    def gated_backward(self, grad, p_r, p_u, *, stream=None, allocator=None):
+        P = _platform()
+        self._check_packed(p_r)
+        self._check_packed(p_u)
+        if tuple(p_u.shape) != tuple(p_r.shape) or p_u.dtype != p_r.dtype:
+            raise OutputMismatchError(f"p_u is {p_u.dtype.name}{tuple(p_u.shape)}, p_r is "
+                                      f"{p_r.dtype.name}{tuple(p_r.shape)}")
+        st = P.stream(stream)
+        P.order_after(p_r, st)
+        P.order_after(p_u, st)
+        p_r.check()
+        p_u.check()
+        gbuf = self._grad(P, st, grad, p_r)
+        numel, dt = p_r.numel, p_r.dtype
+        gg_buf, grad_g = P.new_dense(p_r.shape, dt, st, allocator)
+        gu_buf, grad_u = P.new_dense(p_r.shape, dt, st, allocator)
+        n_tiles = _ceil_div(numel, K.TILE)
+        if n_tiles:
+            mr, tr, shr, keep_r = self._tile_offsets(P, p_r, st, allocator)
+            mu, tu, shu, keep_u = self._tile_offsets(P, p_u, st, allocator)
+            ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
+            og, og64, ogf = self._dense_views(P, gg_buf, numel, dt)
+            ou, ou64, ouf = self._dense_views(P, gu_buf, numel, dt)
+            P.launch(K.kernels_for(dt.name).gated, n_tiles, K.NT, st,
+                     mr, tr, shr, int(p_r.encoding), *self._stored(P, p_r),
+                     mu, tu, shu, int(p_u.encoding), *self._stored(P, p_u),
+                     numel, ge, g64, gfast, og, og64, ou, ou64, ogf and ouf)
+        return grad_g, grad_u
+
+    def _grad(self, P, st, grad, p):
+        gbuf, shape, dt = P.import_dense(grad, None, st)
+        if dt != p.dtype or tuple(shape) != tuple(p.shape):
+            raise OutputMismatchError(f"grad is {dt.name}{tuple(shape)}; the packed "
+                                      f"activation is {p.dtype.name}{tuple(p.shape)}")
+        return gbuf
+
+    # ----------------------------------------------------------- host reads
+    def _pstream(self, P, p):
+        return P.stream(p.extra.get("stream", 0)) if not K.SIM else None
+
+    def read_nnz(self, p) -> int:
+        P = _platform()
+        lay = p.layout
+        w = lay.offset_width
+        return int(P.read(P.import_plane(p.offsets), lay.n_chunks * w, 1, np.dtype(f"<u{w}"),
+                          self._pstream(P, p))[0])
+
+    def read_status(self, p) -> int:
+        if p.status is None:
+            return 0
+        if "status_value" not in p.extra:  # final once the pack has run
+            P = _platform()
+            p.extra["status_value"] = int(P.read(P.import_plane(p.status), 0, 1, np.int32,
+                                                 self._pstream(P, p))[0])
+        return p.extra["status_value"]
+
+    def to_numpy(self, array) -> np.ndarray:
+        if K.SIM:
+            return np.asarray(array).copy()
+        if hasattr(array, "get") and not hasattr(array, "copy_to_host"):
+            return np.asarray(array.get())          # CuPy arrays, CudaArray
+        return array.copy_to_host()

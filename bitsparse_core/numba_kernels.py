@@ -1,0 +1,839 @@
+"""The Numba CUDA kernels of the ``numba`` backend (format v1, bit-exact).
+
+Work is cut into *tiles* of ``TILE`` elements (one thread block each); a tile is
+``GPT`` *groups* of 8 consecutive elements, one mask byte per group, and thread
+``t`` handles groups ``r * NT + t`` for ``r < G`` so every load row is coalesced.
+Inside a tile the exclusive rank of each group's first nonzero comes from a
+warp scan plus a pass over the per-warp totals (:func:`_tile_ranks`).
+
+Pack is one pass (``pack``): tiles are claimed in order from an atomic ticket,
+each publishes its count, then finds its value offset by a decoupled look-back
+over its predecessors' published counts. A bit-stream word that straddles two
+tiles is written whole by the tile holding its last bit (or the stream's end):
+every tile also publishes the last 32 stream bits up to its end, so no word is
+written twice, no atomics touch the output and padding bits come out zero.
+Unpack and the backward ops are one launch per tile (plus a popcount + scan of
+the mask when chunks are larger than a tile): a tile first copies its slice of
+the value stream (and sign plane) into shared memory with independent loads,
+then cuts each value out of the shared words.
+
+Sizes: on a GPU a tile is 4096 elements for a block of 512 threads (one group
+each); under the simulator 1024 elements for 64 threads (two groups each, so
+the multi-row path runs there too).
+
+Two code paths, chosen once at import: on a GPU the warp scan uses
+``shfl_up_sync``, the look-back reads 32 predecessors per step with warp votes,
+and float32 bits are reinterpreted through libdevice; under the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``), which has no warp intrinsics, the warp scan goes
+through shared memory, one thread walks the look-back, the bit casts go through
+NumPy, and the tile is smaller so small tensors still span several tiles. The
+rest is the same source, so CI exercises the algorithm without a GPU.
+
+All index arithmetic is int64 (tensors may exceed 2**31 elements); element
+patterns are widened to int64 as soon as they are loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+# numba-cuda <= 0.30 registers an overload for np.row_stack when it first
+# compiles; NumPy 2.5 removed that alias of np.vstack, so the first compile
+# fails with AttributeError. Restore the alias (the same function) if missing.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import config, cuda, int32, int64, uint8, uint16, uint32  # noqa: E402
+
+from . import bitfloat
+
+SIM = bool(config.ENABLE_CUDASIM)
+
+TILE_LOG2 = 10 if SIM else 12
+TILE = 1 << TILE_LOG2
+NT = 64 if SIM else 512          # threads per tile block (a multiple of 32)
+NW = NT // 32
+GPT = TILE // 8                  # groups (mask bytes) per tile
+G = GPT // NT                    # groups per thread
+GNW = G * NW                     # (row, warp) totals of a tile
+SCAN_NT = 32 if SIM else 1024    # threads of the one-block scan
+SCAN_PER = 2 if SIM else 8       # items per scan thread per pass
+LANE_N = NT if SIM else 1        # the simulator's warp scan goes through shared memory
+# Tile kernels are latency-bound per block (barriers, look-back): cap registers so
+# three 512-thread blocks share an SM. The simulator takes no such option.
+TILE_JIT = {} if SIM else {"launch_bounds": (NT, 3)}
+
+RAW, NOSIGN, SIGNPLANE = 0, 1, 2
+FULL_MASK = 0xFFFFFFFF
+FLAG_SHIFT = 62                  # k_scan: per-entry flag bit above the count
+COUNT_MASK = (1 << FLAG_SHIFT) - 1
+# Look-back descriptors (int64): state in bits 61-62, count below.
+LB_SHIFT = 61
+LB_COUNT = (1 << LB_SHIFT) - 1
+LB_AGG = 1 << LB_SHIFT           # the tile's own count is published
+LB_INCL = 2 << LB_SHIFT          # the count up to and including the tile is published
+SCRATCH_HEAD = 2                 # int64 slots before the descriptors: ticket, status OR
+MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED = 0, 1, 2, 3
+
+# ----------------------------------------------------------------------------
+# The two target-specific primitives.
+# ----------------------------------------------------------------------------
+if SIM:
+    def _as_f32(u):
+        return np.array([u], dtype=np.int64).astype(np.uint32).view(np.float32)[0]
+
+    def _as_u32(f):
+        return np.int64(np.array([f], dtype=np.float32).view(np.uint32)[0])
+
+    @cuda.jit(device=True)
+    def _warp_incl_scan(v, lane, t, sh_lane):
+        # Shared-memory stand-in for the shuffle scan (the simulator has no shuffles).
+        sh_lane[t] = v
+        cuda.syncthreads()
+        s = int64(0)
+        for q in range(t - lane, t + 1):
+            s += sh_lane[q]
+        cuda.syncthreads()
+        return s
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _as_f32(u):
+        return libdevice.int_as_float(int32(u))
+
+    @cuda.jit(device=True)
+    def _as_u32(f):
+        return int64(libdevice.float_as_int(f)) & 0xFFFFFFFF
+
+    @cuda.jit(device=True)
+    def _warp_incl_scan(v, lane, t, sh_lane):
+        d = 1
+        while d < 32:
+            y = cuda.shfl_up_sync(FULL_MASK, v, d)
+            if lane >= d:
+                v += y
+            d *= 2
+        return v
+
+
+@cuda.jit(device=True)
+def _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t):
+    """sh_rank[gi] = nonzeros of the tile before group gi (gi = r*NT + t, the tile's
+    group order), from the mask bytes in sh_byte. Returns the tile's total.
+    Every thread of the block must call it (it synchronizes)."""
+    lane = t & 31
+    warp = t >> 5
+    for r in range(G):
+        gi = r * NT + t
+        c = int64(cuda.popc(int32(sh_byte[gi])))
+        inc = _warp_incl_scan(c, lane, t, sh_lane)
+        sh_rank[gi] = inc - c
+        if lane == 31:
+            sh_tot[r * NW + warp] = inc
+    cuda.syncthreads()
+    acc = int64(0)
+    for r in range(G):
+        for w in range(NW):
+            if w == warp:
+                sh_rank[r * NT + t] += acc
+            acc += sh_tot[r * NW + w]
+    return acc
+
+
+@cuda.jit(device=True)
+def _load_word(b8, w32, nbytes, k):
+    """Little-endian 32-bit word k of a byte plane; bytes past nbytes read as 0.
+    w32 is the plane's uint32 view (length 0 when the plane is not 4-byte aligned)."""
+    if k < w32.size:
+        return int64(w32[k])
+    v = int64(0)
+    for q in range(4):
+        i = 4 * k + q
+        if i < nbytes:
+            v |= int64(b8[i]) << (8 * q)
+    return v
+
+
+@cuda.jit(device=True)
+def _rd64(a, i):
+    """Coherent read of a value another block publishes (an atomic goes to L2)."""
+    return cuda.atomic.add(a, i, int64(0))
+
+
+@cuda.jit(device=True)
+def _rd32(a, i):
+    return int64(cuda.atomic.add(a, i, uint32(0)))
+
+
+@cuda.jit(device=True)
+def _cat(abits, alen, bbits, blen):
+    """The last <= 32 bits of stream A followed by stream B. A stream piece is
+    (bits, length), its earliest bit in bit 0 (the streams are LSB-first)."""
+    if blen >= 32:
+        return bbits, int64(32)
+    total = alen + blen
+    keep = total
+    if keep > 32:
+        keep = 32
+    bits = (abits | (bbits << alen)) >> (total - keep)
+    return bits & ((int64(1) << keep) - 1), keep
+
+
+@cuda.jit(device=True)
+def _fold(f, j, tails, width, signs, acc, mb, ml, sb, sl):
+    """Prepend predecessor j (descriptor f) to the look-back sums: its count, and
+    the stream bits it ends with while fewer than 32 are known."""
+    st = f >> LB_SHIFT
+    c = f & LB_COUNT
+    if j >= 0 and width > 0:
+        base = j * 4
+        if st == 2:
+            base += 2
+        if ml < 32:
+            tl = c * width
+            if tl > 32:
+                tl = 32
+            mb, ml = _cat(_rd32(tails, base), tl, mb, ml)
+        if signs and sl < 32:
+            tl = c
+            if tl > 32:
+                tl = 32
+            sb, sl = _cat(_rd32(tails, base + 1), tl, sb, sl)
+    return acc + c, mb, ml, sb, sl, st == 2
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def _lookback(desc, tails, tile, width, signs, lane, sh_f, sh_i):
+        """(values before ``tile``, last value-stream bits, last sign bits) in lane 0.
+        Simulator: one thread walks back (blocks run in order there)."""
+        acc = int64(0)
+        mb = int64(0)
+        ml = int64(0)
+        sb = int64(0)
+        sl = int64(0)
+        if lane == 0:
+            j = tile - 1
+            while j >= 0:
+                f = _rd64(desc, SCRATCH_HEAD + j)
+                while (f >> LB_SHIFT) == 0:
+                    f = _rd64(desc, SCRATCH_HEAD + j)
+                acc, mb, ml, sb, sl, done = _fold(f, j, tails, width, signs, acc, mb, ml, sb, sl)
+                if done:
+                    break
+                j -= 1
+        return acc, mb, sb
+else:
+    @cuda.jit(device=True)
+    def _lookback(desc, tails, tile, width, signs, lane, sh_f, sh_i):
+        """(values before ``tile``, last value-stream bits, last sign bits) in lane 0.
+        Warp 0 reads 32 predecessors per step, waits until all are published, and
+        lane 0 folds them nearest first until one publishes its inclusive count."""
+        acc = int64(0)
+        mb = int64(0)
+        ml = int64(0)
+        sb = int64(0)
+        sl = int64(0)
+        base = tile - 1
+        while True:
+            j = base - lane
+            f = int64(LB_INCL)
+            if j >= 0:
+                f = _rd64(desc, SCRATCH_HEAD + j)
+            while cuda.any_sync(FULL_MASK, (f >> LB_SHIFT) == 0):
+                if (f >> LB_SHIFT) == 0:
+                    f = _rd64(desc, SCRATCH_HEAD + j)
+            sh_f[lane] = f
+            cuda.syncwarp(FULL_MASK)
+            if lane == 0:
+                done = False
+                for q in range(32):
+                    acc, mb, ml, sb, sl, done = _fold(sh_f[q], base - q, tails, width, signs,
+                                                      acc, mb, ml, sb, sl)
+                    if done:
+                        break
+                sh_i[0] = 1 if done else 0
+            cuda.syncwarp(FULL_MASK)
+            if sh_i[0] != 0:
+                break
+            base -= 32
+            cuda.syncwarp(FULL_MASK)
+        return acc, mb, sb
+
+
+@cuda.jit
+def k_scan(cnt, n, info):
+    """One block: cnt[0..n) -> exclusive prefix in place, cnt[n] = info[0] = total,
+    info[1] = OR of the entries' flag bits (bit FLAG_SHIFT)."""
+    t = cuda.threadIdx.x
+    sh = cuda.shared.array(SCAN_NT, int64)
+    carry = int64(0)
+    flag = 0
+    seg = SCAN_NT * SCAN_PER
+    base = int64(0)
+    while base < n:
+        lo = base + t * SCAN_PER
+        s = int64(0)
+        for q in range(SCAN_PER):
+            if lo + q < n:
+                c = cnt[lo + q]
+                s += c & COUNT_MASK
+                flag |= c >> FLAG_SHIFT
+        sh[t] = s
+        cuda.syncthreads()
+        d = 1
+        while d < SCAN_NT:
+            v = int64(0)
+            if t >= d:
+                v = sh[t - d]
+            cuda.syncthreads()
+            sh[t] += v
+            cuda.syncthreads()
+            d *= 2
+        ex = carry + sh[t] - s
+        for q in range(SCAN_PER):
+            if lo + q < n:
+                c = cnt[lo + q] & COUNT_MASK
+                cnt[lo + q] = ex
+                ex += c
+        carry += sh[SCAN_NT - 1]
+        cuda.syncthreads()
+        base += seg
+    anyflag = cuda.syncthreads_or(flag)
+    if t == 0:
+        cnt[n] = carry
+        info[0] = carry
+        info[1] = anyflag
+
+
+@cuda.jit
+def k_mask_count(mask, ngroups, cnt):
+    """Nonzeros per tile, read off a mask plane (for chunks larger than a tile)."""
+    t = cuda.threadIdx.x
+    tile = int64(cuda.blockIdx.x)
+    sh = cuda.shared.array(1, int64)
+    if t == 0:
+        sh[0] = 0
+    cuda.syncthreads()
+    c = int64(0)
+    for r in range(G):
+        g = tile * GPT + r * NT + t
+        if g < ngroups:
+            c += cuda.popc(int32(mask[g]))
+    cuda.atomic.add(sh, 0, c)
+    cuda.syncthreads()
+    if t == 0:
+        cnt[tile] = sh[0]
+
+
+# ----------------------------------------------------------------------------
+# Per-dtype kernels
+# ----------------------------------------------------------------------------
+class DtypeKernels:
+    """The kernels of one element type, compiled on first launch."""
+
+    def __init__(self, name: str):
+        bits = bitfloat.FORMATS[name][0]
+        self.name = name
+        self.bits = bits
+        F = bitfloat.make(name, cuda.jit(device=True), _as_f32, _as_u32)
+        BITS = bits
+        ITEM = bits // 8                 # bytes per element = uint64 words per group
+        EMASK = (1 << bits) - 1
+        SIGN = 1 << (bits - 1)
+        W = bits - 1                     # stream code width
+        WMASK = (1 << W) - 1
+        PER_WORD = 8 // ITEM             # elements per uint64 word
+        widen, narrow, is_nan, is_pos, fmul = F.widen, F.narrow, F.is_nan, F.is_pos, F.fmul
+        TWO = 0x40000000                 # float32 bits of 2.0
+        ETYPE = {8: uint8, 16: uint16, 32: uint32}[bits]
+
+        @cuda.jit(device=True)
+        def load_group(xe, x64, fast, numel, g, v):
+            """v[0..8) = patterns of group g (0 past numel). ``fast``: uint64 loads."""
+            if fast:
+                for q in range(ITEM):
+                    w = int64(x64[g * ITEM + q])
+                    for j in range(PER_WORD):
+                        v[q * PER_WORD + j] = (w >> (j * BITS)) & EMASK
+            else:
+                for j in range(8):
+                    e = g * 8 + j
+                    if e < numel:
+                        v[j] = int64(xe[e])
+                    else:
+                        v[j] = 0
+
+        @cuda.jit(device=True)
+        def store_group(oe, o64, fast, numel, g, v):
+            if fast:
+                for q in range(ITEM):
+                    w = int64(0)
+                    for j in range(PER_WORD):
+                        w |= v[q * PER_WORD + j] << (j * BITS)
+                    o64[g * ITEM + q] = w
+            else:
+                for j in range(8):
+                    e = g * 8 + j
+                    if e < numel:
+                        oe[e] = v[j]
+
+        @cuda.jit(device=True)
+        def relu(x):
+            if is_pos(x) or is_nan(x):
+                return x
+            return int64(0)
+
+        @cuda.jit(device=True)
+        def square(r):
+            f = widen(r)
+            return narrow(fmul(f, f))
+
+        # Decoding a tile: its slice of the value stream (and of the sign plane) is
+        # first copied into shared memory with independent, coalesced loads (a
+        # fixed number per thread, so they are all in flight at once); values are
+        # then cut out of shared words. Raw values are a stream of width BITS.
+        VWPT = (TILE * BITS // 32 + 2 + NT - 1) // NT   # value-stream words per thread
+        SWPT = (TILE // 32 + 2 + NT - 1) // NT          # sign words per thread
+        VWN = VWPT * NT
+        SWN = SWPT * NT
+
+        @cuda.jit(device=True)
+        def stage_words(dst, t, bit0, bit1, b8, w32, nbytes, per):
+            """dst[q] = stream word (bit0 >> 5) + q for the words holding [bit0, bit1)."""
+            k0 = bit0 >> 5
+            k1 = (bit1 + 31) >> 5
+            for q in range(per):
+                k = k0 + q * NT + t
+                if k < k1:
+                    dst[q * NT + t] = _load_word(b8, w32, nbytes, k)
+
+        @cuda.jit(device=True)
+        def stage(sw_v, sw_s, t, off, n, enc, vb, vw, nvb, sb, sw, nsb):
+            width = int64(BITS)
+            if enc != RAW:
+                width = int64(W)
+            stage_words(sw_v, t, off * width, (off + n) * width, vb, vw, nvb, VWPT)
+            if enc == SIGNPLANE:
+                stage_words(sw_s, t, off, off + n, sb, sw, nsb, SWPT)
+
+        @cuda.jit(device=True)
+        def value_at(sw_v, sw_s, off, i, enc):
+            """Stored pattern number off + i, from the staged words."""
+            width = int64(BITS)
+            wmask = int64(EMASK)
+            if enc != RAW:
+                width = int64(W)
+                wmask = int64(WMASK)
+            bit = (off + i) * width - (((off * width) >> 5) << 5)
+            k = bit >> 5
+            sh = bit & 31
+            lo = int64(sw_v[k]) >> sh
+            if sh + width > 32:
+                lo |= int64(sw_v[k + 1]) << (32 - sh)
+            code = lo & wmask
+            if enc == SIGNPLANE:
+                sbit = (off + i) - ((off >> 5) << 5)
+                code |= ((int64(sw_s[sbit >> 5]) >> (sbit & 31)) & 1) << (BITS - 1)
+            return code
+
+        def make_stream(width, sign_plane):
+            """(tail, emit) device functions of one stream: the value codes
+            (``width`` bits each) or the sign bits (width 1)."""
+            @cuda.jit(device=True)
+            def code_of(x):
+                if sign_plane:
+                    return x >> (BITS - 1)
+                return x & WMASK
+
+            @cuda.jit(device=True)
+            def tail(sv, n):
+                """The last min(32, n*width) bits of the tile's stream, and how many."""
+                L = n * width
+                if L > 32:
+                    L = 32
+                if L == 0:
+                    return int64(0), int64(0)
+                b = n * width - L
+                i = b // width
+                word = int64(0)
+                while i < n:
+                    pos = i * width - b
+                    code = code_of(int64(sv[i]))
+                    if pos >= 0:
+                        word |= code << pos
+                    else:
+                        word |= code >> (-pos)
+                    i += 1
+                return word & ((int64(1) << L) - 1), L
+
+            @cuda.jit(device=True)
+            def emit(sv, t, P, m, w32, pred, final):
+                """Write the words of stream bits [P*width, (P+m)*width) this tile owns:
+                those whose last bit it holds, and with ``final`` the stream's last
+                partial word. ``pred``: the stream bits just before P*width."""
+                S = P * width
+                E = (P + m) * width
+                k = (S >> 5) + t
+                k_end = E >> 5
+                while k <= k_end:
+                    wb = k << 5
+                    full = wb + 32 <= E and wb + 32 > S
+                    fin = final and k == k_end and (E & 31) != 0
+                    if (full or fin) and k < w32.size:
+                        word = int64(0)
+                        i = int64(0)
+                        if wb > S:
+                            i = (wb - S) // width
+                        while i < m and S + i * width < wb + 32:
+                            pos = S + i * width - wb
+                            code = code_of(int64(sv[i]))
+                            if pos >= 0:
+                                word |= code << pos
+                            else:
+                                word |= code >> (-pos)
+                            i += 1
+                        if wb < S:
+                            # the last S - wb bits before S: the top of the predecessor tail
+                            d = S - wb
+                            pl = S
+                            if pl > 32:
+                                pl = 32
+                            word |= (pred >> (pl - d)) & ((int64(1) << d) - 1)
+                        w32[k] = word & 0xFFFFFFFF
+                    k += NT
+            return tail, emit
+
+        tail_values, emit_values = make_stream(W, False)
+        tail_signs, emit_signs = make_stream(1, True)
+
+        @cuda.jit(**TILE_JIT)
+        def k_pack(xe, x64, use64, numel, mode, ye, y64, ouse64, msrc, enc, cap, incl_every,
+                   mask, offsets, chunk_log2, vt, vw, sw, scratch, tails, stat):
+            """One-pass pack. mode 0: x's nonzeros; 1: relu(x)'s, writing y = relu(x);
+            2: the same with y = relu(x)**2; 3 (masked_pack): x at the set bits of the
+            mask plane ``msrc`` (mask and offsets are then shared, not written).
+            ``scratch`` (int64, zeroed): ticket, status OR, one descriptor per tile;
+            ``tails`` (uint32): 4 per tile; ``stat`` (int64): status word, total count.
+            ``incl_every`` > 1 makes only every such tile publish its inclusive count
+            (tests use it to make the look-back walk)."""
+            t = cuda.threadIdx.x
+            n_tiles = int64(cuda.gridDim.x)
+            sv = cuda.shared.array(TILE, ETYPE)       # the tile's values, compacted
+            sx = cuda.shared.array(TILE, ETYPE)       # its elements, [j * GPT + group]
+            sh_byte = cuda.shared.array(GPT, int32)
+            sh_rank = cuda.shared.array(GPT, int32)
+            sh_tot = cuda.shared.array(GNW, int64)
+            sh_lane = cuda.shared.array(LANE_N, int64)
+            sh_f = cuda.shared.array(32, int64)
+            sh_i = cuda.shared.array(2, int32)
+            sh_p = cuda.shared.array(4, int64)
+            v = cuda.local.array(8, int64)
+            if t == 0:
+                sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
+                sh_i[1] = 0
+            cuda.syncthreads()
+            tile = sh_p[0]
+            ngroups = (numel + 7) >> 3
+            for r in range(G):
+                gi = r * NT + t
+                g = tile * GPT + gi
+                byte = 0
+                if g < ngroups:
+                    full = g * 8 + 8 <= numel
+                    load_group(xe, x64, use64 and full, numel, g, v)
+                    if mode == MODE_MASKED:
+                        byte = int32(msrc[g])
+                    elif mode != MODE_PACK:
+                        for j in range(8):
+                            v[j] = relu(v[j])
+                    for j in range(8):
+                        sx[j * GPT + gi] = v[j]
+                        if mode != MODE_MASKED and v[j] != 0:
+                            byte |= 1 << j
+                    if mode == MODE_RELU2:
+                        for j in range(8):
+                            v[j] = square(v[j])
+                    if mode == MODE_RELU or mode == MODE_RELU2:
+                        store_group(ye, y64, ouse64 and full, numel, g, v)
+                sh_byte[gi] = byte
+            cuda.syncthreads()
+            n = _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
+            neg = 0
+            for r in range(G):
+                gi = r * NT + t
+                g = tile * GPT + gi
+                byte = sh_byte[gi]
+                rk = sh_rank[gi]
+                if g < ngroups and mode != MODE_MASKED:
+                    mask[g] = byte
+                for j in range(8):
+                    if (byte >> j) & 1:
+                        x = int64(sx[j * GPT + gi])
+                        sv[rk] = x
+                        if x >= SIGN:
+                            neg = 1
+                        rk += 1
+            if neg != 0 and enc == NOSIGN:
+                sh_i[1] = 1
+            cuda.syncthreads()
+
+            # Publish this tile's count, find its offset, publish the inclusive count.
+            width = int64(0)
+            if enc != RAW:
+                width = int64(W)
+            signs = enc == SIGNPLANE
+            lm = int64(0)
+            ll = int64(0)
+            ls = int64(0)
+            if t == 0:
+                if width > 0:
+                    lm, ll = tail_values(sv, n)
+                if signs:
+                    ls, _ = tail_signs(sv, n)
+                tails[tile * 4] = lm
+                tails[tile * 4 + 1] = ls
+                if tile == 0:
+                    tails[2] = lm
+                    tails[3] = ls
+                if sh_i[1] != 0:
+                    cuda.atomic.or_(scratch, 1, int64(1))
+                cuda.threadfence()
+                if tile == 0:
+                    cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | n)
+                else:
+                    cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | n)
+            P = int64(0)
+            pm = int64(0)
+            ps = int64(0)
+            if tile > 0 and t < 32:
+                P, pm, ps = _lookback(scratch, tails, tile, width, signs, t, sh_f, sh_i)
+            if t == 0:
+                if tile > 0 and tile % incl_every == 0:
+                    pl = P * width
+                    if pl > 32:
+                        pl = 32
+                    im, _ = _cat(pm, pl, lm, ll)
+                    pl = P
+                    if pl > 32:
+                        pl = 32
+                    nl = n
+                    if nl > 32:
+                        nl = 32
+                    isg, _ = _cat(ps, pl, ls, nl)
+                    tails[tile * 4 + 2] = im
+                    tails[tile * 4 + 3] = isg
+                    cuda.threadfence()
+                    cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_INCL) | (P + n))
+                if tile == n_tiles - 1:
+                    # Every predecessor OR-ed its status before publishing its count.
+                    cuda.threadfence()
+                    stat[0] = _rd64(scratch, 1)
+                    stat[1] = P + n
+                    if mode != MODE_MASKED:
+                        offsets[offsets.size - 1] = P + n
+                sh_p[1] = P
+                sh_p[2] = pm
+                sh_p[3] = ps
+            cuda.syncthreads()
+            P = sh_p[1]
+            pm = sh_p[2]
+            ps = sh_p[3]
+
+            if mode != MODE_MASKED:
+                for r in range(G):
+                    gi = r * NT + t
+                    g = tile * GPT + gi
+                    if g < ngroups and ((g << 3) & ((int64(1) << chunk_log2) - 1)) == 0:
+                        offsets[(g << 3) >> chunk_log2] = P + sh_rank[gi]
+            m = int64(0)
+            if P < cap:
+                m = cap - P
+                if m > n:
+                    m = n
+            final = (P < cap and P + n >= cap) or (tile == n_tiles - 1 and P + n < cap)
+            if enc == RAW:
+                i = int64(t)
+                while i < m:
+                    vt[P + i] = int64(sv[i])
+                    i += NT
+            else:
+                emit_values(sv, t, P, m, vw, pm, final)
+                if signs:
+                    emit_signs(sv, t, P, m, sw, ps, final)
+
+        @cuda.jit
+        def k_zero_tail(stat, cap, enc, vt, vw, sw):
+            """Fixed capacity: zero what lies past the stored values (count from ``stat``)."""
+            stored = stat[1]
+            if stored > cap:
+                stored = cap
+            i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+            step = int64(cuda.gridDim.x) * cuda.blockDim.x
+            if enc == RAW:
+                e = stored + i
+                while e < cap:
+                    vt[e] = 0
+                    e += step
+            else:
+                k = ((stored * W + 31) >> 5) + i
+                while k < vw.size:
+                    vw[k] = 0
+                    k += step
+                k = ((stored + 31) >> 5) + i
+                while k < sw.size:
+                    sw[k] = 0
+                    k += step
+
+        @cuda.jit(**TILE_JIT)
+        def k_unpack(mask, numel, toff, toff_shift, enc, vb, vw, nvb, sb, sw, nsb,
+                     op, ge, g64, guse64, oe, o64, ouse64):
+            """Dense output of one tile. op 0: the stored patterns (unpack);
+            op 1: relu2_backward, 2*r*grad where r > 0, else +0. Tile i's first value
+            is toff[(i << TILE_LOG2) >> toff_shift]; vb/vw: the values plane as bytes
+            and as its whole 32-bit words (empty when unaligned), nvb its length
+            (likewise the signs)."""
+            t = cuda.threadIdx.x
+            tile = int64(cuda.blockIdx.x)
+            sw_v = cuda.shared.array(VWN, uint32)
+            sw_s = cuda.shared.array(SWN, uint32)
+            sh_byte = cuda.shared.array(GPT, int32)
+            sh_rank = cuda.shared.array(GPT, int32)
+            sh_tot = cuda.shared.array(GNW, int64)
+            sh_lane = cuda.shared.array(LANE_N, int64)
+            v = cuda.local.array(8, int64)
+            gv = cuda.local.array(8, int64)
+            ngroups = (numel + 7) >> 3
+            for r in range(G):
+                g = tile * GPT + r * NT + t
+                byte = 0
+                if g < ngroups:
+                    byte = int32(mask[g])
+                sh_byte[r * NT + t] = byte
+            cuda.syncthreads()
+            n = _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
+            off = int64(toff[(tile << TILE_LOG2) >> toff_shift])
+            stage(sw_v, sw_s, t, off, n, enc, vb, vw, nvb, sb, sw, nsb)
+            cuda.syncthreads()
+            for r in range(G):
+                gi = r * NT + t
+                g = tile * GPT + gi
+                if g < ngroups:
+                    full = g * 8 + 8 <= numel
+                    if op == 1:
+                        load_group(ge, g64, guse64 and full, numel, g, gv)
+                    byte = sh_byte[gi]
+                    rk = int64(sh_rank[gi])
+                    for j in range(8):
+                        if (byte >> j) & 1:
+                            v[j] = value_at(sw_v, sw_s, off, rk, enc)
+                            rk += 1
+                        else:
+                            v[j] = 0
+                    if op == 1:
+                        for j in range(8):
+                            rj = v[j]
+                            if is_pos(rj):
+                                v[j] = narrow(fmul(widen(gv[j]), fmul(widen(rj), TWO)))
+                            else:
+                                v[j] = 0
+                    store_group(oe, o64, ouse64 and full, numel, g, v)
+
+        @cuda.jit
+        def k_gated(mask_r, toff_r, shift_r, enc_r, vb_r, vw_r, nvb_r, sb_r, sw_r, nsb_r,
+                    mask_u, toff_u, shift_u, enc_u, vb_u, vw_u, nvb_u, sb_u, sw_u, nsb_u,
+                    numel, ge, g64, guse64, og, og64, ou, ou64, ouse64):
+            """gated_backward: grad_u = grad*r everywhere, grad_g = grad*u where r > 0.
+            Per packed tensor the arguments of ``unpack``."""
+            t = cuda.threadIdx.x
+            tile = int64(cuda.blockIdx.x)
+            wr = cuda.shared.array(VWN, uint32)
+            sr = cuda.shared.array(SWN, uint32)
+            wu = cuda.shared.array(VWN, uint32)
+            su = cuda.shared.array(SWN, uint32)
+            byte_r = cuda.shared.array(GPT, int32)
+            rank_r = cuda.shared.array(GPT, int32)
+            byte_u = cuda.shared.array(GPT, int32)
+            rank_u = cuda.shared.array(GPT, int32)
+            sh_tot = cuda.shared.array(GNW, int64)
+            sh_lane = cuda.shared.array(LANE_N, int64)
+            rv = cuda.local.array(8, int64)
+            uv = cuda.local.array(8, int64)
+            gv = cuda.local.array(8, int64)
+            ngroups = (numel + 7) >> 3
+            for r in range(G):
+                g = tile * GPT + r * NT + t
+                br = 0
+                bu = 0
+                if g < ngroups:
+                    br = int32(mask_r[g])
+                    bu = int32(mask_u[g])
+                byte_r[r * NT + t] = br
+                byte_u[r * NT + t] = bu
+            cuda.syncthreads()
+            n_r = _tile_ranks(byte_r, rank_r, sh_tot, sh_lane, t)
+            cuda.syncthreads()
+            n_u = _tile_ranks(byte_u, rank_u, sh_tot, sh_lane, t)
+            off_r = int64(toff_r[(tile << TILE_LOG2) >> shift_r])
+            off_u = int64(toff_u[(tile << TILE_LOG2) >> shift_u])
+            stage(wr, sr, t, off_r, n_r, enc_r, vb_r, vw_r, nvb_r, sb_r, sw_r, nsb_r)
+            stage(wu, su, t, off_u, n_u, enc_u, vb_u, vw_u, nvb_u, sb_u, sw_u, nsb_u)
+            cuda.syncthreads()
+            for r in range(G):
+                gi = r * NT + t
+                g = tile * GPT + gi
+                if g < ngroups:
+                    full = g * 8 + 8 <= numel
+                    load_group(ge, g64, guse64 and full, numel, g, gv)
+                    br = byte_r[gi]
+                    kr = int64(rank_r[gi])
+                    bu = byte_u[gi]
+                    ku = int64(rank_u[gi])
+                    for j in range(8):
+                        rj = int64(0)
+                        if (br >> j) & 1:
+                            rj = value_at(wr, sr, off_r, kr, enc_r)
+                            kr += 1
+                        uj = int64(0)
+                        if (bu >> j) & 1:
+                            uj = value_at(wu, su, off_u, ku, enc_u)
+                            ku += 1
+                        fg = widen(gv[j])
+                        rv[j] = narrow(fmul(fg, widen(rj)))
+                        if is_pos(rj):
+                            uv[j] = narrow(fmul(fg, widen(uj)))
+                        else:
+                            uv[j] = 0
+                    store_group(ou, ou64, ouse64 and full, numel, g, rv)
+                    store_group(og, og64, ouse64 and full, numel, g, uv)
+
+        @cuda.jit
+        def k_relu_backward(mask, numel, ge, g64, guse64, oe, o64, ouse64):
+            """grad where the mask bit is set, else +0: one group per thread."""
+            v = cuda.local.array(8, int64)
+            ngroups = (numel + 7) >> 3
+            g = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+            step = int64(cuda.gridDim.x) * cuda.blockDim.x
+            while g < ngroups:
+                full = g * 8 + 8 <= numel
+                load_group(ge, g64, guse64 and full, numel, g, v)
+                byte = int32(mask[g])
+                for j in range(8):
+                    if ((byte >> j) & 1) == 0:
+                        v[j] = 0
+                store_group(oe, o64, ouse64 and full, numel, g, v)
+                g += step
+
+        self.pack = k_pack
+        self.zero_tail = k_zero_tail
+        self.unpack = k_unpack
+        self.gated = k_gated
+        self.relu_backward = k_relu_backward
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_for(name: str) -> DtypeKernels:
+    return DtypeKernels(name)
