@@ -63,3 +63,52 @@ def random_bits(rng, shape, dt: _dt.DType, sparsity: float, *, signs: bool = Tru
     if not signs:
         bits &= np.array(dt.sign_mask - 1, dtype=dt.uint)
     return bits.view(dt.numpy).reshape(shape)
+
+
+# --------------------------------------------------------------------------- #
+# Comparisons shared by the CuPy and Numba test modules                       #
+# --------------------------------------------------------------------------- #
+def fresh_rng(request):
+    """A generator with a fresh seed, printed so a failure can be replayed."""
+    seed = np.random.SeedSequence().entropy % (1 << 32)
+    print(f"seed={seed} for {request.node.name}")
+    return np.random.default_rng(seed)
+
+
+def device_bits(arr: np.ndarray):
+    """A CuPy array holding ``arr``'s bits (CuPy has no bf16 / fp8: pass ``dtype=``)."""
+    import cupy as cp
+    return cp.asarray(arr.copy(order="C").view(_dt.resolve(arr.dtype).uint))
+
+
+def plane_bytes(p, name: str) -> np.ndarray:
+    """Plane ``name`` of ``p`` (from any backend) as host bytes."""
+    from bitsparse_core.backends import get_backend
+    plane = get_backend(p.backend).to_numpy(getattr(p, name))
+    return np.asarray(plane).view(np.uint8).reshape(-1)
+
+
+def assert_same_planes(p, ref, where: str = "") -> None:
+    """``p`` and ``ref`` agree in metadata and byte for byte in every plane."""
+    assert p.shape == ref.shape and p.dtype == ref.dtype, where
+    assert p.encoding == ref.encoding, f"{where}: {p.encoding} vs {ref.encoding}"
+    assert p.capacity == ref.capacity and p.nnz == ref.nnz, where
+    for name in ("mask", "offsets", "values", "signs"):
+        got, want = plane_bytes(p, name), plane_bytes(ref, name)
+        assert got.size == want.size, f"{where}: {name} has {got.size} bytes, want {want.size}"
+        if not np.array_equal(got, want):
+            bad = np.flatnonzero(got != want)
+            pytest.fail(f"{where}: {name} differs at {bad.size} bytes, first {bad[:8]} "
+                        f"(got {got[bad[:8]]}, want {want[bad[:8]]}) of {got.size}")
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, where: str = "") -> None:
+    """A host copy of a dense result equals ``want`` bit for bit."""
+    dt = _dt.resolve(want.dtype)
+    assert got.shape == want.shape, where
+    g = got.view(dt.uint).reshape(-1)
+    w = want.copy(order="C").view(dt.uint).reshape(-1)
+    if not np.array_equal(g, w):
+        bad = np.flatnonzero(g != w)
+        pytest.fail(f"{where}: {bad.size} elements differ, first at {bad[:5]}: "
+                    f"got {[hex(v) for v in g[bad[:5]]]}, want {[hex(v) for v in w[bad[:5]]]}")

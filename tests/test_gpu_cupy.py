@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_util import random_bits, require_cuda, special_patterns
+from gpu_util import (assert_same_bits, assert_same_planes, device_bits, fresh_rng,
+                      random_bits, require_cuda, special_patterns)
 
 cp = require_cuda("cupy")
 
@@ -29,46 +30,13 @@ SHAPES = [(), (0,), (1,), (7,), (33, 65), (4097,), (3, 5003), (2, 3, 4, 5), (700
 BE = bc.get_backend("cupy")
 
 
-def _rng(request):
-    seed = np.random.SeedSequence().entropy % (1 << 32)
-    print(f"seed={seed} for {request.node.name}")
-    return np.random.default_rng(seed)
-
-
-def dev(arr: np.ndarray):
-    """A CuPy array of ``arr``'s bits (CuPy has no bf16 / fp8): pass ``dtype=``."""
-    return cp.asarray(arr.copy(order="C").view(_dt.resolve(arr.dtype).uint))
-
-
-def host(plane) -> np.ndarray:
-    return np.asarray(BE.to_numpy(plane)).view(np.uint8).reshape(-1)
-
-
-def assert_same(p, ref, where=""):
-    assert p.shape == ref.shape and p.dtype == ref.dtype, where
-    assert p.encoding == ref.encoding, f"{where}: {p.encoding} vs {ref.encoding}"
-    assert p.capacity == ref.capacity, where
-    assert p.nnz == ref.nnz, where
-    for name in ("mask", "offsets", "values", "signs"):
-        got = host(getattr(p, name))
-        want = np.asarray(getattr(ref, name)).view(np.uint8).reshape(-1)
-        assert got.size == want.size, f"{where}: {name} has {got.size} bytes, want {want.size}"
-        if not np.array_equal(got, want):
-            bad = np.flatnonzero(got != want)
-            pytest.fail(f"{where}: {name} differs at bytes {bad[:8]} "
-                        f"(got {got[bad[:8]]}, want {want[bad[:8]]}) of {got.size}")
+_rng = fresh_rng
+dev = device_bits
+assert_same = assert_same_planes
 
 
 def assert_bits(gpu_array, want: np.ndarray, where=""):
-    got = np.asarray(BE.to_numpy(gpu_array))
-    dt = _dt.resolve(want.dtype)
-    assert got.shape == want.shape, where
-    g, w = got.view(dt.uint), want.copy(order="C").view(dt.uint)
-    if not np.array_equal(g, w):
-        bad = np.flatnonzero(g.reshape(-1) != w.reshape(-1))
-        pytest.fail(f"{where}: {bad.size} elements differ, first at {bad[:5]}: "
-                    f"got {[hex(v) for v in g.reshape(-1)[bad[:5]]]}, "
-                    f"want {[hex(v) for v in w.reshape(-1)[bad[:5]]]}")
+    assert_same_bits(np.asarray(BE.to_numpy(gpu_array)), want, where)
 
 
 def test_kernels_built_for_this_device():

@@ -23,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_util import random_bits, require_cuda
+from gpu_util import (assert_same_bits, assert_same_planes, device_bits, fresh_rng,
+                      random_bits, require_cuda)
 
 cp = require_cuda("cupy")
 require_cuda("numba.cuda")
@@ -52,46 +53,19 @@ DT_PARAMS = [_group(d) for d in DTYPES]
 
 @pytest.fixture
 def rng(request):
-    seed = np.random.SeedSequence().entropy % (1 << 32)
-    print(f"seed={seed} for {request.node.name}")
-    return np.random.default_rng(seed)
+    return fresh_rng(request)
 
 
-def dev(arr: np.ndarray):
-    """A CuPy array holding ``arr``'s bits (CuPy has no bf16 / fp8: pass ``dtype=``)."""
-    return cp.asarray(arr.copy(order="C").view(_dt.resolve(arr.dtype).uint))
-
-
-def host(plane) -> np.ndarray:
-    return np.asarray(BE.to_numpy(plane)).view(np.uint8).reshape(-1)
+dev = device_bits
 
 
 def assert_same(p, ref, where=""):
     assert not NK.SIM
-    assert p.shape == ref.shape and p.dtype == ref.dtype, where
-    assert p.encoding == ref.encoding, f"{where}: {p.encoding} vs {ref.encoding}"
-    assert p.capacity == ref.capacity and p.nnz == ref.nnz, where
-    for name in ("mask", "offsets", "values", "signs"):
-        got = host(getattr(p, name))
-        want = np.asarray(BE.to_numpy(getattr(ref, name)) if ref.backend != "numpy"
-                          else getattr(ref, name)).view(np.uint8).reshape(-1)
-        assert got.size == want.size, f"{where}: {name} has {got.size} bytes, want {want.size}"
-        if not np.array_equal(got, want):
-            bad = np.flatnonzero(got != want)
-            pytest.fail(f"{where}: {name} differs at {bad.size} bytes, first {bad[:8]} "
-                        f"(got {got[bad[:8]]}, want {want[bad[:8]]}) of {got.size}")
+    assert_same_planes(p, ref, where)
 
 
 def assert_bits(gpu_array, want: np.ndarray, where=""):
-    got = np.asarray(BE.to_numpy(gpu_array))
-    dt = _dt.resolve(want.dtype)
-    assert got.shape == want.shape, where
-    g = got.view(dt.uint).reshape(-1)
-    w = want.copy(order="C").view(dt.uint).reshape(-1)
-    if not np.array_equal(g, w):
-        bad = np.flatnonzero(g != w)
-        pytest.fail(f"{where}: {bad.size} elements differ, first at {bad[:5]}: "
-                    f"got {[hex(v) for v in g[bad[:5]]]}, want {[hex(v) for v in w[bad[:5]]]}")
+    assert_same_bits(np.asarray(BE.to_numpy(gpu_array)), want, where)
 
 
 def _unsigned(x, dt):
