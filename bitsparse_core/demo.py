@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from . import dtypes as _dt
 from . import format as _fmt
-from .backends import backend_available, registered_backends
+from .backends import select_backend
+from .errors import BitsparseError
 
 SPARSITIES = (0.5, 0.8, 0.9, 0.95, 0.99)
 DTYPES = (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32, _dt.FLOAT8_E4M3FN, _dt.FLOAT8_E5M2)
@@ -35,10 +36,11 @@ def relu_like(rng, n: int, sparsity: float, dtype: _dt.DType) -> np.ndarray:
 
 
 def pick_backend() -> str:
-    for name, dev in registered_backends().items():
-        if dev == "cuda" and backend_available(name):
-            return name
-    return "numpy"
+    """The backend ``pack(..., backend="auto")`` would take for a CUDA tensor, else numpy."""
+    try:
+        return select_backend("auto", "cuda").name
+    except BitsparseError:
+        return "numpy"
 
 
 class _Device:

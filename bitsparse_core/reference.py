@@ -66,8 +66,7 @@ def decode_values(p: PackedTensor, values: np.ndarray, signs: np.ndarray, count:
     """The first ``count`` stored bit patterns, as the dtype's unsigned integer type."""
     dtype = p.dtype
     if p.encoding == Encoding.RAW:
-        return np.frombuffer(np.ascontiguousarray(values[:count * dtype.itemsize]).tobytes(),
-                             dtype=dtype.uint)
+        return np.ascontiguousarray(values[:count * dtype.itemsize]).view(dtype.uint)
     out = bitstream.unpack(values, dtype.magnitude_bits, count, dtype.uint)
     if p.encoding == Encoding.SIGNPLANE:
         bits = np.unpackbits(np.asarray(signs, dtype=np.uint8), count=count, bitorder="little")

@@ -99,7 +99,7 @@ def test_fixed_capacity_keeps_first_values_and_reports_overflow(encoding):
     assert tight.nnz == exact.nnz and tight.overflowed
     assert len(tight.values) == F.values_nbytes(D.BFLOAT16, tight.encoding, cap)
     full = bc.pack(x, encoding="raw").values.view("<u2")
-    kept = bc.from_bytes(exact.to_bytes())  # the values that fit stay valid
+    # The values that fit stay valid: the first `cap` stored patterns, in order.
     assert np.array_equal(bc.reference.decode_values(tight, tight.values, tight.signs, cap),
                           full[:cap])
     with pytest.raises(bc.CapacityOverflowError):
@@ -108,7 +108,6 @@ def test_fixed_capacity_keeps_first_values_and_reports_overflow(encoding):
         bc.unpack(tight)
     with pytest.raises(bc.CapacityOverflowError):
         tight.to_bytes()
-    assert kept.nnz == exact.nnz
 
 
 def test_capacity_out_of_range():

@@ -14,8 +14,8 @@ import bitsparse_core as bc  # noqa: E402
 from bitsparse_core.torch import (PackedReLUFFN, compress_saved_tensors,  # noqa: E402
                                   gated_relu_linear, relu_linear)
 from bitsparse_core.torch import _bridge  # noqa: E402
-from torch_models import (ENCODINGS, KINDS, assert_same_training, make_pair,  # noqa: E402
-                          saved_tensors_of, train)
+from torch_models import (ENCODINGS, KINDS, Hooked, assert_same_training,  # noqa: E402
+                          make_pair, relu_mlp, saved_tensors_of, train)
 
 
 @pytest.fixture(autouse=True)
@@ -190,31 +190,11 @@ def test_only_packed_planes_are_saved(kind, encoding):
 # --------------------------------------------------------------------------- #
 # compress_saved_tensors                                                      #
 # --------------------------------------------------------------------------- #
-def _relu_mlp(seed=0, d=32, f=128):
-    torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(d, f), torch.nn.ReLU(), torch.nn.Linear(f, f),
-                            torch.nn.ReLU(), torch.nn.Linear(f, d))
-    with torch.no_grad():
-        m[0].bias.sub_(0.5)
-        m[2].bias.sub_(0.3)
-    return m
-
-
-class _Hooked(torch.nn.Module):
-    def __init__(self, inner, hooks):
-        super().__init__()
-        self.inner, self.hooks = inner, hooks
-
-    def forward(self, x):
-        with self.hooks:
-            return self.inner(x)
-
-
 def test_hooks_training_is_bit_identical_and_packs_relu_outputs():
-    dense = _relu_mlp()
-    hooked_inner = _relu_mlp()
+    dense = relu_mlp()
+    hooked_inner = relu_mlp()
     hooks = compress_saved_tensors(min_numel=256, min_sparsity=0.5)
-    ours = _Hooked(hooked_inner, hooks)
+    ours = Hooked(hooked_inner, hooks)
     x, target = _data((4, 16), 32, torch.float32)
     rec_dense = train(dense, x, target)
     rec_ours = train(ours, x, target)
@@ -231,7 +211,7 @@ def test_hooks_training_is_bit_identical_and_packs_relu_outputs():
 
 
 def test_hooks_unpack_many_times_retain_graph():
-    m = _relu_mlp()
+    m = relu_mlp()
     x, _ = _data((64,), 32, torch.float32)
     hooks = compress_saved_tensors(min_numel=256)
     with hooks:

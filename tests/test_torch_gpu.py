@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 import bitsparse_core as bc  # noqa: E402
 from bitsparse_core.torch import compress_saved_tensors, relu_linear  # noqa: E402
-from torch_models import (ENCODINGS, KINDS, assert_same_training, make_pair,  # noqa: E402
+from torch_models import (ENCODINGS, KINDS, Hooked, relu_mlp, assert_same_training, make_pair,  # noqa: E402
                           saved_tensors_of, train)
 
 pytestmark = pytest.mark.gpu
@@ -141,23 +141,7 @@ def test_saved_bytes_are_the_packed_size(kind, encoding):
 
 def test_hooks_bit_identical_cuda():
     def mlp():
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 64)).cuda().bfloat16()
-        with torch.no_grad():
-            m[0].bias.sub_(0.6)
-            m[2].bias.sub_(0.3)
-        return m
-
-    class Hooked(torch.nn.Module):
-        def __init__(self, inner, hooks):
-            super().__init__()
-            self.inner, self.hooks = inner, hooks
-
-        def forward(self, x):
-            with self.hooks:
-                return self.inner(x)
+        return relu_mlp(0, 64, 512, shift=0.6).cuda().bfloat16()
 
     hooks = compress_saved_tensors(min_numel=4096)
     x, target = _data((8, 64), 64, torch.bfloat16)

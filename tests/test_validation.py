@@ -139,7 +139,7 @@ def test_v14_checksum():
     buf[off] ^= 0x01                                            # one flipped value bit
     expect(E.ChecksumError, buf)
     buf, _ = make()
-    expect(E.ChecksumError, put(buf, "<I", 16, 0, reseal=False) if F.crc32(buf) else buf)
+    expect(E.ChecksumError, put(buf, "<I", 16, F.crc32(buf) ^ 1, reseal=False))
 
 
 def test_v15_nonzero_padding():

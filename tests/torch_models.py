@@ -117,3 +117,25 @@ def saved_tensors_of(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, saved
+
+
+def relu_mlp(seed=0, d=32, f=128, shift=0.5):
+    """A plain 3-layer ReLU MLP with biases shifted down so that most ReLU outputs are zero."""
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(d, f), nn.ReLU(), nn.Linear(f, f), nn.ReLU(), nn.Linear(f, d))
+    with torch.no_grad():
+        m[0].bias.sub_(shift)
+        m[2].bias.sub_(0.3)
+    return m
+
+
+class Hooked(nn.Module):
+    """Runs ``inner`` with the given saved-tensor hooks active."""
+
+    def __init__(self, inner, hooks):
+        super().__init__()
+        self.inner, self.hooks = inner, hooks
+
+    def forward(self, x):
+        with self.hooks:
+            return self.inner(x)
