@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, compute-sanitizer, and the codec benchmark.
 # Usage (device machine, repo root): bash bench/gpu_session.sh
-#   PYTEST_ARGS  extra pytest flags (default "-x")
+#   PYTEST_ARGS  extra pytest flags (default "-x"); TESTS: what to test (default tests/test_gpu_cupy.py)
 #   BENCH_ARGS   extra bench flags  (e.g. "--reps 10 --backends cupy,numba")
 #   SKIP_TESTS / SKIP_SANITIZER / SKIP_BENCH=1 to leave a part out
 # Logs and results go to $OUT (or bench/results/session when unset).
@@ -23,7 +23,7 @@ echo "warm-up $(( $(date +%s) - t0 )) s" >>"$OUT/setup.log"
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu ${PYTEST_ARGS--x} -q -p no:cacheprovider \
-      tests/test_gpu_cupy.py 2>&1 | tail -c 200000 >"$OUT/pytest.log"
+      ${TESTS:-tests/test_gpu_cupy.py} 2>&1 | tail -c 200000 >"$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
   tail -n 25 "$OUT/pytest.log"
 fi

@@ -37,10 +37,16 @@ OP_UNPACK, OP_RELU2, OP_GATED, OP_GATED_DENSE = 0, 1, 2, 3
 THREADS = 256
 _U64, _I32 = np.uint64, np.int32
 # Rounds per warp, i.e. the tile size (8 warps x R x 32 lanes x 16 bytes) of
-# each kernel family; chosen by the sweep recorded in bench/NOTES.md. The
-# fused kernels stay at 2: the backward ones stage two streams (48 KB static
-# shared memory) and relu_pack keeps its dense output in registers.
-ROUNDS = {"pack": 8, "unpack": 4, "fused": 2}
+# each kernel family (bench/NOTES.md). Unpack tiles are whole chunks at the
+# default chunk size (4096 elements), so a tile's value range comes straight
+# from the offsets table; the fused ops stay at 2.
+ROUNDS = {"pack": 4, "unpack": 4, "fused": 2}
+
+
+def unpack_rounds(dtype: _dt.DType, op: int) -> int:
+    """Rounds of an unpack-family kernel: fp32 doubles them to keep 4096-element tiles."""
+    r = ROUNDS["unpack"] if op == OP_UNPACK else ROUNDS["fused"]
+    return 2 * r if dtype.bits == 32 else r
 
 
 def tile_elems(dtype: _dt.DType, rounds: int) -> int:
@@ -69,7 +75,7 @@ def kernel_spec(kind: str, *args) -> tuple:
     if kind == "pack":
         return "bitsparse_pack.cu", "bitsparse_pack<%d,%d,%d,%d>" % args
     if kind == "unpack":
-        return "bitsparse_unpack.cu", "bitsparse_unpack<%d,%d,%d>" % args
+        return "bitsparse_unpack.cu", "bitsparse_unpack<%d,%d,%d,%d,%d>" % args
     if kind == "mask_select":
         return "bitsparse_unpack.cu", "bitsparse_mask_select<%d>" % args
     if kind == "tile_counts":
@@ -103,22 +109,30 @@ def all_kernel_keys(sweep_rounds=()) -> list:
     """Every kernel the backend can launch (for warming the compile cache),
     plus plain pack / unpack of bf16 and fp8 at ``sweep_rounds`` (the bench)."""
     keys = []
-    rp, ru, rf = ROUNDS["pack"], ROUNDS["unpack"], ROUNDS["fused"]
-    for fmt in range(5):
-        for enc in range(3):
+    rp, rf = ROUNDS["pack"], ROUNDS["fused"]
+    encs = range(3)
+    for name, fmt in _FMT.items():
+        dt = _dt.resolve(name)
+        ru = unpack_rounds(dt, OP_RELU2)
+        for enc in encs:
             for mode in (MODE_RELU, MODE_RELU2):
                 keys.append(("pack", fmt, enc, mode, rf))
-        for op in (OP_RELU2, OP_GATED, OP_GATED_DENSE):
-            keys.append(("unpack", fmt, op, rf))
-    for fmt in sorted(set(_BITS_FMT.values())):
-        for enc in range(3):
+            keys.append(("unpack", fmt, OP_RELU2, ru, enc, 0))
+            keys.append(("unpack", fmt, OP_GATED_DENSE, ru, enc, 0))
+            for uenc in encs:
+                keys.append(("unpack", fmt, OP_GATED, ru, enc, uenc))
+    for bits, fmt in sorted(_BITS_FMT.items()):
+        dt = _dt.resolve({8: "float8_e4m3fn", 16: "bfloat16", 32: "float32"}[bits])
+        ru = unpack_rounds(dt, OP_UNPACK)
+        for enc in encs:
             keys.append(("pack", fmt, enc, MODE_PACK, rp))
             keys.append(("pack", fmt, enc, MODE_MASKED, rp))
-        keys += [("unpack", fmt, OP_UNPACK, ru), ("mask_select", fmt),
-                 ("tile_counts", fmt, ru), ("tile_counts", fmt, rf)]
+            keys.append(("unpack", fmt, OP_UNPACK, ru, enc, 0))
+        keys += [("mask_select", fmt), ("tile_counts", fmt, ru), ("tile_counts", fmt, rf)]
     for r in sweep_rounds:
         for fmt in (0, 3):
-            keys += [("pack", fmt, int(Encoding.NOSIGN), MODE_PACK, r), ("unpack", fmt, OP_UNPACK, r)]
+            keys += [("pack", fmt, int(Encoding.NOSIGN), MODE_PACK, r),
+                     ("unpack", fmt, OP_UNPACK, r, int(Encoding.NOSIGN), 0)]
     keys.append(("zero_tail",))
     return list(dict.fromkeys(keys))
 
@@ -322,13 +336,14 @@ class CupyBackend:
         return o
 
     def _prefix(self, p, s, allocator, rounds):
-        """(mode, pointer): how unpack blocks find their first value index."""
+        """(mode, pointer, owner): where unpack blocks find their value range.
+
+        Mode 0: every tile is a whole number of chunks, so the offsets table
+        has both ends. Mode 2 (chunks larger than a tile): a per-tile count
+        kernel and an exclusive cumsum give ``n_tiles + 1`` prefix entries."""
         tile = tile_elems(p.dtype, rounds)
-        chunk = 1 << p.chunk_log2
-        if chunk <= tile:
+        if (1 << p.chunk_log2) <= tile:
             return 0, 0, None
-        if chunk <= 8 * tile:
-            return 1, 0, None
         import cupy
         dev = p.device[1]
         n_tiles = -(-p.numel // tile)
@@ -337,24 +352,25 @@ class CupyBackend:
                 (_U64(p.mask.data.ptr), _U64(p.mask.size), _U64(p.numel), _U64(counts.ptr)), s, dev)
         with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(s, dev):
             c = _cupy_view(counts.ptr, 8 * n_tiles, np.uint64, counts, dev)
-            prefix = cupy.cumsum(c) - c
+            prefix = cupy.zeros(n_tiles + 1, dtype=np.uint64)
+            cupy.cumsum(c, out=prefix[1:])
         return 2, int(prefix.data.ptr), prefix
 
     @staticmethod
     def _stream_args(p):
-        w = stream_width(p.dtype, p.encoding)
-        return (_U64(p.values.data.ptr), _U64(p.values.size), _I32(w), _U64(p.signs.data.ptr),
-                _U64(p.signs.size), _I32(p.encoding == Encoding.SIGNPLANE))
+        return (_U64(p.values.data.ptr), _U64(p.values.size), _U64(p.signs.data.ptr),
+                _U64(p.signs.size))
 
     def _run_unpack(self, p, op, s, allocator, *, out, grad=None, out2=None, pu=None, udense=None):
         dev = p.device[1]
         if p.numel == 0:
             return
-        rounds = ROUNDS["unpack"] if op == OP_UNPACK else ROUNDS["fused"]
+        rounds = unpack_rounds(p.dtype, op)
         pmode, pptr, keep = self._prefix(p, s, allocator, rounds)
         fmt = _BITS_FMT[p.dtype.bits] if op == OP_UNPACK else _FMT[p.dtype.name]
-        kern = get_kernel(dev, "unpack", fmt, op, rounds)
-        zero_stream = (_U64(0), _U64(0), _I32(p.dtype.bits), _U64(0), _U64(0), _I32(0))
+        uenc = int(pu.encoding) if pu is not None else 0
+        kern = get_kernel(dev, "unpack", fmt, op, rounds, int(p.encoding), uenc)
+        zero_stream = (_U64(0), _U64(0), _U64(0), _U64(0))
         args = ((_U64(p.numel), _I32(p.chunk_log2), _I32(pmode), _U64(p.offsets.data.ptr),
                  _I32(p.offsets.dtype.itemsize == 8), _U64(pptr),
                  _U64(p.mask.data.ptr), _U64(p.mask.size))

@@ -159,6 +159,127 @@ template <int FMT> BS_HD u32 bs_relu2_grad(u32 g, u32 r) {
     return bs_from_f32<FMT>(bs_mul_f32(bs_to_f32<FMT>(g), two_r));
 }
 
+// ------------------------------------------------------------------------- //
+// Word-at-a-time bit tricks of the codec kernels (host-testable)              //
+// ------------------------------------------------------------------------- //
+// The kernels are bound by instruction issue, not DRAM, when they touch one
+// element at a time; these helpers work on a whole 32-bit word (2 bf16 / 4 fp8
+// elements) per instruction. tests/test_kernel_math.py runs them on the CPU.
+
+BS_HD u32 bs_popc(u32 x) {
+#if defined(__CUDA_ARCH__)
+    return (u32)__popc(x);
+#else
+    return (u32)__builtin_popcount(x);
+#endif
+}
+
+// (hi:lo) >> sh, low 32 bits, sh in 0..31 (PTX shf.r.clamp for sh < 32).
+BS_HD u32 bs_funnel_r(u32 lo, u32 hi, u32 sh) {
+#if defined(__CUDA_ARCH__)
+    return __funnelshift_r(lo, hi, sh);
+#else
+    return (u32)((((unsigned long long)hi << 32) | lo) >> (sh & 31u));
+#endif
+}
+
+// (hi:lo) << sh, high 32 bits, sh in 0..31.
+BS_HD u32 bs_funnel_l(u32 lo, u32 hi, u32 sh) {
+#if defined(__CUDA_ARCH__)
+    return __funnelshift_l(lo, hi, sh);
+#else
+    return (u32)(((((unsigned long long)hi << 32) | lo) << (sh & 31u)) >> 32);
+#endif
+}
+
+// PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x); only s's low 16 bits count.
+BS_HD u32 bs_prmt(u32 x, u32 y, u32 s) {
+#if defined(__CUDA_ARCH__)
+    return __byte_perm(x, y, s);
+#else
+    const unsigned long long xy = ((unsigned long long)y << 32) | x;
+    u32 r = 0;
+    for (int k = 0; k < 4; ++k) r |= (u32)((xy >> (8 * ((s >> (4 * k)) & 7u))) & 0xffu) << (8 * k);
+    return r;
+#endif
+}
+
+// Nonzero bits of the 32 / BITS elements of a word, element k -> bit k.
+template <int BITS> BS_HD u32 bs_word_nonzero(u32 w) {
+    if (BITS == 32) return w != 0u ? 1u : 0u;
+    if (BITS == 16) {
+        // Per 16-bit lane: the low 15 bits plus 0x7fff carry into bit 15 unless
+        // zero; OR the lane's own sign bit. Bits 15 and 31 then gather to 0, 1.
+        const u32 nz = (((w & 0x7fff7fffu) + 0x7fff7fffu) | w) & 0x80008000u;
+        return ((nz >> 15) & 1u) | (nz >> 30);
+    }
+    const u32 nz = (((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w) & 0x80808080u;
+    return (((nz >> 7) * 0x00204081u) >> 21) & 0xfu;   // bits 0, 8, 16, 24 -> 21..24
+}
+
+// PRMT selector that moves the bytes of the first popc(mb) elements of a
+// compacted word to the element slots set in mb (4-bit mb, fp8), zero elsewhere.
+BS_HD u32 bs_byte_selector(u32 mb) {
+    u32 s = 0, k = 0;
+    for (int p = 0; p < 4; ++p) {
+        const bool on = (mb >> p) & 1u;
+        s |= (on ? k : 4u) << (4 * p);
+        k += on ? 1u : 0u;
+    }
+    return s;
+}
+
+// One output word of an unpack: the 32 / BITS elements selected by mb (bit per
+// element) take the next stored values, which start at value index j of the
+// decoded values (packed 32 / BITS per word in vals). sel8: bs_byte_selector table.
+template <int BITS> BS_HD u32 bs_expand_word(const u32* vals, u32 j, u32 mb, const u32* sel8) {
+    if (BITS == 32) return mb ? vals[j] : 0u;
+    const u32 byte = j * (u32)(BITS / 8);
+    const u32 src = bs_funnel_r(vals[byte >> 2], vals[(byte >> 2) + 1], (byte & 3u) * 8u);
+    // bf16 selectors for mb = 0..3: 0x4444, 0x4410, 0x1044, 0x3210 (4 = a zero byte).
+    const u32 s = BITS == 16 ? (u32)(0x3210104444104444ull >> (mb * 16u)) & 0xffffu : sel8[mb];
+    return bs_prmt(src, 0u, s);
+}
+
+// A stream chunk of 32 / BITS codes of width W (LSB-first) -> the same codes
+// one per BITS-bit lane.
+template <int BITS, int W> BS_HD u32 bs_spread(u32 c) {
+    if (W == BITS) return c;
+    if (BITS == 32) return c & 0x7fffffffu;
+    if (BITS == 16) return (c & 0x7fffu) | ((c << 1) & 0x7fff0000u);
+    const u32 y = (c & 0x3fffu) | ((c << 2) & 0x3fff0000u);       // two 14-bit halves
+    return (y & 0x007f007fu) | ((y << 1) & 0x7f007f00u);
+}
+
+// Sign bits 0 .. 32/BITS-1 of s -> the sign bit of each BITS-bit lane.
+template <int BITS> BS_HD u32 bs_spread_signs(u32 s) {
+    if (BITS == 32) return s << 31;
+    if (BITS == 16) return ((s & 1u) << 15) | ((s & 2u) << 30);
+    return (((s & 0xfu) * 0x00204081u) & 0x01010101u) << 7;
+}
+
+// 32 values (BITS-bit lanes of `words`, BITS words) -> their W-bit codes as a
+// continuous LSB-first stream of W words. Every shift is a compile-time constant.
+template <int BITS, int W> BS_HD void bs_pack_group(const u32* words, u32* out) {
+    const int G = 32 / BITS;
+    const u32 VMW = W >= 32 ? 0xffffffffu : ((1u << W) - 1u);
+    u32 acc[W];
+#pragma unroll
+    for (int m = 0; m < W; ++m) acc[m] = 0u;
+#pragma unroll
+    for (int t = 0; t < BITS; ++t) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const int j = t * G + g, bp = j * W, wi = bp >> 5, sh = bp & 31;
+            const u32 v = (BITS == 32 ? words[t] : (words[t] >> (g * BITS))) & VMW;
+            acc[wi] |= v << sh;
+            if (sh + W > 32 && wi + 1 < W) acc[wi + 1] |= v >> (32 - sh);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < W; ++m) out[m] = acc[m];
+}
+
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 // ------------------------------------------------------------------------- //
 // Device-only helpers                                                       //

@@ -2,13 +2,11 @@
 // and the value stream (and the sign plane) of format v1.
 //
 // A block takes a tile of 8 warps x R rounds x 32 lanes x one 16-byte vector
-// (R = 2: 2048 fp32 / 4096 16-bit / 8192 fp8 elements; R is a template
-// parameter so that the tile size can be tuned), tile = blockIdx.x: blocks
-// are dispatched in index order, so every predecessor the look-back spins on
-// has started (as in CUB's decoupled look-back). Per tile: mask bits per lane,
-// packed warp scans of the per-round counts, a block scan over warps, and the
-// tile's values compacted into shared memory. The global value offset comes
-// from a decoupled look-back over tile descriptors.
+// (R = 4, cupy_backend.ROUNDS: 4096 fp32 / 8192 16-bit / 16384 fp8
+// elements), tile = blockIdx.x: blocks are dispatched in index order, so every
+// predecessor the look-back spins on has started (as in CUB's decoupled
+// look-back). The phases of a tile are listed above the kernel; the global
+// value offset comes from a decoupled look-back over tile descriptors.
 //
 // Value streams are written as whole 32-bit words with plain stores. A word
 // that straddles two tiles is written by exactly one of them: the tile whose
@@ -34,6 +32,24 @@
 #define BS_MODE_RELU 1
 #define BS_MODE_RELU2 2
 #define BS_MODE_MASKED 3
+
+// Warp-wide sum / OR (one REDUX instruction from sm_80 on).
+__device__ __forceinline__ u32 bs_warp_sum(u32 x) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_add_sync(BS_FULL, x);
+#else
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(BS_FULL, x, o);
+    return x;
+#endif
+}
+__device__ __forceinline__ u32 bs_warp_or(u32 x) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_or_sync(BS_FULL, x);
+#else
+    for (int o = 16; o > 0; o >>= 1) x |= __shfl_xor_sync(BS_FULL, x, o);
+    return x;
+#endif
+}
 
 // Fold the predecessors of `tile` (warp 0): exclusive count, nosign flag and
 // stream tails. Four windows of 32 descriptors are loaded at once so that a
@@ -66,34 +82,45 @@ __device__ __forceinline__ void bs_lookback(const ulonglong2* desc, u64 tile, in
             }
             const u64 f = d[q].x;
             const u32 st = (u32)(f >> 62);
-            u64 c = f & BS_COUNT;
-            u32 nb = (u32)(f >> 61) & 1u;
-            const u64 cc = c < 32ull ? c : 32ull;
-            BsTail m = {(u32)d[q].y, (u32)min(cc * (u64)W, 32ull)};
-            BsTail s = {SIGNS ? (u32)(d[q].y >> 32) : 0u, SIGNS ? (u32)cc : 0u};
+            const u64 c = f & BS_COUNT;
+            const u32 nb = (u32)(f >> 61) & 1u;
+            const u32 cc = c < 32ull ? (u32)c : 32u;
+            BsTail m = {(u32)d[q].y, min(cc * (u32)W, 32u)};
+            BsTail s = {SIGNS ? (u32)(d[q].y >> 32) : 0u, SIGNS ? cc : 0u};
             const u32 incl = __ballot_sync(BS_FULL, st == 2u);
             const int first = incl ? __ffs(incl) - 1 : 32;
-            if (lane > first) { c = 0; nb = 0; m.bits = m.len = 0u; s.bits = s.len = 0u; }
-            // Ordered reduction: lane 0 is the nearest predecessor, higher lanes farther.
+            const bool use = lane <= first;          // lane 0 is the nearest predecessor
+            // Counts: aggregates are at most a tile each (32 bits suffice); the
+            // one inclusive descriptor, if any, adds its 64-bit prefix.
+            acc += bs_warp_sum((use && lane != first) ? (u32)c : 0u);
+            if (incl) acc += __shfl_sync(BS_FULL, c, first);
+            ng |= bs_warp_or(use ? nb : 0u);
+            // Tails, only while the 32 bits nearest this tile are incomplete.
+            if (am.len < 32u || (SIGNS && as.len < 32u)) {
+                BsTail wm, ws;
+                const u32 l0m = __shfl_sync(BS_FULL, m.len, 0);
+                const u32 l0s = SIGNS ? __shfl_sync(BS_FULL, s.len, 0) : 32u;
+                if (l0m == 32u && l0s == 32u) {        // the nearest one alone has 32 bits
+                    wm.bits = __shfl_sync(BS_FULL, m.bits, 0); wm.len = 32u;
+                    ws.bits = SIGNS ? __shfl_sync(BS_FULL, s.bits, 0) : 0u; ws.len = SIGNS ? 32u : 0u;
+                } else {
+                    if (!use) { m.bits = m.len = 0u; s.bits = s.len = 0u; }
+                    // Ordered fold: higher lanes are farther back.
 #pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const u64 c2 = __shfl_down_sync(BS_FULL, c, o);
-                const u32 n2 = __shfl_down_sync(BS_FULL, nb, o);
-                BsTail m2, s2;
-                m2.bits = __shfl_down_sync(BS_FULL, m.bits, o);
-                m2.len = __shfl_down_sync(BS_FULL, m.len, o);
-                s2.bits = __shfl_down_sync(BS_FULL, s.bits, o);
-                s2.len = __shfl_down_sync(BS_FULL, s.len, o);
-                if (lane + o < 32) { c += c2; nb |= n2; m = bs_tail_cat(m2, m); s = bs_tail_cat(s2, s); }
+                    for (int o = 1; o < 32; o <<= 1) {
+                        BsTail m2, s2;
+                        m2.bits = __shfl_down_sync(BS_FULL, m.bits, o);
+                        m2.len = __shfl_down_sync(BS_FULL, m.len, o);
+                        s2.bits = __shfl_down_sync(BS_FULL, s.bits, o);
+                        s2.len = __shfl_down_sync(BS_FULL, s.len, o);
+                        if (lane + o < 32) { m = bs_tail_cat(m2, m); s = bs_tail_cat(s2, s); }
+                    }
+                    wm.bits = __shfl_sync(BS_FULL, m.bits, 0); wm.len = __shfl_sync(BS_FULL, m.len, 0);
+                    ws.bits = __shfl_sync(BS_FULL, s.bits, 0); ws.len = __shfl_sync(BS_FULL, s.len, 0);
+                }
+                am = bs_tail_cat(wm, am);
+                as = bs_tail_cat(ws, as);
             }
-            c = __shfl_sync(BS_FULL, c, 0);
-            nb = __shfl_sync(BS_FULL, nb, 0);
-            m.bits = __shfl_sync(BS_FULL, m.bits, 0); m.len = __shfl_sync(BS_FULL, m.len, 0);
-            s.bits = __shfl_sync(BS_FULL, s.bits, 0); s.len = __shfl_sync(BS_FULL, s.len, 0);
-            acc += c;
-            ng |= nb;
-            am = bs_tail_cat(m, am);
-            as = bs_tail_cat(s, as);
             done = incl != 0u;
         }
         base -= 32 * Q;
@@ -101,40 +128,49 @@ __device__ __forceinline__ void bs_lookback(const ulonglong2* desc, u64 tile, in
     P = acc; neg = ng; tm = am; ts = as;
 }
 
-// Write the words of stream bits [a*W, (a+cnt)*W) that this tile owns (see top).
-// SIGNBIT: the 1-bit sign stream of the staged values instead of their codes.
-template <int W, bool SIGNBIT, int BITS, typename T>
-__device__ __forceinline__ void bs_write_stream(u32* out, const T* stage, u64 a, u64 cnt, u32 pred,
-                                                bool final_resp) {
-    const u32 VMASK = W >= 32 ? 0xffffffffu : ((1u << W) - 1u);
-    const u64 base = a * (u64)W, end = base + cnt * (u64)W;
-    const u64 wlo = base >> 5, whi = end >> 5;
-    for (u64 wd = wlo + threadIdx.x; wd <= whi; wd += BS_THREADS) {
-        const u64 lo = wd << 5;
-        const bool full = (lo + 32u <= end) && (lo + 32u > base);
-        const bool fin = final_resp && wd == whi && (end & 31u);
-        if (!full && !fin) continue;
-        const i64 L = (i64)lo - (i64)base;
-        u64 acc = 0;
-        if (cnt) {
-            const i64 j0 = L > 0 ? L / W : 0;
-            i64 j1 = (L + 31) / W;
-            if (j1 > (i64)cnt - 1) j1 = (i64)cnt - 1;
-            for (i64 j = j0; j <= j1; ++j) {
-                const u32 v = SIGNBIT ? (((u32)stage[j] >> (BITS - 1)) & 1u) : ((u32)stage[j] & VMASK);
-                acc |= (u64)v << (int)(j * W - L + 32);
-            }
-        }
-        u32 word = (u32)(acc >> 32);
-        if (L < 0) word |= pred >> (int)(32 + L);
-        out[wd] = word;
+// Write the stream words of bits [a*WW, e*WW) that this tile owns (see top).
+// A holds the tile's own stream as if it began at bit 0 (A[-1] is `pred`, the
+// top-aligned last 32 bits of the stream before it); the output word is a
+// funnel shift of two neighbours by the tile's bit offset, so the words are
+// written once, coalesced, with no atomics.
+template <int WW>
+__device__ __forceinline__ void bs_copy_stream(u32* out, const u32* A, u64 a, u64 e, u32 pred,
+                                               bool final_resp) {
+    const u64 B0 = a * (u64)WW, B1 = e * (u64)WW;
+    const u64 w_lo = B0 >> 5, w_end = B1 >> 5;
+    const u32 base = (u32)(B0 & 31u), tailb = (u32)(B1 & 31u);
+    // Owned: words whose last bit lies in [B0, B1), plus the stream's final
+    // partial word when this tile ends the stored stream.
+    const i64 last = (final_resp && tailb) ? (i64)w_end : (i64)w_end - 1;
+    if (last < (i64)w_lo) return;
+    const u32 nk = (u32)(last - (i64)w_lo) + 1u;
+    for (u32 k = threadIdx.x; k < nk; k += BS_THREADS) {
+        u32 word = bs_funnel_l(k ? A[k - 1] : pred, A[k], base);
+        if (w_lo + k == w_end) word &= (1u << tailb) - 1u;     // past the stream: padding
+        out[w_lo + k] = word;
     }
 }
 
-// Plain and masked packing are held to 4-6 resident blocks per SM (64 / 48
-// registers, no spills): bytes in flight per SM is what bounds this kernel.
+// 32 / BITS mask bits of a 16-byte vector of a plain pack (element k -> bit k).
+template <int BITS> __device__ __forceinline__ u32 bs_vec_nonzero(const uint4& v) {
+    const int G = 32 / BITS;
+    return bs_word_nonzero<BITS>(v.x) | (bs_word_nonzero<BITS>(v.y) << G)
+         | (bs_word_nonzero<BITS>(v.z) << (2 * G)) | (bs_word_nonzero<BITS>(v.w) << (3 * G));
+}
+
+// One block per tile (tile = blockIdx.x). Phases, with the barriers between:
+//   1. 16-byte loads of all R rounds, mask bits per vector, packed warp scans.
+//   B1 (warp totals)
+//   2. the tile's stored values compacted into shared memory (`stage`).
+//   B2 (with the nosign check)
+//   3. warp 0: tails, publish, decoupled look-back, publish the inclusive prefix;
+//      warps 1-7 meanwhile: the tile's W-bit stream as whole words (`A`, 32
+//      values per thread, constant shifts) and its sign plane (ballots).
+//   B3
+//   4. mask bytes, chunk offsets, dense relu output, and the stream words
+//      shifted into place (bs_copy_stream).
 template <int FMT, int ENC, int MODE, int R>
-__global__ void __launch_bounds__(BS_THREADS, (MODE == 0 || MODE == 3) ? (R >= 8 ? 4 : (R >= 4 ? 5 : 6)) : 1)
+__global__ void __launch_bounds__(BS_THREADS, (MODE == 0 || MODE == 3) ? (R >= 4 ? (Fmt<FMT>::BITS == 32 ? 4 : 5) : 6) : 2)
 bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                u64 mask_ptr, u64 mask_len,
                u64 offsets_ptr, int off64, int chunk_log2,
@@ -151,11 +187,16 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     const bool SIGNS = ENC == 2;
     const u32 VM = V == 32 ? 0xffffffffu : ((1u << V) - 1u);
     const u32 SIGN = 1u << (BITS - 1);
+    const int SWORDS = TILE * BITS / 32;      // staged values, as words
+    const int AWORDS = ENC == 0 ? 1 : TILE * W / 32;
 
-    __shared__ T stage[TILE];
+    __shared__ __align__(16) u32 stage_w[SWORDS + 4];
+    __shared__ __align__(16) u32 a_s[AWORDS + 4];
+    __shared__ u32 s_signs[SIGNS ? TILE / 32 + 4 : 1];
     __shared__ u32 s_warp_tot[BS_WARPS];
     __shared__ u64 s_P;
     __shared__ u32 s_tail_m, s_tail_s;
+    T* stage = reinterpret_cast<T*>(stage_w);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     ulonglong2* desc = reinterpret_cast<ulonglong2*>(scratch_ptr + 16);
@@ -164,13 +205,18 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     const u64 tile_base = tile * (u64)TILE;
     const T* x = reinterpret_cast<const T*>(x_ptr);
 
-    // 1. Load, transform, classify.
+    // 1. Load (all rounds in flight), transform, classify.
     uint4 vec[R];
     u32 bits[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const u64 g = tile_base + (u64)(warp * SEG + r * RS + lane * V);
         vec[r] = g < numel ? bs_load_vec<T>(x, g, numel, x_aligned) : make_uint4(0, 0, 0, 0);
+    }
+    u32 neg = 0;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const u64 g = tile_base + (u64)(warp * SEG + r * RS + lane * V);
         u32 b = 0;
         if (MODE == BS_MODE_MASKED) {
             if (g < numel) {
@@ -178,27 +224,25 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                 b = (mw >> (u32)(g & 31u)) & VM;
                 if (g + V > numel) b &= (1u << (u32)(numel - g)) - 1u;
             }
+        } else if (MODE == BS_MODE_PACK) {
+            b = bs_vec_nonzero<BITS>(vec[r]);          // loads past numel are zeros
+            neg |= vec[r].x | vec[r].y | vec[r].z | vec[r].w;   // a set sign bit is nonzero
         } else {
 #pragma unroll
             for (int i = 0; i < V; ++i) {
                 u32 e = (u32)bs_lane<T>(vec[r], i);
-                if (MODE == BS_MODE_RELU || MODE == BS_MODE_RELU2) {
-                    if (!bs_relu_keeps<FMT>(e)) { e = 0u; bs_set_lane<T>(vec[r], i, (T)0); }
-                }
+                if (!bs_relu_keeps<FMT>(e)) { e = 0u; bs_set_lane<T>(vec[r], i, (T)0); }
                 b |= (e != 0u ? 1u : 0u) << i;
             }
         }
         bits[r] = b;
     }
 
-    // 2. (The mask words and y are stored after the look-back, so that the
-    //    publishing thread's release does not wait on them.)
-
-    // 3. Scan: per-round counts packed 16 bits apart, then over warps.
+    // Ranks: per-round counts packed 16 bits apart, then over warps.
     u32 start[R];
     const u32 wtot = bs_scan_rounds<R>(bits, lane, start);
     if (lane == 0) s_warp_tot[warp] = wtot;
-    __syncthreads();
+    __syncthreads();                                                   // B1
     u32 warp_excl = 0, n = 0;
 #pragma unroll
     for (int k = 0; k < BS_WARPS; ++k) {
@@ -207,8 +251,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         n += t;
     }
 
-    // 4. Stage the tile's values in order.
-    u32 neg = 0;
+    // 2. Stage the tile's values in order.
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         u32 j = warp_excl + start[r];
@@ -216,22 +259,24 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         for (int i = 0; i < V; ++i) {
             if ((bits[r] >> i) & 1u) {
                 const T e = bs_lane<T>(vec[r], i);
-                neg |= (u32)e & SIGN;
+                if (MODE != BS_MODE_PACK) neg |= (u32)e;
                 stage[j++] = e;
             }
         }
     }
-    const int any_neg = __syncthreads_or(ENC == 1 && neg != 0u);
+    u32 sign_mask = SIGN;                     // the sign bits of a word's lanes
+    if (MODE == BS_MODE_PACK) for (int k = 1; k < 32 / BITS; ++k) sign_mask |= SIGN << (k * BITS);
+    const int any_neg = __syncthreads_or(ENC == 1 && (neg & sign_mask) != 0u);   // B2
 
-    // 5. Publish, look back, publish the inclusive prefix (warp 0).
     if (warp == 0) {
+        // 3a. Publish, look back, publish the inclusive prefix.
         BsTail lm, ls;
         {
-            const i64 p = (i64)n * W - 32 + lane;
+            const int p = (int)(n * (u32)W) - 32 + lane;
             u32 bit = 0;
             if (p >= 0) {
-                const i64 j = p / W;
-                bit = (((u32)stage[j] & (W >= 32 ? 0xffffffffu : ((1u << W) - 1u))) >> (int)(p - j * W)) & 1u;
+                const int j = p / W;
+                bit = (((u32)stage[j] & (W >= 32 ? 0xffffffffu : ((1u << W) - 1u))) >> (p - j * W)) & 1u;
             }
             lm.bits = __ballot_sync(BS_FULL, bit);
             lm.len = min(n * (u32)W, 32u);
@@ -272,22 +317,51 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                 reinterpret_cast<u64*>(status_ptr)[1] = total;
             }
         }
+    } else {
+        // 3b. The tile's stream as whole words, independent of where it lands.
+        const u32 groups = (n + 31u) >> 5;
+        if (ENC != 0) {
+            for (u32 q = (u32)tid - 32u; q < groups; q += BS_THREADS - 32) {
+                u32 words[BITS];
+                const uint4* src = reinterpret_cast<const uint4*>(stage_w + q * BITS);
+#pragma unroll
+                for (int t = 0; t < BITS / 4; ++t) {
+                    const uint4 v = src[t];
+                    words[4 * t] = v.x; words[4 * t + 1] = v.y;
+                    words[4 * t + 2] = v.z; words[4 * t + 3] = v.w;
+                }
+                bs_pack_group<BITS, W>(words, a_s + q * W);
+            }
+        }
+        if (SIGNS) {
+            for (u32 j = (u32)tid - 32u; j < groups * 32u; j += BS_THREADS - 32) {
+                const u32 sb = j < n ? (((u32)stage[j] >> (BITS - 1)) & 1u) : 0u;
+                const u32 word = __ballot_sync(BS_FULL, sb);
+                if (lane == 0) s_signs[j >> 5] = word;
+            }
+        }
     }
-    __syncthreads();
+    __syncthreads();                                                   // B3
     const u64 P = s_P;
 
-    // 6a. Mask words: a round's 32*V bits are V words, one per group of 32/V
-    //     lanes; and the dense relu output.
+    // 4a. Mask: one byte (bf16) or two (fp8) per vector, or a word per 8 lanes (fp32).
     if (MODE != BS_MODE_MASKED) {
-        const int G = 32 / V;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            u32 part = bits[r] << ((lane % G) * V);
-#pragma unroll
-            for (int o = 1; o < G; o <<= 1) part |= __shfl_xor_sync(BS_FULL, part, o);
             const u64 g0 = tile_base + (u64)(warp * SEG + r * RS);
-            const u64 wi = (g0 >> 5) + (u64)(lane / G);
-            if (lane % G == 0 && (wi << 5) < numel) reinterpret_cast<u32*>(mask_ptr)[wi] = part;
+            const u64 g = g0 + (u64)(lane * V);
+            if (V == 8) {
+                if (g < numel) reinterpret_cast<u8*>(mask_ptr)[g >> 3] = (u8)bits[r];
+            } else if (V == 16) {
+                if (g + 8 < numel) reinterpret_cast<u16*>(mask_ptr)[g >> 4] = (u16)bits[r];
+                else if (g < numel) reinterpret_cast<u8*>(mask_ptr)[g >> 3] = (u8)bits[r];
+            } else {
+                u32 part = bits[r] << ((lane & 7) * 4);
+#pragma unroll
+                for (int o = 1; o < 8; o <<= 1) part |= __shfl_xor_sync(BS_FULL, part, o);
+                const u64 wi = (g0 >> 5) + (u64)(lane >> 3);
+                if ((lane & 7) == 0 && (wi << 5) < numel) reinterpret_cast<u32*>(mask_ptr)[wi] = part;
+            }
         }
     }
     if (MODE == BS_MODE_RELU || MODE == BS_MODE_RELU2) {
@@ -307,7 +381,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         }
     }
 
-    // 6b. Chunk offsets at the round starts that begin a chunk.
+    // 4b. Chunk offsets at the round starts that begin a chunk.
     if (MODE != BS_MODE_MASKED && lane == 0) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -320,15 +394,14 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         }
     }
 
-    // 7. Value stream (and sign plane), clipped to the capacity.
+    // 4c. Value stream (and sign plane), clipped to the capacity.
     const u64 a = P < cap ? P : cap;
     const u64 e = P + n < cap ? P + n : cap;
     const bool final_resp = (P < cap && P + n >= cap) || (tile == n_tiles - 1 && P + n < cap);
-    bs_write_stream<W, false, BITS, T>(reinterpret_cast<u32*>(values_ptr), stage, a, e - a, s_tail_m,
-                                       final_resp);
+    bs_copy_stream<W>(reinterpret_cast<u32*>(values_ptr), ENC == 0 ? stage_w : a_s, a, e, s_tail_m,
+                      final_resp);
     if (SIGNS)
-        bs_write_stream<1, true, BITS, T>(reinterpret_cast<u32*>(signs_ptr), stage, a, e - a, s_tail_s,
-                                          final_resp);
+        bs_copy_stream<1>(reinterpret_cast<u32*>(signs_ptr), s_signs, a, e, s_tail_s, final_resp);
 }
 
 // Fixed capacity: zero the value/sign words past the stored stream (the pack

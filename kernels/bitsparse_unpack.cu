@@ -1,60 +1,87 @@
 // Unpacking and the fused backward ops that read packed values.
 //
-// One block per tile, same geometry as bitsparse_pack.cu. The tile's first
-// value index P comes from the chunk offsets (plus a popcount of the mask
-// words between the chunk start and the tile when a chunk spans a few tiles,
-// or from a precomputed per-tile prefix when it spans many). Each lane takes
-// its 16-byte vector's mask bits, a packed warp scan and a block scan give its
-// rank, the tile's stream words are staged in shared memory with coalesced
-// loads, and each lane decodes its values and writes one 16-byte vector.
+// One block per tile (same warp-major geometry as bitsparse_pack.cu), with a
+// single barrier:
+//   1. every thread reads the tile's first value index P and its end from the
+//      chunk offsets (the tile is a whole number of chunks: prefix_mode 0) or
+//      from a per-tile prefix array (chunks larger than a tile: prefix_mode 2);
+//      decodes the tile's stored values, 32 / BITS per 32-bit word, from the
+//      value stream (and sign plane) into shared memory (`vals`); loads its
+//      mask bits and ranks them with packed warp scans.
+//   B1
+//   2. each lane builds its 16-byte output vector one word at a time: the
+//      word's mask bits pick a PRMT selector that drops the next stored values
+//      into their element slots (bs_expand_word).
 //
 // OP 0: unpack. OP 1: relu2_backward (2 r g where r > 0). OP 2: gated
-// backward with u packed under the same mask. OP 3: gated backward with u
-// dense. Value streams are generic here (width w, optional sign plane) so that
-// the two packed operands of OP 2 may use different encodings.
+// backward with u packed under the same mask (its own encoding UENC). OP 3:
+// gated backward with u dense.
 
 #define BS_OP_UNPACK 0
 #define BS_OP_RELU2 1
 #define BS_OP_GATED 2
 #define BS_OP_GATED_DENSE 3
 
-struct BsStream {
-    const u8* values; u64 values_len; int w;
-    const u8* signs; u64 signs_len; int has_signs;
-};
+// Decode stored values [P, P + n) into vals, 32 / BITS per word (word q holds
+// values G*q .. G*q+G-1 of the tile). Values past n in the last word are junk
+// that no mask bit selects. Bit positions are tile-relative 32-bit numbers;
+// only a tile whose words reach the end of the plane takes the guarded loads.
+template <int W>
+__device__ __forceinline__ u32 bs_plane_bits(const u8* plane, u64 len, u64 w0, bool fast, u32 rel) {
+    const u32 k = rel >> 5;
+    const u32* p = reinterpret_cast<const u32*>(plane) + w0;
+    const u32 lo = fast ? p[k] : bs_load_word(plane, len, w0 + k);
+    const u32 hi = fast ? p[k + 1] : bs_load_word(plane, len, w0 + k + 1);
+    return bs_funnel_r(lo, hi, rel & 31u);
+}
 
-// Stage the words of stream bits [P*w, (P+n)*w) (and sign bits [P, P+n)).
-__device__ __forceinline__ void bs_stage_stream(const BsStream& s, u64 P, u32 n, u32* sw, u32* ss) {
-    const u64 w0 = (P * (u64)s.w) >> 5;
-    const u32 nw = (u32)((((P + n) * (u64)s.w + 31ull) >> 5) - w0);
-    for (u32 i = threadIdx.x; i < nw; i += BS_THREADS) sw[i] = bs_load_word(s.values, s.values_len, w0 + i);
-    if (threadIdx.x == 0) sw[nw] = 0u;
-    if (s.has_signs) {
-        const u64 s0 = P >> 5;
-        const u32 ns = (u32)(((P + n + 31ull) >> 5) - s0);
-        for (u32 i = threadIdx.x; i < ns; i += BS_THREADS) ss[i] = bs_load_word(s.signs, s.signs_len, s0 + i);
+template <int BITS, int ENC>
+__device__ __forceinline__ void bs_decode_tile(const u8* values, u64 vlen, const u8* signs, u64 slen,
+                                               u64 P, u32 n, u32* vals) {
+    const int W = ENC == 0 ? BITS : BITS - 1;
+    const int G = 32 / BITS;
+    const u32 words = (n + G - 1) / G;
+    const u64 w0 = (P * (u64)W) >> 5;
+    const u32 sh0 = (u32)(P * (u64)W) & 31u;
+    // Two words past the last group's first bit must exist as whole words.
+    const bool fast = (w0 + (((u64)sh0 + (u64)words * (G * W)) >> 5) + 2) * 4 <= vlen;
+    const u64 s0 = P >> 5;
+    const u32 ssh = (u32)P & 31u;
+    const bool sfast = ENC == 2 && (s0 + (((u64)ssh + (u64)words * G) >> 5) + 2) * 4 <= slen;
+    for (u32 q = threadIdx.x; q < words; q += BS_THREADS) {
+        u32 v = bs_spread<BITS, W>(bs_plane_bits<W>(values, vlen, w0, fast, sh0 + q * (u32)(G * W)));
+        if (ENC == 2) v |= bs_spread_signs<BITS>(bs_plane_bits<1>(signs, slen, s0, sfast, ssh + q * (u32)G));
+        vals[q] = v;
     }
 }
 
+// The 16-byte vector of V elements with mask bits b whose first stored value
+// is value j of the tile.
 template <int BITS>
-__device__ __forceinline__ u32 bs_decode(const BsStream& s, const u32* sw, const u32* ss, u64 P, u32 j) {
-    const u32 bp = (u32)((P * (u64)s.w) & 31ull) + j * (u32)s.w;
-    const u64 pair = (u64)sw[bp >> 5] | ((u64)sw[(bp >> 5) + 1] << 32);
-    const u32 wm = s.w >= 32 ? 0xffffffffu : ((1u << s.w) - 1u);
-    u32 v = (u32)(pair >> (bp & 31u)) & wm;
-    if (s.has_signs) {
-        const u32 sp = (u32)(P & 31ull) + j;
-        v |= ((ss[sp >> 5] >> (sp & 31u)) & 1u) << (BITS - 1);
+__device__ __forceinline__ uint4 bs_expand_vec(const u32* vals, u32 j, u32 b, const u32* sel8) {
+    const int G = 32 / BITS;
+    const u32 GM = (1u << G) - 1u;
+    u32 o[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const u32 mb = (b >> (m * G)) & GM;
+        o[m] = bs_expand_word<BITS>(vals, j, mb, sel8);
+        j += G == 1 ? mb : bs_popc(mb);
     }
-    return v;
+    return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-template <int FMT, int OP, int R>
-__global__ void __launch_bounds__(BS_THREADS, OP == 0 ? (R >= 8 ? 4 : (R >= 4 ? 6 : 8)) : 1)
+__device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
+    return off64 ? reinterpret_cast<const u64*>(offsets_ptr)[c]
+                 : (u64)reinterpret_cast<const u32*>(offsets_ptr)[c];
+}
+
+template <int FMT, int OP, int R, int ENC, int UENC>
+__global__ void __launch_bounds__(BS_THREADS, OP == 0 ? 6 : 2)
 bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, int off64, u64 prefix_ptr,
                  u64 mask_ptr, u64 mask_len,
-                 u64 values_ptr, u64 values_len, int w, u64 signs_ptr, u64 signs_len, int has_signs,
-                 u64 uvalues_ptr, u64 uvalues_len, int uw, u64 usigns_ptr, u64 usigns_len, int uhas_signs,
+                 u64 values_ptr, u64 values_len, u64 signs_ptr, u64 signs_len,
+                 u64 uvalues_ptr, u64 uvalues_len, u64 usigns_ptr, u64 usigns_len,
                  u64 g_ptr, int g_aligned, u64 ud_ptr, int ud_aligned,
                  u64 out_ptr, int out_aligned, u64 out2_ptr, int out2_aligned) {
     typedef typename Fmt<FMT>::T T;
@@ -63,92 +90,76 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
     const int RS = 32 * V;
     const int SEG = RS * R;
     const int TILE = SEG * BS_WARPS;
-    const int SW = TILE * BITS / 32 + 4;      // stream words of a full tile, plus guards
-    const int SS = TILE / 32 + 4;
+    const int VW = TILE * BITS / 32 + 4;      // decoded values as words, plus guards
     const u32 VM = V == 32 ? 0xffffffffu : ((1u << V) - 1u);
 
-    __shared__ u32 sw[SW];
-    __shared__ u32 ss[SS];
-    __shared__ u32 uw_[OP == BS_OP_GATED ? SW : 1];
-    __shared__ u32 us_[OP == BS_OP_GATED ? SS : 1];
+    __shared__ __align__(16) u32 vals[VW];
+    __shared__ __align__(16) u32 uvals[OP == BS_OP_GATED ? VW : 1];
     __shared__ u32 s_warp_tot[BS_WARPS];
-    __shared__ u64 s_P;
+    __shared__ u32 s_sel[16];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u64 tile = blockIdx.x;
     const u64 tile_base = tile * (u64)TILE;
     const u8* mask = reinterpret_cast<const u8*>(mask_ptr);
+    if (BITS == 8 && tid < 16) s_sel[tid] = bs_byte_selector((u32)tid);
 
-    if (warp == 0) {
-        u64 P;
-        if (prefix_mode == 2) {
-            P = reinterpret_cast<const u64*>(prefix_ptr)[tile];
-        } else {
-            const u64 c = tile_base >> chunk_log2;
-            P = off64 ? reinterpret_cast<const u64*>(offsets_ptr)[c]
-                      : (u64)reinterpret_cast<const u32*>(offsets_ptr)[c];
-            if (prefix_mode == 1) {
-                u32 sum = 0;
-                for (u64 i = ((c << chunk_log2) >> 5) + lane; i < (tile_base >> 5); i += 32)
-                    sum += __popc(bs_load_word(mask, mask_len, i));
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(BS_FULL, sum, o);
-                P += sum;
-            }
-        }
-        if (lane == 0) s_P = P;
+    // 1. This tile's stored values: [P, Pe).
+    u64 P, Pe;
+    if (prefix_mode == 0) {
+        const u64 nch = (numel + (1ull << chunk_log2) - 1ull) >> chunk_log2;
+        u64 c1 = (tile_base + TILE) >> chunk_log2;
+        if (c1 > nch) c1 = nch;
+        P = bs_offset_at(offsets_ptr, off64, tile_base >> chunk_log2);
+        Pe = bs_offset_at(offsets_ptr, off64, c1);
+    } else {
+        P = reinterpret_cast<const u64*>(prefix_ptr)[tile];
+        Pe = reinterpret_cast<const u64*>(prefix_ptr)[tile + 1];
     }
+    const u32 n = (u32)(Pe - P);
 
     u32 bits[R];
+    const bool full = tile_base + TILE <= numel;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const u64 g = tile_base + (u64)(warp * SEG + r * RS + lane * V);
         u32 b = 0;
-        if (g < numel) {
+        if (full) {            // a vector's bits are one byte (bf16), two (fp8) or a nibble
+            if (V == 8) b = mask[g >> 3];
+            else if (V == 16) b = reinterpret_cast<const u16*>(mask)[g >> 4];
+            else b = (u32)(mask[g >> 3] >> (u32)(g & 4u)) & VM;
+        } else if (g < numel) {
             b = (bs_load_word(mask, mask_len, g >> 5) >> (u32)(g & 31u)) & VM;
             if (g + V > numel) b &= (1u << (u32)(numel - g)) - 1u;
         }
         bits[r] = b;
     }
+    bs_decode_tile<BITS, ENC>(reinterpret_cast<const u8*>(values_ptr), values_len,
+                              reinterpret_cast<const u8*>(signs_ptr), signs_len, P, n, vals);
+    if (OP == BS_OP_GATED)
+        bs_decode_tile<BITS, UENC>(reinterpret_cast<const u8*>(uvalues_ptr), uvalues_len,
+                                   reinterpret_cast<const u8*>(usigns_ptr), usigns_len, P, n, uvals);
     u32 start[R];
     const u32 wtot = bs_scan_rounds<R>(bits, lane, start);
     if (lane == 0) s_warp_tot[warp] = wtot;
-    __syncthreads();
-    u32 warp_excl = 0, n = 0;
+    __syncthreads();                                                   // B1
+    u32 warp_excl = 0;
 #pragma unroll
-    for (int k = 0; k < BS_WARPS; ++k) {
-        const u32 t = s_warp_tot[k];
-        warp_excl += k < warp ? t : 0u;
-        n += t;
-    }
-    const u64 P = s_P;
+    for (int k = 0; k < BS_WARPS; ++k) warp_excl += k < warp ? s_warp_tot[k] : 0u;
 
-    BsStream sr = {reinterpret_cast<const u8*>(values_ptr), values_len, w,
-                   reinterpret_cast<const u8*>(signs_ptr), signs_len, has_signs};
-    BsStream su = {reinterpret_cast<const u8*>(uvalues_ptr), uvalues_len, uw,
-                   reinterpret_cast<const u8*>(usigns_ptr), usigns_len, uhas_signs};
-    bs_stage_stream(sr, P, n, sw, ss);
-    if (OP == BS_OP_GATED) bs_stage_stream(su, P, n, uw_, us_);
-    __syncthreads();
-
+    // 2. Expand and store (or combine with the gradient).
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const u64 g = tile_base + (u64)(warp * SEG + r * RS + lane * V);
         if (g >= numel) continue;
-        u32 j = warp_excl + start[r];
-        uint4 rv = make_uint4(0, 0, 0, 0), uv = make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            if (bits[r] && ((bits[r] >> i) & 1u)) {
-                bs_set_lane<T>(rv, i, (T)bs_decode<BITS>(sr, sw, ss, P, j));
-                if (OP == BS_OP_GATED) bs_set_lane<T>(uv, i, (T)bs_decode<BITS>(su, uw_, us_, P, j));
-                ++j;
-            }
-        }
+        const u32 j = warp_excl + start[r];
+        const uint4 rv = bs_expand_vec<BITS>(vals, j, bits[r], s_sel);
         if (OP == BS_OP_UNPACK) {
             bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, rv);
         } else {
             const uint4 gv = bs_load_vec<T>(reinterpret_cast<const T*>(g_ptr), g, numel, g_aligned);
+            uint4 uv = make_uint4(0, 0, 0, 0);
+            if (OP == BS_OP_GATED) uv = bs_expand_vec<BITS>(uvals, j, bits[r], s_sel);
             if (OP == BS_OP_GATED_DENSE)
                 uv = bs_load_vec<T>(reinterpret_cast<const T*>(ud_ptr), g, numel, ud_aligned);
             uint4 o1 = make_uint4(0, 0, 0, 0), o2 = make_uint4(0, 0, 0, 0);

@@ -46,6 +46,31 @@ void bs_mul(int fmt, const u32* a, const u32* b, u32* out, long n) { DISPATCH(mu
 void bs_relu2(int fmt, const u32* g, const u32* r, u32* out, long n) { DISPATCH(relu2, g, r, out, n) }
 void bs_relu(int fmt, const u32* a, u32* out, long n) { DISPATCH(relu, a, out, n) }
 }
+#define BY_BITS(F, ...) switch (bits) { case 8: F<8>(__VA_ARGS__); break; \
+    case 16: F<16>(__VA_ARGS__); break; default: F<32>(__VA_ARGS__); }
+template <int B> static void nonzero(const u32* w, u32* out, long n) {
+    for (long i = 0; i < n; ++i) out[i] = bs_word_nonzero<B>(w[i]); }
+template <int B> static void spread(int raw, const u32* c, u32* out, long n) {
+    for (long i = 0; i < n; ++i)
+        out[i] = raw ? bs_spread<B, B>(c[i]) : bs_spread<B, B - 1>(c[i]); }
+template <int B> static void spread_signs(const u32* s, u32* out, long n) {
+    for (long i = 0; i < n; ++i) out[i] = bs_spread_signs<B>(s[i]); }
+template <int B> static void pack_group(int raw, const u32* words, u32* out, long groups) {
+    for (long g = 0; g < groups; ++g) {
+        if (raw) bs_pack_group<B, B>(words + g * B, out + g * B);
+        else bs_pack_group<B, B - 1>(words + g * B, out + g * (B - 1)); } }
+template <int B> static void expand(const u32* vals, const u32* j, const u32* mb, u32* out, long n) {
+    u32 sel[16];
+    for (u32 k = 0; k < 16; ++k) sel[k] = bs_byte_selector(k);
+    for (long i = 0; i < n; ++i) out[i] = bs_expand_word<B>(vals, j[i], mb[i], sel); }
+extern "C" {
+void bs_nonzero(int bits, const u32* w, u32* out, long n) { BY_BITS(nonzero, w, out, n) }
+void bs_spread_c(int bits, int raw, const u32* c, u32* out, long n) { BY_BITS(spread, raw, c, out, n) }
+void bs_signs(int bits, const u32* s, u32* out, long n) { BY_BITS(spread_signs, s, out, n) }
+void bs_group(int bits, int raw, const u32* w, u32* out, long g) { BY_BITS(pack_group, raw, w, out, g) }
+void bs_expand(int bits, const u32* v, const u32* j, const u32* mb, u32* out, long n) {
+    BY_BITS(expand, v, j, mb, out, n) }
+}
 """
 
 
@@ -164,3 +189,114 @@ def test_relu_predicate(lib, dt):
     with np.errstate(all="ignore"):
         want = relu_bits(x, dt).view(dt.uint).astype(np.uint32)
     assert np.array_equal(_call(lib, "bs_relu", dt.name, pats), want)
+
+
+# --------------------------------------------------------------------------- #
+# Word-at-a-time helpers of the pack / unpack kernels                         #
+# --------------------------------------------------------------------------- #
+WIDTHS = [8, 16, 32]
+
+
+def _u32(a):
+    return np.ascontiguousarray(a, dtype=np.uint32)
+
+
+def _ptr(a):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def _lanes(words: np.ndarray, bits: int) -> np.ndarray:
+    """The BITS-bit lanes of 32-bit words, lane k of word i at [i, k]."""
+    per = 32 // bits
+    shifts = np.arange(per, dtype=np.uint64) * bits
+    return ((words.astype(np.uint64)[:, None] >> shifts) & ((1 << bits) - 1)).astype(np.uint32)
+
+
+def _words_of_lanes(lanes: np.ndarray, bits: int) -> np.ndarray:
+    shifts = np.arange(lanes.shape[1], dtype=np.uint64) * bits
+    return (lanes.astype(np.uint64) << shifts).sum(axis=1).astype(np.uint32)
+
+
+def _random_words(rng, n, bits):
+    """Words whose lanes are zero, -0.0-like (sign only), or random, in equal shares."""
+    lanes = rng.integers(0, 1 << bits, (n, 32 // bits), dtype=np.uint64).astype(np.uint32)
+    kind = rng.integers(0, 3, lanes.shape)
+    lanes[kind == 0] = 0
+    lanes[kind == 1] = np.uint32(1 << (bits - 1)) if bits < 32 else np.uint32(0x80000000)
+    return _words_of_lanes(lanes, bits)
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_word_nonzero(lib, bits):
+    rng = np.random.default_rng(10 + bits)
+    w = _random_words(rng, 1 << 16, bits)
+    if bits == 16:   # every pair of interesting 16-bit lanes
+        v = np.array([0, 1, 0x7fff, 0x8000, 0x8001, 0xffff, 0x0100], dtype=np.uint32)
+        w = np.concatenate([w, (v[:, None] | (v[None, :] << 16)).ravel()])
+    if bits == 8:    # every byte in every lane position
+        b = np.arange(256, dtype=np.uint32)
+        w = np.concatenate([w, b, b << 8, b << 16, b << 24])
+    out = np.empty_like(w)
+    lib.bs_nonzero(ctypes.c_int(bits), _ptr(w), _ptr(out), ctypes.c_long(w.size))
+    want = ((_lanes(w, bits) != 0) << np.arange(32 // bits)).sum(axis=1)
+    assert np.array_equal(out, want.astype(np.uint32))
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "magnitude"])
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_spread_inverts_the_stream(lib, bits, raw):
+    """A stream chunk of 32/BITS codes spreads back to one code per lane."""
+    from bitsparse_core import bitstream
+    rng = np.random.default_rng(20 + bits)
+    width = bits if raw else bits - 1
+    per = 32 // bits
+    codes = rng.integers(0, 1 << width, (4096, per), dtype=np.uint64).astype(np.uint32)
+    stream = [bitstream.pack(c, width) for c in codes]
+    chunks = _u32([int.from_bytes(bytes(s[:4]).ljust(4, b"\0"), "little") for s in stream])
+    out = np.empty_like(chunks)
+    lib.bs_spread_c(ctypes.c_int(bits), ctypes.c_int(raw), _ptr(chunks), _ptr(out),
+                    ctypes.c_long(chunks.size))
+    assert np.array_equal(_lanes(out, bits), codes)
+    s = _u32(rng.integers(0, 1 << 32, 4096, dtype=np.uint64))
+    lib.bs_signs(ctypes.c_int(bits), _ptr(s), _ptr(out), ctypes.c_long(s.size))
+    want = (((s[:, None] >> np.arange(per, dtype=np.uint32)) & 1) << (bits - 1)).astype(np.uint32)
+    assert np.array_equal(_lanes(out, bits), want)
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "magnitude"])
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_pack_group_matches_the_stream(lib, bits, raw):
+    """32 staged values -> their codes as stream words, as bitstream.pack writes them."""
+    from bitsparse_core import bitstream
+    rng = np.random.default_rng(30 + bits)
+    width = bits if raw else bits - 1
+    groups = 512
+    vals = rng.integers(0, 1 << bits, (groups, 32), dtype=np.uint64).astype(np.uint32)
+    words = _u32(np.stack([_words_of_lanes(v.reshape(-1, 32 // bits), bits) for v in vals]))
+    out = np.zeros((groups, width), dtype=np.uint32)
+    lib.bs_group(ctypes.c_int(bits), ctypes.c_int(raw), _ptr(words), _ptr(out), ctypes.c_long(groups))
+    for g in range(groups):
+        codes = vals[g] & np.uint32((1 << width) - 1) if width < 32 else vals[g]
+        assert out[g].tobytes() == bitstream.pack(codes, width).tobytes(), g
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_expand_word(lib, bits):
+    """Mask bits of one output word pick the next stored values, in order."""
+    rng = np.random.default_rng(40 + bits)
+    per = 32 // bits
+    stored = rng.integers(1, 1 << bits, 256, dtype=np.uint64).astype(np.uint32)
+    vals = _u32(np.concatenate([_words_of_lanes(stored.reshape(-1, per), bits), [0, 0]]))
+    n = 20000
+    mb = _u32(rng.integers(0, 1 << per, n))
+    j = _u32(rng.integers(0, 256 - per, n))
+    out = np.empty(n, dtype=np.uint32)
+    lib.bs_expand(ctypes.c_int(bits), _ptr(vals), _ptr(j), _ptr(mb), _ptr(out), ctypes.c_long(n))
+    lanes = np.zeros((n, per), dtype=np.uint32)
+    for i in range(n):
+        k = j[i]
+        for p in range(per):
+            if (mb[i] >> p) & 1:
+                lanes[i, p] = stored[k]
+                k += 1
+    assert np.array_equal(out, _words_of_lanes(lanes, bits))
