@@ -12,10 +12,12 @@ over its predecessors' published counts. A bit-stream word that straddles two
 tiles is written whole by the tile holding its last bit (or the stream's end):
 every tile also publishes the last 32 stream bits up to its end, so no word is
 written twice, no atomics touch the output and padding bits come out zero.
-Unpack and the backward ops are one launch per tile (plus a popcount + scan of
-the mask when chunks are larger than a tile): a tile first copies its slice of
-the value stream (and sign plane) into shared memory with independent loads,
-then cuts each value out of the shared words.
+Unpack is one launch per tile (plus a popcount + scan of the mask when chunks
+are larger than a tile), one kernel per encoding: the tile's value range comes
+from the tile-offset array at both ends, its stored values are decoded 32/BITS
+per stream chunk into shared memory, then cut out by rank. The gated backward
+op still copies its two streams' slices into shared memory and cuts each value
+out of the shared words (``value_at``).
 
 Sizes: on a GPU a tile is 4096 elements for a block of 512 threads (one group
 each); under the simulator 1024 elements for 64 threads (two groups each, so
@@ -230,8 +232,10 @@ else:
     @cuda.jit(device=True)
     def _lookback(desc, tails, tile, width, signs, lane, sh_f, sh_i):
         """(values before ``tile``, last value-stream bits, last sign bits) in lane 0.
-        Warp 0 reads 32 predecessors per step, waits until all are published, and
-        lane 0 folds them nearest first until one publishes its inclusive count."""
+        Warp 0 reads 32 predecessors per step and waits until all are published;
+        their counts up to the first inclusive one are summed across the warp, and
+        lane 0 folds stream tails, nearest first, only while fewer than 32 bits
+        are known (one predecessor almost always has enough)."""
         acc = int64(0)
         mb = int64(0)
         ml = int64(0)
@@ -246,21 +250,30 @@ else:
             while cuda.any_sync(FULL_MASK, (f >> LB_SHIFT) == 0):
                 if (f >> LB_SHIFT) == 0:
                     f = _rd64(desc, SCRATCH_HEAD + j)
+            incl = int64(cuda.ballot_sync(FULL_MASK, (f >> LB_SHIFT) == 2))
+            first = 32
+            if incl != 0:
+                first = cuda.popc(int32((incl & -incl) - 1))   # index of the lowest set bit
+            c = int64(0)
+            if lane <= first:
+                c = f & LB_COUNT
+            o = 16
+            while o > 0:
+                c += cuda.shfl_xor_sync(FULL_MASK, c, o)
+                o >>= 1
+            acc += c
             sh_f[lane] = f
             cuda.syncwarp(FULL_MASK)
-            if lane == 0:
-                done = False
-                for q in range(32):
-                    acc, mb, ml, sb, sl, done = _fold(sh_f[q], base - q, tails, width, signs,
-                                                      acc, mb, ml, sb, sl)
-                    if done:
-                        break
-                sh_i[0] = 1 if done else 0
+            if lane == 0 and width > 0:
+                q = 0
+                while q < 32 and q <= first and (ml < 32 or (signs and sl < 32)):
+                    _, mb, ml, sb, sl, _ = _fold(sh_f[q], base - q, tails, width, signs,
+                                                 int64(0), mb, ml, sb, sl)
+                    q += 1
             cuda.syncwarp(FULL_MASK)
-            if sh_i[0] != 0:
+            if incl != 0:
                 break
             base -= 32
-            cuda.syncwarp(FULL_MASK)
         return acc, mb, sb
 
 
@@ -688,59 +701,93 @@ class DtypeKernels:
                     sw[k] = 0
                     k += step
 
-        @cuda.jit(**TILE_JIT)
-        def k_unpack(mask, numel, toff, toff_shift, enc, vb, vw, nvb, sb, sw, nsb,
-                     op, ge, g64, guse64, oe, o64, ouse64):
-            """Dense output of one tile. op 0: the stored patterns (unpack);
-            op 1: relu2_backward, 2*r*grad where r > 0, else +0. Tile i's first value
-            is toff[(i << TILE_LOG2) >> toff_shift]; vb/vw: the values plane as bytes
-            and as its whole 32-bit words (empty when unaligned), nvb its length
-            (likewise the signs)."""
-            t = cuda.threadIdx.x
-            tile = int64(cuda.blockIdx.x)
-            sw_v = cuda.shared.array(VWN, uint32)
-            sw_s = cuda.shared.array(SWN, uint32)
-            sh_byte = cuda.shared.array(GPT, int32)
-            sh_rank = cuda.shared.array(GPT, int32)
-            sh_tot = cuda.shared.array(GNW, int64)
-            sh_lane = cuda.shared.array(LANE_N, int64)
-            v = cuda.local.array(8, int64)
-            gv = cuda.local.array(8, int64)
-            ngroups = (numel + 7) >> 3
-            for r in range(G):
-                g = tile * GPT + r * NT + t
-                byte = 0
-                if g < ngroups:
-                    byte = int32(mask[g])
-                sh_byte[r * NT + t] = byte
-            cuda.syncthreads()
-            n = _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
-            off = int64(toff[(tile << TILE_LOG2) >> toff_shift])
-            stage(sw_v, sw_s, t, off, n, enc, vb, vw, nvb, sb, sw, nsb)
-            cuda.syncthreads()
-            for r in range(G):
-                gi = r * NT + t
-                g = tile * GPT + gi
-                if g < ngroups:
-                    full = g * 8 + 8 <= numel
-                    if op == 1:
-                        load_group(ge, g64, guse64 and full, numel, g, gv)
-                    byte = sh_byte[gi]
-                    rk = int64(sh_rank[gi])
-                    for j in range(8):
-                        if (byte >> j) & 1:
-                            v[j] = value_at(sw_v, sw_s, off, rk, enc)
-                            rk += 1
-                        else:
-                            v[j] = 0
-                    if op == 1:
+        # Unpack: one kernel per encoding (the stream width is then a constant).
+        # The tile's value range [P, Pe) comes from the tile-offset array at both
+        # ends, so its stored values are decoded before the ranks are known:
+        # 32 / BITS values per stream chunk (one shift of a 64-bit word pair, no
+        # per-value division) into shared memory, then cut out by rank.
+        GW = 32 // BITS                  # values per decoded chunk
+        VALS_N = TILE + 32               # (shared array sizes must be closure constants)
+
+        def make_unpack(enc):
+            WD = BITS if enc == RAW else W
+            WDM = (1 << WD) - 1
+
+            @cuda.jit(**TILE_JIT)
+            def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
+                         op, ge, g64, guse64, oe, o64, ouse64):
+                """Dense output of one tile. op 0: the stored patterns (unpack);
+                op 1: relu2_backward, 2*r*grad where r > 0, else +0. The tile's
+                stored values are toff[(i << TILE_LOG2) >> toff_shift] up to the
+                same at tile i + 1 (toff has one entry past the last tile or chunk);
+                vb/vw: the values plane as bytes and as its whole 32-bit words
+                (empty when unaligned), nvb its length (likewise the signs)."""
+                t = cuda.threadIdx.x
+                tile = int64(cuda.blockIdx.x)
+                vals = cuda.shared.array(VALS_N, ETYPE)
+                sh_byte = cuda.shared.array(GPT, int32)
+                sh_rank = cuda.shared.array(GPT, int32)
+                sh_tot = cuda.shared.array(GNW, int64)
+                sh_lane = cuda.shared.array(LANE_N, int64)
+                v = cuda.local.array(8, int64)
+                gv = cuda.local.array(8, int64)
+                ngroups = (numel + 7) >> 3
+                for r in range(G):
+                    g = tile * GPT + r * NT + t
+                    byte = 0
+                    if g < ngroups:
+                        byte = int32(mask[g])
+                    sh_byte[r * NT + t] = byte
+                off = int64(toff[(tile << TILE_LOG2) >> toff_shift])
+                ie = ((tile + 1) << TILE_LOG2) >> toff_shift
+                if ie > toff.size - 1:
+                    ie = toff.size - 1
+                n = int64(toff[ie]) - off
+                bit0 = off * WD
+                w0 = bit0 >> 5
+                s0 = off >> 5
+                q = int64(t)
+                while q * GW < n:
+                    rel = (bit0 & 31) + q * (GW * WD)
+                    k = w0 + (rel >> 5)
+                    c = (_load_word(vb, vw, nvb, k) | (_load_word(vb, vw, nvb, k + 1) << 32)) >> (rel & 31)
+                    sg = int64(0)
+                    if enc == SIGNPLANE:
+                        rs = (off & 31) + q * GW
+                        ks = s0 + (rs >> 5)
+                        sg = (_load_word(sb, sw, nsb, ks) | (_load_word(sb, sw, nsb, ks + 1) << 32)) >> (rs & 31)
+                    for gq in range(GW):
+                        code = (c >> (gq * WD)) & WDM
+                        if enc == SIGNPLANE:
+                            code |= ((sg >> gq) & 1) << (BITS - 1)
+                        vals[q * GW + gq] = code
+                    q += NT
+                cuda.syncthreads()
+                _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
+                for r in range(G):
+                    gi = r * NT + t
+                    g = tile * GPT + gi
+                    if g < ngroups:
+                        full = g * 8 + 8 <= numel
+                        if op == 1:
+                            load_group(ge, g64, guse64 and full, numel, g, gv)
+                        byte = sh_byte[gi]
+                        rk = sh_rank[gi]
                         for j in range(8):
-                            rj = v[j]
-                            if is_pos(rj):
-                                v[j] = narrow(fmul(widen(gv[j]), fmul(widen(rj), TWO)))
+                            if (byte >> j) & 1:
+                                v[j] = int64(vals[rk])
+                                rk += 1
                             else:
                                 v[j] = 0
-                    store_group(oe, o64, ouse64 and full, numel, g, v)
+                        if op == 1:
+                            for j in range(8):
+                                rj = v[j]
+                                if is_pos(rj):
+                                    v[j] = narrow(fmul(widen(gv[j]), fmul(widen(rj), TWO)))
+                                else:
+                                    v[j] = 0
+                        store_group(oe, o64, ouse64 and full, numel, g, v)
+            return k_unpack
 
         @cuda.jit
         def k_gated(mask_r, toff_r, shift_r, enc_r, vb_r, vw_r, nvb_r, sb_r, sw_r, nsb_r,
@@ -829,7 +876,7 @@ class DtypeKernels:
 
         self.pack = k_pack
         self.zero_tail = k_zero_tail
-        self.unpack = k_unpack
+        self.unpack = {e: make_unpack(e) for e in (RAW, NOSIGN, SIGNPLANE)}
         self.gated = k_gated
         self.relu_backward = k_relu_backward
 
