@@ -32,7 +32,10 @@ NumPy, and the tile is smaller so small tensors still span several tiles. The
 rest is the same source, so CI exercises the algorithm without a GPU.
 
 All index arithmetic is int64 (tensors may exceed 2**31 elements); element
-patterns are widened to int64 as soon as they are loaded.
+patterns are widened to int64 as soon as they are loaded. Hot array accesses
+index with ``uint64(i)`` (``_u``): Numba adds a negative-index wraparound
+(a compare, a select and an add) to every access with a signed index, which
+was a large share of the kernels' instructions.
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ import numpy as np
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
 
-from numba import config, cuda, int32, int64, uint8, uint16, uint32  # noqa: E402
+from numba import config, cuda, int32, int64, uint8, uint16, uint32, uint64  # noqa: E402
 
 from . import bitfloat
 
 SIM = bool(config.ENABLE_CUDASIM)
+_u = uint64                      # index cast: no wraparound code (module docstring)
 
 TILE_LOG2 = 10 if SIM else 12
 TILE = 1 << TILE_LOG2
@@ -130,18 +134,21 @@ def _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t):
     warp = t >> 5
     for r in range(G):
         gi = r * NT + t
-        c = int64(cuda.popc(int32(sh_byte[gi])))
+        c = int64(cuda.popc(int32(sh_byte[_u(gi)])))
         inc = _warp_incl_scan(c, lane, t, sh_lane)
-        sh_rank[gi] = inc - c
+        sh_rank[_u(gi)] = inc - c
         if lane == 31:
-            sh_tot[r * NW + warp] = inc
+            sh_tot[_u(r * NW + warp)] = inc
     cuda.syncthreads()
     acc = int64(0)
     for r in range(G):
+        before = acc
         for w in range(NW):
-            if w == warp:
-                sh_rank[r * NT + t] += acc
-            acc += sh_tot[r * NW + w]
+            tv = sh_tot[_u(r * NW + w)]
+            if w < warp:
+                before += tv
+            acc += tv
+        sh_rank[_u(r * NT + t)] += before
     return acc
 
 
@@ -150,12 +157,12 @@ def _load_word(b8, w32, nbytes, k):
     """Little-endian 32-bit word k of a byte plane; bytes past nbytes read as 0.
     w32 is the plane's uint32 view (length 0 when the plane is not 4-byte aligned)."""
     if k < w32.size:
-        return int64(w32[k])
+        return int64(w32[_u(k)])
     v = int64(0)
     for q in range(4):
         i = 4 * k + q
         if i < nbytes:
-            v |= int64(b8[i]) << (8 * q)
+            v |= int64(b8[_u(i)]) << (8 * q)
     return v
 
 
@@ -369,14 +376,14 @@ class DtypeKernels:
             """v[0..8) = patterns of group g (0 past numel). ``fast``: uint64 loads."""
             if fast:
                 for q in range(ITEM):
-                    w = int64(x64[g * ITEM + q])
+                    w = int64(x64[_u(g * ITEM + q)])
                     for j in range(PER_WORD):
                         v[q * PER_WORD + j] = (w >> (j * BITS)) & EMASK
             else:
                 for j in range(8):
                     e = g * 8 + j
                     if e < numel:
-                        v[j] = int64(xe[e])
+                        v[j] = int64(xe[_u(e)])
                     else:
                         v[j] = 0
 
@@ -387,12 +394,12 @@ class DtypeKernels:
                     w = int64(0)
                     for j in range(PER_WORD):
                         w |= v[q * PER_WORD + j] << (j * BITS)
-                    o64[g * ITEM + q] = w
+                    o64[_u(g * ITEM + q)] = w
             else:
                 for j in range(8):
                     e = g * 8 + j
                     if e < numel:
-                        oe[e] = v[j]
+                        oe[_u(e)] = v[j]
 
         @cuda.jit(device=True)
         def relu(x):
@@ -503,7 +510,7 @@ class DtypeKernels:
                             i = (wb - S) // width
                         while i < m and S + i * width < wb + 32:
                             pos = S + i * width - wb
-                            code = code_of(int64(sv[i]))
+                            code = code_of(int64(sv[_u(i)]))
                             if pos >= 0:
                                 word |= code << pos
                             else:
@@ -516,7 +523,7 @@ class DtypeKernels:
                             if pl > 32:
                                 pl = 32
                             word |= (pred >> (pl - d)) & ((int64(1) << d) - 1)
-                        w32[k] = word & 0xFFFFFFFF
+                        w32[_u(k)] = word & 0xFFFFFFFF
                     k += NT
             return tail, emit
 
@@ -559,12 +566,12 @@ class DtypeKernels:
                     full = g * 8 + 8 <= numel
                     load_group(xe, x64, use64 and full, numel, g, v)
                     if mode == MODE_MASKED:
-                        byte = int32(msrc[g])
+                        byte = int32(msrc[_u(g)])
                     elif mode != MODE_PACK:
                         for j in range(8):
                             v[j] = relu(v[j])
                     for j in range(8):
-                        sx[j * GPT + gi] = v[j]
+                        sx[_u(j * GPT + gi)] = v[j]
                         if mode != MODE_MASKED and v[j] != 0:
                             byte |= 1 << j
                     if mode == MODE_RELU2:
@@ -572,21 +579,21 @@ class DtypeKernels:
                             v[j] = square(v[j])
                     if mode == MODE_RELU or mode == MODE_RELU2:
                         store_group(ye, y64, ouse64 and full, numel, g, v)
-                sh_byte[gi] = byte
+                sh_byte[_u(gi)] = byte
             cuda.syncthreads()
             n = _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
             neg = 0
             for r in range(G):
                 gi = r * NT + t
                 g = tile * GPT + gi
-                byte = sh_byte[gi]
-                rk = sh_rank[gi]
+                byte = sh_byte[_u(gi)]
+                rk = sh_rank[_u(gi)]
                 if g < ngroups and mode != MODE_MASKED:
-                    mask[g] = byte
+                    mask[_u(g)] = byte
                 for j in range(8):
                     if (byte >> j) & 1:
-                        x = int64(sx[j * GPT + gi])
-                        sv[rk] = x
+                        x = int64(sx[_u(j * GPT + gi)])
+                        sv[_u(rk)] = x
                         if x >= SIGN:
                             neg = 1
                         rk += 1
@@ -661,7 +668,7 @@ class DtypeKernels:
                     gi = r * NT + t
                     g = tile * GPT + gi
                     if g < ngroups and ((g << 3) & ((int64(1) << chunk_log2) - 1)) == 0:
-                        offsets[(g << 3) >> chunk_log2] = P + sh_rank[gi]
+                        offsets[_u((g << 3) >> chunk_log2)] = P + sh_rank[_u(gi)]
             m = int64(0)
             if P < cap:
                 m = cap - P
@@ -671,7 +678,7 @@ class DtypeKernels:
             if enc == RAW:
                 i = int64(t)
                 while i < m:
-                    vt[P + i] = int64(sv[i])
+                    vt[_u(P + i)] = int64(sv[_u(i)])
                     i += NT
             else:
                 emit_values(sv, t, P, m, vw, pm, final)
@@ -736,13 +743,13 @@ class DtypeKernels:
                     g = tile * GPT + r * NT + t
                     byte = 0
                     if g < ngroups:
-                        byte = int32(mask[g])
-                    sh_byte[r * NT + t] = byte
-                off = int64(toff[(tile << TILE_LOG2) >> toff_shift])
+                        byte = int32(mask[_u(g)])
+                    sh_byte[_u(r * NT + t)] = byte
+                off = int64(toff[_u((tile << TILE_LOG2) >> toff_shift)])
                 ie = ((tile + 1) << TILE_LOG2) >> toff_shift
                 if ie > toff.size - 1:
                     ie = toff.size - 1
-                n = int64(toff[ie]) - off
+                n = int64(toff[_u(ie)]) - off
                 bit0 = off * WD
                 w0 = bit0 >> 5
                 s0 = off >> 5
@@ -760,7 +767,7 @@ class DtypeKernels:
                         code = (c >> (gq * WD)) & WDM
                         if enc == SIGNPLANE:
                             code |= ((sg >> gq) & 1) << (BITS - 1)
-                        vals[q * GW + gq] = code
+                        vals[_u(q * GW + gq)] = code
                     q += NT
                 cuda.syncthreads()
                 _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
@@ -771,11 +778,11 @@ class DtypeKernels:
                         full = g * 8 + 8 <= numel
                         if op == 1:
                             load_group(ge, g64, guse64 and full, numel, g, gv)
-                        byte = sh_byte[gi]
-                        rk = sh_rank[gi]
+                        byte = sh_byte[_u(gi)]
+                        rk = sh_rank[_u(gi)]
                         for j in range(8):
                             if (byte >> j) & 1:
-                                v[j] = int64(vals[rk])
+                                v[j] = int64(vals[_u(rk)])
                                 rk += 1
                             else:
                                 v[j] = 0
