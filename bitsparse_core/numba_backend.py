@@ -394,8 +394,8 @@ class NumbaBackend:
             msrc = P.view(P.import_plane(p_mask.mask), 0, lay.mask[1], np.uint8)
             mask, offsets = msrc, P.view(scratch, 0, 0, np.uint32)
         kern = K.kernels_for(dt.name)
-        P.launch(kern.pack, n_tiles, K.NT, st, xe, x64, use64, numel, mode, ye, y64, yfast, msrc,
-                 int(enc), lay.capacity, int(self.incl_every), mask, offsets, lay.chunk_log2, vt,
+        P.launch(kern.pack[(mode, int(enc))], n_tiles, K.NT, st, xe, x64, use64, numel, ye, y64,
+                 yfast, msrc, lay.capacity, int(self.incl_every), mask, offsets, lay.chunk_log2, vt,
                  vw, sw, desc, tails, stat)
         if zero_tail and lay.capacity > 0:
             words = lay.capacity if enc == Encoding.RAW else max(vw.size, sw.size)

@@ -530,160 +530,164 @@ class DtypeKernels:
         tail_values, emit_values = make_stream(W, False)
         tail_signs, emit_signs = make_stream(1, True)
 
-        @cuda.jit(**TILE_JIT)
-        def k_pack(xe, x64, use64, numel, mode, ye, y64, ouse64, msrc, enc, cap, incl_every,
-                   mask, offsets, chunk_log2, vt, vw, sw, scratch, tails, stat):
-            """One-pass pack. mode 0: x's nonzeros; 1: relu(x)'s, writing y = relu(x);
-            2: the same with y = relu(x)**2; 3 (masked_pack): x at the set bits of the
-            mask plane ``msrc`` (mask and offsets are then shared, not written).
-            ``scratch`` (int64, zeroed): ticket, status OR, one descriptor per tile;
-            ``tails`` (uint32): 4 per tile; ``stat`` (int64): status word, total count.
-            ``incl_every`` > 1 makes only every such tile publish its inclusive count
-            (tests use it to make the look-back walk)."""
-            t = cuda.threadIdx.x
-            n_tiles = int64(cuda.gridDim.x)
-            sv = cuda.shared.array(TILE, ETYPE)       # the tile's values, compacted
-            sx = cuda.shared.array(TILE, ETYPE)       # its elements, [j * GPT + group]
-            sh_byte = cuda.shared.array(GPT, int32)
-            sh_rank = cuda.shared.array(GPT, int32)
-            sh_tot = cuda.shared.array(GNW, int64)
-            sh_lane = cuda.shared.array(LANE_N, int64)
-            sh_f = cuda.shared.array(32, int64)
-            sh_i = cuda.shared.array(2, int32)
-            sh_p = cuda.shared.array(4, int64)
-            v = cuda.local.array(8, int64)
-            if t == 0:
-                sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
-                sh_i[1] = 0
-            cuda.syncthreads()
-            tile = sh_p[0]
-            ngroups = (numel + 7) >> 3
-            for r in range(G):
-                gi = r * NT + t
-                g = tile * GPT + gi
-                byte = 0
-                if g < ngroups:
-                    full = g * 8 + 8 <= numel
-                    load_group(xe, x64, use64 and full, numel, g, v)
-                    if mode == MODE_MASKED:
-                        byte = int32(msrc[_u(g)])
-                    elif mode != MODE_PACK:
-                        for j in range(8):
-                            v[j] = relu(v[j])
-                    for j in range(8):
-                        sx[_u(j * GPT + gi)] = v[j]
-                        if mode != MODE_MASKED and v[j] != 0:
-                            byte |= 1 << j
-                    if mode == MODE_RELU2:
-                        for j in range(8):
-                            v[j] = square(v[j])
-                    if mode == MODE_RELU or mode == MODE_RELU2:
-                        store_group(ye, y64, ouse64 and full, numel, g, v)
-                sh_byte[_u(gi)] = byte
-            cuda.syncthreads()
-            n = _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
-            neg = 0
-            for r in range(G):
-                gi = r * NT + t
-                g = tile * GPT + gi
-                byte = sh_byte[_u(gi)]
-                rk = sh_rank[_u(gi)]
-                if g < ngroups and mode != MODE_MASKED:
-                    mask[_u(g)] = byte
-                for j in range(8):
-                    if (byte >> j) & 1:
-                        x = int64(sx[_u(j * GPT + gi)])
-                        sv[_u(rk)] = x
-                        if x >= SIGN:
-                            neg = 1
-                        rk += 1
-            if neg != 0 and enc == NOSIGN:
-                sh_i[1] = 1
-            cuda.syncthreads()
-
-            # Publish this tile's count, find its offset, publish the inclusive count.
-            width = int64(0)
-            if enc != RAW:
-                width = int64(W)
-            signs = enc == SIGNPLANE
-            lm = int64(0)
-            ll = int64(0)
-            ls = int64(0)
-            if t == 0:
-                if width > 0:
-                    lm, ll = tail_values(sv, n)
-                if signs:
-                    ls, _ = tail_signs(sv, n)
-                tails[tile * 4] = lm
-                tails[tile * 4 + 1] = ls
-                if tile == 0:
-                    tails[2] = lm
-                    tails[3] = ls
-                if sh_i[1] != 0:
-                    cuda.atomic.or_(scratch, 1, int64(1))
-                cuda.threadfence()
-                if tile == 0:
-                    cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | n)
-                else:
-                    cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | n)
-            P = int64(0)
-            pm = int64(0)
-            ps = int64(0)
-            if tile > 0 and t < 32:
-                P, pm, ps = _lookback(scratch, tails, tile, width, signs, t, sh_f, sh_i)
-            if t == 0:
-                if tile > 0 and tile % incl_every == 0:
-                    pl = P * width
-                    if pl > 32:
-                        pl = 32
-                    im, _ = _cat(pm, pl, lm, ll)
-                    pl = P
-                    if pl > 32:
-                        pl = 32
-                    nl = n
-                    if nl > 32:
-                        nl = 32
-                    isg, _ = _cat(ps, pl, ls, nl)
-                    tails[tile * 4 + 2] = im
-                    tails[tile * 4 + 3] = isg
-                    cuda.threadfence()
-                    cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_INCL) | (P + n))
-                if tile == n_tiles - 1:
-                    # Every predecessor OR-ed its status before publishing its count.
-                    cuda.threadfence()
-                    stat[0] = _rd64(scratch, 1)
-                    stat[1] = P + n
-                    if mode != MODE_MASKED:
-                        offsets[offsets.size - 1] = P + n
-                sh_p[1] = P
-                sh_p[2] = pm
-                sh_p[3] = ps
-            cuda.syncthreads()
-            P = sh_p[1]
-            pm = sh_p[2]
-            ps = sh_p[3]
-
-            if mode != MODE_MASKED:
+        def make_pack(mode, enc):
+            """The pack kernel of one mode and encoding (both compile-time constants,
+            so the other modes' code and the run-time encoding tests drop out)."""
+            @cuda.jit(**TILE_JIT)
+            def k_pack(xe, x64, use64, numel, ye, y64, ouse64, msrc, cap, incl_every,
+                       mask, offsets, chunk_log2, vt, vw, sw, scratch, tails, stat):
+                """One-pass pack. mode 0: x's nonzeros; 1: relu(x)'s, writing y = relu(x);
+                2: the same with y = relu(x)**2; 3 (masked_pack): x at the set bits of the
+                mask plane ``msrc`` (mask and offsets are then shared, not written).
+                ``scratch`` (int64, zeroed): ticket, status OR, one descriptor per tile;
+                ``tails`` (uint32): 4 per tile; ``stat`` (int64): status word, total count.
+                ``incl_every`` > 1 makes only every such tile publish its inclusive count
+                (tests use it to make the look-back walk)."""
+                t = cuda.threadIdx.x
+                n_tiles = int64(cuda.gridDim.x)
+                sv = cuda.shared.array(TILE, ETYPE)       # the tile's values, compacted
+                sx = cuda.shared.array(TILE, ETYPE)       # its elements, [j * GPT + group]
+                sh_byte = cuda.shared.array(GPT, int32)
+                sh_rank = cuda.shared.array(GPT, int32)
+                sh_tot = cuda.shared.array(GNW, int64)
+                sh_lane = cuda.shared.array(LANE_N, int64)
+                sh_f = cuda.shared.array(32, int64)
+                sh_i = cuda.shared.array(2, int32)
+                sh_p = cuda.shared.array(4, int64)
+                v = cuda.local.array(8, int64)
+                if t == 0:
+                    sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
+                    sh_i[1] = 0
+                cuda.syncthreads()
+                tile = sh_p[0]
+                ngroups = (numel + 7) >> 3
                 for r in range(G):
                     gi = r * NT + t
                     g = tile * GPT + gi
-                    if g < ngroups and ((g << 3) & ((int64(1) << chunk_log2) - 1)) == 0:
-                        offsets[_u((g << 3) >> chunk_log2)] = P + sh_rank[_u(gi)]
-            m = int64(0)
-            if P < cap:
-                m = cap - P
-                if m > n:
-                    m = n
-            final = (P < cap and P + n >= cap) or (tile == n_tiles - 1 and P + n < cap)
-            if enc == RAW:
-                i = int64(t)
-                while i < m:
-                    vt[_u(P + i)] = int64(sv[_u(i)])
-                    i += NT
-            else:
-                emit_values(sv, t, P, m, vw, pm, final)
-                if signs:
-                    emit_signs(sv, t, P, m, sw, ps, final)
+                    byte = 0
+                    if g < ngroups:
+                        full = g * 8 + 8 <= numel
+                        load_group(xe, x64, use64 and full, numel, g, v)
+                        if mode == MODE_MASKED:
+                            byte = int32(msrc[_u(g)])
+                        elif mode != MODE_PACK:
+                            for j in range(8):
+                                v[j] = relu(v[j])
+                        for j in range(8):
+                            sx[_u(j * GPT + gi)] = v[j]
+                            if mode != MODE_MASKED and v[j] != 0:
+                                byte |= 1 << j
+                        if mode == MODE_RELU2:
+                            for j in range(8):
+                                v[j] = square(v[j])
+                        if mode == MODE_RELU or mode == MODE_RELU2:
+                            store_group(ye, y64, ouse64 and full, numel, g, v)
+                    sh_byte[_u(gi)] = byte
+                cuda.syncthreads()
+                n = _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
+                neg = 0
+                for r in range(G):
+                    gi = r * NT + t
+                    g = tile * GPT + gi
+                    byte = sh_byte[_u(gi)]
+                    rk = sh_rank[_u(gi)]
+                    if g < ngroups and mode != MODE_MASKED:
+                        mask[_u(g)] = byte
+                    for j in range(8):
+                        if (byte >> j) & 1:
+                            x = int64(sx[_u(j * GPT + gi)])
+                            sv[_u(rk)] = x
+                            if x >= SIGN:
+                                neg = 1
+                            rk += 1
+                if neg != 0 and enc == NOSIGN:
+                    sh_i[1] = 1
+                cuda.syncthreads()
+
+                # Publish this tile's count, find its offset, publish the inclusive count.
+                width = int64(0)
+                if enc != RAW:
+                    width = int64(W)
+                signs = enc == SIGNPLANE
+                lm = int64(0)
+                ll = int64(0)
+                ls = int64(0)
+                if t == 0:
+                    if width > 0:
+                        lm, ll = tail_values(sv, n)
+                    if signs:
+                        ls, _ = tail_signs(sv, n)
+                    tails[tile * 4] = lm
+                    tails[tile * 4 + 1] = ls
+                    if tile == 0:
+                        tails[2] = lm
+                        tails[3] = ls
+                    if sh_i[1] != 0:
+                        cuda.atomic.or_(scratch, 1, int64(1))
+                    cuda.threadfence()
+                    if tile == 0:
+                        cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | n)
+                    else:
+                        cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | n)
+                P = int64(0)
+                pm = int64(0)
+                ps = int64(0)
+                if tile > 0 and t < 32:
+                    P, pm, ps = _lookback(scratch, tails, tile, width, signs, t, sh_f, sh_i)
+                if t == 0:
+                    if tile > 0 and tile % incl_every == 0:
+                        pl = P * width
+                        if pl > 32:
+                            pl = 32
+                        im, _ = _cat(pm, pl, lm, ll)
+                        pl = P
+                        if pl > 32:
+                            pl = 32
+                        nl = n
+                        if nl > 32:
+                            nl = 32
+                        isg, _ = _cat(ps, pl, ls, nl)
+                        tails[tile * 4 + 2] = im
+                        tails[tile * 4 + 3] = isg
+                        cuda.threadfence()
+                        cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_INCL) | (P + n))
+                    if tile == n_tiles - 1:
+                        # Every predecessor OR-ed its status before publishing its count.
+                        cuda.threadfence()
+                        stat[0] = _rd64(scratch, 1)
+                        stat[1] = P + n
+                        if mode != MODE_MASKED:
+                            offsets[offsets.size - 1] = P + n
+                    sh_p[1] = P
+                    sh_p[2] = pm
+                    sh_p[3] = ps
+                cuda.syncthreads()
+                P = sh_p[1]
+                pm = sh_p[2]
+                ps = sh_p[3]
+
+                if mode != MODE_MASKED:
+                    for r in range(G):
+                        gi = r * NT + t
+                        g = tile * GPT + gi
+                        if g < ngroups and ((g << 3) & ((int64(1) << chunk_log2) - 1)) == 0:
+                            offsets[_u((g << 3) >> chunk_log2)] = P + sh_rank[_u(gi)]
+                m = int64(0)
+                if P < cap:
+                    m = cap - P
+                    if m > n:
+                        m = n
+                final = (P < cap and P + n >= cap) or (tile == n_tiles - 1 and P + n < cap)
+                if enc == RAW:
+                    i = int64(t)
+                    while i < m:
+                        vt[_u(P + i)] = int64(sv[_u(i)])
+                        i += NT
+                else:
+                    emit_values(sv, t, P, m, vw, pm, final)
+                    if signs:
+                        emit_signs(sv, t, P, m, sw, ps, final)
+            return k_pack
 
         @cuda.jit
         def k_zero_tail(stat, cap, enc, vt, vw, sw):
@@ -881,7 +885,8 @@ class DtypeKernels:
                 store_group(oe, o64, ouse64 and full, numel, g, v)
                 g += step
 
-        self.pack = k_pack
+        self.pack = {(m, e): make_pack(m, e) for m in (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)
+                     for e in (RAW, NOSIGN, SIGNPLANE)}
         self.zero_tail = k_zero_tail
         self.unpack = {e: make_unpack(e) for e in (RAW, NOSIGN, SIGNPLANE)}
         self.gated = k_gated

@@ -1,0 +1,82 @@
+"""Static SASS of the Numba codec kernels for sm_90, built here without a GPU.
+
+    python3 bench/numba_sass.py [--dtype bfloat16] [--out /tmp]
+
+Compiles the nosign unpack and plain-pack kernels to PTX with numba-cuda, assembles
+them with ptxas and disassembles with cuobjdump (both from the pip CUDA packages or
+the PATH), then prints instructions, registers and local-memory accesses per kernel:
+a cheap check of a Numba change before spending device time on it. numba-cuda asks
+the (absent) driver for the compute capability of device functions; it is told 9.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def tool(name: str) -> str:
+    """The pip CUDA packages' tool first: it matches the NVVM that numba-cuda uses
+    (an older system ptxas rejects its newer PTX version)."""
+    try:
+        import nvidia
+        for base in nvidia.__path__:
+            for cand in sorted(Path(base).glob(f"cu*/bin/{name}")):
+                return str(cand)
+    except ImportError:
+        pass
+    found = shutil.which(name)
+    if found:
+        return found
+    sys.exit(f"{name} not found (pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default="/tmp")
+    a = ap.parse_args()
+    import numba.cuda.dispatcher as disp
+    from numba import cuda, types
+
+    class _Device:
+        compute_capability = (9, 0)
+    disp.get_current_device = lambda: _Device()
+    from bitsparse_core import numba_kernels as K
+
+    k = K.kernels_for(a.dtype)
+    arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
+    et = {8: types.uint8, 16: types.uint16, 32: types.uint32}[k.bits]
+    u8, u32, u64, el, i64, b = arr(types.uint8), arr(types.uint32), arr(types.uint64), arr(et), types.int64, types.boolean
+    kernels = {
+        "unpack_nosign": (k.unpack[K.NOSIGN], (u8, i64, u32, i64, u8, u32, i64, u8, u32, i64, i64,
+                                               el, u64, b, el, u64, b)),
+        "pack_nosign": (k.pack[(K.MODE_PACK, K.NOSIGN)], (el, u64, b, i64, el, u64, b, u8, i64, i64, u8,
+                                                          u32, i64, el, u32, u32, arr(types.int64), u32,
+                                                          arr(types.int64))),
+    }
+    for name, (kern, sig) in kernels.items():
+        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+        base = Path(a.out) / f"numba_{name}"
+        base.with_suffix(".ptx").write_text(ptx)
+        r = subprocess.run([tool("ptxas"), "-arch=sm_90", "-v", str(base.with_suffix(".ptx")), "-o",
+                            str(base.with_suffix(".cubin"))], capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(r.stderr)
+        sass = subprocess.run([tool("cuobjdump"), "-sass", str(base.with_suffix(".cubin"))],
+                              capture_output=True, text=True).stdout
+        base.with_suffix(".sass").write_text(sass)
+        n = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
+        regs = re.findall(r"Used (\d+) registers", r.stderr)
+        print(f"{name}: {n} SASS instructions, {regs[0] if regs else '?'} registers, "
+              f"{len(re.findall('LDL|STL', sass))} local accesses -> {base}.sass")
+
+
+if __name__ == "__main__":
+    main()
