@@ -44,7 +44,8 @@ ROUNDS = {"pack": 4, "unpack": 4, "fused": 2}
 
 
 def unpack_rounds(dtype: _dt.DType, op: int) -> int:
-    """Rounds of an unpack-family kernel: fp32 doubles them to keep 4096-element tiles."""
+    """Rounds of an unpack-family kernel. fp32 (4 elements per vector) doubles them so
+    that its tiles hold as many elements as 16-bit ones: whole default-size chunks."""
     r = ROUNDS["unpack"] if op == OP_UNPACK else ROUNDS["fused"]
     return 2 * r if dtype.bits == 32 else r
 
@@ -128,7 +129,8 @@ def all_kernel_keys(sweep_rounds=()) -> list:
             keys.append(("pack", fmt, enc, MODE_PACK, rp))
             keys.append(("pack", fmt, enc, MODE_MASKED, rp))
             keys.append(("unpack", fmt, OP_UNPACK, ru, enc, 0))
-        keys += [("mask_select", fmt), ("tile_counts", fmt, ru), ("tile_counts", fmt, rf)]
+        keys += [("mask_select", fmt), ("tile_counts", fmt, ru),
+                 ("tile_counts", fmt, unpack_rounds(dt, OP_RELU2))]
     for r in sweep_rounds:
         for fmt in (0, 3):
             keys += [("pack", fmt, int(Encoding.NOSIGN), MODE_PACK, r),
