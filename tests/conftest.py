@@ -32,3 +32,40 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _serialise_simulator_shared_arrays():
+    """numba-cuda's simulator (FakeCUDAShared.array) creates a shared array on its
+    first use with an unlocked check-then-set keyed by the calling line, so under
+    CPU load two threads of one block can each get a private copy and stop sharing
+    (seen as rare wrong planes in CI, old and new kernels alike). Same lookup, under
+    a lock. The method is replaced, not wrapped: it finds its caller two frames up."""
+    import sys
+    import threading
+    import traceback
+
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    lock = threading.Lock()
+    original = kernelapi.FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = traceback.extract_stack(sys._getframe())[-2][0:2]
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    _serialise_simulator_shared_arrays()
