@@ -153,6 +153,17 @@ def _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t):
 
 
 @cuda.jit(device=True)
+def _tile_mask_bytes(mask, tile, ngroups, t, sh_byte):
+    """sh_byte[gi] = mask byte of the tile's group gi (gi = r*NT + t), 0 past the end."""
+    for r in range(G):
+        g = tile * GPT + r * NT + t
+        byte = 0
+        if g < ngroups:
+            byte = int32(mask[_u(g)])
+        sh_byte[_u(r * NT + t)] = byte
+
+
+@cuda.jit(device=True)
 def _load_word(b8, w32, nbytes, k):
     """Little-endian 32-bit word k of a byte plane; bytes past nbytes read as 0.
     w32 is the plane's uint32 view (length 0 when the plane is not 4-byte aligned)."""
@@ -743,12 +754,7 @@ class DtypeKernels:
                 v = cuda.local.array(8, int64)
                 gv = cuda.local.array(8, int64)
                 ngroups = (numel + 7) >> 3
-                for r in range(G):
-                    g = tile * GPT + r * NT + t
-                    byte = 0
-                    if g < ngroups:
-                        byte = int32(mask[_u(g)])
-                    sh_byte[_u(r * NT + t)] = byte
+                _tile_mask_bytes(mask, tile, ngroups, t, sh_byte)
                 off = int64(toff[_u((tile << TILE_LOG2) >> toff_shift)])
                 ie = ((tile + 1) << TILE_LOG2) >> toff_shift
                 if ie > toff.size - 1:
@@ -822,15 +828,8 @@ class DtypeKernels:
             uv = cuda.local.array(8, int64)
             gv = cuda.local.array(8, int64)
             ngroups = (numel + 7) >> 3
-            for r in range(G):
-                g = tile * GPT + r * NT + t
-                br = 0
-                bu = 0
-                if g < ngroups:
-                    br = int32(mask_r[g])
-                    bu = int32(mask_u[g])
-                byte_r[r * NT + t] = br
-                byte_u[r * NT + t] = bu
+            _tile_mask_bytes(mask_r, tile, ngroups, t, byte_r)
+            _tile_mask_bytes(mask_u, tile, ngroups, t, byte_u)
             cuda.syncthreads()
             n_r = _tile_ranks(byte_r, rank_r, sh_tot, sh_lane, t)
             cuda.syncthreads()

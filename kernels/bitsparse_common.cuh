@@ -313,25 +313,6 @@ BS_D u32 bs_load_word(const u8* p, u64 len, u64 wi) {
     return r;
 }
 
-// Look-back publication: tails are written relaxed, the flag with release
-// semantics; readers load the flag with acquire and then the tails (no full
-// fences, which would also wait for the block's other outstanding stores).
-BS_D u64 bs_ld_acquire(const u64* p) {
-    u64 v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-BS_D void bs_st_release(u64* p, u64 v) {
-    asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
-}
-BS_D u32 bs_ld_relaxed(const u32* p) {
-    u32 v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-BS_D void bs_st_relaxed(u32* p, u32 v) {
-    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
 // Tile descriptors: one 16-byte access each way, never torn.
 BS_D ulonglong2 bs_ld_desc(const ulonglong2* p) {
     ulonglong2 v;
@@ -341,10 +322,6 @@ BS_D ulonglong2 bs_ld_desc(const ulonglong2* p) {
 BS_D void bs_st_desc(ulonglong2* p, u64 a, u64 b) {
     asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" :: "l"(p), "l"(a), "l"(b) : "memory");
 }
-BS_D u64 bs_ld_volatile(const u64* p) { return *reinterpret_cast<const volatile u64*>(p); }
-BS_D u32 bs_ld_volatile(const u32* p) { return *reinterpret_cast<const volatile u32*>(p); }
-BS_D void bs_st_volatile(u64* p, u64 v) { *reinterpret_cast<volatile u64*>(p) = v; }
-BS_D void bs_st_volatile(u32* p, u32 v) { *reinterpret_cast<volatile u32*>(p) = v; }
 
 // Element i of a 16-byte vector viewed as V elements of T.
 template <typename T> BS_D T bs_lane(const uint4& v, int i) {

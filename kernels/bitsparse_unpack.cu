@@ -26,7 +26,6 @@
 // values G*q .. G*q+G-1 of the tile). Values past n in the last word are junk
 // that no mask bit selects. Bit positions are tile-relative 32-bit numbers;
 // only a tile whose words reach the end of the plane takes the guarded loads.
-template <int W>
 __device__ __forceinline__ u32 bs_plane_bits(const u8* plane, u64 len, u64 w0, bool fast, u32 rel) {
     const u32 k = rel >> 5;
     const u32* p = reinterpret_cast<const u32*>(plane) + w0;
@@ -49,8 +48,8 @@ __device__ __forceinline__ void bs_decode_tile(const u8* values, u64 vlen, const
     const u32 ssh = (u32)P & 31u;
     const bool sfast = ENC == 2 && (s0 + (((u64)ssh + (u64)words * G) >> 5) + 2) * 4 <= slen;
     for (u32 q = threadIdx.x; q < words; q += BS_THREADS) {
-        u32 v = bs_spread<BITS, W>(bs_plane_bits<W>(values, vlen, w0, fast, sh0 + q * (u32)(G * W)));
-        if (ENC == 2) v |= bs_spread_signs<BITS>(bs_plane_bits<1>(signs, slen, s0, sfast, ssh + q * (u32)G));
+        u32 v = bs_spread<BITS, W>(bs_plane_bits(values, vlen, w0, fast, sh0 + q * (u32)(G * W)));
+        if (ENC == 2) v |= bs_spread_signs<BITS>(bs_plane_bits(signs, slen, s0, sfast, ssh + q * (u32)G));
         vals[q] = v;
     }
 }
