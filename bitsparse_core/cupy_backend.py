@@ -7,15 +7,21 @@ builds a cubin for the current device) and cached per device. See
 output contract, and kernels/bitsparse_pack.cu / bitsparse_unpack.cu for the
 algorithms.
 
-Exact packing (``capacity=None``) runs the one-pass kernel into a worst-case
-scratch layout, syncs once to read nnz (and the nosign status), then copies the
-sections into an allocation of the exact size. Fixed capacity does not sync:
-overflow and nosign violations stay on the device (``offsets[-1]`` and
-``PackedTensor.status``) until :meth:`PackedTensor.check`.
+Packing is one persistent kernel (a cooperative launch of as many blocks as
+fit on the device, through the driver API) plus a small kernel that writes the
+stream words shared by two tiles. Exact packing (``capacity=None``) runs them
+into a worst-case scratch layout, syncs once to read nnz (and the nosign
+status), then copies the sections into an allocation of the exact size. Fixed
+capacity does not sync: overflow and nosign violations stay on the device
+(``offsets[-1]`` and ``PackedTensor.status``) until :meth:`PackedTensor.check`.
+
+``BITSPARSE_CUDA_OPTIONS`` (environment) adds NVRTC options to every kernel
+compile, e.g. ``-D`` switches when timing kernel variants (bench/pack_variants.py).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -83,6 +89,8 @@ def kernel_spec(kind: str, *args) -> tuple:
         return "bitsparse_unpack.cu", "bitsparse_tile_counts<%d,%d>" % args
     if kind == "zero_tail":
         return "bitsparse_pack.cu", "bitsparse_zero_tail"
+    if kind == "stitch":
+        return "bitsparse_pack.cu", "bitsparse_stitch"
     raise KeyError(kind)
 
 
@@ -99,7 +107,8 @@ def get_kernel(device: int, kind: str, *args):
             file, name = kernel_spec(kind, *args)
             templated = "<" in name
             with cupy.cuda.Device(device):
-                mod = cupy.RawModule(code=_source(file), options=("-std=c++17",),
+                extra = tuple(os.environ.get("BITSPARSE_CUDA_OPTIONS", "").split())
+                mod = cupy.RawModule(code=_source(file), options=("-std=c++17",) + extra,
                                      name_expressions=(name,) if templated else None)
                 k = mod.get_function(name)
             _KERNELS[key] = k
@@ -135,7 +144,7 @@ def all_kernel_keys(sweep_rounds=()) -> list:
         for fmt in (0, 3):
             keys += [("pack", fmt, int(Encoding.NOSIGN), MODE_PACK, r),
                      ("unpack", fmt, OP_UNPACK, r, int(Encoding.NOSIGN), 0)]
-    keys.append(("zero_tail",))
+    keys += [("zero_tail",), ("stitch",)]
     return list(dict.fromkeys(keys))
 
 
@@ -163,6 +172,77 @@ def _launch(kernel, grid: int, args, stream: int, device: int) -> None:
         return
     with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream, device):
         kernel((int(grid),), (THREADS,), args)
+
+
+_COOP_GRID: dict = {}
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def _driver():
+    import ctypes
+    lib = getattr(_driver, "lib", None)
+    if lib is None:
+        lib = _driver.lib = ctypes.CDLL("libcuda.so.1")
+    return lib
+
+
+def _check_driver(rc: int, what: str) -> None:
+    if rc:
+        raise RuntimeError(f"bitsparse_core: {what} failed with CUDA driver error {rc}")
+
+
+def pack_smem_bytes(dtype: _dt.DType, encoding: int, rounds: int) -> int:
+    """Dynamic shared memory of a pack kernel: two BsPackBuf (bitsparse_pack.cu)."""
+    bits = 8 * dtype.itemsize
+    tile = tile_elems(dtype, rounds)
+    w = bits if encoding == Encoding.RAW else bits - 1
+    words = (tile * bits // 32 + 4                                           # stage
+             + (1 if encoding == Encoding.RAW else tile * w // 32 + 4)      # a
+             + (tile // 32 + 4 if encoding == Encoding.SIGNPLANE else 1)    # signs
+             + 2 + 8 * rounds)                                             # n, neg, rel
+    return 2 * (-(-4 * words // 16) * 16)
+
+
+def _resident_grid(kernel, smem: int, device: int) -> int:
+    """How many blocks of ``kernel`` fit on ``device`` at once (the grid of a
+    persistent kernel), asked of the driver once per kernel and device, after
+    allowing the kernel ``smem`` bytes of dynamic shared memory."""
+    import ctypes
+    import cupy
+    key = (device, id(kernel), smem)
+    g = _COOP_GRID.get(key)
+    if g is None:
+        with cupy.cuda.Device(device):
+            fn = ctypes.c_void_p(kernel.kernel.ptr)
+            _check_driver(_driver().cuFuncSetAttribute(fn, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                       ctypes.c_int(smem)), "cuFuncSetAttribute")
+            n = ctypes.c_int(0)
+            _check_driver(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(n), fn, THREADS, ctypes.c_size_t(smem)),
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+            sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+        if n.value < 1:
+            raise RuntimeError(f"bitsparse_core: a pack block ({smem} bytes of shared memory) "
+                               f"does not fit on device {device}")
+        g = _COOP_GRID[key] = n.value * sms
+    return g
+
+
+def _launch_persistent(kernel, n_tiles: int, smem: int, args, stream: int, device: int) -> None:
+    """A cooperative launch (every block resident at once, which the pack
+    kernel's spinning on other blocks' tiles needs) of min(n_tiles, resident)
+    blocks; cuLaunchCooperativeKernel through the driver API, as the kernel
+    needs no grid-wide sync and so no relocatable device code."""
+    import ctypes
+    import cupy
+    grid = min(n_tiles, _resident_grid(kernel, smem, device))
+    ctype = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32}
+    vals = [ctype[type(a)](int(a)) for a in args]
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+    with cupy.cuda.Device(device):
+        _check_driver(_driver().cuLaunchCooperativeKernel(
+            ctypes.c_void_p(kernel.kernel.ptr), grid, 1, 1, THREADS, 1, 1, smem,
+            ctypes.c_void_p(stream), params), "cuLaunchCooperativeKernel")
 
 
 def _memset(ptr: int, nbytes: int, stream: int, device: int) -> None:
@@ -266,7 +346,8 @@ class CupyBackend:
         rounds = ROUNDS["pack"] if mode in (MODE_PACK, MODE_MASKED) else ROUNDS["fused"]
         tile = tile_elems(dt, rounds)
         n_tiles = -(-numel // tile)
-        scratch = ci.allocate(16 + 16 * n_tiles, dev, s, allocator)   # tile descriptors
+        # Per tile (kernels/bitsparse_pack.cu): an 8-byte count descriptor, a 16-byte edge record.
+        scratch = ci.allocate(16 + 8 * (n_tiles + n_tiles % 2) + 16 * n_tiles, dev, s, allocator)
         _memset(scratch.ptr, scratch.nbytes, s, dev)
         fmt = _FMT[dt.name] if mode in (MODE_RELU, MODE_RELU2) else _BITS_FMT[dt.bits]
         kern = get_kernel(dev, "pack", fmt, int(lay.encoding), mode, rounds)
@@ -280,15 +361,19 @@ class CupyBackend:
                 _U64(alloc.ptr("values")), _U64(alloc.ptr("signs")), _U64(lay.capacity),
                 _U64(y.ptr if y is not None else 0), _I32(y is not None and y.ptr % 16 == 0),
                 _U64(scratch.ptr), _U64(alloc.status_ptr), _U64(n_tiles))
-        _launch(kern, n_tiles, args, s, dev)
+        _launch_persistent(kern, n_tiles, pack_smem_bytes(dt, int(lay.encoding), rounds), args, s, dev)
         w = stream_width(dt, lay.encoding)
+        signplane = lay.encoding == Encoding.SIGNPLANE
+        _launch(get_kernel(dev, "stitch"), -(-(n_tiles + 1) // THREADS),
+                (_U64(scratch.ptr), _U64(n_tiles), _U64(lay.capacity), _I32(w),
+                 _U64(alloc.ptr("values")), _I32(signplane), _U64(alloc.ptr("signs"))), s, dev)
         vwords = -(-lay.values[1] // 4)
         swords = -(-lay.signs[1] // 4)
         if mode != MODE_MASKED and lay.capacity < numel and max(vwords, swords):
             grid = min(-(-max(vwords, swords) // THREADS), 4096)
             _launch(get_kernel(dev, "zero_tail"), grid,
                     (_U64(alloc.status_ptr), _U64(lay.capacity), _I32(w), _U64(alloc.ptr("values")),
-                     _U64(vwords), _I32(lay.encoding == Encoding.SIGNPLANE),
+                     _U64(vwords), _I32(signplane),
                      _U64(alloc.ptr("signs")), _U64(swords)), s, dev)
         alloc.scratch = scratch          # keep alive until the stream has used it
 

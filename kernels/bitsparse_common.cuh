@@ -1,5 +1,5 @@
 // Shared device code of the bitsparse kernels: element formats, exact float
-// conversions and products, bit-stream tails, warp helpers.
+// conversions and products, word-at-a-time bit tricks, warp helpers.
 //
 // Everything here is integer arithmetic on bit patterns except one product,
 // done in inline PTX so that CuPy's unconditional -ftz=true cannot flush
@@ -288,20 +288,6 @@ template <int BITS, int W> BS_HD void bs_pack_group(const u32* words, u32* out) 
 #define BS_THREADS 256
 #define BS_WARPS 8
 
-// Last <= 32 bits of a bit stream, top-aligned: bit 31 is the stream's last
-// bit. Concatenation keeps the suffix, so it is associative (a monoid); the
-// decoupled look-back folds predecessors' tails with it.
-struct BsTail { u32 bits; u32 len; };
-
-BS_D BsTail bs_tail_cat(BsTail far, BsTail near) {
-    if (near.len >= 32u) return near;
-    if (near.len == 0u) return far;
-    BsTail t;
-    t.bits = (far.bits >> near.len) | near.bits;
-    t.len = min(far.len + near.len, 32u);
-    return t;
-}
-
 // A 32-bit word of a byte plane of length len, zero past the end (planes are
 // never read beyond their section).
 BS_D u32 bs_load_word(const u8* p, u64 len, u64 wi) {
@@ -313,14 +299,15 @@ BS_D u32 bs_load_word(const u8* p, u64 len, u64 wi) {
     return r;
 }
 
-// Tile descriptors: one 16-byte access each way, never torn.
-BS_D ulonglong2 bs_ld_desc(const ulonglong2* p) {
-    ulonglong2 v;
-    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+// Tile count descriptors: one 8-byte access each way (never torn), relaxed at
+// GPU scope: a count carries no other data, so no ordering is needed.
+BS_D u64 bs_ld_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
-BS_D void bs_st_desc(ulonglong2* p, u64 a, u64 b) {
-    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" :: "l"(p), "l"(a), "l"(b) : "memory");
+BS_D void bs_st_u64(u64* p, u64 a) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(a) : "memory");
 }
 
 // Element i of a 16-byte vector viewed as V elements of T.
