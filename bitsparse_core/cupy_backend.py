@@ -8,8 +8,8 @@ output contract, and kernels/bitsparse_pack.cu / bitsparse_unpack.cu for the
 algorithms.
 
 Packing is one persistent kernel (a cooperative launch of as many blocks as
-fit on the device, through the driver API) plus a small kernel that writes the
-stream words shared by two tiles. Exact packing (``capacity=None``) runs them
+fit on the device, through the driver API, taking tiles from a counter) plus a
+small kernel that writes the stream words shared by two tiles. Exact packing (``capacity=None``) runs them
 into a worst-case scratch layout, syncs once to read nnz (and the nosign
 status), then copies the sections into an allocation of the exact size. Fixed
 capacity does not sync: overflow and nosign violations stay on the device
@@ -229,8 +229,8 @@ def _resident_grid(kernel, smem: int, device: int) -> int:
 
 
 def _launch_persistent(kernel, n_tiles: int, smem: int, args, stream: int, device: int) -> None:
-    """A cooperative launch (every block resident at once, which the pack
-    kernel's spinning on other blocks' tiles needs) of min(n_tiles, resident)
+    """A cooperative launch (every block resident at once, so that none of a
+    persistent kernel's blocks waits for a slot) of min(n_tiles, resident)
     blocks; cuLaunchCooperativeKernel through the driver API, as the kernel
     needs no grid-wide sync and so no relocatable device code."""
     import ctypes

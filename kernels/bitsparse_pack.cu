@@ -4,11 +4,12 @@
 //
 // A tile is 8 warps x R rounds x 32 lanes x one 16-byte vector (R = 4,
 // cupy_backend.ROUNDS: 4096 fp32 / 8192 16-bit / 16384 fp8 elements). The
-// kernel is persistent: a cooperative launch of as many blocks as fit on the
-// device at once, block b taking tiles b, b + grid, b + 2 grid, ... Every
-// block being resident is what lets a tile spin on its predecessors (held by
-// other blocks, or by its own block earlier); the static order is what lets a
-// block load its next tile while it waits for the current one's offset. The
+// kernel is persistent: as many blocks as fit on the device at once, each
+// taking tiles in order from a counter, one tile ahead of the one it works on,
+// so that it can load its next tile while it waits for the current one's
+// offset. A tile only ever waits for lower tiles, and those are held by blocks
+// that run, so progress does not depend on every block being resident (the
+// launch is cooperative all the same, so that none waits for a slot). The
 // phases of a tile are listed above the kernel; the global value offset comes
 // from a decoupled look-back over tile descriptors.
 //
@@ -19,7 +20,8 @@
 // leaves in scratch. So no tile waits for another tile's values, no atomics
 // touch the output and padding bits come out zero.
 //
-// Scratch (zeroed before launch): 16 unused bytes; one 8-byte count
+// Scratch (zeroed before launch): the tile counter (8 bytes) and 8 unused
+// bytes; one 8-byte count
 // descriptor per tile (padded to an even number) {2-bit state | nosign-
 // violation bit | 61-bit count}, state AGG (this tile alone, published right
 // after the tile's popcount scan) then INCL (the whole prefix up to and
@@ -167,18 +169,20 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
     u32 rel[BS_WARPS][R];
 };
 
-// Tiles blockIdx.x + k gridDim.x, k = 0, 1, ... (see the top), in a software
-// pipeline of three stages, so that no tile waits for its offset:
+// A block's tiles t_0, t_1, ... (taken from the counter, see the top) go
+// through a software pipeline of three stages, so that no tile waits for its
+// offset:
 //   A(t)  mask bits and nosign check per 16-byte vector (loaded during the
 //         previous iteration), packed warp scans; B1; publish t's count.
-//   B(t)  stage t's values in shared memory buffer t % 2 and write its mask
+//   B(t)  stage t's values in shared memory buffer k % 2 and write its mask
 //         bytes (and relu output), none of which needs its offset; load the
 //         next tile's vectors; B2; assemble t's W-bit stream as whole words
 //         (32 values per thread, constant shifts) and its sign plane.
-//   C(t)  fold the look-back windows loaded an iteration earlier; B3; the
-//         block adds them up to the nearest inclusive count and publishes
-//         t's; chunk offsets, the stream words inside t's range shifted into
-//         place (bs_copy_inner), and the edge record for bitsparse_stitch.
+//   C(t)  fold the look-back windows (loaded at the start of the iteration);
+//         B3; the block adds them up to the nearest inclusive count and
+//         publishes t's; chunk offsets, the stream words inside t's range
+//         shifted into place (bs_copy_inner), the edge record for
+//         bitsparse_stitch.
 // Iteration k issues the look-back loads of t_{k-1}, runs B(t_k), C(t_{k-1})
 // and A(t_{k+1}): a count is published about an iteration before its
 // successors load it (fewer spins on unpublished counts: issuing the loads one
@@ -211,6 +215,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     __shared__ u32 s_warp_neg[BS_WARPS];
     __shared__ u64 s_lb_sum[BS_WARPS];
     __shared__ u32 s_lb_flag[BS_WARPS];
+    __shared__ u64 s_first, s_next;   // tiles the block took: its first, the one to load next
     {
         u32 dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -236,7 +241,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     };
 
     // A(t).
-    auto classify = [&](u64 tile) {
+    auto classify = [&](u64 tile, u64 claim) {
         u32 neg = 0;              // sign bits of stored elements, by word lane
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -272,6 +277,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         const u32 wtot = bs_scan_rounds<R>(bits, lane, start);
         const bool wneg = __any_sync(BS_FULL, ENC == 1 && neg != 0u);
         if (lane == 0) { s_warp_tot[warp] = wtot; s_warp_neg[warp] = wneg; }
+        if (tid == 0) s_next = claim;
         __syncthreads();                                                   // B1
         warp_excl = 0; n = 0; any_neg = 0;
 #pragma unroll
@@ -430,18 +436,29 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         }
     };
 
-    if (blockIdx.x < n_tiles) {
-        load(blockIdx.x);
-        classify(blockIdx.x);
-    }
-    // Iteration k: look-back loads of tile - grid, B(tile), C(tile - grid),
-    // A(tile + grid). One more iteration after the last tile finishes it.
-    for (u64 tile = blockIdx.x, k = 0; tile < n_tiles + gridDim.x; tile += gridDim.x, ++k) {
-        const u64 next = tile + gridDim.x, prev = tile - gridDim.x;
-        if (k > 0 && prev > 0) bs_lookback_load(cdesc, (i64)prev - 1 - BS_LB_SPAN * warp, lane, lb);
-        if (tile < n_tiles) stage_tile(tile, bufs[k & 1], next);
-        if (k > 0) finish_tile(prev, bufs[(k - 1) & 1]);
-        if (next < n_tiles) classify(next);
+    // Tiles are taken in order from a counter (scratch word 0), one ahead of
+    // the one being loaded: a tile only ever waits for lower tiles, which
+    // blocks that run hold, and a slow block simply takes fewer.
+    u64* ticket = reinterpret_cast<u64*>(scratch_ptr);
+    auto take = [&]() -> u64 { return atomicAdd(reinterpret_cast<unsigned long long*>(ticket), 1ull); };
+    if (tid == 0) s_first = take();
+    __syncthreads();
+    u64 tile = s_first, prev = ~0ull;
+    if (tile >= n_tiles) return;
+    load(tile);
+    classify(tile, tid == 0 ? take() : 0ull);
+    u64 next = s_next;
+    // Iteration k: look-back loads of prev, B(tile), C(prev), A(next).
+    for (int k = 0; tile < n_tiles || prev != ~0ull; ++k) {
+        const bool have = tile < n_tiles, more = have && next < n_tiles;
+        const u64 claim = tid == 0 && more ? take() : 0ull;   // its round trip hides behind B and C
+        if (prev != ~0ull && prev > 0) bs_lookback_load(cdesc, (i64)prev - 1 - BS_LB_SPAN * warp, lane, lb);
+        if (have) stage_tile(tile, bufs[k & 1], more ? next : n_tiles);
+        if (prev != ~0ull) finish_tile(prev, bufs[(k - 1) & 1]);
+        if (more) classify(next, claim);
+        prev = have ? tile : ~0ull;
+        tile = more ? next : n_tiles;
+        next = more ? s_next : n_tiles;
     }
 }
 
