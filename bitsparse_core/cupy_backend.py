@@ -7,13 +7,14 @@ builds a cubin for the current device) and cached per device. See
 output contract, and kernels/bitsparse_pack.cu / bitsparse_unpack.cu for the
 algorithms.
 
-Packing is one persistent kernel (a cooperative launch of as many blocks as
-fit on the device, through the driver API, taking tiles from a counter) plus a
-small kernel that writes the stream words shared by two tiles. Exact packing (``capacity=None``) runs them
-into a worst-case scratch layout, syncs once to read nnz (and the nosign
-status), then copies the sections into an allocation of the exact size. Fixed
-capacity does not sync: overflow and nosign violations stay on the device
-(``offsets[-1]`` and ``PackedTensor.status``) until :meth:`PackedTensor.check`.
+Packing is one persistent kernel (a cooperative launch, through the driver
+API, of as many blocks as fit on the device, taking tiles from a counter) plus
+a small kernel that writes the stream words shared by two tiles. Exact packing
+(``capacity=None``) runs them into a worst-case scratch layout, syncs once to
+read nnz (and the nosign status), then copies the sections into an allocation
+of the exact size. Fixed capacity does not sync: overflow and nosign
+violations stay on the device (``offsets[-1]`` and ``PackedTensor.status``)
+until :meth:`PackedTensor.check`.
 
 ``BITSPARSE_CUDA_OPTIONS`` (environment) adds NVRTC options to every kernel
 compile, e.g. ``-D`` switches when timing kernel variants (bench/pack_variants.py).
@@ -29,7 +30,7 @@ import numpy as np
 from . import cuda_interop as ci
 from . import dtypes as _dt
 from . import format as _fmt
-from .errors import EncodingError, OutputMismatchError
+from .errors import CudaDriverError, EncodingError, OutputMismatchError
 from .kernel_sources import read_source
 from .packed import PackedTensor
 
@@ -188,7 +189,7 @@ def _driver():
 
 def _check_driver(rc: int, what: str) -> None:
     if rc:
-        raise RuntimeError(f"bitsparse_core: {what} failed with CUDA driver error {rc}")
+        raise CudaDriverError(f"{what} failed with CUresult {rc}")
 
 
 def pack_smem_bytes(dtype: _dt.DType, encoding: int, rounds: int) -> int:
@@ -222,8 +223,8 @@ def _resident_grid(kernel, smem: int, device: int) -> int:
                 "cuOccupancyMaxActiveBlocksPerMultiprocessor")
             sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         if n.value < 1:
-            raise RuntimeError(f"bitsparse_core: a pack block ({smem} bytes of shared memory) "
-                               f"does not fit on device {device}")
+            raise CudaDriverError(f"a pack block ({smem} bytes of shared memory) does not fit "
+                                  f"on device {device}")
         g = _COOP_GRID[key] = n.value * sms
     return g
 
@@ -346,7 +347,8 @@ class CupyBackend:
         rounds = ROUNDS["pack"] if mode in (MODE_PACK, MODE_MASKED) else ROUNDS["fused"]
         tile = tile_elems(dt, rounds)
         n_tiles = -(-numel // tile)
-        # Per tile (kernels/bitsparse_pack.cu): an 8-byte count descriptor, a 16-byte edge record.
+        # kernels/bitsparse_pack.cu: the tile counter (16 bytes), then per tile an
+        # 8-byte count descriptor and a 16-byte edge record.
         scratch = ci.allocate(16 + 8 * (n_tiles + n_tiles % 2) + 16 * n_tiles, dev, s, allocator)
         _memset(scratch.ptr, scratch.nbytes, s, dev)
         fmt = _FMT[dt.name] if mode in (MODE_RELU, MODE_RELU2) else _BITS_FMT[dt.bits]

@@ -137,5 +137,12 @@ class OutputMismatchError(InputError, ValueError):
     """An ``out=`` array has the wrong shape, dtype, device or layout."""
 
 
+# --------------------------------------------------------------------------- #
+# Device errors                                                               #
+# --------------------------------------------------------------------------- #
+class CudaDriverError(BitsparseError, RuntimeError):
+    """A CUDA driver call made by a GPU backend failed (its CUresult is in the message)."""
+
+
 __all__ = [name for name, obj in dict(globals()).items()
            if isinstance(obj, type) and issubclass(obj, BitsparseError)]
