@@ -13,15 +13,17 @@ tiles is written whole by the tile holding its last bit (or the stream's end):
 every tile also publishes the last 32 stream bits up to its end, so no word is
 written twice, no atomics touch the output and padding bits come out zero.
 Unpack is one launch per tile (plus a popcount + scan of the mask when chunks
-are larger than a tile), one kernel per encoding: the tile's value range comes
-from the tile-offset array at both ends, its stored values are decoded 32/BITS
-per stream chunk into shared memory, then cut out by rank. The gated backward
+are larger than a tile), one kernel per (op, encoding): the tile's value range
+comes from the tile-offset array at both ends, its stored values are decoded
+32/BITS per 32-bit word into shared memory, and each output word is the next
+stored values' bytes dropped into the slots its mask bits select (one PRMT,
+as in the CuPy kernels); a thread covers 16-byte rows. The gated backward
 op still copies its two streams' slices into shared memory and cuts each value
 out of the shared words (``value_at``).
 
 Sizes: on a GPU a tile is 4096 elements for a block of 512 threads (one group
-each); under the simulator 1024 elements for 64 threads (two groups each, so
-the multi-row path runs there too).
+each; unpack: 256 threads, 16 elements each); under the simulator 1024 elements
+for 64 threads (two groups each, so the multi-row path runs there too).
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, the look-back reads 32 predecessors per step with warp votes,
@@ -70,6 +72,12 @@ LANE_N = NT if SIM else 1        # the simulator's warp scan goes through shared
 # Tile kernels are latency-bound per block (barriers, look-back): cap registers so
 # three 512-thread blocks share an SM. The simulator takes no such option.
 TILE_JIT = {} if SIM else {"launch_bounds": (NT, 3)}
+UNT = 64 if SIM else 256         # threads per unpack block (rows of 16 bytes each)
+UNW = UNT // 32
+ULANE_N = UNT if SIM else 1
+# Unpack: six 256-thread blocks per SM (42 registers); the relu2 backward op's float
+# products need more registers, four blocks.
+UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in (0, 1)}
 
 RAW, NOSIGN, SIGNPLANE = 0, 1, 2
 FULL_MASK = 0xFFFFFFFF
@@ -93,6 +101,15 @@ if SIM:
     def _as_u32(f):
         return np.int64(np.array([f], dtype=np.float32).view(np.uint32)[0])
 
+    def _prmt(x, s):
+        """PRMT with y = 0: byte k of the result is byte (s >> 4k) & 7 of (0:x)."""
+        r = 0
+        for k in range(4):
+            sel = (int(s) >> (4 * k)) & 7
+            if sel < 4:
+                r |= ((int(x) >> (8 * sel)) & 0xFF) << (8 * k)
+        return np.uint32(r)
+
     @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):
         # Shared-memory stand-in for the shuffle scan (the simulator has no shuffles).
@@ -115,14 +132,20 @@ else:
         return int64(libdevice.float_as_int(f)) & 0xFFFFFFFF
 
     @cuda.jit(device=True)
+    def _prmt(x, s):
+        """PRMT with y = 0: byte k of the result is byte (s >> 4k) & 7 of (0:x)."""
+        return uint32(libdevice.byte_perm(int32(x), int32(0), int32(s)))
+
+    @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):
+        x = int32(v)                 # sums of a warp's counts: one 32-bit shuffle per step
         d = 1
         while d < 32:
-            y = cuda.shfl_up_sync(FULL_MASK, v, d)
+            y = cuda.shfl_up_sync(FULL_MASK, x, d)
             if lane >= d:
-                v += y
+                x = int32(x + y)
             d *= 2
-        return v
+        return x
 
 
 @cuda.jit(device=True)
@@ -378,6 +401,7 @@ class DtypeKernels:
         W = bits - 1                     # stream code width
         WMASK = (1 << W) - 1
         PER_WORD = 8 // ITEM             # elements per uint64 word
+        GE = 32 // BITS                  # elements per 32-bit word
         widen, narrow, is_nan, is_pos, fmul = F.widen, F.narrow, F.is_nan, F.is_pos, F.fmul
         TWO = 0x40000000                 # float32 bits of 2.0
         ETYPE = {8: uint8, 16: uint16, 32: uint32}[bits]
@@ -723,21 +747,82 @@ class DtypeKernels:
                     sw[k] = 0
                     k += step
 
-        # Unpack: one kernel per encoding (the stream width is then a constant).
-        # The tile's value range [P, Pe) comes from the tile-offset array at both
-        # ends, so its stored values are decoded before the ranks are known:
-        # 32 / BITS values per stream chunk (one shift of a 64-bit word pair, no
-        # per-value division) into shared memory, then cut out by rank.
-        GW = 32 // BITS                  # values per decoded chunk
-        VALS_N = TILE + 32               # (shared array sizes must be closure constants)
+        # Unpack: one kernel per (op, encoding), in the CuPy backend's per-word
+        # form. The tile's value range [P, Pe) comes from the tile-offset array at
+        # both ends, so its stored values are decoded before the ranks are known,
+        # 32 / BITS per 32-bit word of shared memory (a stream word pair shifted
+        # and spread into lanes: no per-value work). Thread t then builds rows of
+        # UV elements (16 bytes; 32 for float32) at row r * UNT + t: each output
+        # word is the next stored values' bytes (a funnel shift of two shared
+        # words) dropped into the slots its mask bits select (one PRMT).
+        UV = 8 if BITS == 32 else 128 // BITS
+        UMB = UV // 8                    # mask bytes per row
+        UR = TILE // (UV * UNT)          # rows per thread
+        OW = UV * BITS // 32             # output words per row
+        VALS_W = TILE * BITS // 32 + 4   # decoded words (+ guards for the pair reads)
+        assert UR in (1, 2)              # two rows' counts share one packed scan
+        # PRMT selector per mask bits of a word: the next values' bytes go to the
+        # selected elements' slots, selector nibble 4 (a zero byte of y = 0) elsewhere.
+        SEL = np.zeros(1 << GE, dtype=np.uint32)
+        for mb in range(1 << GE):
+            k = 0
+            for p in range(GE):
+                for q in range(BITS // 8):
+                    byte = k * (BITS // 8) + q if (mb >> p) & 1 else 4
+                    SEL[mb] |= byte << (4 * (p * (BITS // 8) + q))
+                k += (mb >> p) & 1
 
-        def make_unpack(enc):
+        @cuda.jit(device=True)
+        def spread_signs(s):
+            """Sign bits 0 .. GE-1 of s -> the sign bit of each BITS-bit lane."""
+            if BITS == 32:
+                return (s & 1) << 31
+            if BITS == 16:
+                return ((s & 1) << 15) | ((s & 2) << 30)
+            return (((s & 0xF) * 0x00204081) & 0x01010101) << 7
+
+        @cuda.jit(device=True)
+        def plane_pair(b8, w32, nbytes, fast, k, sh):
+            """Bits [32 k + sh, 32 k + sh + 32) of a plane (sh < 32)."""
+            if fast:
+                lo = uint64(w32[_u(k)])
+                hi = uint64(w32[_u(k + 1)])
+            else:
+                lo = uint64(_load_word(b8, w32, nbytes, k))
+                hi = uint64(_load_word(b8, w32, nbytes, k + 1))
+            return uint32((((hi << uint64(32)) | lo) >> uint64(sh)) & FULL_MASK)
+
+        @cuda.jit(device=True)
+        def expand_word(vals, sel, j, mb):
+            """The GE elements of an output word with mask bits mb, whose first set
+            element takes stored value j of the tile."""
+            if BITS == 32:
+                return vals[_u(j)] if mb != 0 else uint32(0)
+            byte = j * (BITS // 8)
+            k = byte >> 2
+            pair = (uint64(vals[_u(k + 1)]) << uint64(32)) | uint64(vals[_u(k)])
+            src = uint32((pair >> uint64((byte & 3) * 8)) & FULL_MASK)
+            return _prmt(src, sel[mb])
+
+        def make_unpack(op, enc):
             WD = BITS if enc == RAW else W
-            WDM = (1 << WD) - 1
+            WG = GE * WD                 # stream bits per decoded word
 
-            @cuda.jit(**TILE_JIT)
+            @cuda.jit(device=True)
+            def spread(c):
+                """A stream word pair's 32 / BITS codes of width WD -> one per BITS-bit lane."""
+                if WD == BITS:
+                    return c
+                if BITS == 32:
+                    return c & 0x7FFFFFFF
+                if BITS == 16:
+                    return (c & 0x7FFF) | ((c << 1) & 0x7FFF0000)
+                y = (c & 0x3FFF) | ((c << 2) & 0x3FFF0000)          # two 14-bit halves
+                return (y & 0x007F007F) | ((y << 1) & 0x7F007F00)
+
+            @cuda.jit(**UNPACK_JIT[op])
             def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
-                         op, ge, g64, guse64, oe, o64, ouse64):
+                         ge, g64, guse64, oe, o64, ouse64):
                 """Dense output of one tile. op 0: the stored patterns (unpack);
                 op 1: relu2_backward, 2*r*grad where r > 0, else +0. The tile's
                 stored values are toff[(i << TILE_LOG2) >> toff_shift] up to the
@@ -745,65 +830,95 @@ class DtypeKernels:
                 vb/vw: the values plane as bytes and as its whole 32-bit words
                 (empty when unaligned), nvb its length (likewise the signs)."""
                 t = cuda.threadIdx.x
+                lane = t & 31
+                warp = t >> 5
                 tile = int64(cuda.blockIdx.x)
-                vals = cuda.shared.array(VALS_N, ETYPE)
-                sh_byte = cuda.shared.array(GPT, int32)
-                sh_rank = cuda.shared.array(GPT, int32)
-                sh_tot = cuda.shared.array(GNW, int64)
-                sh_lane = cuda.shared.array(LANE_N, int64)
+                vals = cuda.shared.array(VALS_W, uint32)
+                sh_tot = cuda.shared.array(UNW, int32)
+                sh_lane = cuda.shared.array(ULANE_N, int32)
+                sel = cuda.const.array_like(SEL)
+                bits = cuda.local.array(UR, int32)
+                o = cuda.local.array(OW, uint32)
                 v = cuda.local.array(8, int64)
                 gv = cuda.local.array(8, int64)
                 ngroups = (numel + 7) >> 3
-                _tile_mask_bytes(mask, tile, ngroups, t, sh_byte)
+
+                # Mask bits of this thread's rows and their counts, two rows per field.
+                packed = int32(0)
+                for r in range(UR):
+                    g = (tile * TILE + (r * UNT + t) * UV) >> 3
+                    b = int32(0)
+                    for h in range(UMB):
+                        if g + h < ngroups:
+                            b |= int32(mask[_u(g + h)]) << (8 * h)
+                    bits[r] = b
+                    packed = int32(packed + (cuda.popc(b) << (16 * r)))
+
+                # The tile's stored values, GE per shared word.
                 off = int64(toff[_u((tile << TILE_LOG2) >> toff_shift)])
                 ie = ((tile + 1) << TILE_LOG2) >> toff_shift
                 if ie > toff.size - 1:
                     ie = toff.size - 1
                 n = int64(toff[_u(ie)]) - off
+                words = (n + GE - 1) // GE
                 bit0 = off * WD
                 w0 = bit0 >> 5
+                sh0 = bit0 & 31
+                fast = w0 + ((sh0 + words * WG) >> 5) + 2 <= vw.size
                 s0 = off >> 5
+                ssh = off & 31
+                sfast = s0 + ((ssh + words * GE) >> 5) + 2 <= sw.size
                 q = int64(t)
-                while q * GW < n:
-                    rel = (bit0 & 31) + q * (GW * WD)
-                    k = w0 + (rel >> 5)
-                    c = (_load_word(vb, vw, nvb, k) | (_load_word(vb, vw, nvb, k + 1) << 32)) >> (rel & 31)
-                    sg = int64(0)
+                while q < words:
+                    rel = sh0 + q * WG
+                    c = spread(plane_pair(vb, vw, nvb, fast, w0 + (rel >> 5), rel & 31))
                     if enc == SIGNPLANE:
-                        rs = (off & 31) + q * GW
-                        ks = s0 + (rs >> 5)
-                        sg = (_load_word(sb, sw, nsb, ks) | (_load_word(sb, sw, nsb, ks + 1) << 32)) >> (rs & 31)
-                    for gq in range(GW):
-                        code = (c >> (gq * WD)) & WDM
-                        if enc == SIGNPLANE:
-                            code |= ((sg >> gq) & 1) << (BITS - 1)
-                        vals[_u(q * GW + gq)] = code
-                    q += NT
+                        rs = ssh + q * GE
+                        c |= spread_signs(plane_pair(sb, sw, nsb, sfast, s0 + (rs >> 5), rs & 31))
+                    vals[_u(q)] = c
+                    q += UNT
+
+                inc = _warp_incl_scan(packed, lane, t, sh_lane)
+                if lane == 31:
+                    sh_tot[warp] = inc
                 cuda.syncthreads()
-                _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
-                for r in range(G):
-                    gi = r * NT + t
-                    g = tile * GPT + gi
-                    if g < ngroups:
-                        full = g * 8 + 8 <= numel
-                        if op == 1:
-                            load_group(ge, g64, guse64 and full, numel, g, gv)
-                        byte = sh_byte[_u(gi)]
-                        rk = sh_rank[_u(gi)]
-                        for j in range(8):
-                            if (byte >> j) & 1:
-                                v[j] = int64(vals[_u(rk)])
-                                rk += 1
-                            else:
-                                v[j] = 0
-                        if op == 1:
-                            for j in range(8):
-                                rj = v[j]
-                                if is_pos(rj):
-                                    v[j] = narrow(fmul(widen(gv[j]), fmul(widen(rj), TWO)))
-                                else:
-                                    v[j] = 0
-                        store_group(oe, o64, ouse64 and full, numel, g, v)
+                before = inc - packed
+                total = int32(0)
+                for w in range(UNW):
+                    tw = sh_tot[w]
+                    if w < warp:
+                        before += tw
+                    total += tw
+                j = before & 0xFFFF
+                for r in range(UR):
+                    if r == 1:
+                        j = (total & 0xFFFF) + (before >> 16)
+                    e0 = tile * TILE + (r * UNT + t) * UV
+                    if e0 < numel:
+                        b = bits[r]
+                        for m in range(OW):
+                            mb = (b >> (m * GE)) & ((1 << GE) - 1)
+                            o[m] = expand_word(vals, sel, j, mb)
+                            j += cuda.popc(mb)
+                        full = e0 + UV <= numel
+                        if op == 0 and ouse64 and full:
+                            for p in range(OW // 2):
+                                o64[_u(e0 * BITS // 64 + p)] = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
+                        else:
+                            for h in range(UMB):
+                                g = (e0 >> 3) + h
+                                for i in range(8):
+                                    e = 8 * h + i
+                                    v[i] = int64(o[e // GE] >> ((e % GE) * BITS)) & EMASK
+                                if op == 1:
+                                    load_group(ge, g64, guse64 and g * 8 + 8 <= numel, numel, g, gv)
+                                    for i in range(8):
+                                        rj = v[i]
+                                        if is_pos(rj):
+                                            v[i] = narrow(fmul(widen(gv[i]), fmul(widen(rj), TWO)))
+                                        else:
+                                            v[i] = 0
+                                store_group(oe, o64, ouse64 and g * 8 + 8 <= numel, numel, g, v)
             return k_unpack
 
         @cuda.jit
@@ -887,7 +1002,7 @@ class DtypeKernels:
         self.pack = {(m, e): make_pack(m, e) for m in (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)
                      for e in (RAW, NOSIGN, SIGNPLANE)}
         self.zero_tail = k_zero_tail
-        self.unpack = {e: make_unpack(e) for e in (RAW, NOSIGN, SIGNPLANE)}
+        self.unpack = {(op, e): make_unpack(op, e) for op in (0, 1) for e in (RAW, NOSIGN, SIGNPLANE)}
         self.gated = k_gated
         self.relu_backward = k_relu_backward
 
