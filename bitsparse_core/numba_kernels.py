@@ -52,7 +52,7 @@ import numpy as np
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
 
-from numba import config, cuda, int32, int64, uint8, uint16, uint32, uint64  # noqa: E402
+from numba import config, cuda, int32, int64, uint32, uint64  # noqa: E402
 
 from . import bitfloat
 
@@ -404,7 +404,7 @@ class DtypeKernels:
         GE = 32 // BITS                  # elements per 32-bit word
         widen, narrow, is_nan, is_pos, fmul = F.widen, F.narrow, F.is_nan, F.is_pos, F.fmul
         TWO = 0x40000000                 # float32 bits of 2.0
-        ETYPE = {8: uint8, 16: uint16, 32: uint32}[bits]
+        ENP = {8: np.uint8, 16: np.uint16, 32: np.uint32}[bits]   # for views
 
         @cuda.jit(device=True)
         def load_group(xe, x64, fast, numel, g, v):
@@ -423,20 +423,6 @@ class DtypeKernels:
                         v[j] = 0
 
         @cuda.jit(device=True)
-        def store_group(oe, o64, fast, numel, g, v):
-            if fast:
-                for q in range(ITEM):
-                    w = int64(0)
-                    for j in range(PER_WORD):
-                        w |= v[q * PER_WORD + j] << (j * BITS)
-                    o64[_u(g * ITEM + q)] = w
-            else:
-                for j in range(8):
-                    e = g * 8 + j
-                    if e < numel:
-                        oe[_u(e)] = v[j]
-
-        @cuda.jit(device=True)
         def relu(x):
             if is_pos(x) or is_nan(x):
                 return x
@@ -446,6 +432,32 @@ class DtypeKernels:
         def square(r):
             f = widen(r)
             return narrow(fmul(f, f))
+
+        def make_store_group(squared):
+            @cuda.jit(device=True)
+            def store(oe, o64, fast, numel, g, v):
+                """Write group g (``squared``: each element's square, leaving v as it is)."""
+                if fast:
+                    for q in range(ITEM):
+                        w = int64(0)
+                        for j in range(PER_WORD):
+                            x = v[q * PER_WORD + j]
+                            if squared:
+                                x = square(x)
+                            w |= x << (j * BITS)
+                        o64[_u(g * ITEM + q)] = w
+                else:
+                    for j in range(8):
+                        e = g * 8 + j
+                        if e < numel:
+                            x = v[j]
+                            if squared:
+                                x = square(x)
+                            oe[_u(e)] = x
+            return store
+
+        store_group = make_store_group(False)
+        store_squares = make_store_group(True)
 
         # Decoding a tile: its slice of the value stream (and of the sign plane) is
         # first copied into shared memory with independent, coalesced loads (a
@@ -495,8 +507,8 @@ class DtypeKernels:
                 code |= ((int64(sw_s[sbit >> 5]) >> (sbit & 31)) & 1) << (BITS - 1)
             return code
 
-        def make_stream(width, sign_plane):
-            """(tail, emit) device functions of one stream: the value codes
+        def make_tail(width, sign_plane):
+            """The tail of one stream of the tile's staged values: the value codes
             (``width`` bits each) or the sign bits (width 1)."""
             @cuda.jit(device=True)
             def code_of(x):
@@ -524,50 +536,99 @@ class DtypeKernels:
                         word |= code >> (-pos)
                     i += 1
                 return word & ((int64(1) << L) - 1), L
+            return tail
 
-            @cuda.jit(device=True)
-            def emit(sv, t, P, m, w32, pred, final):
-                """Write the words of stream bits [P*width, (P+m)*width) this tile owns:
-                those whose last bit it holds, and with ``final`` the stream's last
-                partial word. ``pred``: the stream bits just before P*width."""
-                S = P * width
-                E = (P + m) * width
-                k = (S >> 5) + t
-                k_end = E >> 5
-                while k <= k_end:
-                    wb = k << 5
-                    full = wb + 32 <= E and wb + 32 > S
-                    fin = final and k == k_end and (E & 31) != 0
-                    if (full or fin) and k < w32.size:
-                        word = int64(0)
-                        i = int64(0)
-                        if wb > S:
-                            i = (wb - S) // width
-                        while i < m and S + i * width < wb + 32:
-                            pos = S + i * width - wb
-                            code = code_of(int64(sv[_u(i)]))
-                            if pos >= 0:
-                                word |= code << pos
-                            else:
-                                word |= code >> (-pos)
-                            i += 1
-                        if wb < S:
-                            # the last S - wb bits before S: the top of the predecessor tail
-                            d = S - wb
-                            pl = S
-                            if pl > 32:
-                                pl = 32
-                            word |= (pred >> (pl - d)) & ((int64(1) << d) - 1)
-                        w32[_u(k)] = word & 0xFFFFFFFF
-                    k += NT
-            return tail, emit
+        tail_values = make_tail(W, False)
+        tail_signs = make_tail(1, True)
 
-        tail_values, emit_values = make_stream(W, False)
-        tail_signs, emit_signs = make_stream(1, True)
+        # Pack stages the tile's stored values in order (STAGE_W words of shared
+        # memory), then turns each run of 32 into W stream words with constant
+        # shifts (CuPy's bs_pack_group) while warp 0 looks back, and finally
+        # writes the stream words, each a funnel shift of two tile words by the
+        # tile's bit offset (no per-word gather, no division).
+        STAGE_W = TILE * BITS // 32 + BITS          # + a partial run's words
+        A_W = (TILE // 32 + 1) * W + 1              # the tile's stream, whole runs
+        SG_W = TILE // 32 + 2                       # its sign bits
+        XV_N = 8 * G                                # a thread's elements
+        SIGN_ALL = 0                                # the sign bits of a uint64's lanes
+        for _j in range(PER_WORD):
+            SIGN_ALL |= SIGN << (_j * BITS)
+
+        @cuda.jit(device=True)
+        def word_nonzero(w):
+            """Nonzero bits of the 32 / BITS elements of a 32-bit word, element k -> bit k
+            (a carry out of the low BITS-1 bits, OR the lane's sign bit)."""
+            if BITS == 32:
+                return int64(w != 0)
+            if BITS == 16:
+                nz = (((w & 0x7FFF7FFF) + 0x7FFF7FFF) | w) & 0x80008000
+                return ((nz >> 15) & 1) | (nz >> 30)
+            nz = (((w & 0x7F7F7F7F) + 0x7F7F7F7F) | w) & 0x80808080
+            return (((nz >> 7) * 0x00204081) >> 21) & 0xF    # bits 0, 8, 16, 24 -> 21..24
+
+        @cuda.jit(device=True)
+        def pack_run(stage_w, q, a_s, s_sg, signs):
+            """Run q (staged values 32q .. 32q+31) -> its W stream words in a_s and,
+            with ``signs``, its sign bits in s_sg. Every shift is a constant."""
+            acc = cuda.local.array(W, uint32)
+            for m in range(W):
+                acc[m] = 0
+            sg = uint32(0)
+            for tt in range(BITS):
+                word = uint32(stage_w[_u(q * BITS + tt)])
+                for g in range(GE):
+                    j = tt * GE + g
+                    wi = (j * W) >> 5
+                    c = (word >> (g * BITS)) & WMASK
+                    acc[wi] |= (c << ((j * W) & 31)) & FULL_MASK
+                    if ((j * W) & 31) + W > 32 and wi + 1 < W:
+                        acc[wi + 1] |= c >> (32 - ((j * W) & 31))
+                    if (j * W + W) >> 5 > wi:
+                        a_s[_u(q * W + wi)] = acc[wi]     # complete: store it, free its register
+                    if signs:
+                        sg |= ((word >> (g * BITS + BITS - 1)) & 1) << j
+            if signs:
+                s_sg[_u(q)] = sg
+
+        @cuda.jit(device=True)
+        def copy_stream(out, tw, t, P, a, e, pred, width, final):
+            """Write the stream words of bits [a*width, e*width) the tile owns: those
+            whose last bit it holds, and with ``final`` the stream's last partial
+            word. tw: the tile's stream from bit P*width (a = P unless clipped to
+            the capacity, and then nothing is written); pred: the last
+            min(32, P*width) stream bits before it, its earliest bit in bit 0."""
+            B0 = a * width
+            B1 = e * width
+            w_lo = B0 >> 5
+            w_end = B1 >> 5
+            base = B0 & 31
+            tailb = B1 & 31
+            last = w_end - 1
+            if final and tailb != 0:
+                last = w_end
+            pl = P * width
+            if pl > 32:
+                pl = 32
+            top = uint64(0)                 # pred with its last bit in bit 31
+            if pl > 0:
+                top = (uint64(pred) << uint64(32 - pl)) & uint64(FULL_MASK)
+            k = int64(t)
+            while w_lo + k <= last:
+                lo = top
+                if k > 0:
+                    lo = uint64(tw[_u(k - 1)])
+                word = (((uint64(tw[_u(k)]) << uint64(32)) | lo) << uint64(base)) >> uint64(32)
+                if w_lo + k == w_end:
+                    word &= (uint64(1) << uint64(tailb)) - uint64(1)   # past the stream: padding
+                if w_lo + k < out.size:
+                    out[_u(w_lo + k)] = word
+                k += NT
 
         def make_pack(mode, enc):
             """The pack kernel of one mode and encoding (both compile-time constants,
             so the other modes' code and the run-time encoding tests drop out)."""
+            SIGNS = enc == SIGNPLANE
+
             @cuda.jit(**TILE_JIT)
             def k_pack(xe, x64, use64, numel, ye, y64, ouse64, msrc, cap, incl_every,
                        mask, offsets, chunk_log2, vt, vw, sw, scratch, tails, stat):
@@ -580,8 +641,10 @@ class DtypeKernels:
                 (tests use it to make the look-back walk)."""
                 t = cuda.threadIdx.x
                 n_tiles = int64(cuda.gridDim.x)
-                sv = cuda.shared.array(TILE, ETYPE)       # the tile's values, compacted
-                sx = cuda.shared.array(TILE, ETYPE)       # its elements, [j * GPT + group]
+                stage_w = cuda.shared.array(STAGE_W, uint32)
+                sv = stage_w.view(ENP)                       # the tile's values, compacted
+                a_s = cuda.shared.array(A_W, uint32)
+                s_sg = cuda.shared.array(SG_W, uint32)
                 sh_byte = cuda.shared.array(GPT, int32)
                 sh_rank = cuda.shared.array(GPT, int32)
                 sh_tot = cuda.shared.array(GNW, int64)
@@ -590,37 +653,50 @@ class DtypeKernels:
                 sh_i = cuda.shared.array(2, int32)
                 sh_p = cuda.shared.array(4, int64)
                 v = cuda.local.array(8, int64)
+                xv = cuda.local.array(XV_N, uint32)         # the elements, kept in registers
                 if t == 0:
                     sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
                     sh_i[1] = 0
                 cuda.syncthreads()
                 tile = sh_p[0]
                 ngroups = (numel + 7) >> 3
+                neg = uint64(0)                              # OR of the stored patterns
                 for r in range(G):
                     gi = r * NT + t
                     g = tile * GPT + gi
-                    byte = 0
+                    byte = int64(0)
                     if g < ngroups:
                         full = g * 8 + 8 <= numel
-                        load_group(xe, x64, use64 and full, numel, g, v)
-                        if mode == MODE_MASKED:
-                            byte = int32(msrc[_u(g)])
-                        elif mode != MODE_PACK:
+                        if mode == MODE_PACK and use64 and full:
+                            for q in range(ITEM):
+                                w = int64(x64[_u(g * ITEM + q)])
+                                neg |= uint64(w)
+                                for h in range(2):
+                                    nz = word_nonzero((w >> (32 * h)) & FULL_MASK)
+                                    byte |= nz << (q * PER_WORD + h * GE)
+                                for j in range(PER_WORD):
+                                    v[q * PER_WORD + j] = (w >> (j * BITS)) & EMASK
+                        else:
+                            load_group(xe, x64, use64 and full, numel, g, v)
+                            if mode == MODE_MASKED:
+                                byte = int64(msrc[_u(g)])
+                            elif mode != MODE_PACK:
+                                for j in range(8):
+                                    v[j] = relu(v[j])
                             for j in range(8):
-                                v[j] = relu(v[j])
-                        for j in range(8):
-                            sx[_u(j * GPT + gi)] = v[j]
-                            if mode != MODE_MASKED and v[j] != 0:
-                                byte |= 1 << j
-                        if mode == MODE_RELU2:
-                            for j in range(8):
-                                v[j] = square(v[j])
-                        if mode == MODE_RELU or mode == MODE_RELU2:
-                            store_group(ye, y64, ouse64 and full, numel, g, v)
+                                if mode == MODE_PACK:
+                                    neg |= uint64(v[j])
+                                if mode != MODE_MASKED and v[j] != 0:
+                                    byte |= 1 << j
+                            if mode == MODE_RELU:
+                                store_group(ye, y64, ouse64 and full, numel, g, v)
+                            if mode == MODE_RELU2:
+                                store_squares(ye, y64, ouse64 and full, numel, g, v)
+                    for j in range(8):
+                        xv[r * 8 + j] = v[j]
                     sh_byte[_u(gi)] = byte
                 cuda.syncthreads()
                 n = _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
-                neg = 0
                 for r in range(G):
                     gi = r * NT + t
                     g = tile * GPT + gi
@@ -630,72 +706,78 @@ class DtypeKernels:
                         mask[_u(g)] = byte
                     for j in range(8):
                         if (byte >> j) & 1:
-                            x = int64(sx[_u(j * GPT + gi)])
+                            x = xv[r * 8 + j]
                             sv[_u(rk)] = x
-                            if x >= SIGN:
-                                neg = 1
+                            if mode != MODE_PACK:
+                                neg |= uint64(x)
                             rk += 1
-                if neg != 0 and enc == NOSIGN:
+                if enc == NOSIGN and (neg & uint64(SIGN_ALL)) != 0:
                     sh_i[1] = 1
                 cuda.syncthreads()
 
-                # Publish this tile's count, find its offset, publish the inclusive count.
+                # Warp 0: publish this tile's count, find its offset, publish the
+                # inclusive count. The other warps meanwhile build the tile's stream.
                 width = int64(0)
                 if enc != RAW:
                     width = int64(W)
-                signs = enc == SIGNPLANE
                 lm = int64(0)
                 ll = int64(0)
                 ls = int64(0)
-                if t == 0:
-                    if width > 0:
-                        lm, ll = tail_values(sv, n)
-                    if signs:
-                        ls, _ = tail_signs(sv, n)
-                    tails[tile * 4] = lm
-                    tails[tile * 4 + 1] = ls
-                    if tile == 0:
-                        tails[2] = lm
-                        tails[3] = ls
-                    if sh_i[1] != 0:
-                        cuda.atomic.or_(scratch, 1, int64(1))
-                    cuda.threadfence()
-                    if tile == 0:
-                        cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | n)
-                    else:
-                        cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | n)
                 P = int64(0)
                 pm = int64(0)
                 ps = int64(0)
-                if tile > 0 and t < 32:
-                    P, pm, ps = _lookback(scratch, tails, tile, width, signs, t, sh_f, sh_i)
-                if t == 0:
-                    if tile > 0 and tile % incl_every == 0:
-                        pl = P * width
-                        if pl > 32:
-                            pl = 32
-                        im, _ = _cat(pm, pl, lm, ll)
-                        pl = P
-                        if pl > 32:
-                            pl = 32
-                        nl = n
-                        if nl > 32:
-                            nl = 32
-                        isg, _ = _cat(ps, pl, ls, nl)
-                        tails[tile * 4 + 2] = im
-                        tails[tile * 4 + 3] = isg
+                if t < 32:
+                    if t == 0:
+                        if width > 0:
+                            lm, ll = tail_values(sv, n)
+                        if SIGNS:
+                            ls, _ = tail_signs(sv, n)
+                        tails[tile * 4] = lm
+                        tails[tile * 4 + 1] = ls
+                        if tile == 0:
+                            tails[2] = lm
+                            tails[3] = ls
+                        if sh_i[1] != 0:
+                            cuda.atomic.or_(scratch, 1, int64(1))
                         cuda.threadfence()
-                        cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_INCL) | (P + n))
-                    if tile == n_tiles - 1:
-                        # Every predecessor OR-ed its status before publishing its count.
-                        cuda.threadfence()
-                        stat[0] = _rd64(scratch, 1)
-                        stat[1] = P + n
-                        if mode != MODE_MASKED:
-                            offsets[offsets.size - 1] = P + n
-                    sh_p[1] = P
-                    sh_p[2] = pm
-                    sh_p[3] = ps
+                        if tile == 0:
+                            cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | n)
+                        else:
+                            cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | n)
+                    if tile > 0:
+                        P, pm, ps = _lookback(scratch, tails, tile, width, SIGNS, t, sh_f, sh_i)
+                    if t == 0:
+                        if tile > 0 and tile % incl_every == 0:
+                            pl = P * width
+                            if pl > 32:
+                                pl = 32
+                            im, _ = _cat(pm, pl, lm, ll)
+                            pl = P
+                            if pl > 32:
+                                pl = 32
+                            nl = n
+                            if nl > 32:
+                                nl = 32
+                            isg, _ = _cat(ps, pl, ls, nl)
+                            tails[tile * 4 + 2] = im
+                            tails[tile * 4 + 3] = isg
+                            cuda.threadfence()
+                            cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_INCL) | (P + n))
+                        if tile == n_tiles - 1:
+                            # Every predecessor OR-ed its status before publishing its count.
+                            cuda.threadfence()
+                            stat[0] = _rd64(scratch, 1)
+                            stat[1] = P + n
+                            if mode != MODE_MASKED:
+                                offsets[offsets.size - 1] = P + n
+                        sh_p[1] = P
+                        sh_p[2] = pm
+                        sh_p[3] = ps
+                elif enc != RAW:
+                    q = int64(t - 32)
+                    while q * 32 < n:
+                        pack_run(stage_w, q, a_s, s_sg, SIGNS)
+                        q += NT - 32
                 cuda.syncthreads()
                 P = sh_p[1]
                 pm = sh_p[2]
@@ -707,21 +789,22 @@ class DtypeKernels:
                         g = tile * GPT + gi
                         if g < ngroups and ((g << 3) & ((int64(1) << chunk_log2) - 1)) == 0:
                             offsets[_u((g << 3) >> chunk_log2)] = P + sh_rank[_u(gi)]
-                m = int64(0)
-                if P < cap:
-                    m = cap - P
-                    if m > n:
-                        m = n
+                a = P
+                if a > cap:
+                    a = cap
+                e = P + n
+                if e > cap:
+                    e = cap
                 final = (P < cap and P + n >= cap) or (tile == n_tiles - 1 and P + n < cap)
                 if enc == RAW:
                     i = int64(t)
-                    while i < m:
+                    while P + i < e:
                         vt[_u(P + i)] = int64(sv[_u(i)])
                         i += NT
                 else:
-                    emit_values(sv, t, P, m, vw, pm, final)
-                    if signs:
-                        emit_signs(sv, t, P, m, sw, ps, final)
+                    copy_stream(vw, a_s, t, P, a, e, pm, W, final)
+                    if SIGNS:
+                        copy_stream(sw, s_sg, t, P, a, e, ps, 1, final)
             return k_pack
 
         @cuda.jit
@@ -903,7 +986,8 @@ class DtypeKernels:
                         full = e0 + UV <= numel
                         if op == 0 and ouse64 and full:
                             for p in range(OW // 2):
-                                o64[_u(e0 * BITS // 64 + p)] = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
+                                pair = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
+                                o64[_u(e0 * BITS // 64 + p)] = pair
                         else:
                             for h in range(UMB):
                                 g = (e0 >> 3) + h
