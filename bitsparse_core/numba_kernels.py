@@ -21,9 +21,9 @@ as in the CuPy kernels); a thread covers 16-byte rows. The gated backward
 op still copies its two streams' slices into shared memory and cuts each value
 out of the shared words (``value_at``).
 
-Sizes: on a GPU a tile is 4096 elements for a block of 512 threads (one group
-each; unpack: 256 threads, 16 elements each); under the simulator 1024 elements
-for 64 threads (two groups each, so the multi-row path runs there too).
+Sizes: on a GPU a tile is 4096 elements for a block of 256 threads (two groups
+each; unpack: 16 elements each); under the simulator 1024 elements for 64
+threads (the same per-thread shapes, so the simulator runs the GPU's row loops).
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, the look-back reads 32 predecessors per step with warp votes,
@@ -61,17 +61,17 @@ _u = uint64                      # index cast: no wraparound code (module docstr
 
 TILE_LOG2 = 10 if SIM else 12
 TILE = 1 << TILE_LOG2
-NT = 64 if SIM else 512          # threads per tile block (a multiple of 32)
+NT = 64 if SIM else 256          # threads per tile block (a multiple of 32)
 NW = NT // 32
 GPT = TILE // 8                  # groups (mask bytes) per tile
 G = GPT // NT                    # groups per thread
-GNW = G * NW                     # (row, warp) totals of a tile
+assert G <= 2                    # _tile_ranks scans two rows' counts at once
 SCAN_NT = 32 if SIM else 1024    # threads of the one-block scan
 SCAN_PER = 2 if SIM else 8       # items per scan thread per pass
 LANE_N = NT if SIM else 1        # the simulator's warp scan goes through shared memory
-# Tile kernels are latency-bound per block (barriers, look-back): cap registers so
-# three 512-thread blocks share an SM. The simulator takes no such option.
-TILE_JIT = {} if SIM else {"launch_bounds": (NT, 3)}
+# Tile kernels wait per block (barriers, look-back): cap registers so six 256-thread
+# blocks share an SM. The simulator takes no such option.
+TILE_JIT = {} if SIM else {"launch_bounds": (NT, 6)}
 UNT = 64 if SIM else 256         # threads per unpack block (rows of 16 bytes each)
 UNW = UNT // 32
 ULANE_N = UNT if SIM else 1
@@ -152,27 +152,28 @@ else:
 def _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t):
     """sh_rank[gi] = nonzeros of the tile before group gi (gi = r*NT + t, the tile's
     group order), from the mask bytes in sh_byte. Returns the tile's total.
-    Every thread of the block must call it (it synchronizes)."""
+    The G <= 2 rows' counts share one warp scan, 16 bits apart (a row holds at
+    most 8 * NT < 2**16). Every thread of the block must call it (it synchronizes)."""
     lane = t & 31
     warp = t >> 5
+    packed = int32(0)
     for r in range(G):
-        gi = r * NT + t
-        c = int64(cuda.popc(int32(sh_byte[_u(gi)])))
-        inc = _warp_incl_scan(c, lane, t, sh_lane)
-        sh_rank[_u(gi)] = inc - c
-        if lane == 31:
-            sh_tot[_u(r * NW + warp)] = inc
+        packed = int32(packed + (cuda.popc(int32(sh_byte[_u(r * NT + t)])) << (16 * r)))
+    inc = _warp_incl_scan(packed, lane, t, sh_lane)
+    if lane == 31:
+        sh_tot[warp] = inc
     cuda.syncthreads()
-    acc = int64(0)
-    for r in range(G):
-        before = acc
-        for w in range(NW):
-            tv = sh_tot[_u(r * NW + w)]
-            if w < warp:
-                before += tv
-            acc += tv
-        sh_rank[_u(r * NT + t)] += before
-    return acc
+    before = int32(inc - packed)     # 32-bit sums: no sign extension per add
+    total = int32(0)
+    for w in range(NW):
+        tw = sh_tot[w]
+        if w < warp:
+            before = int32(before + tw)
+        total = int32(total + tw)
+    sh_rank[_u(t)] = before & 0xFFFF
+    if G == 2:
+        sh_rank[_u(NT + t)] = (total & 0xFFFF) + (before >> 16)
+    return int64((total & 0xFFFF) + (total >> 16))
 
 
 @cuda.jit(device=True)
@@ -647,7 +648,7 @@ class DtypeKernels:
                 s_sg = cuda.shared.array(SG_W, uint32)
                 sh_byte = cuda.shared.array(GPT, int32)
                 sh_rank = cuda.shared.array(GPT, int32)
-                sh_tot = cuda.shared.array(GNW, int64)
+                sh_tot = cuda.shared.array(NW, int32)
                 sh_lane = cuda.shared.array(LANE_N, int64)
                 sh_f = cuda.shared.array(32, int64)
                 sh_i = cuda.shared.array(2, int32)
@@ -965,13 +966,13 @@ class DtypeKernels:
                 if lane == 31:
                     sh_tot[warp] = inc
                 cuda.syncthreads()
-                before = inc - packed
+                before = int32(inc - packed)
                 total = int32(0)
                 for w in range(UNW):
                     tw = sh_tot[w]
                     if w < warp:
-                        before += tw
-                    total += tw
+                        before = int32(before + tw)
+                    total = int32(total + tw)
                 j = before & 0xFFFF
                 for r in range(UR):
                     if r == 1:
@@ -1021,7 +1022,7 @@ class DtypeKernels:
             rank_r = cuda.shared.array(GPT, int32)
             byte_u = cuda.shared.array(GPT, int32)
             rank_u = cuda.shared.array(GPT, int32)
-            sh_tot = cuda.shared.array(GNW, int64)
+            sh_tot = cuda.shared.array(NW, int32)
             sh_lane = cuda.shared.array(LANE_N, int64)
             rv = cuda.local.array(8, int64)
             uv = cuda.local.array(8, int64)
