@@ -551,9 +551,7 @@ class DtypeKernels:
         A_W = (TILE // 32 + 1) * W + 1              # the tile's stream, whole runs
         SG_W = TILE // 32 + 2                       # its sign bits
         XV_N = 8 * G                                # a thread's elements
-        SIGN_ALL = 0                                # the sign bits of a uint64's lanes
-        for _j in range(PER_WORD):
-            SIGN_ALL |= SIGN << (_j * BITS)
+        SIGN_ALL = sum(SIGN << (j * BITS) for j in range(PER_WORD))   # a uint64's sign bits
 
         @cuda.jit(device=True)
         def word_nonzero(w):
