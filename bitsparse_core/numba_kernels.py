@@ -460,10 +460,11 @@ class DtypeKernels:
         store_group = make_store_group(False)
         store_squares = make_store_group(True)
 
-        # Decoding a tile: its slice of the value stream (and of the sign plane) is
-        # first copied into shared memory with independent, coalesced loads (a
-        # fixed number per thread, so they are all in flight at once); values are
-        # then cut out of shared words. Raw values are a stream of width BITS.
+        # The gated backward op decodes a tile's two packed tensors this way: each
+        # slice of a value stream (and of a sign plane) is first copied into shared
+        # memory with independent, coalesced loads (a fixed number per thread, so
+        # they are all in flight at once); values are then cut out of shared words.
+        # Raw values are a stream of width BITS.
         VWPT = (TILE * BITS // 32 + 2 + NT - 1) // NT   # value-stream words per thread
         SWPT = (TILE // 32 + 2 + NT - 1) // NT          # sign words per thread
         VWN = VWPT * NT
