@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--all", action="store_true",
                     help="every op / mode and encoding of unpack and pack, not only nosign")
     a = ap.parse_args()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
     import numba.cuda.dispatcher as disp
     from numba import cuda, types
 
@@ -82,7 +83,7 @@ def main() -> None:
         sass = subprocess.run([tool("cuobjdump"), "-sass", str(base.with_suffix(".cubin"))],
                               capture_output=True, text=True).stdout
         base.with_suffix(".sass").write_text(sass)
-        n = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
+        n = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
         regs = re.findall(r"Used (\d+) registers", r.stderr)
         print(f"{name}: {n} SASS instructions, {regs[0] if regs else '?'} registers, "
               f"{len(re.findall('LDL|STL', sass))} local accesses -> {base}.sass")

@@ -69,9 +69,6 @@ assert G <= 2                    # _tile_ranks scans two rows' counts at once
 SCAN_NT = 32 if SIM else 1024    # threads of the one-block scan
 SCAN_PER = 2 if SIM else 8       # items per scan thread per pass
 LANE_N = NT if SIM else 1        # the simulator's warp scan goes through shared memory
-# Tile kernels wait per block (barriers, look-back): cap registers so six 256-thread
-# blocks share an SM. The simulator takes no such option.
-TILE_JIT = {} if SIM else {"launch_bounds": (NT, 6)}
 UNT = 64 if SIM else 256         # threads per unpack block (rows of 16 bytes each)
 UNW = UNT // 32
 ULANE_N = UNT if SIM else 1
@@ -90,6 +87,11 @@ LB_AGG = 1 << LB_SHIFT           # the tile's own count is published
 LB_INCL = 2 << LB_SHIFT          # the count up to and including the tile is published
 SCRATCH_HEAD = 2                 # int64 slots before the descriptors: ticket, status OR
 MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED = 0, 1, 2, 3
+# Pack tiles wait per block (barriers, look-back): cap registers so six 256-thread
+# blocks share an SM; the relu modes' float squares need more registers, four blocks
+# (as the CuPy pack gives them fewer). The simulator takes no such option.
+PACK_JIT = {m: {} if SIM else {"launch_bounds": (NT, 4 if m in (MODE_RELU, MODE_RELU2) else 6)}
+            for m in (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)}
 
 # ----------------------------------------------------------------------------
 # The two target-specific primitives.
@@ -434,31 +436,19 @@ class DtypeKernels:
             f = widen(r)
             return narrow(fmul(f, f))
 
-        def make_store_group(squared):
-            @cuda.jit(device=True)
-            def store(oe, o64, fast, numel, g, v):
-                """Write group g (``squared``: each element's square, leaving v as it is)."""
-                if fast:
-                    for q in range(ITEM):
-                        w = int64(0)
-                        for j in range(PER_WORD):
-                            x = v[q * PER_WORD + j]
-                            if squared:
-                                x = square(x)
-                            w |= x << (j * BITS)
-                        o64[_u(g * ITEM + q)] = w
-                else:
-                    for j in range(8):
-                        e = g * 8 + j
-                        if e < numel:
-                            x = v[j]
-                            if squared:
-                                x = square(x)
-                            oe[_u(e)] = x
-            return store
-
-        store_group = make_store_group(False)
-        store_squares = make_store_group(True)
+        @cuda.jit(device=True)
+        def store_group(oe, o64, fast, numel, g, v):
+            if fast:
+                for q in range(ITEM):
+                    w = int64(0)
+                    for j in range(PER_WORD):
+                        w |= v[q * PER_WORD + j] << (j * BITS)
+                    o64[_u(g * ITEM + q)] = w
+            else:
+                for j in range(8):
+                    e = g * 8 + j
+                    if e < numel:
+                        oe[_u(e)] = v[j]
 
         # The gated backward op decodes a tile's two packed tensors this way: each
         # slice of a value stream (and of a sign plane) is first copied into shared
@@ -629,7 +619,7 @@ class DtypeKernels:
             so the other modes' code and the run-time encoding tests drop out)."""
             SIGNS = enc == SIGNPLANE
 
-            @cuda.jit(**TILE_JIT)
+            @cuda.jit(**PACK_JIT[mode])
             def k_pack(xe, x64, use64, numel, ye, y64, ouse64, msrc, cap, incl_every,
                        mask, offsets, chunk_log2, vt, vw, sw, scratch, tails, stat):
                 """One-pass pack. mode 0: x's nonzeros; 1: relu(x)'s, writing y = relu(x);
@@ -654,6 +644,7 @@ class DtypeKernels:
                 sh_p = cuda.shared.array(4, int64)
                 v = cuda.local.array(8, int64)
                 xv = cuda.local.array(XV_N, uint32)         # the elements, kept in registers
+                sq = cuda.local.array(8, int64)
                 if t == 0:
                     sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
                     sh_i[1] = 0
@@ -691,7 +682,9 @@ class DtypeKernels:
                             if mode == MODE_RELU:
                                 store_group(ye, y64, ouse64 and full, numel, g, v)
                             if mode == MODE_RELU2:
-                                store_squares(ye, y64, ouse64 and full, numel, g, v)
+                                for j in range(8):
+                                    sq[j] = square(v[j])   # v keeps relu(x), the stored values
+                                store_group(ye, y64, ouse64 and full, numel, g, sq)
                     for j in range(8):
                         xv[r * 8 + j] = v[j]
                     sh_byte[_u(gi)] = byte
