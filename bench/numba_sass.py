@@ -1,8 +1,9 @@
 """Static SASS of the Numba codec kernels for sm_90, built here without a GPU.
 
-    python3 bench/numba_sass.py [--dtype bfloat16] [--out /tmp]
+    python3 bench/numba_sass.py [--dtype bfloat16] [--out /tmp] [--all]
 
-Compiles the nosign unpack and plain-pack kernels to PTX with numba-cuda, assembles
+Compiles the nosign unpack and plain-pack kernels (with --all every op, mode and
+encoding: does each compile for sm_90?) to PTX with numba-cuda, assembles
 them with ptxas and disassembles with cuobjdump (both from the pip CUDA packages or
 the PATH), then prints instructions, registers and local-memory accesses per kernel:
 a cheap check of a Numba change before spending device time on it. numba-cuda asks
@@ -41,7 +42,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default="/tmp")
+    ap.add_argument("--all", action="store_true",
+                    help="every op / mode and encoding of unpack and pack, not only nosign")
     a = ap.parse_args()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
     import numba.cuda.dispatcher as disp
     from numba import cuda, types
 
@@ -54,15 +58,22 @@ def main() -> None:
     arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
     et = {8: types.uint8, 16: types.uint16, 32: types.uint32}[k.bits]
     u8, u32, u64, el, i64, b = arr(types.uint8), arr(types.uint32), arr(types.uint64), arr(et), types.int64, types.boolean
-    kernels = {
-        "unpack_nosign": (k.unpack[K.NOSIGN], (u8, i64, u32, i64, u8, u32, i64, u8, u32, i64, i64,
-                                               el, u64, b, el, u64, b)),
-        "pack_nosign": (k.pack[(K.MODE_PACK, K.NOSIGN)], (el, u64, b, i64, el, u64, b, u8, i64, i64, u8,
-                                                          u32, i64, el, u32, u32, arr(types.int64), u32,
-                                                          arr(types.int64))),
-    }
+    unpack_sig = (u8, i64, u32, i64, u8, u32, i64, u8, u32, i64, el, u64, b, el, u64, b)
+    pack_sig = (el, u64, b, i64, el, u64, b, u8, i64, i64, u8, u32, i64, el, u32, u32,
+                arr(types.int64), u32, arr(types.int64))
+    encs = (K.RAW, K.NOSIGN, K.SIGNPLANE) if a.all else (K.NOSIGN,)
+    ename = {K.RAW: "raw", K.NOSIGN: "nosign", K.SIGNPLANE: "signplane"}
+    kernels = {}
+    for op in ((0, 1) if a.all else (0,)):
+        for e in encs:
+            kernels[f"unpack{'_relu2bw' if op else ''}_{ename[e]}"] = (k.unpack[(op, e)], unpack_sig)
+    for mode in ((K.MODE_PACK, K.MODE_RELU, K.MODE_RELU2, K.MODE_MASKED) if a.all else (K.MODE_PACK,)):
+        for e in encs:
+            kernels[f"pack{'_mode%d' % mode if mode else ''}_{ename[e]}"] = (k.pack[(mode, e)], pack_sig)
     for name, (kern, sig) in kernels.items():
-        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+        # The kernel's own launch bounds: they cap its registers (spills show as local accesses).
+        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0),
+                                  launch_bounds=kern.targetoptions.get("launch_bounds"))
         base = Path(a.out) / f"numba_{name}"
         base.with_suffix(".ptx").write_text(ptx)
         r = subprocess.run([tool("ptxas"), "-arch=sm_90", "-v", str(base.with_suffix(".ptx")), "-o",
@@ -72,7 +83,7 @@ def main() -> None:
         sass = subprocess.run([tool("cuobjdump"), "-sass", str(base.with_suffix(".cubin"))],
                               capture_output=True, text=True).stdout
         base.with_suffix(".sass").write_text(sass)
-        n = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
+        n = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
         regs = re.findall(r"Used (\d+) registers", r.stderr)
         print(f"{name}: {n} SASS instructions, {regs[0] if regs else '?'} registers, "
               f"{len(re.findall('LDL|STL', sass))} local accesses -> {base}.sass")

@@ -500,8 +500,8 @@ class NumbaBackend:
             ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
         else:
             ge, g64, gfast = oe, o64, False
-        P.launch(K.kernels_for(dt.name).unpack[int(p.encoding)], n_tiles, K.NT, st, mask, numel,
-                 toff, shift, *self._stored(P, p), op, ge, g64, gfast, oe, o64, ofast)
+        P.launch(K.kernels_for(dt.name).unpack[(op, int(p.encoding))], n_tiles, K.UNT, st, mask,
+                 numel, toff, shift, *self._stored(P, p), ge, g64, gfast, oe, o64, ofast)
         del keep  # the allocator orders its reuse after the queued kernel
 
     def relu_backward(self, grad, p, *, stream=None, allocator=None):

@@ -13,15 +13,17 @@ tiles is written whole by the tile holding its last bit (or the stream's end):
 every tile also publishes the last 32 stream bits up to its end, so no word is
 written twice, no atomics touch the output and padding bits come out zero.
 Unpack is one launch per tile (plus a popcount + scan of the mask when chunks
-are larger than a tile), one kernel per encoding: the tile's value range comes
-from the tile-offset array at both ends, its stored values are decoded 32/BITS
-per stream chunk into shared memory, then cut out by rank. The gated backward
+are larger than a tile), one kernel per (op, encoding): the tile's value range
+comes from the tile-offset array at both ends, its stored values are decoded
+32/BITS per 32-bit word into shared memory, and each output word is the next
+stored values' bytes dropped into the slots its mask bits select (one PRMT,
+as in the CuPy kernels); a thread covers 16-byte rows. The gated backward
 op still copies its two streams' slices into shared memory and cuts each value
 out of the shared words (``value_at``).
 
-Sizes: on a GPU a tile is 4096 elements for a block of 512 threads (one group
-each); under the simulator 1024 elements for 64 threads (two groups each, so
-the multi-row path runs there too).
+Sizes: on a GPU a tile is 4096 elements for a block of 256 threads (two groups
+each; unpack: 16 elements each); under the simulator 1024 elements for 64
+threads (the same per-thread shapes, so the simulator runs the GPU's row loops).
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, the look-back reads 32 predecessors per step with warp votes,
@@ -50,7 +52,7 @@ import numpy as np
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
 
-from numba import config, cuda, int32, int64, uint8, uint16, uint32, uint64  # noqa: E402
+from numba import config, cuda, int32, int64, uint32, uint64  # noqa: E402
 
 from . import bitfloat
 
@@ -59,17 +61,20 @@ _u = uint64                      # index cast: no wraparound code (module docstr
 
 TILE_LOG2 = 10 if SIM else 12
 TILE = 1 << TILE_LOG2
-NT = 64 if SIM else 512          # threads per tile block (a multiple of 32)
+NT = 64 if SIM else 256          # threads per tile block (a multiple of 32)
 NW = NT // 32
 GPT = TILE // 8                  # groups (mask bytes) per tile
 G = GPT // NT                    # groups per thread
-GNW = G * NW                     # (row, warp) totals of a tile
+assert G <= 2                    # _tile_ranks scans two rows' counts at once
 SCAN_NT = 32 if SIM else 1024    # threads of the one-block scan
 SCAN_PER = 2 if SIM else 8       # items per scan thread per pass
 LANE_N = NT if SIM else 1        # the simulator's warp scan goes through shared memory
-# Tile kernels are latency-bound per block (barriers, look-back): cap registers so
-# three 512-thread blocks share an SM. The simulator takes no such option.
-TILE_JIT = {} if SIM else {"launch_bounds": (NT, 3)}
+UNT = 64 if SIM else 256         # threads per unpack block (rows of 16 bytes each)
+UNW = UNT // 32
+ULANE_N = UNT if SIM else 1
+# Unpack: six 256-thread blocks per SM (42 registers); the relu2 backward op's float
+# products need more registers, four blocks.
+UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in (0, 1)}
 
 RAW, NOSIGN, SIGNPLANE = 0, 1, 2
 FULL_MASK = 0xFFFFFFFF
@@ -82,6 +87,11 @@ LB_AGG = 1 << LB_SHIFT           # the tile's own count is published
 LB_INCL = 2 << LB_SHIFT          # the count up to and including the tile is published
 SCRATCH_HEAD = 2                 # int64 slots before the descriptors: ticket, status OR
 MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED = 0, 1, 2, 3
+# Pack tiles wait per block (barriers, look-back): cap registers so six 256-thread
+# blocks share an SM; the relu modes' float squares need more registers, four blocks
+# (as the CuPy pack gives them fewer). The simulator takes no such option.
+PACK_JIT = {m: {} if SIM else {"launch_bounds": (NT, 4 if m in (MODE_RELU, MODE_RELU2) else 6)}
+            for m in (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)}
 
 # ----------------------------------------------------------------------------
 # The two target-specific primitives.
@@ -92,6 +102,15 @@ if SIM:
 
     def _as_u32(f):
         return np.int64(np.array([f], dtype=np.float32).view(np.uint32)[0])
+
+    def _prmt(x, s):
+        """PRMT with y = 0: byte k of the result is byte (s >> 4k) & 7 of (0:x)."""
+        r = 0
+        for k in range(4):
+            sel = (int(s) >> (4 * k)) & 7
+            if sel < 4:
+                r |= ((int(x) >> (8 * sel)) & 0xFF) << (8 * k)
+        return np.uint32(r)
 
     @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):
@@ -115,41 +134,48 @@ else:
         return int64(libdevice.float_as_int(f)) & 0xFFFFFFFF
 
     @cuda.jit(device=True)
+    def _prmt(x, s):
+        """PRMT with y = 0: byte k of the result is byte (s >> 4k) & 7 of (0:x)."""
+        return uint32(libdevice.byte_perm(int32(x), int32(0), int32(s)))
+
+    @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):
+        x = int32(v)                 # sums of a warp's counts: one 32-bit shuffle per step
         d = 1
         while d < 32:
-            y = cuda.shfl_up_sync(FULL_MASK, v, d)
+            y = cuda.shfl_up_sync(FULL_MASK, x, d)
             if lane >= d:
-                v += y
+                x = int32(x + y)
             d *= 2
-        return v
+        return x
 
 
 @cuda.jit(device=True)
 def _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t):
     """sh_rank[gi] = nonzeros of the tile before group gi (gi = r*NT + t, the tile's
     group order), from the mask bytes in sh_byte. Returns the tile's total.
-    Every thread of the block must call it (it synchronizes)."""
+    The G <= 2 rows' counts share one warp scan, 16 bits apart (a row holds at
+    most 8 * NT < 2**16). Every thread of the block must call it (it synchronizes)."""
     lane = t & 31
     warp = t >> 5
+    packed = int32(0)
     for r in range(G):
-        gi = r * NT + t
-        c = int64(cuda.popc(int32(sh_byte[_u(gi)])))
-        inc = _warp_incl_scan(c, lane, t, sh_lane)
-        sh_rank[_u(gi)] = inc - c
-        if lane == 31:
-            sh_tot[_u(r * NW + warp)] = inc
+        packed = int32(packed + (cuda.popc(int32(sh_byte[_u(r * NT + t)])) << (16 * r)))
+    inc = _warp_incl_scan(packed, lane, t, sh_lane)
+    if lane == 31:
+        sh_tot[warp] = inc
     cuda.syncthreads()
-    acc = int64(0)
-    for r in range(G):
-        before = acc
-        for w in range(NW):
-            tv = sh_tot[_u(r * NW + w)]
-            if w < warp:
-                before += tv
-            acc += tv
-        sh_rank[_u(r * NT + t)] += before
-    return acc
+    before = int32(inc - packed)     # 32-bit sums: no sign extension per add
+    total = int32(0)
+    for w in range(NW):
+        tw = sh_tot[w]
+        if w < warp:
+            before = int32(before + tw)
+        total = int32(total + tw)
+    sh_rank[_u(t)] = before & 0xFFFF
+    if G == 2:
+        sh_rank[_u(NT + t)] = (total & 0xFFFF) + (before >> 16)
+    return int64((total & 0xFFFF) + (total >> 16))
 
 
 @cuda.jit(device=True)
@@ -378,9 +404,10 @@ class DtypeKernels:
         W = bits - 1                     # stream code width
         WMASK = (1 << W) - 1
         PER_WORD = 8 // ITEM             # elements per uint64 word
+        GE = 32 // BITS                  # elements per 32-bit word
         widen, narrow, is_nan, is_pos, fmul = F.widen, F.narrow, F.is_nan, F.is_pos, F.fmul
         TWO = 0x40000000                 # float32 bits of 2.0
-        ETYPE = {8: uint8, 16: uint16, 32: uint32}[bits]
+        ENP = {8: np.uint8, 16: np.uint16, 32: np.uint32}[bits]   # for views
 
         @cuda.jit(device=True)
         def load_group(xe, x64, fast, numel, g, v):
@@ -399,6 +426,17 @@ class DtypeKernels:
                         v[j] = 0
 
         @cuda.jit(device=True)
+        def relu(x):
+            if is_pos(x) or is_nan(x):
+                return x
+            return int64(0)
+
+        @cuda.jit(device=True)
+        def square(r):
+            f = widen(r)
+            return narrow(fmul(f, f))
+
+        @cuda.jit(device=True)
         def store_group(oe, o64, fast, numel, g, v):
             if fast:
                 for q in range(ITEM):
@@ -412,21 +450,11 @@ class DtypeKernels:
                     if e < numel:
                         oe[_u(e)] = v[j]
 
-        @cuda.jit(device=True)
-        def relu(x):
-            if is_pos(x) or is_nan(x):
-                return x
-            return int64(0)
-
-        @cuda.jit(device=True)
-        def square(r):
-            f = widen(r)
-            return narrow(fmul(f, f))
-
-        # Decoding a tile: its slice of the value stream (and of the sign plane) is
-        # first copied into shared memory with independent, coalesced loads (a
-        # fixed number per thread, so they are all in flight at once); values are
-        # then cut out of shared words. Raw values are a stream of width BITS.
+        # The gated backward op decodes a tile's two packed tensors this way: each
+        # slice of a value stream (and of a sign plane) is first copied into shared
+        # memory with independent, coalesced loads (a fixed number per thread, so
+        # they are all in flight at once); values are then cut out of shared words.
+        # Raw values are a stream of width BITS.
         VWPT = (TILE * BITS // 32 + 2 + NT - 1) // NT   # value-stream words per thread
         SWPT = (TILE // 32 + 2 + NT - 1) // NT          # sign words per thread
         VWN = VWPT * NT
@@ -471,8 +499,8 @@ class DtypeKernels:
                 code |= ((int64(sw_s[sbit >> 5]) >> (sbit & 31)) & 1) << (BITS - 1)
             return code
 
-        def make_stream(width, sign_plane):
-            """(tail, emit) device functions of one stream: the value codes
+        def make_tail(width, sign_plane):
+            """The tail of one stream of the tile's staged values: the value codes
             (``width`` bits each) or the sign bits (width 1)."""
             @cuda.jit(device=True)
             def code_of(x):
@@ -500,51 +528,98 @@ class DtypeKernels:
                         word |= code >> (-pos)
                     i += 1
                 return word & ((int64(1) << L) - 1), L
+            return tail
 
-            @cuda.jit(device=True)
-            def emit(sv, t, P, m, w32, pred, final):
-                """Write the words of stream bits [P*width, (P+m)*width) this tile owns:
-                those whose last bit it holds, and with ``final`` the stream's last
-                partial word. ``pred``: the stream bits just before P*width."""
-                S = P * width
-                E = (P + m) * width
-                k = (S >> 5) + t
-                k_end = E >> 5
-                while k <= k_end:
-                    wb = k << 5
-                    full = wb + 32 <= E and wb + 32 > S
-                    fin = final and k == k_end and (E & 31) != 0
-                    if (full or fin) and k < w32.size:
-                        word = int64(0)
-                        i = int64(0)
-                        if wb > S:
-                            i = (wb - S) // width
-                        while i < m and S + i * width < wb + 32:
-                            pos = S + i * width - wb
-                            code = code_of(int64(sv[_u(i)]))
-                            if pos >= 0:
-                                word |= code << pos
-                            else:
-                                word |= code >> (-pos)
-                            i += 1
-                        if wb < S:
-                            # the last S - wb bits before S: the top of the predecessor tail
-                            d = S - wb
-                            pl = S
-                            if pl > 32:
-                                pl = 32
-                            word |= (pred >> (pl - d)) & ((int64(1) << d) - 1)
-                        w32[_u(k)] = word & 0xFFFFFFFF
-                    k += NT
-            return tail, emit
+        tail_values = make_tail(W, False)
+        tail_signs = make_tail(1, True)
 
-        tail_values, emit_values = make_stream(W, False)
-        tail_signs, emit_signs = make_stream(1, True)
+        # Pack stages the tile's stored values in order (STAGE_W words of shared
+        # memory), then turns each run of 32 into W stream words with constant
+        # shifts (CuPy's bs_pack_group) while warp 0 looks back, and finally
+        # writes the stream words, each a funnel shift of two tile words by the
+        # tile's bit offset (no per-word gather, no division).
+        STAGE_W = TILE * BITS // 32 + BITS          # + a partial run's words
+        A_W = (TILE // 32 + 1) * W + 1              # the tile's stream, whole runs
+        SG_W = TILE // 32 + 2                       # its sign bits
+        XV_N = 8 * G                                # a thread's elements
+        SIGN_ALL = sum(SIGN << (j * BITS) for j in range(PER_WORD))   # a uint64's sign bits
+
+        @cuda.jit(device=True)
+        def word_nonzero(w):
+            """Nonzero bits of the 32 / BITS elements of a 32-bit word, element k -> bit k
+            (a carry out of the low BITS-1 bits, OR the lane's sign bit)."""
+            if BITS == 32:
+                return int64(w != 0)
+            if BITS == 16:
+                nz = (((w & 0x7FFF7FFF) + 0x7FFF7FFF) | w) & 0x80008000
+                return ((nz >> 15) & 1) | (nz >> 30)
+            nz = (((w & 0x7F7F7F7F) + 0x7F7F7F7F) | w) & 0x80808080
+            return (((nz >> 7) * 0x00204081) >> 21) & 0xF    # bits 0, 8, 16, 24 -> 21..24
+
+        @cuda.jit(device=True)
+        def pack_run(stage_w, q, a_s, s_sg, signs):
+            """Run q (staged values 32q .. 32q+31) -> its W stream words in a_s and,
+            with ``signs``, its sign bits in s_sg. Every shift is a constant."""
+            acc = cuda.local.array(W, uint32)
+            for m in range(W):
+                acc[m] = 0
+            sg = uint32(0)
+            for tt in range(BITS):
+                word = uint32(stage_w[_u(q * BITS + tt)])
+                for g in range(GE):
+                    j = tt * GE + g
+                    wi = (j * W) >> 5
+                    c = (word >> (g * BITS)) & WMASK
+                    acc[wi] |= (c << ((j * W) & 31)) & FULL_MASK
+                    if ((j * W) & 31) + W > 32 and wi + 1 < W:
+                        acc[wi + 1] |= c >> (32 - ((j * W) & 31))
+                    if (j * W + W) >> 5 > wi:
+                        a_s[_u(q * W + wi)] = acc[wi]     # complete: store it, free its register
+                    if signs:
+                        sg |= ((word >> (g * BITS + BITS - 1)) & 1) << j
+            if signs:
+                s_sg[_u(q)] = sg
+
+        @cuda.jit(device=True)
+        def copy_stream(out, tw, t, P, a, e, pred, width, final):
+            """Write the stream words of bits [a*width, e*width) the tile owns: those
+            whose last bit it holds, and with ``final`` the stream's last partial
+            word. tw: the tile's stream from bit P*width (a = P unless clipped to
+            the capacity, and then nothing is written); pred: the last
+            min(32, P*width) stream bits before it, its earliest bit in bit 0."""
+            B0 = a * width
+            B1 = e * width
+            w_lo = B0 >> 5
+            w_end = B1 >> 5
+            base = B0 & 31
+            tailb = B1 & 31
+            last = w_end - 1
+            if final and tailb != 0:
+                last = w_end
+            pl = P * width
+            if pl > 32:
+                pl = 32
+            top = uint64(0)                 # pred with its last bit in bit 31
+            if pl > 0:
+                top = (uint64(pred) << uint64(32 - pl)) & uint64(FULL_MASK)
+            k = int64(t)
+            while w_lo + k <= last:
+                lo = top
+                if k > 0:
+                    lo = uint64(tw[_u(k - 1)])
+                word = (((uint64(tw[_u(k)]) << uint64(32)) | lo) << uint64(base)) >> uint64(32)
+                if w_lo + k == w_end:
+                    word &= (uint64(1) << uint64(tailb)) - uint64(1)   # past the stream: padding
+                if w_lo + k < out.size:
+                    out[_u(w_lo + k)] = word
+                k += NT
 
         def make_pack(mode, enc):
             """The pack kernel of one mode and encoding (both compile-time constants,
             so the other modes' code and the run-time encoding tests drop out)."""
-            @cuda.jit(**TILE_JIT)
+            SIGNS = enc == SIGNPLANE
+
+            @cuda.jit(**PACK_JIT[mode])
             def k_pack(xe, x64, use64, numel, ye, y64, ouse64, msrc, cap, incl_every,
                        mask, offsets, chunk_log2, vt, vw, sw, scratch, tails, stat):
                 """One-pass pack. mode 0: x's nonzeros; 1: relu(x)'s, writing y = relu(x);
@@ -556,47 +631,65 @@ class DtypeKernels:
                 (tests use it to make the look-back walk)."""
                 t = cuda.threadIdx.x
                 n_tiles = int64(cuda.gridDim.x)
-                sv = cuda.shared.array(TILE, ETYPE)       # the tile's values, compacted
-                sx = cuda.shared.array(TILE, ETYPE)       # its elements, [j * GPT + group]
+                stage_w = cuda.shared.array(STAGE_W, uint32)
+                sv = stage_w.view(ENP)                       # the tile's values, compacted
+                a_s = cuda.shared.array(A_W, uint32)
+                s_sg = cuda.shared.array(SG_W, uint32)
                 sh_byte = cuda.shared.array(GPT, int32)
                 sh_rank = cuda.shared.array(GPT, int32)
-                sh_tot = cuda.shared.array(GNW, int64)
+                sh_tot = cuda.shared.array(NW, int32)
                 sh_lane = cuda.shared.array(LANE_N, int64)
                 sh_f = cuda.shared.array(32, int64)
                 sh_i = cuda.shared.array(2, int32)
                 sh_p = cuda.shared.array(4, int64)
                 v = cuda.local.array(8, int64)
+                xv = cuda.local.array(XV_N, uint32)         # the elements, kept in registers
+                sq = cuda.local.array(8, int64)
                 if t == 0:
                     sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
                     sh_i[1] = 0
                 cuda.syncthreads()
                 tile = sh_p[0]
                 ngroups = (numel + 7) >> 3
+                neg = uint64(0)                              # OR of the stored patterns
                 for r in range(G):
                     gi = r * NT + t
                     g = tile * GPT + gi
-                    byte = 0
+                    byte = int64(0)
                     if g < ngroups:
                         full = g * 8 + 8 <= numel
-                        load_group(xe, x64, use64 and full, numel, g, v)
-                        if mode == MODE_MASKED:
-                            byte = int32(msrc[_u(g)])
-                        elif mode != MODE_PACK:
+                        if mode == MODE_PACK and use64 and full:
+                            for q in range(ITEM):
+                                w = int64(x64[_u(g * ITEM + q)])
+                                neg |= uint64(w)
+                                for h in range(2):
+                                    nz = word_nonzero((w >> (32 * h)) & FULL_MASK)
+                                    byte |= nz << (q * PER_WORD + h * GE)
+                                for j in range(PER_WORD):
+                                    v[q * PER_WORD + j] = (w >> (j * BITS)) & EMASK
+                        else:
+                            load_group(xe, x64, use64 and full, numel, g, v)
+                            if mode == MODE_MASKED:
+                                byte = int64(msrc[_u(g)])
+                            elif mode != MODE_PACK:
+                                for j in range(8):
+                                    v[j] = relu(v[j])
                             for j in range(8):
-                                v[j] = relu(v[j])
-                        for j in range(8):
-                            sx[_u(j * GPT + gi)] = v[j]
-                            if mode != MODE_MASKED and v[j] != 0:
-                                byte |= 1 << j
-                        if mode == MODE_RELU2:
-                            for j in range(8):
-                                v[j] = square(v[j])
-                        if mode == MODE_RELU or mode == MODE_RELU2:
-                            store_group(ye, y64, ouse64 and full, numel, g, v)
+                                if mode == MODE_PACK:
+                                    neg |= uint64(v[j])
+                                if mode != MODE_MASKED and v[j] != 0:
+                                    byte |= 1 << j
+                            if mode == MODE_RELU:
+                                store_group(ye, y64, ouse64 and full, numel, g, v)
+                            if mode == MODE_RELU2:
+                                for j in range(8):
+                                    sq[j] = square(v[j])   # v keeps relu(x), the stored values
+                                store_group(ye, y64, ouse64 and full, numel, g, sq)
+                    for j in range(8):
+                        xv[r * 8 + j] = v[j]
                     sh_byte[_u(gi)] = byte
                 cuda.syncthreads()
                 n = _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
-                neg = 0
                 for r in range(G):
                     gi = r * NT + t
                     g = tile * GPT + gi
@@ -606,72 +699,78 @@ class DtypeKernels:
                         mask[_u(g)] = byte
                     for j in range(8):
                         if (byte >> j) & 1:
-                            x = int64(sx[_u(j * GPT + gi)])
+                            x = xv[r * 8 + j]
                             sv[_u(rk)] = x
-                            if x >= SIGN:
-                                neg = 1
+                            if mode != MODE_PACK:
+                                neg |= uint64(x)
                             rk += 1
-                if neg != 0 and enc == NOSIGN:
+                if enc == NOSIGN and (neg & uint64(SIGN_ALL)) != 0:
                     sh_i[1] = 1
                 cuda.syncthreads()
 
-                # Publish this tile's count, find its offset, publish the inclusive count.
+                # Warp 0: publish this tile's count, find its offset, publish the
+                # inclusive count. The other warps meanwhile build the tile's stream.
                 width = int64(0)
                 if enc != RAW:
                     width = int64(W)
-                signs = enc == SIGNPLANE
                 lm = int64(0)
                 ll = int64(0)
                 ls = int64(0)
-                if t == 0:
-                    if width > 0:
-                        lm, ll = tail_values(sv, n)
-                    if signs:
-                        ls, _ = tail_signs(sv, n)
-                    tails[tile * 4] = lm
-                    tails[tile * 4 + 1] = ls
-                    if tile == 0:
-                        tails[2] = lm
-                        tails[3] = ls
-                    if sh_i[1] != 0:
-                        cuda.atomic.or_(scratch, 1, int64(1))
-                    cuda.threadfence()
-                    if tile == 0:
-                        cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | n)
-                    else:
-                        cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | n)
                 P = int64(0)
                 pm = int64(0)
                 ps = int64(0)
-                if tile > 0 and t < 32:
-                    P, pm, ps = _lookback(scratch, tails, tile, width, signs, t, sh_f, sh_i)
-                if t == 0:
-                    if tile > 0 and tile % incl_every == 0:
-                        pl = P * width
-                        if pl > 32:
-                            pl = 32
-                        im, _ = _cat(pm, pl, lm, ll)
-                        pl = P
-                        if pl > 32:
-                            pl = 32
-                        nl = n
-                        if nl > 32:
-                            nl = 32
-                        isg, _ = _cat(ps, pl, ls, nl)
-                        tails[tile * 4 + 2] = im
-                        tails[tile * 4 + 3] = isg
+                if t < 32:
+                    if t == 0:
+                        if width > 0:
+                            lm, ll = tail_values(sv, n)
+                        if SIGNS:
+                            ls, _ = tail_signs(sv, n)
+                        tails[tile * 4] = lm
+                        tails[tile * 4 + 1] = ls
+                        if tile == 0:
+                            tails[2] = lm
+                            tails[3] = ls
+                        if sh_i[1] != 0:
+                            cuda.atomic.or_(scratch, 1, int64(1))
                         cuda.threadfence()
-                        cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_INCL) | (P + n))
-                    if tile == n_tiles - 1:
-                        # Every predecessor OR-ed its status before publishing its count.
-                        cuda.threadfence()
-                        stat[0] = _rd64(scratch, 1)
-                        stat[1] = P + n
-                        if mode != MODE_MASKED:
-                            offsets[offsets.size - 1] = P + n
-                    sh_p[1] = P
-                    sh_p[2] = pm
-                    sh_p[3] = ps
+                        if tile == 0:
+                            cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | n)
+                        else:
+                            cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | n)
+                    if tile > 0:
+                        P, pm, ps = _lookback(scratch, tails, tile, width, SIGNS, t, sh_f, sh_i)
+                    if t == 0:
+                        if tile > 0 and tile % incl_every == 0:
+                            pl = P * width
+                            if pl > 32:
+                                pl = 32
+                            im, _ = _cat(pm, pl, lm, ll)
+                            pl = P
+                            if pl > 32:
+                                pl = 32
+                            nl = n
+                            if nl > 32:
+                                nl = 32
+                            isg, _ = _cat(ps, pl, ls, nl)
+                            tails[tile * 4 + 2] = im
+                            tails[tile * 4 + 3] = isg
+                            cuda.threadfence()
+                            cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_INCL) | (P + n))
+                        if tile == n_tiles - 1:
+                            # Every predecessor OR-ed its status before publishing its count.
+                            cuda.threadfence()
+                            stat[0] = _rd64(scratch, 1)
+                            stat[1] = P + n
+                            if mode != MODE_MASKED:
+                                offsets[offsets.size - 1] = P + n
+                        sh_p[1] = P
+                        sh_p[2] = pm
+                        sh_p[3] = ps
+                elif enc != RAW:
+                    q = int64(t - 32)
+                    while q * 32 < n:
+                        pack_run(stage_w, q, a_s, s_sg, SIGNS)
+                        q += NT - 32
                 cuda.syncthreads()
                 P = sh_p[1]
                 pm = sh_p[2]
@@ -683,21 +782,22 @@ class DtypeKernels:
                         g = tile * GPT + gi
                         if g < ngroups and ((g << 3) & ((int64(1) << chunk_log2) - 1)) == 0:
                             offsets[_u((g << 3) >> chunk_log2)] = P + sh_rank[_u(gi)]
-                m = int64(0)
-                if P < cap:
-                    m = cap - P
-                    if m > n:
-                        m = n
+                a = P
+                if a > cap:
+                    a = cap
+                e = P + n
+                if e > cap:
+                    e = cap
                 final = (P < cap and P + n >= cap) or (tile == n_tiles - 1 and P + n < cap)
                 if enc == RAW:
                     i = int64(t)
-                    while i < m:
+                    while P + i < e:
                         vt[_u(P + i)] = int64(sv[_u(i)])
                         i += NT
                 else:
-                    emit_values(sv, t, P, m, vw, pm, final)
-                    if signs:
-                        emit_signs(sv, t, P, m, sw, ps, final)
+                    copy_stream(vw, a_s, t, P, a, e, pm, W, final)
+                    if SIGNS:
+                        copy_stream(sw, s_sg, t, P, a, e, ps, 1, final)
             return k_pack
 
         @cuda.jit
@@ -723,21 +823,82 @@ class DtypeKernels:
                     sw[k] = 0
                     k += step
 
-        # Unpack: one kernel per encoding (the stream width is then a constant).
-        # The tile's value range [P, Pe) comes from the tile-offset array at both
-        # ends, so its stored values are decoded before the ranks are known:
-        # 32 / BITS values per stream chunk (one shift of a 64-bit word pair, no
-        # per-value division) into shared memory, then cut out by rank.
-        GW = 32 // BITS                  # values per decoded chunk
-        VALS_N = TILE + 32               # (shared array sizes must be closure constants)
+        # Unpack: one kernel per (op, encoding), in the CuPy backend's per-word
+        # form. The tile's value range [P, Pe) comes from the tile-offset array at
+        # both ends, so its stored values are decoded before the ranks are known,
+        # 32 / BITS per 32-bit word of shared memory (a stream word pair shifted
+        # and spread into lanes: no per-value work). Thread t then builds rows of
+        # UV elements (16 bytes; 32 for float32) at row r * UNT + t: each output
+        # word is the next stored values' bytes (a funnel shift of two shared
+        # words) dropped into the slots its mask bits select (one PRMT).
+        UV = 8 if BITS == 32 else 128 // BITS
+        UMB = UV // 8                    # mask bytes per row
+        UR = TILE // (UV * UNT)          # rows per thread
+        OW = UV * BITS // 32             # output words per row
+        VALS_W = TILE * BITS // 32 + 4   # decoded words (+ guards for the pair reads)
+        assert UR in (1, 2)              # two rows' counts share one packed scan
+        # PRMT selector per mask bits of a word: the next values' bytes go to the
+        # selected elements' slots, selector nibble 4 (a zero byte of y = 0) elsewhere.
+        SEL = np.zeros(1 << GE, dtype=np.uint32)
+        for mb in range(1 << GE):
+            k = 0
+            for p in range(GE):
+                for q in range(BITS // 8):
+                    byte = k * (BITS // 8) + q if (mb >> p) & 1 else 4
+                    SEL[mb] |= byte << (4 * (p * (BITS // 8) + q))
+                k += (mb >> p) & 1
 
-        def make_unpack(enc):
+        @cuda.jit(device=True)
+        def spread_signs(s):
+            """Sign bits 0 .. GE-1 of s -> the sign bit of each BITS-bit lane."""
+            if BITS == 32:
+                return (s & 1) << 31
+            if BITS == 16:
+                return ((s & 1) << 15) | ((s & 2) << 30)
+            return (((s & 0xF) * 0x00204081) & 0x01010101) << 7
+
+        @cuda.jit(device=True)
+        def plane_pair(b8, w32, nbytes, fast, k, sh):
+            """Bits [32 k + sh, 32 k + sh + 32) of a plane (sh < 32)."""
+            if fast:
+                lo = uint64(w32[_u(k)])
+                hi = uint64(w32[_u(k + 1)])
+            else:
+                lo = uint64(_load_word(b8, w32, nbytes, k))
+                hi = uint64(_load_word(b8, w32, nbytes, k + 1))
+            return uint32((((hi << uint64(32)) | lo) >> uint64(sh)) & FULL_MASK)
+
+        @cuda.jit(device=True)
+        def expand_word(vals, sel, j, mb):
+            """The GE elements of an output word with mask bits mb, whose first set
+            element takes stored value j of the tile."""
+            if BITS == 32:
+                return vals[_u(j)] if mb != 0 else uint32(0)
+            byte = j * (BITS // 8)
+            k = byte >> 2
+            pair = (uint64(vals[_u(k + 1)]) << uint64(32)) | uint64(vals[_u(k)])
+            src = uint32((pair >> uint64((byte & 3) * 8)) & FULL_MASK)
+            return _prmt(src, sel[mb])
+
+        def make_unpack(op, enc):
             WD = BITS if enc == RAW else W
-            WDM = (1 << WD) - 1
+            WG = GE * WD                 # stream bits per decoded word
 
-            @cuda.jit(**TILE_JIT)
+            @cuda.jit(device=True)
+            def spread(c):
+                """A stream word pair's 32 / BITS codes of width WD -> one per BITS-bit lane."""
+                if WD == BITS:
+                    return c
+                if BITS == 32:
+                    return c & 0x7FFFFFFF
+                if BITS == 16:
+                    return (c & 0x7FFF) | ((c << 1) & 0x7FFF0000)
+                y = (c & 0x3FFF) | ((c << 2) & 0x3FFF0000)          # two 14-bit halves
+                return (y & 0x007F007F) | ((y << 1) & 0x7F007F00)
+
+            @cuda.jit(**UNPACK_JIT[op])
             def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
-                         op, ge, g64, guse64, oe, o64, ouse64):
+                         ge, g64, guse64, oe, o64, ouse64):
                 """Dense output of one tile. op 0: the stored patterns (unpack);
                 op 1: relu2_backward, 2*r*grad where r > 0, else +0. The tile's
                 stored values are toff[(i << TILE_LOG2) >> toff_shift] up to the
@@ -745,65 +906,96 @@ class DtypeKernels:
                 vb/vw: the values plane as bytes and as its whole 32-bit words
                 (empty when unaligned), nvb its length (likewise the signs)."""
                 t = cuda.threadIdx.x
+                lane = t & 31
+                warp = t >> 5
                 tile = int64(cuda.blockIdx.x)
-                vals = cuda.shared.array(VALS_N, ETYPE)
-                sh_byte = cuda.shared.array(GPT, int32)
-                sh_rank = cuda.shared.array(GPT, int32)
-                sh_tot = cuda.shared.array(GNW, int64)
-                sh_lane = cuda.shared.array(LANE_N, int64)
+                vals = cuda.shared.array(VALS_W, uint32)
+                sh_tot = cuda.shared.array(UNW, int32)
+                sh_lane = cuda.shared.array(ULANE_N, int32)
+                sel = cuda.const.array_like(SEL)
+                bits = cuda.local.array(UR, int32)
+                o = cuda.local.array(OW, uint32)
                 v = cuda.local.array(8, int64)
                 gv = cuda.local.array(8, int64)
                 ngroups = (numel + 7) >> 3
-                _tile_mask_bytes(mask, tile, ngroups, t, sh_byte)
+
+                # Mask bits of this thread's rows and their counts, two rows per field.
+                packed = int32(0)
+                for r in range(UR):
+                    g = (tile * TILE + (r * UNT + t) * UV) >> 3
+                    b = int32(0)
+                    for h in range(UMB):
+                        if g + h < ngroups:
+                            b |= int32(mask[_u(g + h)]) << (8 * h)
+                    bits[r] = b
+                    packed = int32(packed + (cuda.popc(b) << (16 * r)))
+
+                # The tile's stored values, GE per shared word.
                 off = int64(toff[_u((tile << TILE_LOG2) >> toff_shift)])
                 ie = ((tile + 1) << TILE_LOG2) >> toff_shift
                 if ie > toff.size - 1:
                     ie = toff.size - 1
                 n = int64(toff[_u(ie)]) - off
+                words = (n + GE - 1) // GE
                 bit0 = off * WD
                 w0 = bit0 >> 5
+                sh0 = bit0 & 31
+                fast = w0 + ((sh0 + words * WG) >> 5) + 2 <= vw.size
                 s0 = off >> 5
+                ssh = off & 31
+                sfast = s0 + ((ssh + words * GE) >> 5) + 2 <= sw.size
                 q = int64(t)
-                while q * GW < n:
-                    rel = (bit0 & 31) + q * (GW * WD)
-                    k = w0 + (rel >> 5)
-                    c = (_load_word(vb, vw, nvb, k) | (_load_word(vb, vw, nvb, k + 1) << 32)) >> (rel & 31)
-                    sg = int64(0)
+                while q < words:
+                    rel = sh0 + q * WG
+                    c = spread(plane_pair(vb, vw, nvb, fast, w0 + (rel >> 5), rel & 31))
                     if enc == SIGNPLANE:
-                        rs = (off & 31) + q * GW
-                        ks = s0 + (rs >> 5)
-                        sg = (_load_word(sb, sw, nsb, ks) | (_load_word(sb, sw, nsb, ks + 1) << 32)) >> (rs & 31)
-                    for gq in range(GW):
-                        code = (c >> (gq * WD)) & WDM
-                        if enc == SIGNPLANE:
-                            code |= ((sg >> gq) & 1) << (BITS - 1)
-                        vals[_u(q * GW + gq)] = code
-                    q += NT
+                        rs = ssh + q * GE
+                        c |= spread_signs(plane_pair(sb, sw, nsb, sfast, s0 + (rs >> 5), rs & 31))
+                    vals[_u(q)] = c
+                    q += UNT
+
+                inc = _warp_incl_scan(packed, lane, t, sh_lane)
+                if lane == 31:
+                    sh_tot[warp] = inc
                 cuda.syncthreads()
-                _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
-                for r in range(G):
-                    gi = r * NT + t
-                    g = tile * GPT + gi
-                    if g < ngroups:
-                        full = g * 8 + 8 <= numel
-                        if op == 1:
-                            load_group(ge, g64, guse64 and full, numel, g, gv)
-                        byte = sh_byte[_u(gi)]
-                        rk = sh_rank[_u(gi)]
-                        for j in range(8):
-                            if (byte >> j) & 1:
-                                v[j] = int64(vals[_u(rk)])
-                                rk += 1
-                            else:
-                                v[j] = 0
-                        if op == 1:
-                            for j in range(8):
-                                rj = v[j]
-                                if is_pos(rj):
-                                    v[j] = narrow(fmul(widen(gv[j]), fmul(widen(rj), TWO)))
-                                else:
-                                    v[j] = 0
-                        store_group(oe, o64, ouse64 and full, numel, g, v)
+                before = int32(inc - packed)
+                total = int32(0)
+                for w in range(UNW):
+                    tw = sh_tot[w]
+                    if w < warp:
+                        before = int32(before + tw)
+                    total = int32(total + tw)
+                j = before & 0xFFFF
+                for r in range(UR):
+                    if r == 1:
+                        j = (total & 0xFFFF) + (before >> 16)
+                    e0 = tile * TILE + (r * UNT + t) * UV
+                    if e0 < numel:
+                        b = bits[r]
+                        for m in range(OW):
+                            mb = (b >> (m * GE)) & ((1 << GE) - 1)
+                            o[m] = expand_word(vals, sel, j, mb)
+                            j += cuda.popc(mb)
+                        full = e0 + UV <= numel
+                        if op == 0 and ouse64 and full:
+                            for p in range(OW // 2):
+                                pair = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
+                                o64[_u(e0 * BITS // 64 + p)] = pair
+                        else:
+                            for h in range(UMB):
+                                g = (e0 >> 3) + h
+                                for i in range(8):
+                                    e = 8 * h + i
+                                    v[i] = int64(o[e // GE] >> ((e % GE) * BITS)) & EMASK
+                                if op == 1:
+                                    load_group(ge, g64, guse64 and g * 8 + 8 <= numel, numel, g, gv)
+                                    for i in range(8):
+                                        rj = v[i]
+                                        if is_pos(rj):
+                                            v[i] = narrow(fmul(widen(gv[i]), fmul(widen(rj), TWO)))
+                                        else:
+                                            v[i] = 0
+                                store_group(oe, o64, ouse64 and g * 8 + 8 <= numel, numel, g, v)
             return k_unpack
 
         @cuda.jit
@@ -822,7 +1014,7 @@ class DtypeKernels:
             rank_r = cuda.shared.array(GPT, int32)
             byte_u = cuda.shared.array(GPT, int32)
             rank_u = cuda.shared.array(GPT, int32)
-            sh_tot = cuda.shared.array(GNW, int64)
+            sh_tot = cuda.shared.array(NW, int32)
             sh_lane = cuda.shared.array(LANE_N, int64)
             rv = cuda.local.array(8, int64)
             uv = cuda.local.array(8, int64)
@@ -887,7 +1079,7 @@ class DtypeKernels:
         self.pack = {(m, e): make_pack(m, e) for m in (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)
                      for e in (RAW, NOSIGN, SIGNPLANE)}
         self.zero_tail = k_zero_tail
-        self.unpack = {e: make_unpack(e) for e in (RAW, NOSIGN, SIGNPLANE)}
+        self.unpack = {(op, e): make_unpack(op, e) for op in (0, 1) for e in (RAW, NOSIGN, SIGNPLANE)}
         self.gated = k_gated
         self.relu_backward = k_relu_backward
 

@@ -16,7 +16,7 @@ empty and 0-d tensors, ``out=``, inputs not 8-byte aligned (the element-wise
 load path), and special bit patterns (±0, ±inf, NaN payloads, subnormals). The
 simulator path differs from the GPU path only in the warp scan (shared memory
 instead of ``shfl_up_sync``), the float32 bit casts (NumPy instead of
-libdevice) and the tile size (1024 elements and 64 threads instead of 4096 and 128).
+libdevice) and the tile size (1024 elements and 64 threads instead of 4096 and 256).
 
 What only the GPU run covers (tests/test_gpu_numba.py): the shuffle scan and
 libdevice casts as compiled by NVVM, float32 products on the GPU's FPU
