@@ -27,10 +27,11 @@ threads (the same per-thread shapes, so the simulator runs the GPU's row loops).
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, the look-back reads 32 predecessors per step with warp votes,
-and float32 bits are reinterpreted through libdevice; under the CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1``), which has no warp intrinsics, the warp scan goes
-through shared memory, one thread walks the look-back, the bit casts go through
-NumPy, and the tile is smaller so small tensors still span several tiles. The
+float32 bits are reinterpreted and bytes permuted (PRMT) through libdevice;
+under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which has no warp
+intrinsics, the warp scan goes through shared memory, one thread walks the
+look-back, the bit casts go through NumPy, PRMT is a Python loop over the four
+bytes, and the tile is smaller so small tensors still span several tiles. The
 rest is the same source, so CI exercises the algorithm without a GPU.
 
 All index arithmetic is int64 (tensors may exceed 2**31 elements); element

@@ -15,11 +15,12 @@ each encoding, gated_backward), chunks smaller and larger than a kernel tile,
 empty and 0-d tensors, ``out=``, inputs not 8-byte aligned (the element-wise
 load path), and special bit patterns (±0, ±inf, NaN payloads, subnormals). The
 simulator path differs from the GPU path only in the warp scan (shared memory
-instead of ``shfl_up_sync``), the float32 bit casts (NumPy instead of
-libdevice) and the tile size (1024 elements and 64 threads instead of 4096 and 256).
+instead of ``shfl_up_sync``), the float32 bit casts and the byte permute (NumPy
+and a Python loop instead of libdevice) and the tile size (1024 elements and 64
+threads instead of 4096 and 256).
 
-What only the GPU run covers (tests/test_gpu_numba.py): the shuffle scan and
-libdevice casts as compiled by NVVM, float32 products on the GPU's FPU
+What only the GPU run covers (tests/test_gpu_numba.py): the shuffle scan, the
+libdevice casts and byte permute as compiled by NVVM, float32 products on the GPU's FPU
 (subnormals, no flush-to-zero), the 4096-element tile, torch / CuPy / JAX device
 inputs (DLPack and __cuda_array_interface__), explicit streams, the pluggable
 allocator, and agreement with the CuPy backend.
