@@ -17,7 +17,7 @@ violations stay on the device (``offsets[-1]`` and ``PackedTensor.status``)
 until :meth:`PackedTensor.check`.
 
 ``BITSPARSE_CUDA_OPTIONS`` (environment) adds NVRTC options to every kernel
-compile, e.g. ``-D`` switches when timing kernel variants (bench/pack_variants.py).
+compile, e.g. ``-D`` switches when timing kernel variants (bench/kernel_variants.py).
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ BS_HD u32 bs_popc(u32 x) {
 #endif
 }
 
-// (hi:lo) >> sh, low 32 bits, sh in 0..31 (PTX shf.r.clamp for sh < 32).
+// (hi:lo) >> (sh % 32), low 32 bits (PTX shf.r.wrap: the shift wraps for free).
 BS_HD u32 bs_funnel_r(u32 lo, u32 hi, u32 sh) {
 #if defined(__CUDA_ARCH__)
     return __funnelshift_r(lo, hi, sh);
@@ -192,10 +192,14 @@ BS_HD u32 bs_funnel_l(u32 lo, u32 hi, u32 sh) {
 #endif
 }
 
-// PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x); only s's low 16 bits count.
+// PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x); only s's low 16 bits
+// count, and every selector here keeps bit 3 of each nibble clear (PTX's prmt
+// would replicate the sign there; __byte_perm instead masks it off, an extra op).
 BS_HD u32 bs_prmt(u32 x, u32 y, u32 s) {
 #if defined(__CUDA_ARCH__)
-    return __byte_perm(x, y, s);
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(y), "r"(s));
+    return r;
 #else
     const unsigned long long xy = ((unsigned long long)y << 32) | x;
     u32 r = 0;

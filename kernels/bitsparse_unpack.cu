@@ -47,6 +47,21 @@ __device__ __forceinline__ void bs_decode_tile(const u8* values, u64 vlen, const
     const u64 s0 = P >> 5;
     const u32 ssh = (u32)P & 31u;
     const bool sfast = ENC == 2 && (s0 + (((u64)ssh + (u64)words * G) >> 5) + 2) * 4 <= slen;
+    if (fast && (ENC != 2 || sfast)) {
+        // Every word in range: 32-bit offsets from the tile's first word, no guards.
+        const u32* vp = reinterpret_cast<const u32*>(values) + w0;
+        const u32* sp = reinterpret_cast<const u32*>(signs) + s0;
+        for (u32 q = threadIdx.x; q < words; q += BS_THREADS) {
+            const u32 rel = sh0 + q * (u32)(G * W), k = rel >> 5;
+            u32 v = bs_spread<BITS, W>(bs_funnel_r(vp[k], vp[k + 1], rel));   // shifts by rel % 32
+            if (ENC == 2) {
+                const u32 srel = ssh + q * (u32)G, sk = srel >> 5;
+                v |= bs_spread_signs<BITS>(bs_funnel_r(sp[sk], sp[sk + 1], srel));
+            }
+            vals[q] = v;
+        }
+        return;
+    }
     for (u32 q = threadIdx.x; q < words; q += BS_THREADS) {
         u32 v = bs_spread<BITS, W>(bs_plane_bits(values, vlen, w0, fast, sh0 + q * (u32)(G * W)));
         if (ENC == 2) v |= bs_spread_signs<BITS>(bs_plane_bits(signs, slen, s0, sfast, ssh + q * (u32)G));
@@ -70,13 +85,56 @@ __device__ __forceinline__ uint4 bs_expand_vec(const u32* vals, u32 j, u32 b, co
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+// The same vector by scattering instead (a sparse warp): the lane's set
+// elements, highest first (one bfind each), are written into its own zeroed
+// 16-byte slot of shared memory, which is then read back whole: ~9 instructions
+// per stored value against ~15 per 32-bit word for bs_expand_vec. The warp
+// votes per round (so the branch never diverges) and scatters while no lane
+// holds more than BsScatter::MAX values. Measured on the H200 (bench/NOTES.md,
+// session 4): scattering wins at s = 0.99 and at bf16 s = 0.9 with these caps
+// and loses where more values per lane pay the shared-memory bank conflicts of
+// the 8- and 16-bit stores (lanes 8 apart share a bank).
+// -D switches for bench/kernel_variants.py: BS_NO_SCATTER, the two caps, and
+// the unpack's blocks per SM.
+#ifndef BS_NO_SCATTER
+#define BS_NO_SCATTER 0
+#endif
+#ifndef BS_SCATTER_MAX16
+#define BS_SCATTER_MAX16 3
+#endif
+#ifndef BS_SCATTER_MAX8
+#define BS_SCATTER_MAX8 2
+#endif
+#ifndef BS_UNPACK_BLOCKS
+#define BS_UNPACK_BLOCKS 8   // 32 registers, no spills (fp32's 8 rounds need 6); 6 was 4-8 % slower
+#endif
+template <int BITS> struct BsScatter { enum { MAX = BITS == 16 ? BS_SCATTER_MAX16 : BITS == 8 ? BS_SCATTER_MAX8 : -1 }; };
+
+template <int BITS>
+__device__ __forceinline__ uint4 bs_scatter_vec(const u32* vals, u32 j, u32 b, uint4* slot) {
+    const u32 B = BITS / 8;
+    *slot = make_uint4(0, 0, 0, 0);
+    const u8* vb = reinterpret_cast<const u8*>(vals);
+    u8* sb = reinterpret_cast<u8*>(slot);
+    u32 q = (j + bs_popc(b)) * B;          // one past the lane's last stored value, in bytes
+    while (b) {
+        u32 i;
+        asm("bfind.u32 %0, %1;" : "=r"(i) : "r"(b));
+        q -= B;
+        if (BITS == 16) *reinterpret_cast<u16*>(sb + 2 * i) = *reinterpret_cast<const u16*>(vb + q);
+        else sb[i] = vb[q];
+        b ^= 1u << i;
+    }
+    return *slot;
+}
+
 __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
     return off64 ? reinterpret_cast<const u64*>(offsets_ptr)[c]
                  : (u64)reinterpret_cast<const u32*>(offsets_ptr)[c];
 }
 
 template <int FMT, int OP, int R, int ENC, int UENC>
-__global__ void __launch_bounds__(BS_THREADS, OP == 0 ? 6 : 2)
+__global__ void __launch_bounds__(BS_THREADS, OP != 0 ? 2 : Fmt<FMT>::BITS == 32 ? 6 : BS_UNPACK_BLOCKS)
 bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, int off64, u64 prefix_ptr,
                  u64 mask_ptr, u64 mask_len,
                  u64 values_ptr, u64 values_len, u64 signs_ptr, u64 signs_len,
@@ -96,6 +154,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
     __shared__ __align__(16) u32 uvals[OP == BS_OP_GATED ? VW : 1];
     __shared__ u32 s_warp_tot[BS_WARPS];
     __shared__ u32 s_sel[16];
+    __shared__ uint4 s_slot[BsScatter<BITS>::MAX > 0 ? BS_THREADS : 1];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u64 tile = blockIdx.x;
@@ -150,15 +209,21 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const u64 g = tile_base + (u64)(warp * SEG + r * RS + lane * V);
+        // Lanes past the end hold no bits, so the vote is taken before they leave.
+        const bool scatter = BsScatter<BITS>::MAX > 0 && !BS_NO_SCATTER
+            && !__any_sync(BS_FULL, bs_popc(bits[r]) > (u32)BsScatter<BITS>::MAX);
         if (g >= numel) continue;
         const u32 j = warp_excl + start[r];
-        const uint4 rv = bs_expand_vec<BITS>(vals, j, bits[r], s_sel);
+        const uint4 rv = scatter ? bs_scatter_vec<BITS>(vals, j, bits[r], &s_slot[tid])
+                                 : bs_expand_vec<BITS>(vals, j, bits[r], s_sel);
         if (OP == BS_OP_UNPACK) {
             bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, rv);
         } else {
             const uint4 gv = bs_load_vec<T>(reinterpret_cast<const T*>(g_ptr), g, numel, g_aligned);
             uint4 uv = make_uint4(0, 0, 0, 0);
-            if (OP == BS_OP_GATED) uv = bs_expand_vec<BITS>(uvals, j, bits[r], s_sel);
+            if (OP == BS_OP_GATED)
+                uv = scatter ? bs_scatter_vec<BITS>(uvals, j, bits[r], &s_slot[tid])
+                             : bs_expand_vec<BITS>(uvals, j, bits[r], s_sel);
             if (OP == BS_OP_GATED_DENSE)
                 uv = bs_load_vec<T>(reinterpret_cast<const T*>(ud_ptr), g, numel, ud_aligned);
             uint4 o1 = make_uint4(0, 0, 0, 0), o2 = make_uint4(0, 0, 0, 0);

@@ -367,6 +367,42 @@ def test_torch_allocator_sees_memory(request):
     assert_bits(y, x)
 
 
+def test_unpack_sparse_and_dense_warps(request):
+    """Unpack picks, per warp and round, a scatter of the few stored values or the
+    per-word expand: density changing every 64..1024 elements puts both, and the
+    switch between them, inside one tile, for unpack and the fused unpack ops."""
+    rng = _rng(request)
+    for dt in DTYPES:
+        n = int(rng.integers(200_000, 300_000))
+        dens = np.repeat(rng.choice([0.0, 0.02, 0.2, 0.6, 0.9, 1.0], n // 64 + 1), 64)
+        k = int(rng.integers(0, 4))              # runs of 64 << k elements
+        dens = np.repeat(dens[:: 1 << k], 1 << k)[:n]
+        x = random_bits(rng, (n,), dt, 0.0, signs=True)
+        x.view(dt.uint)[rng.random(n) >= dens] = 0
+        for enc in ("raw", "signplane"):
+            ref = reference.pack_array(x, dt, enc)
+            p = bc.pack(dev(x), dtype=dt.name, encoding=enc, backend="cupy")
+            assert_same(p, ref, f"{dt.name} {enc} mixed density k={k}")
+            assert_bits(bc.unpack(p), x, f"{dt.name} {enc} mixed density k={k}")
+        a = x.copy()
+        if dt.name == "float8_e4m3fn":
+            a.view(dt.uint)[...] = np.where(a.view(dt.uint) == 0xff, 0x7f, a.view(dt.uint))
+        else:
+            a.view(dt.uint)[np.isnan(a.astype(np.float32))] &= np.array(dt.sign_mask - 1, dtype=dt.uint)
+        g = random_bits(rng, (n,), dt, 0.1)
+        u = random_bits(rng, (n,), dt, 0.2)
+        _, p = bc.relu_pack(dev(a), dtype=dt.name, backend="cupy")
+        _, p_ref = reference_ops.relu_pack(a, dt)
+        G = _Bits(dev(g), dt)
+        assert_bits(bc.relu2_backward(G, p), reference_ops.relu2_backward(g, p_ref), "relu2_bwd")
+        pu = bc.masked_pack(_Bits(dev(u), dt), p, encoding="signplane")
+        pu_ref = reference_ops.masked_pack(u, dt, p_ref, encoding="signplane")
+        gg, gu = bc.gated_backward(G, p, pu)
+        gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
+        assert_bits(gg, gg_ref, f"gated grad_g {dt.name}")
+        assert_bits(gu, gu_ref, f"gated grad_u {dt.name}")
+
+
 # --------------------------------------------------------------------------- #
 # fused ops vs reference_ops                                                  #
 # --------------------------------------------------------------------------- #
