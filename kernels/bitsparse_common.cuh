@@ -303,6 +303,13 @@ BS_D u32 bs_load_word(const u8* p, u64 len, u64 wi) {
     return r;
 }
 
+// Index of the highest set bit of a nonzero word (one FLO; __clz needs two ops).
+BS_D u32 bs_bfind(u32 x) {
+    u32 i;
+    asm("bfind.u32 %0, %1;" : "=r"(i) : "r"(x));
+    return i;
+}
+
 // Tile count descriptors: one 8-byte access each way (never torn), relaxed at
 // GPU scope: a count carries no other data, so no ordering is needed.
 BS_D u64 bs_ld_u64(const u64* p) {

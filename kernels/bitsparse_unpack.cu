@@ -118,8 +118,7 @@ __device__ __forceinline__ uint4 bs_scatter_vec(const u32* vals, u32 j, u32 b, u
     u8* sb = reinterpret_cast<u8*>(slot);
     u32 q = (j + bs_popc(b)) * B;          // one past the lane's last stored value, in bytes
     while (b) {
-        u32 i;
-        asm("bfind.u32 %0, %1;" : "=r"(i) : "r"(b));
+        const u32 i = bs_bfind(b);
         q -= B;
         if (BITS == 16) *reinterpret_cast<u16*>(sb + 2 * i) = *reinterpret_cast<const u16*>(vb + q);
         else sb[i] = vb[q];
