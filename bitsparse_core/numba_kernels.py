@@ -12,18 +12,21 @@ over its predecessors' published counts. A bit-stream word that straddles two
 tiles is written whole by the tile holding its last bit (or the stream's end):
 every tile also publishes the last 32 stream bits up to its end, so no word is
 written twice, no atomics touch the output and padding bits come out zero.
-Unpack is one launch per tile (plus a popcount + scan of the mask when chunks
-are larger than a tile), one kernel per (op, encoding): the tile's value range
-comes from the tile-offset array at both ends, its stored values are decoded
-32/BITS per 32-bit word into shared memory, and each output word is the next
-stored values' bytes dropped into the slots its mask bits select (one PRMT,
-as in the CuPy kernels); a thread covers 16-byte rows. The gated backward
+Unpack is one launch per tile (plus a popcount + scan of the mask per pack
+tile when chunks are larger than the unpack tile), one kernel per (op,
+encoding): the tile's value range comes from the tile-offset array at both
+ends, its stored values are decoded 32/BITS per 32-bit word into shared
+memory, and each output word is the next stored values' bytes dropped into the
+slots its mask bits select (one PRMT, as in the CuPy kernels); a thread covers
+UNPACK_ROWS 16-byte rows (relu2_backward: the pack tile's). The gated backward
 op still copies its two streams' slices into shared memory and cuts each value
 out of the shared words (``value_at``).
 
-Sizes: on a GPU a tile is 4096 elements for a block of 256 threads (two groups
-each; unpack: 16 elements each); under the simulator 1024 elements for 64
-threads (the same per-thread shapes, so the simulator runs the GPU's row loops).
+Sizes: on a GPU a pack tile is 4096 elements for a block of 256 threads (two
+groups each); an unpack tile is 256 threads x 4 rows x 16 bytes (16384 fp8,
+8192 16-bit or 32-bit elements). Under the simulator 64 threads: a pack tile of
+1024 elements, unpack tiles of 4096 fp8 / 2048 others (the same per-thread
+shapes, so the simulator runs the GPU's row loops).
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, the look-back reads 32 predecessors per step with warp votes,
@@ -73,6 +76,11 @@ LANE_N = NT if SIM else 1        # the simulator's warp scan goes through shared
 UNT = 64 if SIM else 256         # threads per unpack block (rows of 16 bytes each)
 UNW = UNT // 32
 ULANE_N = UNT if SIM else 1
+# Unpack tiles have their own size: UR rows of 16 bytes (fp32: 32) per thread, so an
+# unpack tile is UR * UNT * 16 bytes of output whatever the dtype (op 0: 4 rows, i.e.
+# 16384 fp8 / 8192 bf16 / 8192 fp32 elements on the GPU, as the CuPy unpack). The
+# relu2 backward op keeps the pack tile (TILE elements). Per dtype: DtypeKernels.utile_log2.
+UNPACK_ROWS = 4
 # Unpack: six 256-thread blocks per SM (42 registers); the relu2 backward op's float
 # products need more registers, four blocks.
 UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in (0, 1)}
@@ -123,6 +131,15 @@ if SIM:
             s += sh_lane[q]
         cuda.syncthreads()
         return s
+
+    @cuda.jit(device=True)
+    def _warp_last(v, lane, t, sh_lane):
+        # Shared-memory stand-in for the broadcast of lane 31's value.
+        sh_lane[t] = v
+        cuda.syncthreads()
+        s = sh_lane[t - lane + 31]
+        cuda.syncthreads()
+        return s
 else:
     from numba.cuda import libdevice
 
@@ -149,6 +166,11 @@ else:
                 x = int32(x + y)
             d *= 2
         return x
+
+    @cuda.jit(device=True)
+    def _warp_last(v, lane, t, sh_lane):
+        """Lane 31's v, in every lane."""
+        return cuda.shfl_sync(FULL_MASK, int32(v), 31)
 
 
 @cuda.jit(device=True)
@@ -828,16 +850,22 @@ class DtypeKernels:
         # form. The tile's value range [P, Pe) comes from the tile-offset array at
         # both ends, so its stored values are decoded before the ranks are known,
         # 32 / BITS per 32-bit word of shared memory (a stream word pair shifted
-        # and spread into lanes: no per-value work). Thread t then builds rows of
-        # UV elements (16 bytes; 32 for float32) at row r * UNT + t: each output
-        # word is the next stored values' bytes (a funnel shift of two shared
-        # words) dropped into the slots its mask bits select (one PRMT).
+        # and spread into lanes: no per-value work). Each thread then builds UR
+        # rows of UV elements (16 bytes; 32 for float32), warp-major as in the
+        # CuPy kernel: warp w owns UR * 32 rows of the tile, its round r covers
+        # 32 consecutive rows, one per lane. Each output word is the next stored
+        # values' bytes (a funnel shift of two shared words) dropped into the
+        # slots its mask bits select (one PRMT).
         UV = 8 if BITS == 32 else 128 // BITS
         UMB = UV // 8                    # mask bytes per row
-        UR = TILE // (UV * UNT)          # rows per thread
+        URS = 32 * UV                    # elements per warp round
         OW = UV * BITS // 32             # output words per row
-        VALS_W = TILE * BITS // 32 + 4   # decoded words (+ guards for the pair reads)
-        assert UR in (1, 2)              # two rows' counts share one packed scan
+        # Rows per thread and tile size (log2) per op: plain unpack UNPACK_ROWS rows,
+        # relu2 backward the pack tile.
+        UR_OP = {0: UNPACK_ROWS, 1: max(1, TILE // (UV * UNT))}
+        self.utile_log2 = {op: int(UR_OP[op] * UV * UNT).bit_length() - 1 for op in (0, 1)}
+        for op in (0, 1):
+            assert (1 << self.utile_log2[op]) == UR_OP[op] * UV * UNT >= TILE
         # PRMT selector per mask bits of a word: the next values' bytes go to the
         # selected elements' slots, selector nibble 4 (a zero byte of y = 0) elsewhere.
         SEL = np.zeros(1 << GE, dtype=np.uint32)
@@ -884,6 +912,13 @@ class DtypeKernels:
         def make_unpack(op, enc):
             WD = BITS if enc == RAW else W
             WG = GE * WD                 # stream bits per decoded word
+            UR = UR_OP[op]               # rows per thread
+            UTL = self.utile_log2[op]
+            UT = 1 << UTL                # elements per tile
+            SEG = UR * URS               # elements per warp
+            VALS_W = UT * BITS // 32 + 4     # decoded words (+ guards for the pair reads)
+            assert UR in (1, 2, 4)
+            GE_LOG2 = GE.bit_length() - 1
 
             @cuda.jit(device=True)
             def spread(c):
@@ -897,15 +932,80 @@ class DtypeKernels:
                 y = (c & 0x3FFF) | ((c << 2) & 0x3FFF0000)          # two 14-bit halves
                 return (y & 0x007F007F) | ((y << 1) & 0x7F007F00)
 
+            @cuda.jit(device=True)
+            def row_bits(mask, e0, guard, ngroups):
+                """The mask bits of the row at element e0; with ``guard``, 0 past the end."""
+                g = e0 >> 3
+                b = uint32(0)
+                for h in range(UMB):
+                    if guard:
+                        if g + h < ngroups:
+                            b = uint32(b | (uint32(mask[_u(g + h)]) << uint32(8 * h)))
+                    else:
+                        b = uint32(b | (uint32(mask[_u(g + h)]) << uint32(8 * h)))
+                return b
+
+            @cuda.jit(device=True)
+            def emit_row(vals, sel, o, v, gv, b, j, e0, tfull, numel, ge, g64, guse64,
+                         oe, o64, ouse64):
+                """Expand and store the row at element e0 with mask bits b, whose first
+                set element takes stored value j of the tile."""
+                if tfull or e0 < numel:
+                    for m in range(OW):
+                        mb = uint32((b >> uint32(m * GE)) & uint32((1 << GE) - 1))
+                        o[m] = expand_word(vals, sel, j, mb)
+                        j = int32(j + cuda.popc(mb))
+                    full = tfull or e0 + UV <= numel
+                    if op == 0 and ouse64 and full:
+                        for p in range(OW // 2):
+                            pair = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
+                            o64[_u(e0 * BITS // 64 + p)] = pair
+                    else:
+                        for h in range(UMB):
+                            g = (e0 >> 3) + h
+                            for i in range(8):
+                                e = 8 * h + i
+                                v[i] = int64(o[e // GE] >> ((e % GE) * BITS)) & EMASK
+                            if op == 1:
+                                load_group(ge, g64, guse64 and g * 8 + 8 <= numel, numel, g, gv)
+                                for i in range(8):
+                                    rj = v[i]
+                                    if is_pos(rj):
+                                        v[i] = narrow(fmul(widen(gv[i]), fmul(widen(rj), TWO)))
+                                    else:
+                                        v[i] = 0
+                            store_group(oe, o64, ouse64 and g * 8 + 8 <= numel, numel, g, v)
+
+            @cuda.jit(device=True)
+            def scan_pair(acc, ba, bb, two, tot_needed, lane, t, sh_lane):
+                """Warp ranks of two rounds (bb only with ``two``), counts 16 bits apart
+                in one scan (a round holds at most 32 * UV < 2**16): (start of round a,
+                start of round b, acc + both rounds' warp totals). Without
+                ``tot_needed`` only lane 31's third value is right."""
+                packed = int32(cuda.popc(ba))
+                if two:
+                    packed = int32(packed | (cuda.popc(bb) << 16))
+                inc = int32(_warp_incl_scan(packed, lane, t, sh_lane))
+                tot = inc
+                if tot_needed:
+                    tot = int32(_warp_last(inc, lane, t, sh_lane))
+                excl = int32(inc - packed)
+                sa = int32(acc + (excl & 0xFFFF))
+                sb = int32(acc + (tot & 0xFFFF) + (excl >> 16))
+                return sa, sb, int32(acc + (tot & 0xFFFF) + (tot >> 16))
+
             @cuda.jit(**UNPACK_JIT[op])
             def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
                          ge, g64, guse64, oe, o64, ouse64):
-                """Dense output of one tile. op 0: the stored patterns (unpack);
-                op 1: relu2_backward, 2*r*grad where r > 0, else +0. The tile's
-                stored values are toff[(i << TILE_LOG2) >> toff_shift] up to the
+                """Dense output of one tile of UT elements. op 0: the stored patterns
+                (unpack); op 1: relu2_backward, 2*r*grad where r > 0, else +0. The
+                tile's stored values are toff[(i << UTL) >> toff_shift] up to the
                 same at tile i + 1 (toff has one entry past the last tile or chunk);
                 vb/vw: the values plane as bytes and as its whole 32-bit words
-                (empty when unaligned), nvb its length (likewise the signs)."""
+                (empty when unaligned), nvb its length (likewise the signs).
+                The UR <= 4 rows are written out (scalars, not a loop over a local
+                array: the compiler does not always unroll it, and the array then
+                lives in local memory)."""
                 t = cuda.threadIdx.x
                 lane = t & 31
                 warp = t >> 5
@@ -914,30 +1014,42 @@ class DtypeKernels:
                 sh_tot = cuda.shared.array(UNW, int32)
                 sh_lane = cuda.shared.array(ULANE_N, int32)
                 sel = cuda.const.array_like(SEL)
-                bits = cuda.local.array(UR, int32)
                 o = cuda.local.array(OW, uint32)
                 v = cuda.local.array(8, int64)
                 gv = cuda.local.array(8, int64)
                 ngroups = (numel + 7) >> 3
+                base = tile << UTL
+                tfull = base + UT <= numel       # no per-row bounds in a whole tile
+                row0 = base + (warp * SEG + lane * UV)
 
-                # Mask bits of this thread's rows and their counts, two rows per field.
-                packed = int32(0)
-                for r in range(UR):
-                    g = (tile * TILE + (r * UNT + t) * UV) >> 3
-                    b = int32(0)
-                    for h in range(UMB):
-                        if g + h < ngroups:
-                            b |= int32(mask[_u(g + h)]) << (8 * h)
-                    bits[r] = b
-                    packed = int32(packed + (cuda.popc(b) << (16 * r)))
-
-                # The tile's stored values, GE per shared word.
-                off = int64(toff[_u((tile << TILE_LOG2) >> toff_shift)])
-                ie = ((tile + 1) << TILE_LOG2) >> toff_shift
+                # The tile's value range (its loads first: the decode waits on them).
+                off = int64(toff[_u(base >> toff_shift)])
+                ie = ((tile + 1) << UTL) >> toff_shift
                 if ie > toff.size - 1:
                     ie = toff.size - 1
                 n = int64(toff[_u(ie)]) - off
-                words = (n + GE - 1) // GE
+                # Mask bits of this thread's rows (round r: element row0 + r * URS). A
+                # whole tile loads them without a test between (all loads in flight).
+                b1 = uint32(0)
+                b2 = uint32(0)
+                b3 = uint32(0)
+                if tfull:
+                    b0 = row_bits(mask, row0, False, ngroups)
+                    if UR > 1:
+                        b1 = row_bits(mask, row0 + URS, False, ngroups)
+                    if UR > 2:
+                        b2 = row_bits(mask, row0 + 2 * URS, False, ngroups)
+                        b3 = row_bits(mask, row0 + 3 * URS, False, ngroups)
+                else:
+                    b0 = row_bits(mask, row0, True, ngroups)
+                    if UR > 1:
+                        b1 = row_bits(mask, row0 + URS, True, ngroups)
+                    if UR > 2:
+                        b2 = row_bits(mask, row0 + 2 * URS, True, ngroups)
+                        b3 = row_bits(mask, row0 + 3 * URS, True, ngroups)
+
+                # The tile's stored values, GE per shared word.
+                words = (n + GE - 1) >> GE_LOG2
                 bit0 = off * WD
                 w0 = bit0 >> 5
                 sh0 = bit0 & 31
@@ -955,48 +1067,30 @@ class DtypeKernels:
                     vals[_u(q)] = c
                     q += UNT
 
-                inc = _warp_incl_scan(packed, lane, t, sh_lane)
+                # Ranks within the warp (rounds in order), then the warps before this one.
+                st0, st1, acc = scan_pair(int32(0), b0, b1, UR > 1, UR > 1, lane, t, sh_lane)
+                st2 = int32(0)
+                st3 = int32(0)
+                if UR > 2:
+                    st2, st3, acc = scan_pair(acc, b2, b3, True, True, lane, t, sh_lane)
                 if lane == 31:
-                    sh_tot[warp] = inc
+                    sh_tot[warp] = acc
                 cuda.syncthreads()
-                before = int32(inc - packed)
-                total = int32(0)
+                before = int32(0)
                 for w in range(UNW):
-                    tw = sh_tot[w]
                     if w < warp:
-                        before = int32(before + tw)
-                    total = int32(total + tw)
-                j = before & 0xFFFF
-                for r in range(UR):
-                    if r == 1:
-                        j = (total & 0xFFFF) + (before >> 16)
-                    e0 = tile * TILE + (r * UNT + t) * UV
-                    if e0 < numel:
-                        b = bits[r]
-                        for m in range(OW):
-                            mb = (b >> (m * GE)) & ((1 << GE) - 1)
-                            o[m] = expand_word(vals, sel, j, mb)
-                            j += cuda.popc(mb)
-                        full = e0 + UV <= numel
-                        if op == 0 and ouse64 and full:
-                            for p in range(OW // 2):
-                                pair = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
-                                o64[_u(e0 * BITS // 64 + p)] = pair
-                        else:
-                            for h in range(UMB):
-                                g = (e0 >> 3) + h
-                                for i in range(8):
-                                    e = 8 * h + i
-                                    v[i] = int64(o[e // GE] >> ((e % GE) * BITS)) & EMASK
-                                if op == 1:
-                                    load_group(ge, g64, guse64 and g * 8 + 8 <= numel, numel, g, gv)
-                                    for i in range(8):
-                                        rj = v[i]
-                                        if is_pos(rj):
-                                            v[i] = narrow(fmul(widen(gv[i]), fmul(widen(rj), TWO)))
-                                        else:
-                                            v[i] = 0
-                                store_group(oe, o64, ouse64 and g * 8 + 8 <= numel, numel, g, v)
+                        before = int32(before + sh_tot[w])
+
+                emit_row(vals, sel, o, v, gv, b0, int32(before + st0), row0, tfull, numel,
+                         ge, g64, guse64, oe, o64, ouse64)
+                if UR > 1:
+                    emit_row(vals, sel, o, v, gv, b1, int32(before + st1), row0 + URS, tfull,
+                             numel, ge, g64, guse64, oe, o64, ouse64)
+                if UR > 2:
+                    emit_row(vals, sel, o, v, gv, b2, int32(before + st2), row0 + 2 * URS,
+                             tfull, numel, ge, g64, guse64, oe, o64, ouse64)
+                    emit_row(vals, sel, o, v, gv, b3, int32(before + st3), row0 + 3 * URS,
+                             tfull, numel, ge, g64, guse64, oe, o64, ouse64)
             return k_unpack
 
         @cuda.jit
