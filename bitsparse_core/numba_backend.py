@@ -295,16 +295,19 @@ class NumbaBackend:
         sb, sw = self._plane_views(P, p.signs, lay.signs[1])
         return vb, vw, lay.values[1], sb, sw, lay.signs[1]
 
-    def _tile_offsets(self, P, p, st, allocator):
-        """(mask, array, shift, keep): tile i's first value index is
-        array[(i << TILE_LOG2) >> shift]; ``keep`` must outlive the queued kernels."""
+    def _tile_offsets(self, P, p, st, allocator, tile_log2=K.TILE_LOG2):
+        """(mask, array, shift, keep): the first value index of the kernel's tile i
+        (``1 << tile_log2`` elements, a multiple of K.TILE) is
+        array[(i << tile_log2) >> shift]; ``keep`` must outlive the queued kernels.
+        When chunks are larger than the kernel's tile, the array holds the prefix
+        counts per K.TILE elements (the pack tile), which serves any larger tile."""
         lay = p.layout
         n_tiles = _ceil_div(p.numel, K.TILE)
         mask = P.view(P.import_plane(p.mask), 0, lay.mask[1], np.uint8)
-        if p.chunk_log2 <= K.TILE_LOG2:
+        if p.chunk_log2 <= tile_log2:
             odt = np.dtype(f"<u{lay.offset_width}")
             return mask, P.view(P.import_plane(p.offsets), 0, lay.n_chunks + 1, odt), p.chunk_log2, None
-        # Chunks span several tiles: prefix-sum the mask's popcount per tile.
+        # Chunks span several tiles: prefix-sum the mask's popcount per pack tile.
         scratch = P.alloc((n_tiles + 3) * 8, st, allocator)
         cnt = P.view(scratch, 0, n_tiles + 1, np.int64)
         info = P.view(scratch, (n_tiles + 1) * 8, 2, np.int64)
@@ -491,16 +494,18 @@ class NumbaBackend:
 
     def _decode(self, P, st, p, op, gbuf, obuf, allocator):
         numel, dt = p.numel, p.dtype
-        n_tiles = _ceil_div(numel, K.TILE)
+        kern = K.kernels_for(dt.name)
+        tile_log2 = kern.utile_log2[op]
+        n_tiles = _ceil_div(numel, 1 << tile_log2)
         if n_tiles == 0:
             return
-        mask, toff, shift, keep = self._tile_offsets(P, p, st, allocator)
+        mask, toff, shift, keep = self._tile_offsets(P, p, st, allocator, tile_log2)
         oe, o64, ofast = self._dense_views(P, obuf, numel, dt)
         if gbuf is not None:
             ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
         else:
             ge, g64, gfast = oe, o64, False
-        P.launch(K.kernels_for(dt.name).unpack[(op, int(p.encoding))], n_tiles, K.UNT, st, mask,
+        P.launch(kern.unpack[(op, int(p.encoding))], n_tiles, K.UNT, st, mask,
                  numel, toff, shift, *self._stored(P, p), ge, g64, gfast, oe, o64, ofast)
         del keep  # the allocator orders its reuse after the queued kernel
 

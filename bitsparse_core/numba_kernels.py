@@ -12,18 +12,21 @@ over its predecessors' published counts. A bit-stream word that straddles two
 tiles is written whole by the tile holding its last bit (or the stream's end):
 every tile also publishes the last 32 stream bits up to its end, so no word is
 written twice, no atomics touch the output and padding bits come out zero.
-Unpack is one launch per tile (plus a popcount + scan of the mask when chunks
-are larger than a tile), one kernel per (op, encoding): the tile's value range
-comes from the tile-offset array at both ends, its stored values are decoded
-32/BITS per 32-bit word into shared memory, and each output word is the next
-stored values' bytes dropped into the slots its mask bits select (one PRMT,
-as in the CuPy kernels); a thread covers 16-byte rows. The gated backward
+Unpack is one launch per tile (plus a popcount + scan of the mask per pack
+tile when chunks are larger than the unpack tile), one kernel per (op,
+encoding): the tile's value range comes from the tile-offset array at both
+ends, its stored values are decoded 32/BITS per 32-bit word into shared
+memory, and each output word is the next stored values' bytes dropped into the
+slots its mask bits select (one PRMT, as in the CuPy kernels); a thread covers
+UNPACK_ROWS 16-byte rows (relu2_backward: the pack tile's). The gated backward
 op still copies its two streams' slices into shared memory and cuts each value
 out of the shared words (``value_at``).
 
-Sizes: on a GPU a tile is 4096 elements for a block of 256 threads (two groups
-each; unpack: 16 elements each); under the simulator 1024 elements for 64
-threads (the same per-thread shapes, so the simulator runs the GPU's row loops).
+Sizes: on a GPU a pack tile is 4096 elements for a block of 256 threads (two
+groups each); an unpack tile is 256 threads x 4 rows x 16 bytes (16384 fp8,
+8192 16-bit or 32-bit elements). Under the simulator 64 threads: a pack tile of
+1024 elements, unpack tiles of 4096 fp8 / 2048 others (the same per-thread
+shapes, so the simulator runs the GPU's row loops).
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, the look-back reads 32 predecessors per step with warp votes,
@@ -73,6 +76,11 @@ LANE_N = NT if SIM else 1        # the simulator's warp scan goes through shared
 UNT = 64 if SIM else 256         # threads per unpack block (rows of 16 bytes each)
 UNW = UNT // 32
 ULANE_N = UNT if SIM else 1
+# Unpack tiles have their own size: UR rows of 16 bytes (fp32: 32) per thread, so an
+# unpack tile is UR * UNT * 16 bytes of output whatever the dtype (op 0: 4 rows, i.e.
+# 16384 fp8 / 8192 bf16 / 8192 fp32 elements on the GPU, as the CuPy unpack). The
+# relu2 backward op keeps the pack tile (TILE elements). Per dtype: DtypeKernels.utile_log2.
+UNPACK_ROWS = 4
 # Unpack: six 256-thread blocks per SM (42 registers); the relu2 backward op's float
 # products need more registers, four blocks.
 UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in (0, 1)}
@@ -123,6 +131,15 @@ if SIM:
             s += sh_lane[q]
         cuda.syncthreads()
         return s
+
+    @cuda.jit(device=True)
+    def _warp_last(v, lane, t, sh_lane):
+        # Shared-memory stand-in for the broadcast of lane 31's value.
+        sh_lane[t] = v
+        cuda.syncthreads()
+        s = sh_lane[t - lane + 31]
+        cuda.syncthreads()
+        return s
 else:
     from numba.cuda import libdevice
 
@@ -149,6 +166,77 @@ else:
                 x = int32(x + y)
             d *= 2
         return x
+
+    @cuda.jit(device=True)
+    def _warp_last(v, lane, t, sh_lane):
+        """Lane 31's v, in every lane."""
+        return cuda.shfl_sync(FULL_MASK, int32(v), 31)
+
+
+# ----------------------------------------------------------------------------
+# Unpack's word primitives. On the GPU one PTX instruction each (inline PTX):
+# libdevice's byte_perm masks its selector with 0x7777 (an instruction per
+# call), and a funnel shift written with 64-bit shifts needs its amount masked
+# to 0..31 first (SHF.R.W wraps it). Without Numba's intrinsic API, the portable
+# forms; under the simulator, Python.
+# ----------------------------------------------------------------------------
+if SIM:
+    def _prmt_xy(x, y, s):
+        """PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x) (selector
+        nibbles below 8: no sign replication)."""
+        xy = (int(y) << 32) | int(x)
+        r = 0
+        for k in range(4):
+            r |= ((xy >> (8 * ((int(s) >> (4 * k)) & 7))) & 0xFF) << (8 * k)
+        return np.uint32(r)
+
+    def _funnel_r(lo, hi, sh):
+        """The low 32 bits of (hi:lo) >> (sh & 31)."""
+        return np.uint32((((int(hi) << 32) | int(lo)) >> (int(sh) & 31)) & 0xFFFFFFFF)
+else:
+    try:
+        from numba.cuda.extending import intrinsic as _intrinsic
+    except ImportError:                     # numba-cuda before its own extending module
+        try:
+            from numba.core.extending import intrinsic as _intrinsic
+        except ImportError:
+            _intrinsic = None
+    if _intrinsic is not None:
+        from llvmlite import ir as _ir
+
+        def _ptx3(text):
+            """(x, y, z: uint32) -> uint32 computed by one PTX instruction."""
+            @_intrinsic
+            def op(typingctx, x, y, z):
+                def codegen(context, builder, sig, args):
+                    i32 = _ir.IntType(32)
+                    asm = _ir.InlineAsm(_ir.FunctionType(i32, [i32, i32, i32]), text, "=r,r,r,r")
+                    return builder.call(asm, args)
+                return uint32(uint32, uint32, uint32), codegen
+            return op
+
+        _prmt_asm = _ptx3("prmt.b32 $0, $1, $2, $3;")
+        _shf_asm = _ptx3("shf.r.wrap.b32 $0, $1, $2, $3;")
+
+        @cuda.jit(device=True)
+        def _prmt_xy(x, y, s):
+            """PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x) (selector
+            nibbles below 8: no sign replication)."""
+            return _prmt_asm(uint32(x), uint32(y), uint32(s))
+
+        @cuda.jit(device=True)
+        def _funnel_r(lo, hi, sh):
+            """The low 32 bits of (hi:lo) >> (sh & 31)."""
+            return _shf_asm(uint32(lo), uint32(hi), uint32(sh))
+    else:
+        @cuda.jit(device=True)
+        def _prmt_xy(x, y, s):
+            return uint32(libdevice.byte_perm(int32(x), int32(y), int32(s)))
+
+        @cuda.jit(device=True)
+        def _funnel_r(lo, hi, sh):
+            return uint32((((uint64(hi) << uint64(32)) | uint64(lo)) >> uint64(sh & 31))
+                          & FULL_MASK)
 
 
 @cuda.jit(device=True)
@@ -828,16 +916,22 @@ class DtypeKernels:
         # form. The tile's value range [P, Pe) comes from the tile-offset array at
         # both ends, so its stored values are decoded before the ranks are known,
         # 32 / BITS per 32-bit word of shared memory (a stream word pair shifted
-        # and spread into lanes: no per-value work). Thread t then builds rows of
-        # UV elements (16 bytes; 32 for float32) at row r * UNT + t: each output
-        # word is the next stored values' bytes (a funnel shift of two shared
-        # words) dropped into the slots its mask bits select (one PRMT).
+        # and spread into lanes: no per-value work). Each thread then builds UR
+        # rows of UV elements (16 bytes; 32 for float32), warp-major as in the
+        # CuPy kernel: warp w owns UR * 32 rows of the tile, its round r covers
+        # 32 consecutive rows, one per lane. Each output word is the next stored
+        # values' bytes (a funnel shift of two shared words) dropped into the
+        # slots its mask bits select (one PRMT).
         UV = 8 if BITS == 32 else 128 // BITS
         UMB = UV // 8                    # mask bytes per row
-        UR = TILE // (UV * UNT)          # rows per thread
+        URS = 32 * UV                    # elements per warp round
         OW = UV * BITS // 32             # output words per row
-        VALS_W = TILE * BITS // 32 + 4   # decoded words (+ guards for the pair reads)
-        assert UR in (1, 2)              # two rows' counts share one packed scan
+        # Rows per thread and tile size (log2) per op: plain unpack UNPACK_ROWS rows,
+        # relu2 backward the pack tile.
+        UR_OP = {0: UNPACK_ROWS, 1: max(1, TILE // (UV * UNT))}
+        self.utile_log2 = {op: int(UR_OP[op] * UV * UNT).bit_length() - 1 for op in (0, 1)}
+        for op in (0, 1):
+            assert (1 << self.utile_log2[op]) == UR_OP[op] * UV * UNT >= TILE
         # PRMT selector per mask bits of a word: the next values' bytes go to the
         # selected elements' slots, selector nibble 4 (a zero byte of y = 0) elsewhere.
         SEL = np.zeros(1 << GE, dtype=np.uint32)
@@ -848,6 +942,17 @@ class DtypeKernels:
                     byte = k * (BITS // 8) + q if (mb >> p) & 1 else 4
                     SEL[mb] |= byte << (4 * (p * (BITS // 8) + q))
                 k += (mb >> p) & 1
+        # The same per mask byte: the selectors of the byte's 8 / GE words, 16 bits
+        # each (PRMT reads a selector's low 16 bits only), so one constant load
+        # serves two fp8 or four 16-bit words.
+        WPB = 8 // GE                    # output words per mask byte
+        SELB = np.zeros(256, dtype=np.uint32 if BITS == 8 else np.uint64)
+        if BITS < 32:
+            for byte in range(256):
+                e = 0
+                for k in range(WPB):
+                    e |= int(SEL[(byte >> (k * GE)) & ((1 << GE) - 1)]) << (16 * k)
+                SELB[byte] = e
 
         @cuda.jit(device=True)
         def spread_signs(s):
@@ -860,30 +965,36 @@ class DtypeKernels:
 
         @cuda.jit(device=True)
         def plane_pair(b8, w32, nbytes, fast, k, sh):
-            """Bits [32 k + sh, 32 k + sh + 32) of a plane (sh < 32)."""
+            """Bits [32 k + sh, 32 k + sh + 32) of a plane (sh taken mod 32); ``fast``:
+            both words exist."""
             if fast:
-                lo = uint64(w32[_u(k)])
-                hi = uint64(w32[_u(k + 1)])
+                lo = w32[k]
+                hi = w32[k + uint64(1)]
             else:
-                lo = uint64(_load_word(b8, w32, nbytes, k))
-                hi = uint64(_load_word(b8, w32, nbytes, k + 1))
-            return uint32((((hi << uint64(32)) | lo) >> uint64(sh)) & FULL_MASK)
+                lo = uint32(_load_word(b8, w32, nbytes, int64(k)))
+                hi = uint32(_load_word(b8, w32, nbytes, int64(k) + 1))
+            return _funnel_r(lo, hi, sh)
 
         @cuda.jit(device=True)
-        def expand_word(vals, sel, j, mb):
-            """The GE elements of an output word with mask bits mb, whose first set
-            element takes stored value j of the tile."""
-            if BITS == 32:
-                return vals[_u(j)] if mb != 0 else uint32(0)
-            byte = j * (BITS // 8)
-            k = byte >> 2
-            pair = (uint64(vals[_u(k + 1)]) << uint64(32)) | uint64(vals[_u(k)])
-            src = uint32((pair >> uint64((byte & 3) * 8)) & FULL_MASK)
-            return _prmt(src, sel[mb])
+        def expand_word(vals, j, s):
+            """An output word (GE = 2 or 4 elements) whose first set element takes
+            stored value j of the tile; s: the PRMT selector of its mask bits."""
+            byte = uint32(j * (BITS // 8))
+            k = byte >> uint32(2)
+            src = _funnel_r(vals[_u(k)], vals[_u(k + uint32(1))], uint32(byte * uint32(8)))
+            return _prmt_xy(src, uint32(0), s)
 
         def make_unpack(op, enc):
             WD = BITS if enc == RAW else W
             WG = GE * WD                 # stream bits per decoded word
+            UR = UR_OP[op]               # rows per thread
+            UTL = self.utile_log2[op]
+            UT = 1 << UTL                # elements per tile
+            SEG = UR * URS               # elements per warp
+            VALS_W = UT * BITS // 32 + 4     # decoded words (+ guards for the pair reads)
+            assert UR in (1, 2, 4)
+            GE_LOG2 = GE.bit_length() - 1
+            assert (UNT * WG) % 32 == 0 and (UNT * GE) % 32 == 0
 
             @cuda.jit(device=True)
             def spread(c):
@@ -897,91 +1008,49 @@ class DtypeKernels:
                 y = (c & 0x3FFF) | ((c << 2) & 0x3FFF0000)          # two 14-bit halves
                 return (y & 0x007F007F) | ((y << 1) & 0x7F007F00)
 
-            @cuda.jit(**UNPACK_JIT[op])
-            def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
-                         ge, g64, guse64, oe, o64, ouse64):
-                """Dense output of one tile. op 0: the stored patterns (unpack);
-                op 1: relu2_backward, 2*r*grad where r > 0, else +0. The tile's
-                stored values are toff[(i << TILE_LOG2) >> toff_shift] up to the
-                same at tile i + 1 (toff has one entry past the last tile or chunk);
-                vb/vw: the values plane as bytes and as its whole 32-bit words
-                (empty when unaligned), nvb its length (likewise the signs)."""
-                t = cuda.threadIdx.x
-                lane = t & 31
-                warp = t >> 5
-                tile = int64(cuda.blockIdx.x)
-                vals = cuda.shared.array(VALS_W, uint32)
-                sh_tot = cuda.shared.array(UNW, int32)
-                sh_lane = cuda.shared.array(ULANE_N, int32)
-                sel = cuda.const.array_like(SEL)
-                bits = cuda.local.array(UR, int32)
-                o = cuda.local.array(OW, uint32)
-                v = cuda.local.array(8, int64)
-                gv = cuda.local.array(8, int64)
-                ngroups = (numel + 7) >> 3
-
-                # Mask bits of this thread's rows and their counts, two rows per field.
-                packed = int32(0)
-                for r in range(UR):
-                    g = (tile * TILE + (r * UNT + t) * UV) >> 3
-                    b = int32(0)
-                    for h in range(UMB):
+            @cuda.jit(device=True)
+            def row_bits(mask, g, guard, ngroups):
+                """The mask bits of the row starting at group g; with ``guard``, 0 past
+                the end."""
+                b = uint32(0)
+                for h in range(UMB):
+                    if guard:
                         if g + h < ngroups:
-                            b |= int32(mask[_u(g + h)]) << (8 * h)
-                    bits[r] = b
-                    packed = int32(packed + (cuda.popc(b) << (16 * r)))
+                            b = uint32(b | (uint32(mask[_u(g + h)]) << uint32(8 * h)))
+                    else:
+                        b = uint32(b | (uint32(mask[_u(g + h)]) << uint32(8 * h)))
+                return b
 
-                # The tile's stored values, GE per shared word.
-                off = int64(toff[_u((tile << TILE_LOG2) >> toff_shift)])
-                ie = ((tile + 1) << TILE_LOG2) >> toff_shift
-                if ie > toff.size - 1:
-                    ie = toff.size - 1
-                n = int64(toff[_u(ie)]) - off
-                words = (n + GE - 1) // GE
-                bit0 = off * WD
-                w0 = bit0 >> 5
-                sh0 = bit0 & 31
-                fast = w0 + ((sh0 + words * WG) >> 5) + 2 <= vw.size
-                s0 = off >> 5
-                ssh = off & 31
-                sfast = s0 + ((ssh + words * GE) >> 5) + 2 <= sw.size
-                q = int64(t)
-                while q < words:
-                    rel = sh0 + q * WG
-                    c = spread(plane_pair(vb, vw, nvb, fast, w0 + (rel >> 5), rel & 31))
-                    if enc == SIGNPLANE:
-                        rs = ssh + q * GE
-                        c |= spread_signs(plane_pair(sb, sw, nsb, sfast, s0 + (rs >> 5), rs & 31))
-                    vals[_u(q)] = c
-                    q += UNT
-
-                inc = _warp_incl_scan(packed, lane, t, sh_lane)
-                if lane == 31:
-                    sh_tot[warp] = inc
-                cuda.syncthreads()
-                before = int32(inc - packed)
-                total = int32(0)
-                for w in range(UNW):
-                    tw = sh_tot[w]
-                    if w < warp:
-                        before = int32(before + tw)
-                    total = int32(total + tw)
-                j = before & 0xFFFF
-                for r in range(UR):
-                    if r == 1:
-                        j = (total & 0xFFFF) + (before >> 16)
-                    e0 = tile * TILE + (r * UNT + t) * UV
-                    if e0 < numel:
-                        b = bits[r]
-                        for m in range(OW):
-                            mb = (b >> (m * GE)) & ((1 << GE) - 1)
-                            o[m] = expand_word(vals, sel, j, mb)
-                            j += cuda.popc(mb)
-                        full = e0 + UV <= numel
-                        if op == 0 and ouse64 and full:
+            def make_emit(FAST):
+                """The row writer; FAST (plain unpack of a whole tile, aligned output)
+                has no bounds tests and stores whole 64-bit words."""
+                @cuda.jit(device=True)
+                def emit_row(vals, sel, o, v, gv, b, j, e0, numel, ge, g64, guse64,
+                             oe, o64, ouse64):
+                    """Expand and store the row at element e0 with mask bits b, whose
+                    first set element takes stored value j of the tile."""
+                    if FAST or e0 < numel:
+                        # Word m's first value: j plus the row's set bits before it;
+                        # its selector: one constant load per mask byte.
+                        for h in range(UMB):
+                            byte = uint32((b >> uint32(8 * h)) & uint32(0xFF))
+                            ts = sel[_u(byte)]
+                            for k in range(WPB):
+                                m = h * WPB + k
+                                jm = j
+                                if m > 0:
+                                    jm = int32(j + cuda.popc(b & uint32((1 << (m * GE)) - 1)))
+                                if BITS == 32:
+                                    if (byte >> uint32(k)) & uint32(1):
+                                        o[m] = vals[_u(jm)]
+                                    else:
+                                        o[m] = uint32(0)
+                                else:
+                                    o[m] = expand_word(vals, jm, uint32(ts >> (16 * k)))
+                        if op == 0 and (FAST or (ouse64 and e0 + UV <= numel)):
                             for p in range(OW // 2):
                                 pair = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
-                                o64[_u(e0 * BITS // 64 + p)] = pair
+                                o64[_u(((e0 * ITEM) >> 3) + p)] = pair
                         else:
                             for h in range(UMB):
                                 g = (e0 >> 3) + h
@@ -996,7 +1065,159 @@ class DtypeKernels:
                                             v[i] = narrow(fmul(widen(gv[i]), fmul(widen(rj), TWO)))
                                         else:
                                             v[i] = 0
-                                store_group(oe, o64, ouse64 and g * 8 + 8 <= numel, numel, g, v)
+                                store_group(oe, o64, FAST or (ouse64 and g * 8 + 8 <= numel),
+                                            numel, g, v)
+                return emit_row
+
+            emit_row = make_emit(False)
+            emit_fast = make_emit(True)
+
+            @cuda.jit(device=True)
+            def scan_pair(acc, ba, bb, two, tot_needed, lane, t, sh_lane):
+                """Warp ranks of two rounds (bb only with ``two``), counts 16 bits apart
+                in one scan (a round holds at most 32 * UV < 2**16): (start of round a,
+                start of round b, acc + both rounds' warp totals). Without
+                ``tot_needed`` only lane 31's third value is right."""
+                packed = int32(cuda.popc(ba))
+                if two:
+                    packed = int32(packed | (cuda.popc(bb) << 16))
+                inc = int32(_warp_incl_scan(packed, lane, t, sh_lane))
+                tot = inc
+                if tot_needed:
+                    tot = int32(_warp_last(inc, lane, t, sh_lane))
+                excl = int32(inc - packed)
+                sa = int32(acc + (excl & 0xFFFF))
+                sb = int32(acc + (tot & 0xFFFF) + (excl >> 16))
+                return sa, sb, int32(acc + (tot & 0xFFFF) + (tot >> 16))
+
+            @cuda.jit(**UNPACK_JIT[op])
+            def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
+                         ge, g64, guse64, oe, o64, ouse64):
+                """Dense output of one tile of UT elements. op 0: the stored patterns
+                (unpack); op 1: relu2_backward, 2*r*grad where r > 0, else +0. The
+                tile's stored values are toff[(i << UTL) >> toff_shift] up to the
+                same at tile i + 1 (toff has one entry past the last tile or chunk);
+                vb/vw: the values plane as bytes and as its whole 32-bit words
+                (empty when unaligned), nvb its length (likewise the signs).
+                The UR <= 4 rows are written out (scalars, not a loop over a local
+                array: the compiler does not always unroll it, and the array then
+                lives in local memory)."""
+                t = cuda.threadIdx.x
+                lane = t & 31
+                warp = t >> 5
+                tile = int64(cuda.blockIdx.x)
+                vals = cuda.shared.array(VALS_W, uint32)
+                sh_tot = cuda.shared.array(UNW, int32)
+                sh_lane = cuda.shared.array(ULANE_N, int32)
+                sel = cuda.const.array_like(SELB)
+                o = cuda.local.array(OW, uint32)
+                v = cuda.local.array(8, int64)
+                gv = cuda.local.array(8, int64)
+                ngroups = (numel + 7) >> 3
+                base = tile << UTL
+                tfull = base + UT <= numel       # no per-row bounds in a whole tile
+                row0 = base + (warp * SEG + lane * UV)
+
+                # The tile's value range (its loads first: the decode waits on them).
+                off = int64(toff[_u(base >> toff_shift)])
+                ie = ((tile + 1) << UTL) >> toff_shift
+                if ie > toff.size - 1:
+                    ie = toff.size - 1
+                n = int64(toff[_u(ie)]) - off
+                # Mask bits of this thread's rows (round r: element row0 + r * URS). A
+                # whole tile loads them without a test between (all loads in flight).
+                b1 = uint32(0)
+                b2 = uint32(0)
+                b3 = uint32(0)
+                g0 = row0 >> 3                   # rows are whole groups: one base
+                if tfull:
+                    b0 = row_bits(mask, g0, False, ngroups)
+                    if UR > 1:
+                        b1 = row_bits(mask, g0 + URS // 8, False, ngroups)
+                    if UR > 2:
+                        b2 = row_bits(mask, g0 + 2 * (URS // 8), False, ngroups)
+                        b3 = row_bits(mask, g0 + 3 * (URS // 8), False, ngroups)
+                else:
+                    b0 = row_bits(mask, g0, True, ngroups)
+                    if UR > 1:
+                        b1 = row_bits(mask, g0 + URS // 8, True, ngroups)
+                    if UR > 2:
+                        b2 = row_bits(mask, g0 + 2 * (URS // 8), True, ngroups)
+                        b3 = row_bits(mask, g0 + 3 * (URS // 8), True, ngroups)
+
+                # The tile's stored values, GE per shared word.
+                words = (n + GE - 1) >> GE_LOG2
+                bit0 = off * WD
+                w0 = bit0 >> 5
+                sh0 = bit0 & 31
+                fast = w0 + ((sh0 + words * WG) >> 5) + 2 <= vw.size
+                s0 = off >> 5
+                ssh = off & 31
+                sfast = s0 + ((ssh + words * GE) >> 5) + 2 <= sw.size
+                # A thread's words lie UNT * WG bits apart, a whole number of stream
+                # words: its shift stays, its word index steps by a constant (so the
+                # loads are constant offsets from one address). Tile-relative bit
+                # positions fit 32 bits (a tile holds < 2**27 stream bits).
+                words32 = uint32(words)
+                q = uint32(t)
+                rel = uint32(uint32(sh0) + q * uint32(WG))
+                kv = uint64(w0) + uint64(rel >> uint32(5))
+                rs = uint32(uint32(ssh) + q * uint32(GE))
+                ks = uint64(s0) + uint64(rs >> uint32(5))
+                qs = int64(t)                    # q as a 64-bit index: constant store offsets
+                while q < words32:
+                    c = spread(plane_pair(vb, vw, nvb, fast, kv, rel))
+                    if enc == SIGNPLANE:
+                        c |= spread_signs(plane_pair(sb, sw, nsb, sfast, ks, rs))
+                    vals[_u(qs)] = c
+                    q = uint32(q + uint32(UNT))
+                    qs += UNT
+                    kv += uint64(UNT * WG // 32)
+                    ks += uint64(UNT * GE // 32)
+
+                # Ranks within the warp (rounds in order), then the warps before this one.
+                st0, st1, acc = scan_pair(int32(0), b0, b1, UR > 1, UR > 1, lane, t, sh_lane)
+                st2 = int32(0)
+                st3 = int32(0)
+                if UR > 2:
+                    st2, st3, acc = scan_pair(acc, b2, b3, True, True, lane, t, sh_lane)
+                if lane == 31:
+                    sh_tot[warp] = acc
+                cuda.syncthreads()
+                before = int32(0)
+                for w in range(UNW):
+                    if w < warp:
+                        before = int32(before + sh_tot[w])
+
+                # Rows: a whole tile with aligned output takes the writer without
+                # bounds tests (plain unpack only: relu2_backward's float work
+                # dominates its rows, and a second copy of it only adds code).
+                j0 = int32(before + st0)
+                j1 = int32(before + st1)
+                j2 = int32(before + st2)
+                j3 = int32(before + st3)
+                if op == 0 and tfull and ouse64:
+                    emit_fast(vals, sel, o, v, gv, b0, j0, row0, numel, ge, g64, guse64,
+                              oe, o64, ouse64)
+                    if UR > 1:
+                        emit_fast(vals, sel, o, v, gv, b1, j1, row0 + URS, numel, ge, g64,
+                                  guse64, oe, o64, ouse64)
+                    if UR > 2:
+                        emit_fast(vals, sel, o, v, gv, b2, j2, row0 + 2 * URS, numel, ge, g64,
+                                  guse64, oe, o64, ouse64)
+                        emit_fast(vals, sel, o, v, gv, b3, j3, row0 + 3 * URS, numel, ge, g64,
+                                  guse64, oe, o64, ouse64)
+                else:
+                    emit_row(vals, sel, o, v, gv, b0, j0, row0, numel, ge, g64, guse64,
+                             oe, o64, ouse64)
+                    if UR > 1:
+                        emit_row(vals, sel, o, v, gv, b1, j1, row0 + URS, numel, ge, g64,
+                                 guse64, oe, o64, ouse64)
+                    if UR > 2:
+                        emit_row(vals, sel, o, v, gv, b2, j2, row0 + 2 * URS, numel, ge, g64,
+                                 guse64, oe, o64, ouse64)
+                        emit_row(vals, sel, o, v, gv, b3, j3, row0 + 3 * URS, numel, ge, g64,
+                                 guse64, oe, o64, ouse64)
             return k_unpack
 
         @cuda.jit

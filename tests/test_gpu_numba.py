@@ -159,6 +159,45 @@ def test_misaligned_input_and_out(rng):
         BE.unpack(p, out=cp.zeros(x.size, dtype=cp.float32))
 
 
+@pytest.mark.parametrize("dt", DT_PARAMS)
+def test_unpack_tiles_and_chunk_sizes(rng, dt):
+    """Plain unpack tiles (``utile_log2[0]``: 16384 fp8 / 8192 others) are larger
+    than the pack tile (4096): tensors over many of them with an odd size (partial
+    last tile and row), empty and nearly empty tiles, chunks smaller than the pack
+    tile, equal to it, between it and the unpack tile (fp8), equal to the unpack
+    tile (offsets straight from the chunk table) and larger (the per-pack-tile
+    prefix); relu2_backward (pack-sized tiles) and a misaligned out= alongside."""
+    ul = NK.kernels_for(dt.name).utile_log2[0]
+    ut = 1 << ul
+    assert ut > NK.TILE
+    n = 37 * ut + 4099
+    x = random_bits(rng, (n,), dt, 0.7)
+    xb = x.view(dt.uint)
+    xb[3 * ut:5 * ut] = 0                    # two empty tiles ...
+    xb[4 * ut + 5] = 1                       # ... but for one value
+    xb[8 * ut + 3:9 * ut - 1] = 0            # a nearly empty one
+    for chunk_log2 in sorted({9, NK.TILE_LOG2, NK.TILE_LOG2 + 1, ul, ul + 1, 20}):
+        for enc in ("nosign", "signplane", "raw"):
+            xx = x if enc != "nosign" else _unsigned(x, dt)
+            p = BE.pack(dev(xx), dtype=dt.name, encoding=enc, chunk_log2=chunk_log2)
+            where = f"{dt.name} n={n} {enc} chunk_log2={chunk_log2}"
+            assert_same(p, reference.pack_array(xx, dt, enc, chunk_log2=chunk_log2), where)
+            assert_bits(BE.unpack(p), xx, where)
+        if dt.name in ("float16", "float32"):          # CuPy has these dtypes
+            out_base = cp.zeros(n + 1, dtype=dt.numpy)
+            out = out_base[1:]                           # not 8-byte aligned
+            assert BE.unpack(p, out=out) is out
+            assert_bits(out, x, f"misaligned out chunk_log2={chunk_log2}")
+        a = _no_neg_nan(x, dt)
+        g = random_bits(rng, (n,), dt, 0.05)
+        _, pa = BE.relu_pack(dev(a), dtype=dt.name, chunk_log2=chunk_log2)
+        _, pa_ref = reference_ops.relu_pack(a, dt, chunk_log2=chunk_log2)
+        with np.errstate(all="ignore"):
+            want = reference_ops.relu2_backward(g, pa_ref)
+        assert_bits(BE.relu2_backward(_tdev(g, dt), pa), want,
+                    f"relu2_backward chunk_log2={chunk_log2}")
+
+
 # --------------------------------------------------------------------------- #
 # fused ops                                                                   #
 # --------------------------------------------------------------------------- #

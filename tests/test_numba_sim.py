@@ -14,14 +14,15 @@ op (relu_pack plain and squared, relu_backward, relu2_backward, masked_pack in
 each encoding, gated_backward), chunks smaller and larger than a kernel tile,
 empty and 0-d tensors, ``out=``, inputs not 8-byte aligned (the element-wise
 load path), and special bit patterns (±0, ±inf, NaN payloads, subnormals). The
-simulator path differs from the GPU path only in the warp scan (shared memory
-instead of ``shfl_up_sync``), the float32 bit casts and the byte permute (NumPy
-and a Python loop instead of libdevice) and the tile size (1024 elements and 64
-threads instead of 4096 and 256).
+simulator path differs from the GPU path only in the warp scan and broadcast
+(shared memory instead of ``shfl_up_sync`` / ``shfl_sync``), the float32 bit
+casts and the byte permute (NumPy and a Python loop instead of libdevice) and
+the tile sizes (64 threads instead of 256: pack tiles of 1024 elements instead
+of 4096, unpack tiles of 4096 fp8 / 2048 others instead of 16384 / 8192).
 
 What only the GPU run covers (tests/test_gpu_numba.py): the shuffle scan, the
 libdevice casts and byte permute as compiled by NVVM, float32 products on the GPU's FPU
-(subnormals, no flush-to-zero), the 4096-element tile, torch / CuPy / JAX device
+(subnormals, no flush-to-zero), the GPU's tile sizes, torch / CuPy / JAX device
 inputs (DLPack and __cuda_array_interface__), explicit streams, the pluggable
 allocator, and agreement with the CuPy backend.
 """
@@ -174,6 +175,41 @@ else:
         out = out_base[1:]
         assert BE.unpack(p, out=out) is out
         assert same_bits(out, x, dtype)
+
+    @pytest.mark.parametrize("dtype,chunk_log2", [
+        (D.FLOAT8_E4M3FN, 9), (D.FLOAT8_E4M3FN, 11), (D.FLOAT8_E5M2, 13),
+        (D.BFLOAT16, 11), (D.FLOAT16, 12), (D.FLOAT32, 10)], ids=str)
+    def test_unpack_tiles(dtype, chunk_log2):
+        """Unpack tiles are UNPACK_ROWS rows per thread (simulator: 4096 fp8 / 2048
+        16- and 32-bit elements), larger than the pack tile: tensors over several of
+        them with a partial last tile, one tile empty and one nearly so, chunks
+        smaller than the pack tile, between it and the unpack tile, equal to the
+        unpack tile (tile offsets straight from the chunk offsets) and larger
+        (the per-pack-tile prefix); relu2_backward (pack-tile sized) alongside."""
+        ut = 1 << NK.kernels_for(dtype.name).utile_log2[0]
+        assert ut > NK.TILE
+        n = 2 * ut + 3 * 64 + 13
+        for enc in ("nosign", "signplane", "raw"):
+            if enc == "raw" and chunk_log2 != 11:
+                continue
+            rng = _rng("utiles", dtype.name, chunk_log2, enc)
+            x = random_tensor(rng, (n,), dtype, 0.4, signed=enc != "nosign")
+            xb = x.view(dtype.uint)
+            xb[ut:2 * ut] = 0                          # an empty tile
+            xb[ut + 100] = 1                           # ... but for one value
+            xb[2 * ut + 7:2 * ut + 90] = 0
+            p = BE.pack(x, encoding=enc, chunk_log2=chunk_log2)
+            _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=chunk_log2))
+            assert same_bits(BE.unpack(p), x, dtype), enc
+        # relu2_backward over the same geometry (its own, pack-sized tile).
+        rng = _rng("utiles-bw", dtype.name, chunk_log2)
+        a = _no_neg_nan(random_tensor(rng, (n,), dtype, 0.5), dtype)
+        g = random_tensor(rng, (n,), dtype, 0.05)
+        _, p = BE.relu_pack(a, encoding="nosign", chunk_log2=chunk_log2)
+        _, p_ref = RO.relu_pack(a, dtype, encoding="nosign", chunk_log2=chunk_log2)
+        with np.errstate(all="ignore"):
+            want = RO.relu2_backward(g, p_ref)
+        assert same_bits(BE.relu2_backward(g, p), want, dtype)
 
     @pytest.mark.parametrize("shape", [(), (0,), (3, 0), (1,), (9,)], ids=str)
     def test_tiny_and_empty(shape):
