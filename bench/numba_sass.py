@@ -85,8 +85,10 @@ def main() -> None:
         base.with_suffix(".sass").write_text(sass)
         n = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
         regs = re.findall(r"Used (\d+) registers", r.stderr)
+        smem = re.findall(r"(\d+) bytes smem", r.stderr)
         print(f"{name}: {n} SASS instructions, {regs[0] if regs else '?'} registers, "
-              f"{len(re.findall('LDL|STL', sass))} local accesses -> {base}.sass")
+              f"{len(re.findall('LDL|STL', sass))} local accesses, "
+              f"{smem[0] if smem else '?'} bytes static smem -> {base}.sass")
 
 
 if __name__ == "__main__":

@@ -372,7 +372,8 @@ class NumbaBackend:
             P.memset0(al.buf, 0, al.status_offset + STATUS_BYTES, st)
             return None
         enc = lay.encoding
-        n_tiles = _ceil_div(numel, K.TILE)
+        kern = K.kernels_for(dt.name)
+        n_tiles = _ceil_div(numel, kern.ptile)      # the pack's own tile size
         head = (K.SCRATCH_HEAD + n_tiles) * 8
         scratch = P.alloc(head + 16 * n_tiles, st, allocator)
         P.memset0(scratch, 0, head, st)
@@ -393,7 +394,6 @@ class NumbaBackend:
         else:
             msrc = P.view(P.import_plane(p_mask.mask), 0, lay.mask[1], np.uint8)
             mask, offsets = msrc, P.view(scratch, 0, 0, np.uint32)
-        kern = K.kernels_for(dt.name)
         P.launch(kern.pack[(mode, int(enc))], n_tiles, K.NT, st, xe, x64, use64, numel, ye, y64,
                  yfast, msrc, lay.capacity, int(self.incl_every), mask, offsets, lay.chunk_log2, vt,
                  vw, sw, desc, tails, stat)

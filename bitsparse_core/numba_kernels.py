@@ -1,10 +1,14 @@
 """The Numba CUDA kernels of the ``numba`` backend (format v1, bit-exact).
 
-Work is cut into *tiles* of ``TILE`` elements (one thread block each); a tile is
-``GPT`` *groups* of 8 consecutive elements, one mask byte per group, and thread
-``t`` handles groups ``r * NT + t`` for ``r < G`` so every load row is coalesced.
-Inside a tile the exclusive rank of each group's first nonzero comes from a
-warp scan plus a pass over the per-warp totals (:func:`_tile_ranks`).
+Work is cut into *tiles* (one thread block each) of *groups* of 8 consecutive
+elements, one mask byte per group. Unpack tiles are ``TILE`` elements, thread
+``t`` handling groups ``r * NT + t`` for ``r < G`` so every load row is coalesced;
+the exclusive rank of each group's first nonzero comes from a warp scan plus a
+pass over the per-warp totals (:func:`_tile_ranks`). Pack tiles have their own
+size (``DtypeKernels.ptile``: 64 bytes per thread, so 8192 bf16 / 16384 fp8 /
+4096 fp32 elements on a GPU): each warp owns a contiguous run of groups, loaded
+one coalesced round at a time, and ranks come from one packed warp scan of the
+rounds' counts.
 
 Pack is one pass (``pack``): tiles are claimed in order from an atomic ticket,
 each publishes its count, then finds its value offset by a decoupled look-back
@@ -21,9 +25,10 @@ as in the CuPy kernels); a thread covers 16-byte rows. The gated backward
 op still copies its two streams' slices into shared memory and cuts each value
 out of the shared words (``value_at``).
 
-Sizes: on a GPU a tile is 4096 elements for a block of 256 threads (two groups
-each; unpack: 16 elements each); under the simulator 1024 elements for 64
-threads (the same per-thread shapes, so the simulator runs the GPU's row loops).
+Sizes: on a GPU an unpack tile is 4096 elements for a block of 256 threads
+(16 elements each) and a pack tile 64 bytes per thread; under the simulator
+1024 elements for 64 threads (the unpack's per-thread shapes; the pack's 2 groups
+per thread, and a test runs the GPU's).
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, the look-back reads 32 predecessors per step with warp votes,
@@ -56,6 +61,7 @@ if not hasattr(np, "row_stack"):
 from numba import config, cuda, int32, int64, uint32, uint64  # noqa: E402
 
 from . import bitfloat
+from . import format as _fmt
 
 SIM = bool(config.ENABLE_CUDASIM)
 _u = uint64                      # index cast: no wraparound code (module docstring)
@@ -88,10 +94,12 @@ LB_AGG = 1 << LB_SHIFT           # the tile's own count is published
 LB_INCL = 2 << LB_SHIFT          # the count up to and including the tile is published
 SCRATCH_HEAD = 2                 # int64 slots before the descriptors: ticket, status OR
 MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED = 0, 1, 2, 3
-# Pack tiles wait per block (barriers, look-back): cap registers so six 256-thread
-# blocks share an SM; the relu modes' float squares need more registers, four blocks
-# (as the CuPy pack gives them fewer). The simulator takes no such option.
-PACK_JIT = {m: {} if SIM else {"launch_bounds": (NT, 4 if m in (MODE_RELU, MODE_RELU2) else 6)}
+# Pack tiles wait per block (barriers, look-back): cap registers so five 256-thread
+# blocks share an SM (48 registers: a thread keeps its 64 bytes of elements in 16
+# of them across the rank scan; at six blocks' 40 they spill); the relu modes'
+# float squares need more registers, four blocks (as the CuPy pack gives them
+# fewer). The simulator takes no such option.
+PACK_JIT = {m: {} if SIM else {"launch_bounds": (NT, 4 if m in (MODE_RELU, MODE_RELU2) else 5)}
             for m in (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)}
 
 # ----------------------------------------------------------------------------
@@ -113,6 +121,10 @@ if SIM:
                 r |= ((int(x) >> (8 * sel)) & 0xFF) << (8 * k)
         return np.uint32(r)
 
+    def _mul32(a, b):
+        """The low 32 bits of a * b (NumPy's uint32 product warns on the wrap)."""
+        return np.uint32((int(a) * int(b)) & 0xFFFFFFFF)
+
     @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):
         # Shared-memory stand-in for the shuffle scan (the simulator has no shuffles).
@@ -123,6 +135,20 @@ if SIM:
             s += sh_lane[q]
         cuda.syncthreads()
         return s
+
+    @cuda.jit(device=True)
+    def _warp_excl_scan(v, lane, t, sh_lane):
+        # The pack's packed-field scan: the sum of the lanes before, wrapped to
+        # int64 as the GPU's arithmetic wraps (the fields themselves never carry).
+        sh_lane[t] = v
+        cuda.syncthreads()
+        s = 0
+        for q in range(t - lane, t):
+            s += int(sh_lane[q])
+        cuda.syncthreads()
+        return np.array([s & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64).view(np.int64)[0]
+
+    _warp_excl_scan64 = _warp_excl_scan
 else:
     from numba.cuda import libdevice
 
@@ -138,6 +164,36 @@ else:
     def _prmt(x, s):
         """PRMT with y = 0: byte k of the result is byte (s >> 4k) & 7 of (0:x)."""
         return uint32(libdevice.byte_perm(int32(x), int32(0), int32(s)))
+
+    @cuda.jit(device=True)
+    def _mul32(a, b):
+        """The low 32 bits of a * b."""
+        return uint32(uint32(a) * uint32(b))
+
+    @cuda.jit(device=True)
+    def _warp_excl_scan(v, lane, t, sh_lane):
+        """The pack's exclusive scan of four 8-bit count fields (32-bit shuffles;
+        a full top field wraps out of the inclusive sum, not out of the result)."""
+        x = int32(v)
+        d = 1
+        while d < 32:
+            y = cuda.shfl_up_sync(FULL_MASK, x, d)
+            if lane >= d:
+                x = int32(x + y)
+            d *= 2
+        return int32(x - int32(v))
+
+    @cuda.jit(device=True)
+    def _warp_excl_scan64(v, lane, t, sh_lane):
+        """The same for eight fields (the fp8 pack's rounds), in 64 bits."""
+        x = int64(v)
+        d = 1
+        while d < 32:
+            y = cuda.shfl_up_sync(FULL_MASK, x, d)
+            if lane >= d:
+                x += y
+            d *= 2
+        return x - int64(v)
 
     @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):
@@ -390,10 +446,18 @@ def k_mask_count(mask, ngroups, cnt):
 # ----------------------------------------------------------------------------
 # Per-dtype kernels
 # ----------------------------------------------------------------------------
+def pack_rounds_for(bits: int, sim: bool = SIM) -> int:
+    """Groups of 8 elements per pack thread: 64 bytes on a GPU (bf16 4, fp8 8,
+    fp32 2), 2 under the simulator (its tiles stay at 1024 elements)."""
+    return 2 if sim else 64 // bits
+
+
 class DtypeKernels:
     """The kernels of one element type, compiled on first launch."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, pack_rounds: int | None = None):
+        """``pack_rounds``: groups of 8 elements per pack thread, instead of the
+        target's choice (the simulator tests run the GPU's this way)."""
         bits = bitfloat.FORMATS[name][0]
         self.name = name
         self.bits = bits
@@ -425,12 +489,6 @@ class DtypeKernels:
                         v[j] = int64(xe[_u(e)])
                     else:
                         v[j] = 0
-
-        @cuda.jit(device=True)
-        def relu(x):
-            if is_pos(x) or is_nan(x):
-                return x
-            return int64(0)
 
         @cuda.jit(device=True)
         def square(r):
@@ -539,23 +597,68 @@ class DtypeKernels:
         # shifts (CuPy's bs_pack_group) while warp 0 looks back, and finally
         # writes the stream words, each a funnel shift of two tile words by the
         # tile's bit offset (no per-word gather, no division).
-        STAGE_W = TILE * BITS // 32 + BITS          # + a partial run's words
-        A_W = (TILE // 32 + 1) * W + 1              # the tile's stream, whole runs
-        SG_W = TILE // 32 + 2                       # its sign bits
-        XV_N = 8 * G                                # a thread's elements
+        #
+        # Pack tiles have their own size (PTILE; unpack keeps TILE): a thread holds
+        # PR groups of 8 elements, 64 bytes (bf16 / fp16: 4 groups, 8192 elements
+        # per tile; fp8: 8 groups, 16384; fp32: 2 groups, 4096), as 64-bit words in
+        # registers. Warp w owns groups w*PSEG .. (w+1)*PSEG - 1 of the tile; round r
+        # of lane l is group w*PSEG + r*32 + l, so every round's loads are coalesced
+        # and a warp's groups are contiguous: a group's rank is the warp's offset
+        # plus one packed warp scan of the PR rounds' counts (8-bit fields: an
+        # exclusive prefix of 31 lanes is at most 248). The simulator runs PR = 2
+        # (1024-element tiles of 64 threads, as the unpack's).
+        PR = pack_rounds or pack_rounds_for(bits)
+        PSEG = 32 * PR                              # groups per warp
+        PGPT = NW * PSEG                            # groups per tile
+        PTILE = 8 * PGPT
+        PTILE_LOG2 = PTILE.bit_length() - 1
+        PMB = (PR + 3) // 4                         # mask bytes, 4 rounds per uint32
+        PXW = PR * ITEM                             # a thread's elements, in uint64 words
+        assert PR in (1, 2, 4, 8) and PTILE == 1 << PTILE_LOG2
+        # Chunk starts (>= 512 elements = 64 groups) fall on lane 0 of even rounds.
+        assert _fmt.MIN_CHUNK_LOG2 >= 9 and PSEG % 64 == 0
+        pk_excl = _warp_excl_scan if PR <= 4 else _warp_excl_scan64
+        PKT = int32 if PR <= 4 else int64           # the packed counts' type
+        self.ptile, self.ptile_log2 = PTILE, PTILE_LOG2
+        STAGE_W = PTILE * BITS // 32 + BITS         # + a partial run's words
+        A_W = (PTILE // 32 + 1) * W + 1             # the tile's stream, whole runs
+        SG_W = PTILE // 32 + 2                      # its sign bits
+        PCNT_N = 2 * NW                             # per warp: lane 31's packed prefix, counts
+        PRS_N = NW * PR                             # lane 0's group ranks (chunk offsets)
         SIGN_ALL = sum(SIGN << (j * BITS) for j in range(PER_WORD))   # a uint64's sign bits
+
+        # relu of the 32 / BITS elements of a 32-bit word at once: an element with
+        # its sign bit set becomes zero unless it is a NaN (relu keeps NaNs), i.e.
+        # unless its low BITS-1 bits exceed NAN_GT (a carry into the sign position).
+        _, _E, _M, _style = bitfloat.FORMATS[name]
+        NAN_GT = ((1 << _E) - 1) << _M                     # +inf: larger magnitudes are NaNs
+        if _style == "fn":
+            NAN_GT = (((1 << _E) - 1) << _M | ((1 << _M) - 1)) - 1   # e4m3fn: only 0x7f
+        LANE_LOW = sum((SIGN - 1) << (k * BITS) for k in range(GE))
+        LANE_HIGH = sum(SIGN << (k * BITS) for k in range(GE))
+        LANE_ADD = sum((SIGN - 1 - NAN_GT) << (k * BITS) for k in range(GE))
+        LANE_ONE = sum(1 << (k * BITS) for k in range(GE))
+
+        @cuda.jit(device=True)
+        def relu_word(w):
+            """relu of each element of the 32-bit word w (an int64 < 2**32)."""
+            nan = ((w & LANE_LOW) + LANE_ADD) & LANE_HIGH
+            kill = (w & LANE_HIGH) & ~nan
+            return w & ~(((kill >> (BITS - 1)) & LANE_ONE) * EMASK)
 
         @cuda.jit(device=True)
         def word_nonzero(w):
             """Nonzero bits of the 32 / BITS elements of a 32-bit word, element k -> bit k
             (a carry out of the low BITS-1 bits, OR the lane's sign bit)."""
+            w = uint32(w)                    # 32-bit arithmetic throughout
             if BITS == 32:
-                return int64(w != 0)
+                return int32(w != 0)
             if BITS == 16:
-                nz = (((w & 0x7FFF7FFF) + 0x7FFF7FFF) | w) & 0x80008000
-                return ((nz >> 15) & 1) | (nz >> 30)
-            nz = (((w & 0x7F7F7F7F) + 0x7F7F7F7F) | w) & 0x80808080
-            return (((nz >> 7) * 0x00204081) >> 21) & 0xF    # bits 0, 8, 16, 24 -> 21..24
+                nz = uint32((((w & 0x7FFF7FFF) + 0x7FFF7FFF) | w) & 0x80008000)
+                return int32(((nz >> 15) & 1) | (nz >> 30))
+            nz = uint32((((w & 0x7F7F7F7F) + 0x7F7F7F7F) | w) & 0x80808080)
+            # bits 7, 15, 23, 31 -> 21..24 (the low 32 bits of the product suffice)
+            return int32(_mul32(nz >> 7, 0x00204081) >> 21) & 0xF
 
         @cuda.jit(device=True)
         def pack_run(stage_w, q, a_s, s_sg, signs):
@@ -631,82 +734,129 @@ class DtypeKernels:
                 ``incl_every`` > 1 makes only every such tile publish its inclusive count
                 (tests use it to make the look-back walk)."""
                 t = cuda.threadIdx.x
+                lane = t & 31
+                warp = t >> 5
                 n_tiles = int64(cuda.gridDim.x)
                 stage_w = cuda.shared.array(STAGE_W, uint32)
                 sv = stage_w.view(ENP)                       # the tile's values, compacted
                 a_s = cuda.shared.array(A_W, uint32)
                 s_sg = cuda.shared.array(SG_W, uint32)
-                sh_byte = cuda.shared.array(GPT, int32)
-                sh_rank = cuda.shared.array(GPT, int32)
                 sh_tot = cuda.shared.array(NW, int32)
+                sh_cnt = cuda.shared.array(PCNT_N, int64)   # lane 31's packed prefix and counts
+                sh_rs = cuda.shared.array(PRS_N, int32)   # lane 0's group ranks
                 sh_lane = cuda.shared.array(LANE_N, int64)
                 sh_f = cuda.shared.array(32, int64)
                 sh_i = cuda.shared.array(2, int32)
                 sh_p = cuda.shared.array(4, int64)
-                v = cuda.local.array(8, int64)
-                xv = cuda.local.array(XV_N, uint32)         # the elements, kept in registers
-                sq = cuda.local.array(8, int64)
+                xw = cuda.local.array(PXW, int64)           # the elements, kept in registers
+                mb = cuda.local.array(PMB, int32)           # their mask bytes, 4 per word
                 if t == 0:
                     sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
                     sh_i[1] = 0
                 cuda.syncthreads()
                 tile = sh_p[0]
                 ngroups = (numel + 7) >> 3
+                g0 = tile * PGPT + warp * PSEG + lane        # this thread's group of round 0
+                # All loads first (a branch per round would expose each round's latency):
+                # whole uint64 words when the tile lies inside an aligned input, else
+                # element loads (elements past numel read as zero).
+                if use64 and (tile + 1) * PTILE <= numel:
+                    for r in range(PR):
+                        for q in range(ITEM):
+                            xw[r * ITEM + q] = int64(x64[_u((g0 + r * 32) * ITEM + q)])
+                else:
+                    for r in range(PR):
+                        for q in range(ITEM):
+                            w = int64(0)
+                            for j in range(PER_WORD):
+                                e = (g0 + r * 32) * 8 + q * PER_WORD + j
+                                if e < numel:
+                                    w |= int64(xe[_u(e)]) << (j * BITS)
+                            xw[r * ITEM + q] = w
                 neg = uint64(0)                              # OR of the stored patterns
-                for r in range(G):
-                    gi = r * NT + t
-                    g = tile * GPT + gi
-                    byte = int64(0)
-                    if g < ngroups:
-                        full = g * 8 + 8 <= numel
-                        if mode == MODE_PACK and use64 and full:
-                            for q in range(ITEM):
-                                w = int64(x64[_u(g * ITEM + q)])
-                                neg |= uint64(w)
-                                for h in range(2):
-                                    nz = word_nonzero((w >> (32 * h)) & FULL_MASK)
-                                    byte |= nz << (q * PER_WORD + h * GE)
-                                for j in range(PER_WORD):
-                                    v[q * PER_WORD + j] = (w >> (j * BITS)) & EMASK
-                        else:
-                            load_group(xe, x64, use64 and full, numel, g, v)
-                            if mode == MODE_MASKED:
-                                byte = int64(msrc[_u(g)])
-                            elif mode != MODE_PACK:
-                                for j in range(8):
-                                    v[j] = relu(v[j])
-                            for j in range(8):
-                                if mode == MODE_PACK:
-                                    neg |= uint64(v[j])
-                                if mode != MODE_MASKED and v[j] != 0:
-                                    byte |= 1 << j
-                            if mode == MODE_RELU:
-                                store_group(ye, y64, ouse64 and full, numel, g, v)
+                pk = PKT(0)                                  # round r's count in bits 8r..
+                for k in range(PMB):
+                    mb[k] = 0
+                for r in range(PR):
+                    g = g0 + r * 32
+                    byte = int32(0)
+                    if mode == MODE_PACK:
+                        for q in range(ITEM):
+                            w = xw[r * ITEM + q]
+                            neg |= uint64(w)                 # zeros have no sign bit
+                            for h in range(2):
+                                nz = word_nonzero(w >> (32 * h))
+                                byte |= nz << (q * PER_WORD + h * GE)
+                    elif mode == MODE_MASKED:
+                        if g < ngroups:
+                            byte = int32(msrc[_u(g)])
+                        for j in range(8):
+                            if (byte >> j) & 1:
+                                neg |= uint64(xw[r * ITEM + j // PER_WORD] >> ((j % PER_WORD) * BITS))
+                    else:
+                        # relu per 32-bit word, y = relu(x) (or its square) stored per word.
+                        yfast = ouse64 and g * 8 + 8 <= numel
+                        for q in range(ITEM):
+                            w0 = xw[r * ITEM + q]
+                            w = relu_word(w0 & FULL_MASK) | (relu_word((w0 >> 32) & FULL_MASK) << 32)
+                            xw[r * ITEM + q] = w
+                            neg |= uint64(w)                 # a kept negative: a NaN
+                            for h in range(2):
+                                nz = word_nonzero(w >> (32 * h))
+                                byte |= nz << (q * PER_WORD + h * GE)
+                            yw = w
                             if mode == MODE_RELU2:
-                                for j in range(8):
-                                    sq[j] = square(v[j])   # v keeps relu(x), the stored values
-                                store_group(ye, y64, ouse64 and full, numel, g, sq)
-                    for j in range(8):
-                        xv[r * 8 + j] = v[j]
-                    sh_byte[_u(gi)] = byte
-                cuda.syncthreads()
-                n = _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
-                for r in range(G):
-                    gi = r * NT + t
-                    g = tile * GPT + gi
-                    byte = sh_byte[_u(gi)]
-                    rk = sh_rank[_u(gi)]
+                                yw = int64(0)
+                                for j in range(PER_WORD):
+                                    yw |= square((w >> (j * BITS)) & EMASK) << (j * BITS)
+                            if g < ngroups:
+                                if yfast:
+                                    y64[_u(g * ITEM + q)] = yw
+                                else:
+                                    for j in range(PER_WORD):
+                                        e = g * 8 + q * PER_WORD + j
+                                        if e < numel:
+                                            ye[_u(e)] = (yw >> (j * BITS)) & EMASK
                     if g < ngroups and mode != MODE_MASKED:
                         mask[_u(g)] = byte
-                    for j in range(8):
-                        if (byte >> j) & 1:
-                            x = xv[r * 8 + j]
-                            sv[_u(rk)] = x
-                            if mode != MODE_PACK:
-                                neg |= uint64(x)
-                            rk += 1
+                    mb[r >> 2] |= int32(byte) << (8 * (r & 3))
+                    pk += PKT(cuda.popc(int32(byte))) << PKT(8 * r)
                 if enc == NOSIGN and (neg & uint64(SIGN_ALL)) != 0:
                     sh_i[1] = 1
+
+                # Ranks: the packed rounds' counts scanned across the warp; lane 31's
+                # prefix and counts give the warp's round totals, sh_tot the warps'.
+                ex = pk_excl(pk, lane, t, sh_lane)          # fields of lanes before: <= 248
+                if lane == 31:
+                    tot = int32(0)
+                    for r in range(PR):
+                        tot += int32(((ex >> (8 * r)) & 0xFF) + ((pk >> (8 * r)) & 0xFF))
+                    sh_tot[warp] = tot
+                    sh_cnt[2 * warp] = ex
+                    sh_cnt[2 * warp + 1] = pk
+                cuda.syncthreads()
+                before = int32(0)
+                n32 = int32(0)
+                for w in range(NW):
+                    tw = sh_tot[w]
+                    if w < warp:
+                        before = int32(before + tw)
+                    n32 = int32(n32 + tw)
+                n = int64(n32)
+                ex31 = sh_cnt[2 * warp]
+                pk31 = sh_cnt[2 * warp + 1]
+
+                # Stage the stored values in order, write the mask bytes.
+                for r in range(PR):
+                    rk = int32(before + ((ex >> (8 * r)) & 0xFF))
+                    before = int32(before + ((ex31 >> (8 * r)) & 0xFF) + ((pk31 >> (8 * r)) & 0xFF))
+                    if mode != MODE_MASKED and lane == 0:
+                        sh_rs[_u(warp * PR + r)] = rk              # round r's first rank
+                    byte = (mb[r >> 2] >> (8 * (r & 3))) & 0xFF
+                    for j in range(8):
+                        if (byte >> j) & 1:
+                            sv[_u(rk)] = (xw[r * ITEM + j // PER_WORD] >> ((j % PER_WORD) * BITS)) & EMASK
+                            rk += 1
                 cuda.syncthreads()
 
                 # Warp 0: publish this tile's count, find its offset, publish the
@@ -777,12 +927,17 @@ class DtypeKernels:
                 pm = sh_p[2]
                 ps = sh_p[3]
 
-                if mode != MODE_MASKED:
-                    for r in range(G):
-                        gi = r * NT + t
-                        g = tile * GPT + gi
-                        if g < ngroups and ((g << 3) & ((int64(1) << chunk_log2) - 1)) == 0:
-                            offsets[_u((g << 3) >> chunk_log2)] = P + sh_rank[_u(gi)]
+                if mode != MODE_MASKED and lane == 0:
+                    # The chunks starting in the warp's segment (each at a round's
+                    # first element, see PSEG): a loop over them, not over the rounds.
+                    s0 = (tile * PGPT + warp * PSEG) * 8
+                    s1 = s0 + PSEG * 8
+                    if s1 > numel:
+                        s1 = numel
+                    c = (s0 + (int64(1) << chunk_log2) - 1) >> chunk_log2
+                    while (c << chunk_log2) < s1:
+                        offsets[_u(c)] = P + sh_rs[_u(warp * PR + (((c << chunk_log2) - s0) >> 8))]
+                        c += 1
                 a = P
                 if a > cap:
                     a = cap

@@ -121,9 +121,10 @@ def test_lookback_walks_many_windows(rng, dt, monkeypatch):
     several 32-tile windows of concurrent predecessors; sparse and empty tiles make
     the stream tails chain."""
     monkeypatch.setattr(BE, "incl_every", 100)
-    n = 300 * NK.TILE + 123
+    T = NK.kernels_for(dt.name).ptile            # the pack's tile
+    n = 300 * T + 123
     x = random_bits(rng, (n,), dt, 0.999)
-    x.view(dt.uint)[5 * NK.TILE:9 * NK.TILE] = 0
+    x.view(dt.uint)[5 * T:9 * T] = 0
     for enc in ("nosign", "signplane"):
         xx = x if enc != "nosign" else _unsigned(x, dt)
         p = BE.pack(dev(xx), dtype=dt.name, encoding=enc, chunk_log2=9)

@@ -315,12 +315,35 @@ else:
         Some tiles hold fewer than 32 stream bits, so tails must be chained."""
         monkeypatch.setattr(BE, "incl_every", 3)
         rng = _rng("walk", dtype.name)
-        x = random_tensor(rng, (5 * NK.TILE + 7,), dtype, 0.5)
+        T = NK.kernels_for(dtype.name).ptile         # the pack's tile
+        x = random_tensor(rng, (5 * T + 7,), dtype, 0.5)
         xb = x.view(dtype.uint)
-        xb[NK.TILE:2 * NK.TILE] = 0                  # an empty tile
-        xb[2 * NK.TILE:3 * NK.TILE - 1] = 0          # one value in this tile
-        xb[3 * NK.TILE:4 * NK.TILE - 2] = 0          # two in this one
+        xb[T:2 * T] = 0                              # an empty tile
+        xb[2 * T:3 * T - 1] = 0                      # one value in this tile
+        xb[3 * T:4 * T - 2] = 0                      # two in this one
         for enc in ("raw", "signplane"):
             for cap in (None, int(np.count_nonzero(xb)) - 3):
                 p = BE.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
                 _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
+
+    @pytest.mark.parametrize("dtype,encodings", [
+        (D.FLOAT8_E4M3FN, ("nosign", "signplane")), (D.BFLOAT16, ("raw", "nosign"))], ids=str)
+    def test_pack_gpu_rounds(dtype, encodings, monkeypatch):
+        """The pack with the GPU's groups per thread (fp8: 8, a 64-bit packed scan;
+        bf16: 4) instead of the simulator's 2, over a few of its larger tiles:
+        a sparse and an empty tile, then one whose first warp holds only nonzeros
+        (every round's 8-bit count field full, the top one wrapping), exact and
+        fixed capacity."""
+        kern = NK.DtypeKernels(dtype.name, NK.pack_rounds_for(dtype.bits, sim=False))
+        monkeypatch.setattr(NK, "kernels_for", lambda name: kern)
+        T = kern.ptile
+        rng = _rng("gpurounds", dtype.name)
+        x = random_tensor(rng, (2 * T + 3 * T // 4 + 5,), dtype, 0.9, signed=False)
+        xb = x.view(dtype.uint)
+        xb[T:2 * T] = 0
+        xb[2 * T:2 * T + T // 2 + 3] |= 1
+        for i, enc in enumerate(encodings):
+            nnz = int(np.count_nonzero(xb))
+            cap = None if i == 0 else nnz - 50
+            p = BE.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
+            _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
