@@ -60,7 +60,8 @@ def main() -> None:
     u8, u32, u64, el, i64, b = arr(types.uint8), arr(types.uint32), arr(types.uint64), arr(et), types.int64, types.boolean
     unpack_sig = (u8, i64, u32, i64, u8, u32, i64, u8, u32, i64, el, u64, b, el, u64, b)
     pack_sig = (el, u64, b, i64, el, u64, b, u8, i64, i64, u8, u32, i64, el, u32, u32,
-                arr(types.int64), u32, arr(types.int64))
+                arr(types.int64), arr(types.int64), u32, arr(types.int64))
+    finish_sig = (arr(types.int64), u32, i64, arr(types.int64), i64, i64, b, el, u32, u32)
     encs = (K.RAW, K.NOSIGN, K.SIGNPLANE) if a.all else (K.NOSIGN,)
     ename = {K.RAW: "raw", K.NOSIGN: "nosign", K.SIGNPLANE: "signplane"}
     kernels = {}
@@ -70,6 +71,7 @@ def main() -> None:
     for mode in ((K.MODE_PACK, K.MODE_RELU, K.MODE_RELU2, K.MODE_MASKED) if a.all else (K.MODE_PACK,)):
         for e in encs:
             kernels[f"pack{'_mode%d' % mode if mode else ''}_{ename[e]}"] = (k.pack[(mode, e)], pack_sig)
+    kernels["finish"] = (k.finish, finish_sig)
     for name, (kern, sig) in kernels.items():
         # The kernel's own launch bounds: they cap its registers (spills show as local accesses).
         ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0),

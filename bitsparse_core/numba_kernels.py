@@ -10,12 +10,16 @@ size (``DtypeKernels.ptile``: 64 bytes per thread, so 8192 bf16 / 16384 fp8 /
 one coalesced round at a time, and ranks come from one packed warp scan of the
 rounds' counts.
 
-Pack is one pass (``pack``): tiles are claimed in order from an atomic ticket,
-each publishes its count, then finds its value offset by a decoupled look-back
-over its predecessors' published counts. A bit-stream word that straddles two
-tiles is written whole by the tile holding its last bit (or the stream's end):
-every tile also publishes the last 32 stream bits up to its end, so no word is
-written twice, no atomics touch the output and padding bits come out zero.
+Pack is one pass (``pack``) plus a small kernel (``finish``): tiles are claimed
+in order from an atomic ticket, each publishes its count (one 8-byte descriptor)
+as soon as it has staged its values, then finds its value offset by a decoupled
+look-back over its predecessors' counts (warp 0 reads 8 windows of 32 per round
+trip). A tile writes only the stream words wholly inside its bit range, and its
+first and last 32 stored bits (its edge record); ``finish`` then writes each
+word holding bits of several tiles, or the stream's last partly filled word,
+from the edge records (as the CuPy backend's ``bitsparse_stitch``), and at a
+fixed capacity zeroes what lies past the stored values. So no word is written
+twice, no atomics touch the output and padding bits come out zero.
 Unpack is one launch per tile (plus a popcount + scan of the mask when chunks
 are larger than a tile), one kernel per (op, encoding): the tile's value range
 comes from the tile-offset array at both ends, its stored values are decoded
@@ -31,7 +35,7 @@ Sizes: on a GPU an unpack tile is 4096 elements for a block of 256 threads
 per thread, and a test runs the GPU's).
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
-``shfl_up_sync``, the look-back reads 32 predecessors per step with warp votes,
+``shfl_up_sync``, the look-back reads 256 predecessors per step with warp votes,
 float32 bits are reinterpreted and bytes permuted (PRMT) through libdevice;
 under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which has no warp
 intrinsics, the warp scan goes through shared memory, one thread walks the
@@ -87,12 +91,15 @@ RAW, NOSIGN, SIGNPLANE = 0, 1, 2
 FULL_MASK = 0xFFFFFFFF
 FLAG_SHIFT = 62                  # k_scan: per-entry flag bit above the count
 COUNT_MASK = (1 << FLAG_SHIFT) - 1
-# Look-back descriptors (int64): state in bits 61-62, count below.
+# Look-back descriptors (int64): state in bits 61-62, the nosign flag (a stored value
+# has its sign bit set: this tile's, or any up to it once inclusive) in bit 60, count below.
 LB_SHIFT = 61
-LB_COUNT = (1 << LB_SHIFT) - 1
+LB_NEG = 1 << 60
+LB_COUNT = LB_NEG - 1
 LB_AGG = 1 << LB_SHIFT           # the tile's own count is published
 LB_INCL = 2 << LB_SHIFT          # the count up to and including the tile is published
-SCRATCH_HEAD = 2                 # int64 slots before the descriptors: ticket, status OR
+SCRATCH_HEAD = 2                 # int64 slots before the descriptors: ticket, unused
+LB_WINDOWS = 8                   # look-back: 32-descriptor windows per lane and round trip
 MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED = 0, 1, 2, 3
 # Pack tiles wait per block (barriers, look-back): cap registers so five 256-thread
 # blocks share an SM (48 registers: a thread keeps its 64 bytes of elements in 16
@@ -266,116 +273,84 @@ def _rd64(a, i):
     return cuda.atomic.add(a, i, int64(0))
 
 
-@cuda.jit(device=True)
-def _rd32(a, i):
-    return int64(cuda.atomic.add(a, i, uint32(0)))
-
-
-@cuda.jit(device=True)
-def _cat(abits, alen, bbits, blen):
-    """The last <= 32 bits of stream A followed by stream B. A stream piece is
-    (bits, length), its earliest bit in bit 0 (the streams are LSB-first)."""
-    if blen >= 32:
-        return bbits, int64(32)
-    total = alen + blen
-    keep = total
-    if keep > 32:
-        keep = 32
-    bits = (abits | (bbits << alen)) >> (total - keep)
-    return bits & ((int64(1) << keep) - 1), keep
-
-
-@cuda.jit(device=True)
-def _fold(f, j, tails, width, signs, acc, mb, ml, sb, sl):
-    """Prepend predecessor j (descriptor f) to the look-back sums: its count, and
-    the stream bits it ends with while fewer than 32 are known."""
-    st = f >> LB_SHIFT
-    c = f & LB_COUNT
-    if j >= 0 and width > 0:
-        base = j * 4
-        if st == 2:
-            base += 2
-        if ml < 32:
-            tl = c * width
-            if tl > 32:
-                tl = 32
-            mb, ml = _cat(_rd32(tails, base), tl, mb, ml)
-        if signs and sl < 32:
-            tl = c
-            if tl > 32:
-                tl = 32
-            sb, sl = _cat(_rd32(tails, base + 1), tl, sb, sl)
-    return acc + c, mb, ml, sb, sl, st == 2
-
-
 if SIM:
     @cuda.jit(device=True)
-    def _lookback(desc, tails, tile, width, signs, lane, sh_f, sh_i):
-        """(values before ``tile``, last value-stream bits, last sign bits) in lane 0.
+    def _lb_load(desc, tile, lane, f):
+        pass
+
+    @cuda.jit(device=True)
+    def _lookback(desc, tile, lane, f):
+        """(values before ``tile``, OR of their nosign flags) in lane 0.
         Simulator: one thread walks back (blocks run in order there)."""
         acc = int64(0)
-        mb = int64(0)
-        ml = int64(0)
-        sb = int64(0)
-        sl = int64(0)
+        neg = int64(0)
         if lane == 0:
             j = tile - 1
             while j >= 0:
-                f = _rd64(desc, SCRATCH_HEAD + j)
-                while (f >> LB_SHIFT) == 0:
-                    f = _rd64(desc, SCRATCH_HEAD + j)
-                acc, mb, ml, sb, sl, done = _fold(f, j, tails, width, signs, acc, mb, ml, sb, sl)
-                if done:
+                d = _rd64(desc, SCRATCH_HEAD + j)
+                while (d >> LB_SHIFT) == 0:
+                    d = _rd64(desc, SCRATCH_HEAD + j)
+                acc += d & LB_COUNT
+                neg |= d & LB_NEG
+                if (d >> LB_SHIFT) == 2:
                     break
                 j -= 1
-        return acc, mb, sb
+        return acc, neg
 else:
     @cuda.jit(device=True)
-    def _lookback(desc, tails, tile, width, signs, lane, sh_f, sh_i):
-        """(values before ``tile``, last value-stream bits, last sign bits) in lane 0.
-        Warp 0 reads 32 predecessors per step and waits until all are published;
-        their counts up to the first inclusive one are summed across the warp, and
-        lane 0 folds stream tails, nearest first, only while fewer than 32 bits
-        are known (one predecessor almost always has enough)."""
+    def _lb_load(desc, tile, lane, f):
+        """Issue the reads of the LB_WINDOWS nearest windows: f[q] of lane l is the
+        descriptor of tile - 1 - l - 32 q (tiles before 0 read as an inclusive 0)."""
+        for q in range(LB_WINDOWS):
+            j = tile - 1 - lane - 32 * q
+            d = int64(LB_INCL)
+            if j >= 0:
+                d = _rd64(desc, SCRATCH_HEAD + j)
+            f[q] = d
+
+    @cuda.jit(device=True)
+    def _lookback(desc, tile, lane, f):
+        """(values before ``tile``, OR of their nosign flags) in every lane of warp 0,
+        from the windows _lb_load issued into f. Nearest window first: wait until
+        its descriptors are published, sum their counts up to the nearest
+        inclusive one (aggregates in 32 bits with the flags in bits 24.., the
+        inclusive count by a shuffle); with none there, the next window, and past
+        the last one the next LB_WINDOWS windows are read (one round trip)."""
         acc = int64(0)
-        mb = int64(0)
-        ml = int64(0)
-        sb = int64(0)
-        sl = int64(0)
+        neg = int32(0)
         base = tile - 1
         while True:
-            j = base - lane
-            f = int64(LB_INCL)
-            if j >= 0:
-                f = _rd64(desc, SCRATCH_HEAD + j)
-            while cuda.any_sync(FULL_MASK, (f >> LB_SHIFT) == 0):
-                if (f >> LB_SHIFT) == 0:
-                    f = _rd64(desc, SCRATCH_HEAD + j)
-            incl = int64(cuda.ballot_sync(FULL_MASK, (f >> LB_SHIFT) == 2))
-            first = 32
-            if incl != 0:
-                first = cuda.popc(int32((incl & -incl) - 1))   # index of the lowest set bit
-            c = int64(0)
-            if lane <= first:
-                c = f & LB_COUNT
-            o = 16
-            while o > 0:
-                c += cuda.shfl_xor_sync(FULL_MASK, c, o)
-                o >>= 1
-            acc += c
-            sh_f[lane] = f
-            cuda.syncwarp(FULL_MASK)
-            if lane == 0 and width > 0:
-                q = 0
-                while q < 32 and q <= first and (ml < 32 or (signs and sl < 32)):
-                    _, mb, ml, sb, sl, _ = _fold(sh_f[q], base - q, tails, width, signs,
-                                                 int64(0), mb, ml, sb, sl)
-                    q += 1
-            cuda.syncwarp(FULL_MASK)
-            if incl != 0:
+            done = False
+            for q in range(LB_WINDOWS):
+                if not done:
+                    j = base - lane - 32 * q
+                    d = f[q]
+                    while cuda.any_sync(FULL_MASK, (d >> LB_SHIFT) == 0):
+                        if (d >> LB_SHIFT) == 0:
+                            d = _rd64(desc, SCRATCH_HEAD + j)
+                    incl = int64(cuda.ballot_sync(FULL_MASK, (d >> LB_SHIFT) == 2))
+                    first = 32
+                    if incl != 0:                                # the nearest inclusive one
+                        first = cuda.popc(int32((incl & -incl) - 1))
+                    c = int32(0)
+                    if lane < first:
+                        c = int32(d & LB_COUNT)                  # an aggregate: one tile's count
+                    if lane <= first and (d & LB_NEG) != 0:
+                        c |= int32(1 << 24)
+                    o = 16
+                    while o > 0:
+                        c = int32(c + cuda.shfl_xor_sync(FULL_MASK, c, o))
+                        o >>= 1
+                    acc += int64(c & 0xFFFFFF)
+                    neg |= c >> 24
+                    if incl != 0:
+                        acc += cuda.shfl_sync(FULL_MASK, d, first) & LB_COUNT
+                        done = True
+            if done:
                 break
-            base -= 32
-        return acc, mb, sb
+            base -= 32 * LB_WINDOWS
+            _lb_load(desc, base + 1, lane, f)
+        return acc, int64(neg != 0)
 
 
 @cuda.jit
@@ -558,45 +533,14 @@ class DtypeKernels:
                 code |= ((int64(sw_s[sbit >> 5]) >> (sbit & 31)) & 1) << (BITS - 1)
             return code
 
-        def make_tail(width, sign_plane):
-            """The tail of one stream of the tile's staged values: the value codes
-            (``width`` bits each) or the sign bits (width 1)."""
-            @cuda.jit(device=True)
-            def code_of(x):
-                if sign_plane:
-                    return x >> (BITS - 1)
-                return x & WMASK
-
-            @cuda.jit(device=True)
-            def tail(sv, n):
-                """The last min(32, n*width) bits of the tile's stream, and how many."""
-                L = n * width
-                if L > 32:
-                    L = 32
-                if L == 0:
-                    return int64(0), int64(0)
-                b = n * width - L
-                i = b // width
-                word = int64(0)
-                while i < n:
-                    pos = i * width - b
-                    code = code_of(int64(sv[i]))
-                    if pos >= 0:
-                        word |= code << pos
-                    else:
-                        word |= code >> (-pos)
-                    i += 1
-                return word & ((int64(1) << L) - 1), L
-            return tail
-
-        tail_values = make_tail(W, False)
-        tail_signs = make_tail(1, True)
-
         # Pack stages the tile's stored values in order (STAGE_W words of shared
         # memory), then turns each run of 32 into W stream words with constant
         # shifts (CuPy's bs_pack_group) while warp 0 looks back, and finally
-        # writes the stream words, each a funnel shift of two tile words by the
-        # tile's bit offset (no per-word gather, no division).
+        # writes the stream words that lie wholly inside the tile's bit range,
+        # each a funnel shift of two tile words (no per-word gather, no
+        # division). The words shared by two tiles (and the stream's last,
+        # partly filled word) are written by k_finish from every tile's edge
+        # record: its first and last 32 stored bits (CuPy's bitsparse_stitch).
         #
         # Pack tiles have their own size (PTILE; unpack keeps TILE): a thread holds
         # PR groups of 8 elements, 64 bytes (bf16 / fp16: 4 groups, 8192 elements
@@ -685,38 +629,70 @@ class DtypeKernels:
                 s_sg[_u(q)] = sg
 
         @cuda.jit(device=True)
-        def copy_stream(out, tw, t, P, a, e, pred, width, final):
-            """Write the stream words of bits [a*width, e*width) the tile owns: those
-            whose last bit it holds, and with ``final`` the stream's last partial
-            word. tw: the tile's stream from bit P*width (a = P unless clipped to
-            the capacity, and then nothing is written); pred: the last
-            min(32, P*width) stream bits before it, its earliest bit in bit 0."""
+        def copy_inner(out, tw, t, a, e, width):
+            """Write the stream words wholly inside bits [a*width, e*width): tw is the
+            tile's stream from bit a*width (LSB-first words)."""
             B0 = a * width
-            B1 = e * width
-            w_lo = B0 >> 5
-            w_end = B1 >> 5
-            base = B0 & 31
-            tailb = B1 & 31
-            last = w_end - 1
-            if final and tailb != 0:
-                last = w_end
-            pl = P * width
-            if pl > 32:
-                pl = 32
-            top = uint64(0)                 # pred with its last bit in bit 31
-            if pl > 0:
-                top = (uint64(pred) << uint64(32 - pl)) & uint64(FULL_MASK)
-            k = int64(t)
-            while w_lo + k <= last:
-                lo = top
-                if k > 0:
-                    lo = uint64(tw[_u(k - 1)])
-                word = (((uint64(tw[_u(k)]) << uint64(32)) | lo) << uint64(base)) >> uint64(32)
-                if w_lo + k == w_end:
-                    word &= (uint64(1) << uint64(tailb)) - uint64(1)   # past the stream: padding
-                if w_lo + k < out.size:
-                    out[_u(w_lo + k)] = word
-                k += NT
+            k0 = (B0 + 31) >> 5
+            k1 = (e * width) >> 5
+            if k1 > out.size:
+                k1 = out.size
+            off = uint64((k0 << 5) - B0)                 # < 32: word i is tw bits off + 32 i ..
+            i = int64(t)
+            while k0 + i < k1:
+                pair = (uint64(tw[_u(i + 1)]) << uint64(32)) | uint64(tw[_u(i)])
+                out[_u(k0 + i)] = (pair >> off) & uint64(FULL_MASK)
+                i += NT
+
+        @cuda.jit(device=True)
+        def stream_edges(tw, L):
+            """The first and the last 32 of the L bits of a tile's stream tw (zero past
+            L; the last ones top-aligned, i.e. their last bit in bit 31)."""
+            if L == 0:
+                return int64(0), int64(0)
+            w0 = int64(tw[0])
+            if L < 32:
+                return w0 & ((int64(1) << L) - 1), (w0 << (32 - L)) & FULL_MASK
+            p = L - 32
+            k = p >> 5
+            pair = (uint64(tw[_u(k + 1)]) << uint64(32)) | uint64(tw[_u(k)])
+            return w0, int64((pair >> uint64(p & 31)) & uint64(FULL_MASK))
+
+        @cuda.jit(device=True)
+        def stitch_word(out, starts, edges, n_tiles, cap, i, width, col):
+            """Write the stream word holding the first stored bit of tile i (i =
+            n_tiles: the stored end) when that bit is not word-aligned and no earlier
+            tile starts inside the same word: the bits of tile i - 1 in it (its
+            edge record's last bits), then those of tiles i, i+1, ... that start in
+            it before the stored end (their first bits; zero past each tile's end).
+            col: the edge record's column pair (0 values, 2 signs)."""
+            end = starts[n_tiles]
+            if end > cap:
+                end = cap
+            s = starts[i]
+            if s > cap:
+                s = cap
+            b0 = s * width
+            lo = (b0 >> 5) << 5
+            if b0 == lo:
+                return
+            sp = starts[i - 1]                           # i >= 1: tile 0 starts at bit 0
+            if sp > cap:
+                sp = cap
+            if sp * width > lo:
+                return
+            word = int64(edges[_u((i - 1) * 4 + col + 1)]) >> (32 - (b0 - lo))
+            k = i
+            while k < n_tiles:
+                fk = starts[k]
+                if fk > cap:
+                    fk = cap
+                if fk >= end or fk * width >= lo + 32:
+                    break
+                word |= (int64(edges[_u(k * 4 + col)]) << (fk * width - lo)) & FULL_MASK
+                k += 1
+            if (b0 >> 5) < out.size:
+                out[_u(b0 >> 5)] = word
 
         def make_pack(mode, enc):
             """The pack kernel of one mode and encoding (both compile-time constants,
@@ -725,14 +701,15 @@ class DtypeKernels:
 
             @cuda.jit(**PACK_JIT[mode])
             def k_pack(xe, x64, use64, numel, ye, y64, ouse64, msrc, cap, incl_every,
-                       mask, offsets, chunk_log2, vt, vw, sw, scratch, tails, stat):
+                       mask, offsets, chunk_log2, vt, vw, sw, scratch, starts, edges, stat):
                 """One-pass pack. mode 0: x's nonzeros; 1: relu(x)'s, writing y = relu(x);
                 2: the same with y = relu(x)**2; 3 (masked_pack): x at the set bits of the
                 mask plane ``msrc`` (mask and offsets are then shared, not written).
-                ``scratch`` (int64, zeroed): ticket, status OR, one descriptor per tile;
-                ``tails`` (uint32): 4 per tile; ``stat`` (int64): status word, total count.
-                ``incl_every`` > 1 makes only every such tile publish its inclusive count
-                (tests use it to make the look-back walk)."""
+                ``scratch`` (int64, zeroed): ticket, unused, one descriptor per tile;
+                ``starts`` (int64): each tile's first value index, then the total;
+                ``edges`` (uint32): 4 per tile (k_finish); ``stat`` (int64): status
+                word, total count. ``incl_every`` > 1 makes only every such tile publish
+                its inclusive count (tests use it to make the look-back walk)."""
                 t = cuda.threadIdx.x
                 lane = t & 31
                 warp = t >> 5
@@ -745,11 +722,11 @@ class DtypeKernels:
                 sh_cnt = cuda.shared.array(PCNT_N, int64)   # lane 31's packed prefix and counts
                 sh_rs = cuda.shared.array(PRS_N, int32)   # lane 0's group ranks
                 sh_lane = cuda.shared.array(LANE_N, int64)
-                sh_f = cuda.shared.array(32, int64)
                 sh_i = cuda.shared.array(2, int32)
-                sh_p = cuda.shared.array(4, int64)
+                sh_p = cuda.shared.array(2, int64)
                 xw = cuda.local.array(PXW, int64)           # the elements, kept in registers
                 mb = cuda.local.array(PMB, int32)           # their mask bytes, 4 per word
+                lbf = cuda.local.array(LB_WINDOWS, int64)   # warp 0: look-back descriptors
                 if t == 0:
                     sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
                     sh_i[1] = 0
@@ -846,7 +823,8 @@ class DtypeKernels:
                 ex31 = sh_cnt[2 * warp]
                 pk31 = sh_cnt[2 * warp + 1]
 
-                # Stage the stored values in order, write the mask bytes.
+
+                # Stage the stored values in order.
                 for r in range(PR):
                     rk = int32(before + ((ex >> (8 * r)) & 0xFF))
                     before = int32(before + ((ex31 >> (8 * r)) & 0xFF) + ((pk31 >> (8 * r)) & 0xFF))
@@ -857,66 +835,43 @@ class DtypeKernels:
                         if (byte >> j) & 1:
                             sv[_u(rk)] = (xw[r * ITEM + j // PER_WORD] >> ((j % PER_WORD) * BITS)) & EMASK
                             rk += 1
+                # Publish the count (one 8-byte descriptor, the nosign flag in it),
+                # after staging (before it, the extra live registers spill the elements).
+                if t == 0:
+                    d = n
+                    if sh_i[1] != 0:
+                        d |= LB_NEG
+                    if tile == 0:
+                        cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | d)
+                    else:
+                        cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | d)
                 cuda.syncthreads()
 
-                # Warp 0: publish this tile's count, find its offset, publish the
-                # inclusive count. The other warps meanwhile build the tile's stream.
-                width = int64(0)
-                if enc != RAW:
-                    width = int64(W)
-                lm = int64(0)
-                ll = int64(0)
-                ls = int64(0)
-                P = int64(0)
-                pm = int64(0)
-                ps = int64(0)
+                # Warp 0: the tile's offset from the look-back, then its inclusive
+                # count and its start (for k_finish). The other warps meanwhile
+                # build the tile's stream.
                 if t < 32:
-                    if t == 0:
-                        if width > 0:
-                            lm, ll = tail_values(sv, n)
-                        if SIGNS:
-                            ls, _ = tail_signs(sv, n)
-                        tails[tile * 4] = lm
-                        tails[tile * 4 + 1] = ls
-                        if tile == 0:
-                            tails[2] = lm
-                            tails[3] = ls
-                        if sh_i[1] != 0:
-                            cuda.atomic.or_(scratch, 1, int64(1))
-                        cuda.threadfence()
-                        if tile == 0:
-                            cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | n)
-                        else:
-                            cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | n)
+                    P = int64(0)
+                    pneg = int64(0)
                     if tile > 0:
-                        P, pm, ps = _lookback(scratch, tails, tile, width, SIGNS, t, sh_f, sh_i)
+                        _lb_load(scratch, tile, lane, lbf)
+                        P, pneg = _lookback(scratch, tile, lane, lbf)
                     if t == 0:
+                        if sh_i[1] != 0:
+                            pneg = int64(1)
                         if tile > 0 and tile % incl_every == 0:
-                            pl = P * width
-                            if pl > 32:
-                                pl = 32
-                            im, _ = _cat(pm, pl, lm, ll)
-                            pl = P
-                            if pl > 32:
-                                pl = 32
-                            nl = n
-                            if nl > 32:
-                                nl = 32
-                            isg, _ = _cat(ps, pl, ls, nl)
-                            tails[tile * 4 + 2] = im
-                            tails[tile * 4 + 3] = isg
-                            cuda.threadfence()
-                            cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_INCL) | (P + n))
+                            d = int64(LB_INCL) | (P + n)
+                            if pneg != 0:
+                                d |= LB_NEG
+                            cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, d)
+                        starts[tile] = P
                         if tile == n_tiles - 1:
-                            # Every predecessor OR-ed its status before publishing its count.
-                            cuda.threadfence()
-                            stat[0] = _rd64(scratch, 1)
+                            starts[n_tiles] = P + n
+                            stat[0] = pneg
                             stat[1] = P + n
                             if mode != MODE_MASKED:
                                 offsets[offsets.size - 1] = P + n
                         sh_p[1] = P
-                        sh_p[2] = pm
-                        sh_p[3] = ps
                 elif enc != RAW:
                     q = int64(t - 32)
                     while q * 32 < n:
@@ -924,8 +879,6 @@ class DtypeKernels:
                         q += NT - 32
                 cuda.syncthreads()
                 P = sh_p[1]
-                pm = sh_p[2]
-                ps = sh_p[3]
 
                 if mode != MODE_MASKED and lane == 0:
                     # The chunks starting in the warp's segment (each at a round's
@@ -938,46 +891,62 @@ class DtypeKernels:
                     while (c << chunk_log2) < s1:
                         offsets[_u(c)] = P + sh_rs[_u(warp * PR + (((c << chunk_log2) - s0) >> 8))]
                         c += 1
+                # The stored values, clipped to the capacity.
                 a = P
                 if a > cap:
                     a = cap
                 e = P + n
                 if e > cap:
                     e = cap
-                final = (P < cap and P + n >= cap) or (tile == n_tiles - 1 and P + n < cap)
                 if enc == RAW:
                     i = int64(t)
                     while P + i < e:
                         vt[_u(P + i)] = int64(sv[_u(i)])
                         i += NT
                 else:
-                    copy_stream(vw, a_s, t, P, a, e, pm, W, final)
+                    copy_inner(vw, a_s, t, a, e, W)
                     if SIGNS:
-                        copy_stream(sw, s_sg, t, P, a, e, ps, 1, final)
+                        copy_inner(sw, s_sg, t, a, e, 1)
+                    if t == 0:
+                        ef, el = stream_edges(a_s, (e - a) * W)
+                        edges[_u(tile * 4)] = ef
+                        edges[_u(tile * 4 + 1)] = el
+                        if SIGNS:
+                            ef, el = stream_edges(s_sg, e - a)
+                            edges[_u(tile * 4 + 2)] = ef
+                            edges[_u(tile * 4 + 3)] = el
             return k_pack
 
         @cuda.jit
-        def k_zero_tail(stat, cap, enc, vt, vw, sw):
-            """Fixed capacity: zero what lies past the stored values (count from ``stat``)."""
-            stored = stat[1]
-            if stored > cap:
-                stored = cap
+        def k_finish(starts, edges, n_tiles, stat, cap, enc, zero, vt, vw, sw):
+            """After a pack: thread i <= n_tiles writes the stream word that tile i
+            starts inside (see stitch_word; none for raw values); with ``zero``
+            (fixed capacity), the grid then zeroes what lies past the stored values
+            (count from ``stat``)."""
             i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
             step = int64(cuda.gridDim.x) * cuda.blockDim.x
-            if enc == RAW:
-                e = stored + i
-                while e < cap:
-                    vt[e] = 0
-                    e += step
-            else:
-                k = ((stored * W + 31) >> 5) + i
-                while k < vw.size:
-                    vw[k] = 0
-                    k += step
-                k = ((stored + 31) >> 5) + i
-                while k < sw.size:
-                    sw[k] = 0
-                    k += step
+            if enc != RAW and i <= n_tiles:
+                stitch_word(vw, starts, edges, n_tiles, cap, i, W, 0)
+                if enc == SIGNPLANE:
+                    stitch_word(sw, starts, edges, n_tiles, cap, i, 1, 2)
+            if zero:
+                stored = stat[1]
+                if stored > cap:
+                    stored = cap
+                if enc == RAW:
+                    e = stored + i
+                    while e < cap:
+                        vt[e] = 0
+                        e += step
+                else:
+                    k = ((stored * W + 31) >> 5) + i
+                    while k < vw.size:
+                        vw[k] = 0
+                        k += step
+                    k = ((stored + 31) >> 5) + i
+                    while k < sw.size:
+                        sw[k] = 0
+                        k += step
 
         # Unpack: one kernel per (op, encoding), in the CuPy backend's per-word
         # form. The tile's value range [P, Pe) comes from the tile-offset array at
@@ -1234,7 +1203,7 @@ class DtypeKernels:
 
         self.pack = {(m, e): make_pack(m, e) for m in (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)
                      for e in (RAW, NOSIGN, SIGNPLANE)}
-        self.zero_tail = k_zero_tail
+        self.finish = k_finish
         self.unpack = {(op, e): make_unpack(op, e) for op in (0, 1) for e in (RAW, NOSIGN, SIGNPLANE)}
         self.gated = k_gated
         self.relu_backward = k_relu_backward

@@ -310,9 +310,9 @@ else:
     @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT32, D.FLOAT8_E4M3FN], ids=IDS)
     def test_lookback_walks_aggregates(dtype, monkeypatch):
         """Tiles that publish only their own count make later tiles' look-back walk
-        back over several predecessors, concatenating their stream tails (in the
-        simulator blocks run in order, so otherwise the nearest one is always done).
-        Some tiles hold fewer than 32 stream bits, so tails must be chained."""
+        back over several predecessors, summing their counts (in the simulator
+        blocks run in order, so otherwise the nearest one is always done). Some
+        tiles hold fewer than 32 stream bits, so several tiles share a stream word."""
         monkeypatch.setattr(BE, "incl_every", 3)
         rng = _rng("walk", dtype.name)
         T = NK.kernels_for(dtype.name).ptile         # the pack's tile
@@ -347,3 +347,22 @@ else:
             cap = None if i == 0 else nnz - 50
             p = BE.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
             _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
+
+    def test_stitch_tiles_sharing_words():
+        """Tiles holding 0-3 values, so that several tiles start inside one stream word
+        (fp8: 7-bit codes; the sign plane: 1 bit per value): k_finish writes those
+        words from the tiles' edge records. Exact, and capacities ending inside a
+        word several tiles share."""
+        dtype = D.FLOAT8_E4M3FN
+        T = NK.kernels_for(dtype.name).ptile
+        rng = _rng("stitch")
+        x = np.zeros(11 * T + 5, dtype=dtype.numpy)
+        xb = x.view(dtype.uint)
+        for k in range(11):
+            pos = rng.choice(T, size=(0, 1, 2, 3, 1, 0, 0, 2, 3, 1, 1)[k], replace=False)
+            xb[k * T + pos] = rng.integers(1, 256, size=pos.size)
+        xb[-1] = 0x85
+        nnz = int(np.count_nonzero(xb))
+        for cap in (None, nnz - 1, 9):
+            p = BE.pack(x, encoding="signplane", chunk_log2=9, capacity=cap)
+            _assert_planes(p, R.pack_array(x, dtype, "signplane", chunk_log2=9, capacity=cap))
