@@ -1,6 +1,6 @@
 """Static SASS of the Numba codec kernels for sm_90, built here without a GPU.
 
-    python3 bench/numba_sass.py [--dtype bfloat16] [--out /tmp] [--all]
+    python3 bench/numba_sass.py [--dtype bfloat16] [--out /tmp] [--all] [--variant k=v,...]
 
 Compiles the nosign unpack and plain-pack kernels (with --all every op, mode and
 encoding: does each compile for sm_90?) to PTX with numba-cuda, assembles
@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--all", action="store_true",
                     help="every op / mode and encoding of unpack and pack, not only nosign")
+    ap.add_argument("--variant", default="",
+                    help="pack variant, DtypeKernels keywords: e.g. pack_blocks=6,lb_early=1")
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     import numba.cuda.dispatcher as disp
@@ -54,7 +56,8 @@ def main() -> None:
     disp.get_current_device = lambda: _Device()
     from bitsparse_core import numba_kernels as K
 
-    k = K.kernels_for(a.dtype)
+    kw = {key: int(val) for key, val in (item.split("=") for item in a.variant.split(",") if item)}
+    k = K.DtypeKernels(a.dtype, **kw) if kw else K.kernels_for(a.dtype)
     arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
     et = {8: types.uint8, 16: types.uint16, 32: types.uint32}[k.bits]
     u8, u32, u64, el, i64, b = arr(types.uint8), arr(types.uint32), arr(types.uint64), arr(et), types.int64, types.boolean

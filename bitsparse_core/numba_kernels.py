@@ -128,6 +128,14 @@ if SIM:
                 r |= ((int(x) >> (8 * sel)) & 0xFF) << (8 * k)
         return np.uint32(r)
 
+    def _prmt2(x, y, s):
+        """PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x)."""
+        xy = int(x) | (int(y) << 32)
+        r = 0
+        for k in range(4):
+            r |= ((xy >> (8 * ((int(s) >> (4 * k)) & 7))) & 0xFF) << (8 * k)
+        return np.uint32(r)
+
     def _mul32(a, b):
         """The low 32 bits of a * b (NumPy's uint32 product warns on the wrap)."""
         return np.uint32((int(a) * int(b)) & 0xFFFFFFFF)
@@ -171,6 +179,11 @@ else:
     def _prmt(x, s):
         """PRMT with y = 0: byte k of the result is byte (s >> 4k) & 7 of (0:x)."""
         return uint32(libdevice.byte_perm(int32(x), int32(0), int32(s)))
+
+    @cuda.jit(device=True)
+    def _prmt2(x, y, s):
+        """PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x)."""
+        return uint32(libdevice.byte_perm(int32(x), int32(y), int32(s)))
 
     @cuda.jit(device=True)
     def _mul32(a, b):
@@ -274,6 +287,9 @@ def _rd64(a, i):
 
 
 if SIM:
+    def _make_lookback(windows):
+        return _lb_load, _lookback
+
     @cuda.jit(device=True)
     def _lb_load(desc, tile, lane, f):
         pass
@@ -297,60 +313,66 @@ if SIM:
                 j -= 1
         return acc, neg
 else:
-    @cuda.jit(device=True)
-    def _lb_load(desc, tile, lane, f):
-        """Issue the reads of the LB_WINDOWS nearest windows: f[q] of lane l is the
-        descriptor of tile - 1 - l - 32 q (tiles before 0 read as an inclusive 0)."""
-        for q in range(LB_WINDOWS):
-            j = tile - 1 - lane - 32 * q
-            d = int64(LB_INCL)
-            if j >= 0:
-                d = _rd64(desc, SCRATCH_HEAD + j)
-            f[q] = d
+    @functools.lru_cache(maxsize=None)
+    def _make_lookback(windows):
+        """Warp 0's look-back, reading ``windows`` windows of 32 descriptors per
+        round trip (LB_WINDOWS unless a variant asks otherwise)."""
+        @cuda.jit(device=True)
+        def _lb_load(desc, tile, lane, f):
+            """Issue the reads of the ``windows`` nearest windows: f[q] of lane l is the
+            descriptor of tile - 1 - l - 32 q (tiles before 0 read as an inclusive 0)."""
+            for q in range(windows):
+                j = tile - 1 - lane - 32 * q
+                d = int64(LB_INCL)
+                if j >= 0:
+                    d = _rd64(desc, SCRATCH_HEAD + j)
+                f[q] = d
 
-    @cuda.jit(device=True)
-    def _lookback(desc, tile, lane, f):
-        """(values before ``tile``, OR of their nosign flags) in every lane of warp 0,
-        from the windows _lb_load issued into f. Nearest window first: wait until
-        its descriptors are published, sum their counts up to the nearest
-        inclusive one (aggregates in 32 bits with the flags in bits 24.., the
-        inclusive count by a shuffle); with none there, the next window, and past
-        the last one the next LB_WINDOWS windows are read (one round trip)."""
-        acc = int64(0)
-        neg = int32(0)
-        base = tile - 1
-        while True:
-            done = False
-            for q in range(LB_WINDOWS):
-                if not done:
-                    j = base - lane - 32 * q
-                    d = f[q]
-                    while cuda.any_sync(FULL_MASK, (d >> LB_SHIFT) == 0):
-                        if (d >> LB_SHIFT) == 0:
-                            d = _rd64(desc, SCRATCH_HEAD + j)
-                    incl = int64(cuda.ballot_sync(FULL_MASK, (d >> LB_SHIFT) == 2))
-                    first = 32
-                    if incl != 0:                                # the nearest inclusive one
-                        first = cuda.popc(int32((incl & -incl) - 1))
-                    c = int32(0)
-                    if lane < first:
-                        c = int32(d & LB_COUNT)                  # an aggregate: one tile's count
-                    if lane <= first and (d & LB_NEG) != 0:
-                        c |= int32(1 << 24)
-                    o = 16
-                    while o > 0:
-                        c = int32(c + cuda.shfl_xor_sync(FULL_MASK, c, o))
-                        o >>= 1
-                    acc += int64(c & 0xFFFFFF)
-                    neg |= c >> 24
-                    if incl != 0:
-                        acc += cuda.shfl_sync(FULL_MASK, d, first) & LB_COUNT
-                        done = True
-            if done:
-                break
-            base -= 32 * LB_WINDOWS
-            _lb_load(desc, base + 1, lane, f)
-        return acc, int64(neg != 0)
+        @cuda.jit(device=True)
+        def _lookback(desc, tile, lane, f):
+            """(values before ``tile``, OR of their nosign flags) in every lane of warp 0,
+            from the windows _lb_load issued into f. Nearest window first: wait until
+            its descriptors are published, sum their counts up to the nearest
+            inclusive one (aggregates in 32 bits with the flags in bits 24.., the
+            inclusive count by a shuffle); with none there, the next window, and past
+            the last one the next ``windows`` are read (one round trip)."""
+            acc = int64(0)
+            neg = int32(0)
+            base = tile - 1
+            while True:
+                done = False
+                for q in range(windows):
+                    if not done:
+                        j = base - lane - 32 * q
+                        d = f[q]
+                        while cuda.any_sync(FULL_MASK, (d >> LB_SHIFT) == 0):
+                            if (d >> LB_SHIFT) == 0:
+                                d = _rd64(desc, SCRATCH_HEAD + j)
+                        incl = int64(cuda.ballot_sync(FULL_MASK, (d >> LB_SHIFT) == 2))
+                        first = 32
+                        if incl != 0:                                # the nearest inclusive one
+                            first = cuda.popc(int32((incl & -incl) - 1))
+                        c = int32(0)
+                        if lane < first:
+                            c = int32(d & LB_COUNT)                  # an aggregate: one tile's count
+                        if lane <= first and (d & LB_NEG) != 0:
+                            c |= int32(1 << 24)
+                        o = 16
+                        while o > 0:
+                            c = int32(c + cuda.shfl_xor_sync(FULL_MASK, c, o))
+                            o >>= 1
+                        acc += int64(c & 0xFFFFFF)
+                        neg |= c >> 24
+                        if incl != 0:
+                            acc += cuda.shfl_sync(FULL_MASK, d, first) & LB_COUNT
+                            done = True
+                if done:
+                    break
+                base -= 32 * windows
+                _lb_load(desc, base + 1, lane, f)
+            return acc, int64(neg != 0)
+
+        return _lb_load, _lookback
 
 
 @cuda.jit
@@ -430,9 +452,17 @@ def pack_rounds_for(bits: int, sim: bool = SIM) -> int:
 class DtypeKernels:
     """The kernels of one element type, compiled on first launch."""
 
-    def __init__(self, name: str, pack_rounds: int | None = None):
-        """``pack_rounds``: groups of 8 elements per pack thread, instead of the
-        target's choice (the simulator tests run the GPU's this way)."""
+    def __init__(self, name: str, pack_rounds: int | None = None, pack_blocks: int | None = None,
+                 lb_windows: int = LB_WINDOWS, lb_early: bool = False, ticket: bool = True):
+        """Pack variants (for tests and A/B timings; the defaults are the committed
+        choices): ``pack_rounds`` groups of 8 elements per pack thread instead of
+        the target's (the simulator tests run the GPU's this way); ``pack_blocks``
+        the blocks per SM the plain and masked pack's launch bounds ask for
+        (default 5); ``lb_windows`` the look-back's windows per round trip;
+        ``lb_early``: publish the count and issue the look-back's reads before
+        staging, not after; ``ticket=False``: a block's tile is its block index
+        (no atomic ticket and no barrier before the loads; forward progress then
+        rests on blocks being dispatched in index order, as CUB's scans assume)."""
         bits = bitfloat.FORMATS[name][0]
         self.name = name
         self.bits = bits
@@ -564,6 +594,12 @@ class DtypeKernels:
         pk_excl = _warp_excl_scan if PR <= 4 else _warp_excl_scan64
         PKT = int32 if PR <= 4 else int64           # the packed counts' type
         self.ptile, self.ptile_log2 = PTILE, PTILE_LOG2
+        pack_jit = PACK_JIT
+        if pack_blocks and not SIM:
+            pack_jit = {m: {"launch_bounds": (NT, min(4, pack_blocks) if m in (MODE_RELU, MODE_RELU2)
+                                              else pack_blocks)} for m in PACK_JIT}
+        LBW = lb_windows
+        lb_load, lookback = _make_lookback(LBW)
         STAGE_W = PTILE * BITS // 32 + BITS         # + a partial run's words
         A_W = (PTILE // 32 + 1) * W + 1             # the tile's stream, whole runs
         SG_W = PTILE // 32 + 2                      # its sign bits
@@ -603,6 +639,21 @@ class DtypeKernels:
             nz = uint32((((w & 0x7F7F7F7F) + 0x7F7F7F7F) | w) & 0x80808080)
             # bits 7, 15, 23, 31 -> 21..24 (the low 32 bits of the product suffice)
             return int32(_mul32(nz >> 7, 0x00204081) >> 21) & 0xF
+
+        @cuda.jit(device=True)
+        def pair_nonzero(w):
+            """Nonzero bits of the PER_WORD elements of a uint64 word w (an int64),
+            element k -> bit k. bf16 / fp16: each half's lane flags (bits 15, 31) are
+            gathered into one word by a byte permute (bits 7, 15, 23, 31) and
+            compressed by a multiply, 9 instructions for 4 elements."""
+            lo = uint32(w & FULL_MASK)
+            hi = uint32((w >> 32) & FULL_MASK)
+            if BITS == 16:
+                nz0 = uint32((((lo & 0x7FFF7FFF) + 0x7FFF7FFF) | lo) & 0x80008000)
+                nz1 = uint32((((hi & 0x7FFF7FFF) + 0x7FFF7FFF) | hi) & 0x80008000)
+                g = _prmt2(nz0, nz1, 0x7531)
+                return int32(_mul32(g, 0x00204081) >> 28)
+            return word_nonzero(lo) | (word_nonzero(hi) << GE)
 
         @cuda.jit(device=True)
         def pack_run(stage_w, q, a_s, s_sg, signs):
@@ -694,12 +745,25 @@ class DtypeKernels:
             if (b0 >> 5) < out.size:
                 out[_u(b0 >> 5)] = word
 
+        @cuda.jit(device=True)
+        def publish(desc, tile, n, neg, t):
+            """Thread 0: the tile's count in one 8-byte descriptor, with its nosign flag
+            (inclusive for tile 0)."""
+            if t == 0:
+                d = n
+                if neg != 0:
+                    d |= LB_NEG
+                if tile == 0:
+                    cuda.atomic.exch(desc, SCRATCH_HEAD, int64(LB_INCL) | d)
+                else:
+                    cuda.atomic.exch(desc, SCRATCH_HEAD + tile, int64(LB_AGG) | d)
+
         def make_pack(mode, enc):
             """The pack kernel of one mode and encoding (both compile-time constants,
             so the other modes' code and the run-time encoding tests drop out)."""
             SIGNS = enc == SIGNPLANE
 
-            @cuda.jit(**PACK_JIT[mode])
+            @cuda.jit(**pack_jit[mode])
             def k_pack(xe, x64, use64, numel, ye, y64, ouse64, msrc, cap, incl_every,
                        mask, offsets, chunk_log2, vt, vw, sw, scratch, starts, edges, stat):
                 """One-pass pack. mode 0: x's nonzeros; 1: relu(x)'s, writing y = relu(x);
@@ -722,16 +786,17 @@ class DtypeKernels:
                 sh_cnt = cuda.shared.array(PCNT_N, int64)   # lane 31's packed prefix and counts
                 sh_rs = cuda.shared.array(PRS_N, int32)   # lane 0's group ranks
                 sh_lane = cuda.shared.array(LANE_N, int64)
-                sh_i = cuda.shared.array(2, int32)
                 sh_p = cuda.shared.array(2, int64)
                 xw = cuda.local.array(PXW, int64)           # the elements, kept in registers
                 mb = cuda.local.array(PMB, int32)           # their mask bytes, 4 per word
-                lbf = cuda.local.array(LB_WINDOWS, int64)   # warp 0: look-back descriptors
-                if t == 0:
-                    sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
-                    sh_i[1] = 0
-                cuda.syncthreads()
-                tile = sh_p[0]
+                lbf = cuda.local.array(LBW, int64)          # warp 0: look-back descriptors
+                if ticket:
+                    if t == 0:
+                        sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
+                    cuda.syncthreads()
+                    tile = sh_p[0]
+                else:
+                    tile = int64(cuda.blockIdx.x)
                 ngroups = (numel + 7) >> 3
                 g0 = tile * PGPT + warp * PSEG + lane        # this thread's group of round 0
                 # All loads first (a branch per round would expose each round's latency):
@@ -761,9 +826,7 @@ class DtypeKernels:
                         for q in range(ITEM):
                             w = xw[r * ITEM + q]
                             neg |= uint64(w)                 # zeros have no sign bit
-                            for h in range(2):
-                                nz = word_nonzero(w >> (32 * h))
-                                byte |= nz << (q * PER_WORD + h * GE)
+                            byte |= pair_nonzero(w) << (q * PER_WORD)
                     elif mode == MODE_MASKED:
                         if g < ngroups:
                             byte = int32(msrc[_u(g)])
@@ -778,9 +841,7 @@ class DtypeKernels:
                             w = relu_word(w0 & FULL_MASK) | (relu_word((w0 >> 32) & FULL_MASK) << 32)
                             xw[r * ITEM + q] = w
                             neg |= uint64(w)                 # a kept negative: a NaN
-                            for h in range(2):
-                                nz = word_nonzero(w >> (32 * h))
-                                byte |= nz << (q * PER_WORD + h * GE)
+                            byte |= pair_nonzero(w) << (q * PER_WORD)
                             yw = w
                             if mode == MODE_RELU2:
                                 yw = int64(0)
@@ -798,8 +859,7 @@ class DtypeKernels:
                         mask[_u(g)] = byte
                     mb[r >> 2] |= int32(byte) << (8 * (r & 3))
                     pk += PKT(cuda.popc(int32(byte))) << PKT(8 * r)
-                if enc == NOSIGN and (neg & uint64(SIGN_ALL)) != 0:
-                    sh_i[1] = 1
+                negf = int32(enc == NOSIGN and (neg & uint64(SIGN_ALL)) != 0)
 
                 # Ranks: the packed rounds' counts scanned across the warp; lane 31's
                 # prefix and counts give the warp's round totals, sh_tot the warps'.
@@ -811,7 +871,7 @@ class DtypeKernels:
                     sh_tot[warp] = tot
                     sh_cnt[2 * warp] = ex
                     sh_cnt[2 * warp + 1] = pk
-                cuda.syncthreads()
+                negf = cuda.syncthreads_or(negf)             # any stored value with its sign set
                 before = int32(0)
                 n32 = int32(0)
                 for w in range(NW):
@@ -822,7 +882,10 @@ class DtypeKernels:
                 n = int64(n32)
                 ex31 = sh_cnt[2 * warp]
                 pk31 = sh_cnt[2 * warp + 1]
-
+                if lb_early:
+                    publish(scratch, tile, n, negf, t)
+                    if t < 32 and tile > 0:
+                        lb_load(scratch, tile, lane, lbf)
 
                 # Stage the stored values in order.
                 for r in range(PR):
@@ -835,16 +898,10 @@ class DtypeKernels:
                         if (byte >> j) & 1:
                             sv[_u(rk)] = (xw[r * ITEM + j // PER_WORD] >> ((j % PER_WORD) * BITS)) & EMASK
                             rk += 1
-                # Publish the count (one 8-byte descriptor, the nosign flag in it),
-                # after staging (before it, the extra live registers spill the elements).
-                if t == 0:
-                    d = n
-                    if sh_i[1] != 0:
-                        d |= LB_NEG
-                    if tile == 0:
-                        cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | d)
-                    else:
-                        cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | d)
+                if not lb_early:
+                    # Publish the count now (before staging, the extra live
+                    # registers spill the elements).
+                    publish(scratch, tile, n, negf, t)
                 cuda.syncthreads()
 
                 # Warp 0: the tile's offset from the look-back, then its inclusive
@@ -854,10 +911,11 @@ class DtypeKernels:
                     P = int64(0)
                     pneg = int64(0)
                     if tile > 0:
-                        _lb_load(scratch, tile, lane, lbf)
-                        P, pneg = _lookback(scratch, tile, lane, lbf)
+                        if not lb_early:
+                            lb_load(scratch, tile, lane, lbf)
+                        P, pneg = lookback(scratch, tile, lane, lbf)
                     if t == 0:
-                        if sh_i[1] != 0:
+                        if negf != 0:
                             pneg = int64(1)
                         if tile > 0 and tile % incl_every == 0:
                             d = int64(LB_INCL) | (P + n)

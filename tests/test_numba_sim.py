@@ -326,15 +326,17 @@ else:
                 p = BE.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
                 _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
 
-    @pytest.mark.parametrize("dtype,encodings", [
-        (D.FLOAT8_E4M3FN, ("nosign", "signplane")), (D.BFLOAT16, ("raw", "nosign"))], ids=str)
-    def test_pack_gpu_rounds(dtype, encodings, monkeypatch):
+    @pytest.mark.parametrize("dtype,encodings,variant", [
+        (D.FLOAT8_E4M3FN, ("nosign", "signplane"), {}),
+        (D.BFLOAT16, ("raw", "nosign"), {"lb_early": True, "ticket": False})], ids=str)
+    def test_pack_gpu_rounds(dtype, encodings, variant, monkeypatch):
         """The pack with the GPU's groups per thread (fp8: 8, a 64-bit packed scan;
         bf16: 4) instead of the simulator's 2, over a few of its larger tiles:
         a sparse and an empty tile, then one whose first warp holds only nonzeros
         (every round's 8-bit count field full, the top one wrapping), exact and
-        fixed capacity."""
-        kern = NK.DtypeKernels(dtype.name, NK.pack_rounds_for(dtype.bits, sim=False))
+        fixed capacity. bf16 also runs two variants of the A/B knobs (the count
+        published before staging, tiles by block index)."""
+        kern = NK.DtypeKernels(dtype.name, NK.pack_rounds_for(dtype.bits, sim=False), **variant)
         monkeypatch.setattr(NK, "kernels_for", lambda name: kern)
         T = kern.ptile
         rng = _rng("gpurounds", dtype.name)
