@@ -311,7 +311,7 @@ if SIM:
                 if (d >> LB_SHIFT) == 2:
                     break
                 j -= 1
-        return acc, neg
+        return acc, int64(neg != 0)
 else:
     @functools.lru_cache(maxsize=None)
     def _make_lookback(windows):

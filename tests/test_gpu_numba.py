@@ -158,6 +158,25 @@ def test_stitch_tiles_sharing_words(rng, dt):
 
 
 @pytest.mark.parametrize("dt", [_group(_dt.BFLOAT16), _group(_dt.FLOAT8_E4M3FN)])
+def test_nosign_flag_travels_the_look_back(rng, dt, monkeypatch):
+    """A sign bit in an early tile of many: the flag reaches the status word through
+    the look-back descriptors (inclusive ones, or aggregates when most tiles
+    publish none)."""
+    T = NK.kernels_for(dt.name).ptile
+    x = random_bits(rng, (300 * T + 5,), dt, 0.9, signs=False)
+    for incl_every in (1, 7):
+        monkeypatch.setattr(BE, "incl_every", incl_every)
+        for where in (3 * T + 11, 150 * T):
+            xx = x.copy()
+            xx.view(dt.uint)[where] = dt.sign_mask | 1
+            p = BE.pack(dev(xx), dtype=dt.name, encoding="nosign", capacity=xx.size)
+            with pytest.raises(EncodingError):
+                p.check()
+        p = BE.pack(dev(x), dtype=dt.name, encoding="nosign", capacity=x.size)
+        p.check()
+
+
+@pytest.mark.parametrize("dt", [_group(_dt.BFLOAT16), _group(_dt.FLOAT8_E4M3FN)])
 def test_nosign_violation(rng, dt):
     x = random_bits(rng, (50001,), dt, 0.5, signs=False)
     x.view(dt.uint)[49999] = dt.sign_mask | 1

@@ -368,3 +368,21 @@ else:
         for cap in (None, nnz - 1, 9):
             p = BE.pack(x, encoding="signplane", chunk_log2=9, capacity=cap)
             _assert_planes(p, R.pack_array(x, dtype, "signplane", chunk_log2=9, capacity=cap))
+
+    @pytest.mark.parametrize("incl_every", [1, 2])
+    def test_nosign_flag_travels_the_look_back(incl_every, monkeypatch):
+        """A sign bit in the first of three tiles: the flag reaches the status word
+        through the descriptors (the first tile's inclusive one, or the second's
+        aggregate when it publishes no inclusive count)."""
+        monkeypatch.setattr(BE, "incl_every", incl_every)
+        dtype = D.BFLOAT16
+        T = NK.kernels_for(dtype.name).ptile
+        x = random_tensor(_rng("negflag"), (2 * T + 100,), dtype, 0.7, signed=False)
+        x.view(dtype.uint)[17] = dtype.sign_mask | 5
+        p = BE.pack(x, encoding="nosign", chunk_log2=9, capacity=x.size)
+        assert BE.read_status(p) & 1
+        with pytest.raises(EncodingError):
+            p.check()
+        x.view(dtype.uint)[17] = 5
+        p = BE.pack(x, encoding="nosign", chunk_log2=9, capacity=x.size)
+        assert BE.read_status(p) == 0
