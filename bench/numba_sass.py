@@ -1,6 +1,6 @@
 """Static SASS of the Numba codec kernels for sm_90, built here without a GPU.
 
-    python3 bench/numba_sass.py [--dtype bfloat16] [--out /tmp] [--all]
+    python3 bench/numba_sass.py [--dtype bfloat16] [--out /tmp] [--all] [--variant k=v,...]
 
 Compiles the nosign unpack and plain-pack kernels (with --all every op, mode and
 encoding: does each compile for sm_90?) to PTX with numba-cuda, assembles
@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--all", action="store_true",
                     help="every op / mode and encoding of unpack and pack, not only nosign")
+    ap.add_argument("--variant", default="",
+                    help="pack variant, DtypeKernels keywords: e.g. pack_blocks=6,lb_early=1")
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     import numba.cuda.dispatcher as disp
@@ -54,13 +56,15 @@ def main() -> None:
     disp.get_current_device = lambda: _Device()
     from bitsparse_core import numba_kernels as K
 
-    k = K.kernels_for(a.dtype)
+    kw = {key: int(val) for key, val in (item.split("=") for item in a.variant.split(",") if item)}
+    k = K.DtypeKernels(a.dtype, **kw) if kw else K.kernels_for(a.dtype)
     arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
     et = {8: types.uint8, 16: types.uint16, 32: types.uint32}[k.bits]
     u8, u32, u64, el, i64, b = arr(types.uint8), arr(types.uint32), arr(types.uint64), arr(et), types.int64, types.boolean
     unpack_sig = (u8, i64, u32, i64, u8, u32, i64, u8, u32, i64, el, u64, b, el, u64, b)
     pack_sig = (el, u64, b, i64, el, u64, b, u8, i64, i64, u8, u32, i64, el, u32, u32,
-                arr(types.int64), u32, arr(types.int64))
+                arr(types.int64), arr(types.int64), u32, arr(types.int64))
+    finish_sig = (arr(types.int64), u32, i64, arr(types.int64), i64, i64, b, el, u32, u32)
     encs = (K.RAW, K.NOSIGN, K.SIGNPLANE) if a.all else (K.NOSIGN,)
     ename = {K.RAW: "raw", K.NOSIGN: "nosign", K.SIGNPLANE: "signplane"}
     kernels = {}
@@ -70,6 +74,7 @@ def main() -> None:
     for mode in ((K.MODE_PACK, K.MODE_RELU, K.MODE_RELU2, K.MODE_MASKED) if a.all else (K.MODE_PACK,)):
         for e in encs:
             kernels[f"pack{'_mode%d' % mode if mode else ''}_{ename[e]}"] = (k.pack[(mode, e)], pack_sig)
+    kernels["finish"] = (k.finish, finish_sig)
     for name, (kern, sig) in kernels.items():
         # The kernel's own launch bounds: they cap its registers (spills show as local accesses).
         ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0),
@@ -85,8 +90,10 @@ def main() -> None:
         base.with_suffix(".sass").write_text(sass)
         n = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
         regs = re.findall(r"Used (\d+) registers", r.stderr)
+        smem = re.findall(r"(\d+) bytes smem", r.stderr)
         print(f"{name}: {n} SASS instructions, {regs[0] if regs else '?'} registers, "
-              f"{len(re.findall('LDL|STL', sass))} local accesses -> {base}.sass")
+              f"{len(re.findall('LDL|STL', sass))} local accesses, "
+              f"{smem[0] if smem else '?'} bytes static smem -> {base}.sass")
 
 
 if __name__ == "__main__":

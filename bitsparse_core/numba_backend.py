@@ -375,12 +375,16 @@ class NumbaBackend:
             P.memset0(al.buf, 0, al.status_offset + STATUS_BYTES, st)
             return None
         enc = lay.encoding
-        n_tiles = _ceil_div(numel, K.TILE)
+        kern = K.kernels_for(dt.name)
+        n_tiles = _ceil_div(numel, kern.ptile)      # the pack's own tile size
+        # Scratch: ticket, unused, a descriptor per tile (zeroed); each tile's start
+        # and the total; 16 bytes of stream edges per tile (for k_finish).
         head = (K.SCRATCH_HEAD + n_tiles) * 8
-        scratch = P.alloc(head + 16 * n_tiles, st, allocator)
+        scratch = P.alloc(head + 8 * (n_tiles + 1) + 16 * n_tiles, st, allocator)
         P.memset0(scratch, 0, head, st)
         desc = P.view(scratch, 0, K.SCRATCH_HEAD + n_tiles, np.int64)
-        tails = P.view(scratch, head, 4 * n_tiles, np.uint32)
+        starts = P.view(scratch, head, n_tiles + 1, np.int64)
+        edges = P.view(scratch, head + 8 * (n_tiles + 1), 4 * n_tiles, np.uint32)
         xe, x64, use64 = self._dense_views(P, buf, numel, dt)
         if ybuf is not None:
             ye, y64, yfast = self._dense_views(P, ybuf, numel, dt)
@@ -396,15 +400,20 @@ class NumbaBackend:
         else:
             msrc = P.view(P.import_plane(p_mask.mask), 0, lay.mask[1], np.uint8)
             mask, offsets = msrc, P.view(scratch, 0, 0, np.uint32)
-        kern = K.kernels_for(dt.name)
         P.launch(kern.pack[(mode, int(enc))], n_tiles, K.NT, st, xe, x64, use64, numel, ye, y64,
                  yfast, msrc, lay.capacity, int(self.incl_every), mask, offsets, lay.chunk_log2, vt,
-                 vw, sw, desc, tails, stat)
-        if zero_tail and lay.capacity > 0:
-            words = lay.capacity if enc == Encoding.RAW else max(vw.size, sw.size)
-            grid = min(_ceil_div(max(words, 1), 256), 4096)
-            P.launch(kern.zero_tail, grid, 256 if not K.SIM else 32, st, stat, lay.capacity,
-                     int(enc), vt, vw, sw)
+                 vw, sw, desc, starts, edges, stat)
+        # The stream words shared by tiles (value streams), and at fixed capacity
+        # the zeros past the stored values: one small kernel.
+        zero = zero_tail and lay.capacity > 0
+        if enc != Encoding.RAW or zero:
+            block = 256 if not K.SIM else 32
+            grid = _ceil_div(n_tiles + 1, block) if enc != Encoding.RAW else 1
+            if zero:                                # a grid-stride loop past that
+                words = lay.capacity if enc == Encoding.RAW else max(vw.size, sw.size)
+                grid = max(grid, min(_ceil_div(max(words, 1), 256), 4096))
+            P.launch(kern.finish, grid, block, st, starts, edges, n_tiles, stat, lay.capacity,
+                     int(enc), zero, vt, vw, sw)
         return scratch
 
     @staticmethod

@@ -1,35 +1,43 @@
 """The Numba CUDA kernels of the ``numba`` backend (format v1, bit-exact).
 
-Work is cut into *tiles* of ``TILE`` elements (one thread block each); a tile is
-``GPT`` *groups* of 8 consecutive elements, one mask byte per group, and thread
-``t`` handles groups ``r * NT + t`` for ``r < G`` so every load row is coalesced.
-Inside a tile the exclusive rank of each group's first nonzero comes from a
-warp scan plus a pass over the per-warp totals (:func:`_tile_ranks`).
+Work is cut into *tiles* (one thread block each) of *groups* of 8 consecutive
+elements, one mask byte per group. Each kernel family has its own tile:
 
-Pack is one pass (``pack``): tiles are claimed in order from an atomic ticket,
-each publishes its count, then finds its value offset by a decoupled look-back
-over its predecessors' published counts. A bit-stream word that straddles two
-tiles is written whole by the tile holding its last bit (or the stream's end):
-every tile also publishes the last 32 stream bits up to its end, so no word is
-written twice, no atomics touch the output and padding bits come out zero.
-Unpack is one launch per tile (plus a popcount + scan of the mask per pack
-tile when chunks are larger than the unpack tile), one kernel per (op,
+* pack (``DtypeKernels.ptile``): 64 bytes per thread, so 8192 bf16 / 16384 fp8 /
+  4096 fp32 elements on a GPU; each warp owns a contiguous run of groups, loaded
+  one coalesced round at a time, and ranks come from one packed warp scan of the
+  rounds' counts;
+* unpack (``DtypeKernels.utile_log2``): 256 threads x UNPACK_ROWS rows of 16
+  bytes (16384 fp8, 8192 16- or 32-bit elements), rows warp-major as in the CuPy
+  kernel; relu2_backward and the gated op keep ``TILE`` = 4096 elements, thread
+  ``t`` handling groups ``r * NT + t``, ranks from :func:`_tile_ranks`.
+
+Pack is one pass (``pack``) plus a small kernel (``finish``): tiles are claimed
+in order from an atomic ticket, each publishes its count (one 8-byte descriptor)
+as soon as it has staged its values, then finds its value offset by a decoupled
+look-back over its predecessors' counts (warp 0 reads 8 windows of 32 per round
+trip). A tile writes only the stream words wholly inside its bit range, and its
+first and last 32 stored bits (its edge record); ``finish`` then writes each
+word holding bits of several tiles, or the stream's last partly filled word,
+from the edge records (as the CuPy backend's ``bitsparse_stitch``), and at a
+fixed capacity zeroes what lies past the stored values. So no word is written
+twice, no atomics touch the output and padding bits come out zero.
+Unpack is one launch per tile (plus a popcount + scan of the mask per
+``TILE`` elements when chunks are larger than the unpack tile), one kernel per (op,
 encoding): the tile's value range comes from the tile-offset array at both
 ends, its stored values are decoded 32/BITS per 32-bit word into shared
 memory, and each output word is the next stored values' bytes dropped into the
-slots its mask bits select (one PRMT, as in the CuPy kernels); a thread covers
-UNPACK_ROWS 16-byte rows (relu2_backward: the pack tile's). The gated backward
-op still copies its two streams' slices into shared memory and cuts each value
-out of the shared words (``value_at``).
+slots its mask bits select (one PRMT, as in the CuPy kernels). The gated
+backward op still copies its two streams' slices into shared memory and cuts
+each value out of the shared words (``value_at``).
 
-Sizes: on a GPU a pack tile is 4096 elements for a block of 256 threads (two
-groups each); an unpack tile is 256 threads x 4 rows x 16 bytes (16384 fp8,
-8192 16-bit or 32-bit elements). Under the simulator 64 threads: a pack tile of
-1024 elements, unpack tiles of 4096 fp8 / 2048 others (the same per-thread
-shapes, so the simulator runs the GPU's row loops).
+Under the simulator blocks have 64 threads: pack tiles of 2 groups per thread
+(a test runs the GPU's shape), an unpack tile of 4096 fp8 / 2048 other elements
+(the GPU's per-thread shapes, so the simulator runs the GPU's row loops), and
+``TILE`` = 1024.
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
-``shfl_up_sync``, the look-back reads 32 predecessors per step with warp votes,
+``shfl_up_sync``, the look-back reads 256 predecessors per step with warp votes,
 float32 bits are reinterpreted and bytes permuted (PRMT) through libdevice;
 under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which has no warp
 intrinsics, the warp scan goes through shared memory, one thread walks the
@@ -59,6 +67,7 @@ if not hasattr(np, "row_stack"):
 from numba import config, cuda, int32, int64, uint32, uint64  # noqa: E402
 
 from . import bitfloat
+from . import format as _fmt
 
 SIM = bool(config.ENABLE_CUDASIM)
 _u = uint64                      # index cast: no wraparound code (module docstring)
@@ -89,17 +98,22 @@ RAW, NOSIGN, SIGNPLANE = 0, 1, 2
 FULL_MASK = 0xFFFFFFFF
 FLAG_SHIFT = 62                  # k_scan: per-entry flag bit above the count
 COUNT_MASK = (1 << FLAG_SHIFT) - 1
-# Look-back descriptors (int64): state in bits 61-62, count below.
+# Look-back descriptors (int64): state in bits 61-62, the nosign flag (a stored value
+# has its sign bit set: this tile's, or any up to it once inclusive) in bit 60, count below.
 LB_SHIFT = 61
-LB_COUNT = (1 << LB_SHIFT) - 1
+LB_NEG = 1 << 60
+LB_COUNT = LB_NEG - 1
 LB_AGG = 1 << LB_SHIFT           # the tile's own count is published
 LB_INCL = 2 << LB_SHIFT          # the count up to and including the tile is published
-SCRATCH_HEAD = 2                 # int64 slots before the descriptors: ticket, status OR
+SCRATCH_HEAD = 2                 # int64 slots before the descriptors: ticket, unused
+LB_WINDOWS = 8                   # look-back: 32-descriptor windows per lane and round trip
 MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED = 0, 1, 2, 3
-# Pack tiles wait per block (barriers, look-back): cap registers so six 256-thread
-# blocks share an SM; the relu modes' float squares need more registers, four blocks
-# (as the CuPy pack gives them fewer). The simulator takes no such option.
-PACK_JIT = {m: {} if SIM else {"launch_bounds": (NT, 4 if m in (MODE_RELU, MODE_RELU2) else 6)}
+# Pack tiles wait per block (barriers, look-back): cap registers so five 256-thread
+# blocks share an SM (48 registers: a thread keeps its 64 bytes of elements in 16
+# of them across the rank scan; at six blocks' 40 they spill); the relu modes'
+# float squares need more registers, four blocks (as the CuPy pack gives them
+# fewer). The simulator takes no such option.
+PACK_JIT = {m: {} if SIM else {"launch_bounds": (NT, 4 if m in (MODE_RELU, MODE_RELU2) else 5)}
             for m in (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)}
 
 # ----------------------------------------------------------------------------
@@ -121,6 +135,18 @@ if SIM:
                 r |= ((int(x) >> (8 * sel)) & 0xFF) << (8 * k)
         return np.uint32(r)
 
+    def _prmt2(x, y, s):
+        """PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x)."""
+        xy = int(x) | (int(y) << 32)
+        r = 0
+        for k in range(4):
+            r |= ((xy >> (8 * ((int(s) >> (4 * k)) & 7))) & 0xFF) << (8 * k)
+        return np.uint32(r)
+
+    def _mul32(a, b):
+        """The low 32 bits of a * b (NumPy's uint32 product warns on the wrap)."""
+        return np.uint32((int(a) * int(b)) & 0xFFFFFFFF)
+
     @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):
         # Shared-memory stand-in for the shuffle scan (the simulator has no shuffles).
@@ -140,6 +166,20 @@ if SIM:
         s = sh_lane[t - lane + 31]
         cuda.syncthreads()
         return s
+
+    @cuda.jit(device=True)
+    def _warp_excl_scan(v, lane, t, sh_lane):
+        # The pack's packed-field scan: the sum of the lanes before, wrapped to
+        # int64 as the GPU's arithmetic wraps (the fields themselves never carry).
+        sh_lane[t] = v
+        cuda.syncthreads()
+        s = 0
+        for q in range(t - lane, t):
+            s += int(sh_lane[q])
+        cuda.syncthreads()
+        return np.array([s & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64).view(np.int64)[0]
+
+    _warp_excl_scan64 = _warp_excl_scan
 else:
     from numba.cuda import libdevice
 
@@ -155,6 +195,41 @@ else:
     def _prmt(x, s):
         """PRMT with y = 0: byte k of the result is byte (s >> 4k) & 7 of (0:x)."""
         return uint32(libdevice.byte_perm(int32(x), int32(0), int32(s)))
+
+    @cuda.jit(device=True)
+    def _prmt2(x, y, s):
+        """PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x)."""
+        return uint32(libdevice.byte_perm(int32(x), int32(y), int32(s)))
+
+    @cuda.jit(device=True)
+    def _mul32(a, b):
+        """The low 32 bits of a * b."""
+        return uint32(uint32(a) * uint32(b))
+
+    @cuda.jit(device=True)
+    def _warp_excl_scan(v, lane, t, sh_lane):
+        """The pack's exclusive scan of four 8-bit count fields (32-bit shuffles;
+        a full top field wraps out of the inclusive sum, not out of the result)."""
+        x = int32(v)
+        d = 1
+        while d < 32:
+            y = cuda.shfl_up_sync(FULL_MASK, x, d)
+            if lane >= d:
+                x = int32(x + y)
+            d *= 2
+        return int32(x - int32(v))
+
+    @cuda.jit(device=True)
+    def _warp_excl_scan64(v, lane, t, sh_lane):
+        """The same for eight fields (the fp8 pack's rounds), in 64 bits."""
+        x = int64(v)
+        d = 1
+        while d < 32:
+            y = cuda.shfl_up_sync(FULL_MASK, x, d)
+            if lane >= d:
+                x += y
+            d *= 2
+        return x - int64(v)
 
     @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):
@@ -298,116 +373,93 @@ def _rd64(a, i):
     return cuda.atomic.add(a, i, int64(0))
 
 
-@cuda.jit(device=True)
-def _rd32(a, i):
-    return int64(cuda.atomic.add(a, i, uint32(0)))
-
-
-@cuda.jit(device=True)
-def _cat(abits, alen, bbits, blen):
-    """The last <= 32 bits of stream A followed by stream B. A stream piece is
-    (bits, length), its earliest bit in bit 0 (the streams are LSB-first)."""
-    if blen >= 32:
-        return bbits, int64(32)
-    total = alen + blen
-    keep = total
-    if keep > 32:
-        keep = 32
-    bits = (abits | (bbits << alen)) >> (total - keep)
-    return bits & ((int64(1) << keep) - 1), keep
-
-
-@cuda.jit(device=True)
-def _fold(f, j, tails, width, signs, acc, mb, ml, sb, sl):
-    """Prepend predecessor j (descriptor f) to the look-back sums: its count, and
-    the stream bits it ends with while fewer than 32 are known."""
-    st = f >> LB_SHIFT
-    c = f & LB_COUNT
-    if j >= 0 and width > 0:
-        base = j * 4
-        if st == 2:
-            base += 2
-        if ml < 32:
-            tl = c * width
-            if tl > 32:
-                tl = 32
-            mb, ml = _cat(_rd32(tails, base), tl, mb, ml)
-        if signs and sl < 32:
-            tl = c
-            if tl > 32:
-                tl = 32
-            sb, sl = _cat(_rd32(tails, base + 1), tl, sb, sl)
-    return acc + c, mb, ml, sb, sl, st == 2
-
-
 if SIM:
+    def _make_lookback(windows):
+        return _lb_load, _lookback
+
     @cuda.jit(device=True)
-    def _lookback(desc, tails, tile, width, signs, lane, sh_f, sh_i):
-        """(values before ``tile``, last value-stream bits, last sign bits) in lane 0.
+    def _lb_load(desc, tile, lane, f):
+        pass
+
+    @cuda.jit(device=True)
+    def _lookback(desc, tile, lane, f):
+        """(values before ``tile``, OR of their nosign flags) in lane 0.
         Simulator: one thread walks back (blocks run in order there)."""
         acc = int64(0)
-        mb = int64(0)
-        ml = int64(0)
-        sb = int64(0)
-        sl = int64(0)
+        neg = int64(0)
         if lane == 0:
             j = tile - 1
             while j >= 0:
-                f = _rd64(desc, SCRATCH_HEAD + j)
-                while (f >> LB_SHIFT) == 0:
-                    f = _rd64(desc, SCRATCH_HEAD + j)
-                acc, mb, ml, sb, sl, done = _fold(f, j, tails, width, signs, acc, mb, ml, sb, sl)
-                if done:
+                d = _rd64(desc, SCRATCH_HEAD + j)
+                while (d >> LB_SHIFT) == 0:
+                    d = _rd64(desc, SCRATCH_HEAD + j)
+                acc += d & LB_COUNT
+                neg |= d & LB_NEG
+                if (d >> LB_SHIFT) == 2:
                     break
                 j -= 1
-        return acc, mb, sb
+        return acc, int64(neg != 0)
 else:
-    @cuda.jit(device=True)
-    def _lookback(desc, tails, tile, width, signs, lane, sh_f, sh_i):
-        """(values before ``tile``, last value-stream bits, last sign bits) in lane 0.
-        Warp 0 reads 32 predecessors per step and waits until all are published;
-        their counts up to the first inclusive one are summed across the warp, and
-        lane 0 folds stream tails, nearest first, only while fewer than 32 bits
-        are known (one predecessor almost always has enough)."""
-        acc = int64(0)
-        mb = int64(0)
-        ml = int64(0)
-        sb = int64(0)
-        sl = int64(0)
-        base = tile - 1
-        while True:
-            j = base - lane
-            f = int64(LB_INCL)
-            if j >= 0:
-                f = _rd64(desc, SCRATCH_HEAD + j)
-            while cuda.any_sync(FULL_MASK, (f >> LB_SHIFT) == 0):
-                if (f >> LB_SHIFT) == 0:
-                    f = _rd64(desc, SCRATCH_HEAD + j)
-            incl = int64(cuda.ballot_sync(FULL_MASK, (f >> LB_SHIFT) == 2))
-            first = 32
-            if incl != 0:
-                first = cuda.popc(int32((incl & -incl) - 1))   # index of the lowest set bit
-            c = int64(0)
-            if lane <= first:
-                c = f & LB_COUNT
-            o = 16
-            while o > 0:
-                c += cuda.shfl_xor_sync(FULL_MASK, c, o)
-                o >>= 1
-            acc += c
-            sh_f[lane] = f
-            cuda.syncwarp(FULL_MASK)
-            if lane == 0 and width > 0:
-                q = 0
-                while q < 32 and q <= first and (ml < 32 or (signs and sl < 32)):
-                    _, mb, ml, sb, sl, _ = _fold(sh_f[q], base - q, tails, width, signs,
-                                                 int64(0), mb, ml, sb, sl)
-                    q += 1
-            cuda.syncwarp(FULL_MASK)
-            if incl != 0:
-                break
-            base -= 32
-        return acc, mb, sb
+    @functools.lru_cache(maxsize=None)
+    def _make_lookback(windows):
+        """Warp 0's look-back, reading ``windows`` windows of 32 descriptors per
+        round trip (LB_WINDOWS unless a variant asks otherwise)."""
+        @cuda.jit(device=True)
+        def _lb_load(desc, tile, lane, f):
+            """Issue the reads of the ``windows`` nearest windows: f[q] of lane l is the
+            descriptor of tile - 1 - l - 32 q (tiles before 0 read as an inclusive 0)."""
+            for q in range(windows):
+                j = tile - 1 - lane - 32 * q
+                d = int64(LB_INCL)
+                if j >= 0:
+                    d = _rd64(desc, SCRATCH_HEAD + j)
+                f[q] = d
+
+        @cuda.jit(device=True)
+        def _lookback(desc, tile, lane, f):
+            """(values before ``tile``, OR of their nosign flags) in every lane of warp 0,
+            from the windows _lb_load issued into f. Nearest window first: wait until
+            its descriptors are published, sum their counts up to the nearest
+            inclusive one (aggregates in 32 bits with the flags in bits 24.., the
+            inclusive count by a shuffle); with none there, the next window, and past
+            the last one the next ``windows`` are read (one round trip)."""
+            acc = int64(0)
+            neg = int32(0)
+            base = tile - 1
+            while True:
+                done = False
+                for q in range(windows):
+                    if not done:
+                        j = base - lane - 32 * q
+                        d = f[q]
+                        while cuda.any_sync(FULL_MASK, (d >> LB_SHIFT) == 0):
+                            if (d >> LB_SHIFT) == 0:
+                                d = _rd64(desc, SCRATCH_HEAD + j)
+                        incl = int64(cuda.ballot_sync(FULL_MASK, (d >> LB_SHIFT) == 2))
+                        first = 32
+                        if incl != 0:                                # the nearest inclusive one
+                            first = cuda.popc(int32((incl & -incl) - 1))
+                        c = int32(0)
+                        if lane < first:
+                            c = int32(d & LB_COUNT)                  # an aggregate: one tile's count
+                        if lane <= first and (d & LB_NEG) != 0:
+                            c |= int32(1 << 24)
+                        o = 16
+                        while o > 0:
+                            c = int32(c + cuda.shfl_xor_sync(FULL_MASK, c, o))
+                            o >>= 1
+                        acc += int64(c & 0xFFFFFF)
+                        neg |= c >> 24
+                        if incl != 0:
+                            acc += cuda.shfl_sync(FULL_MASK, d, first) & LB_COUNT
+                            done = True
+                if done:
+                    break
+                base -= 32 * windows
+                _lb_load(desc, base + 1, lane, f)
+            return acc, int64(neg != 0)
+
+        return _lb_load, _lookback
 
 
 @cuda.jit
@@ -478,10 +530,26 @@ def k_mask_count(mask, ngroups, cnt):
 # ----------------------------------------------------------------------------
 # Per-dtype kernels
 # ----------------------------------------------------------------------------
+def pack_rounds_for(bits: int, sim: bool = SIM) -> int:
+    """Groups of 8 elements per pack thread: 64 bytes on a GPU (bf16 4, fp8 8,
+    fp32 2), 2 under the simulator (its tiles stay at 1024 elements)."""
+    return 2 if sim else 64 // bits
+
+
 class DtypeKernels:
     """The kernels of one element type, compiled on first launch."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, pack_rounds: int | None = None, pack_blocks: int | None = None,
+                 lb_windows: int = LB_WINDOWS, lb_early: bool = False, ticket: bool = True):
+        """Pack variants (for tests and A/B timings; the defaults are the committed
+        choices): ``pack_rounds`` groups of 8 elements per pack thread instead of
+        the target's (the simulator tests run the GPU's this way); ``pack_blocks``
+        the blocks per SM the plain and masked pack's launch bounds ask for
+        (default 5); ``lb_windows`` the look-back's windows per round trip;
+        ``lb_early``: publish the count and issue the look-back's reads before
+        staging, not after; ``ticket=False``: a block's tile is its block index
+        (no atomic ticket and no barrier before the loads; forward progress then
+        rests on blocks being dispatched in index order, as CUB's scans assume)."""
         bits = bitfloat.FORMATS[name][0]
         self.name = name
         self.bits = bits
@@ -513,12 +581,6 @@ class DtypeKernels:
                         v[j] = int64(xe[_u(e)])
                     else:
                         v[j] = 0
-
-        @cuda.jit(device=True)
-        def relu(x):
-            if is_pos(x) or is_nan(x):
-                return x
-            return int64(0)
 
         @cuda.jit(device=True)
         def square(r):
@@ -588,62 +650,97 @@ class DtypeKernels:
                 code |= ((int64(sw_s[sbit >> 5]) >> (sbit & 31)) & 1) << (BITS - 1)
             return code
 
-        def make_tail(width, sign_plane):
-            """The tail of one stream of the tile's staged values: the value codes
-            (``width`` bits each) or the sign bits (width 1)."""
-            @cuda.jit(device=True)
-            def code_of(x):
-                if sign_plane:
-                    return x >> (BITS - 1)
-                return x & WMASK
-
-            @cuda.jit(device=True)
-            def tail(sv, n):
-                """The last min(32, n*width) bits of the tile's stream, and how many."""
-                L = n * width
-                if L > 32:
-                    L = 32
-                if L == 0:
-                    return int64(0), int64(0)
-                b = n * width - L
-                i = b // width
-                word = int64(0)
-                while i < n:
-                    pos = i * width - b
-                    code = code_of(int64(sv[i]))
-                    if pos >= 0:
-                        word |= code << pos
-                    else:
-                        word |= code >> (-pos)
-                    i += 1
-                return word & ((int64(1) << L) - 1), L
-            return tail
-
-        tail_values = make_tail(W, False)
-        tail_signs = make_tail(1, True)
-
         # Pack stages the tile's stored values in order (STAGE_W words of shared
         # memory), then turns each run of 32 into W stream words with constant
         # shifts (CuPy's bs_pack_group) while warp 0 looks back, and finally
-        # writes the stream words, each a funnel shift of two tile words by the
-        # tile's bit offset (no per-word gather, no division).
-        STAGE_W = TILE * BITS // 32 + BITS          # + a partial run's words
-        A_W = (TILE // 32 + 1) * W + 1              # the tile's stream, whole runs
-        SG_W = TILE // 32 + 2                       # its sign bits
-        XV_N = 8 * G                                # a thread's elements
+        # writes the stream words that lie wholly inside the tile's bit range,
+        # each a funnel shift of two tile words (no per-word gather, no
+        # division). The words shared by two tiles (and the stream's last,
+        # partly filled word) are written by k_finish from every tile's edge
+        # record: its first and last 32 stored bits (CuPy's bitsparse_stitch).
+        #
+        # Pack tiles have their own size (PTILE; unpack keeps TILE): a thread holds
+        # PR groups of 8 elements, 64 bytes (bf16 / fp16: 4 groups, 8192 elements
+        # per tile; fp8: 8 groups, 16384; fp32: 2 groups, 4096), as 64-bit words in
+        # registers. Warp w owns groups w*PSEG .. (w+1)*PSEG - 1 of the tile; round r
+        # of lane l is group w*PSEG + r*32 + l, so every round's loads are coalesced
+        # and a warp's groups are contiguous: a group's rank is the warp's offset
+        # plus one packed warp scan of the PR rounds' counts (8-bit fields: an
+        # exclusive prefix of 31 lanes is at most 248). The simulator runs PR = 2
+        # (1024-element tiles of 64 threads, as the unpack's).
+        PR = pack_rounds or pack_rounds_for(bits)
+        PSEG = 32 * PR                              # groups per warp
+        PGPT = NW * PSEG                            # groups per tile
+        PTILE = 8 * PGPT
+        PTILE_LOG2 = PTILE.bit_length() - 1
+        PMB = (PR + 3) // 4                         # mask bytes, 4 rounds per uint32
+        PXW = PR * ITEM                             # a thread's elements, in uint64 words
+        assert PR in (1, 2, 4, 8) and PTILE == 1 << PTILE_LOG2
+        # Chunk starts (>= 512 elements = 64 groups) fall on lane 0 of even rounds.
+        assert _fmt.MIN_CHUNK_LOG2 >= 9 and PSEG % 64 == 0
+        pk_excl = _warp_excl_scan if PR <= 4 else _warp_excl_scan64
+        PKT = int32 if PR <= 4 else int64           # the packed counts' type
+        self.ptile, self.ptile_log2 = PTILE, PTILE_LOG2
+        pack_jit = PACK_JIT
+        if pack_blocks and not SIM:
+            pack_jit = {m: {"launch_bounds": (NT, min(4, pack_blocks) if m in (MODE_RELU, MODE_RELU2)
+                                              else pack_blocks)} for m in PACK_JIT}
+        LBW = lb_windows
+        lb_load, lookback = _make_lookback(LBW)
+        STAGE_W = PTILE * BITS // 32 + BITS         # + a partial run's words
+        A_W = (PTILE // 32 + 1) * W + 1             # the tile's stream, whole runs
+        SG_W = PTILE // 32 + 2                      # its sign bits
+        PCNT_N = 2 * NW                             # per warp: lane 31's packed prefix, counts
+        PRS_N = NW * PR                             # lane 0's group ranks (chunk offsets)
         SIGN_ALL = sum(SIGN << (j * BITS) for j in range(PER_WORD))   # a uint64's sign bits
+
+        # relu of the 32 / BITS elements of a 32-bit word at once: an element with
+        # its sign bit set becomes zero unless it is a NaN (relu keeps NaNs), i.e.
+        # unless its low BITS-1 bits exceed NAN_GT (a carry into the sign position).
+        _, _E, _M, _style = bitfloat.FORMATS[name]
+        NAN_GT = ((1 << _E) - 1) << _M                     # +inf: larger magnitudes are NaNs
+        if _style == "fn":
+            NAN_GT = (((1 << _E) - 1) << _M | ((1 << _M) - 1)) - 1   # e4m3fn: only 0x7f
+        LANE_LOW = sum((SIGN - 1) << (k * BITS) for k in range(GE))
+        LANE_HIGH = sum(SIGN << (k * BITS) for k in range(GE))
+        LANE_ADD = sum((SIGN - 1 - NAN_GT) << (k * BITS) for k in range(GE))
+        LANE_ONE = sum(1 << (k * BITS) for k in range(GE))
+
+        @cuda.jit(device=True)
+        def relu_word(w):
+            """relu of each element of the 32-bit word w (an int64 < 2**32)."""
+            nan = ((w & LANE_LOW) + LANE_ADD) & LANE_HIGH
+            kill = (w & LANE_HIGH) & ~nan
+            return w & ~(((kill >> (BITS - 1)) & LANE_ONE) * EMASK)
 
         @cuda.jit(device=True)
         def word_nonzero(w):
             """Nonzero bits of the 32 / BITS elements of a 32-bit word, element k -> bit k
             (a carry out of the low BITS-1 bits, OR the lane's sign bit)."""
+            w = uint32(w)                    # 32-bit arithmetic throughout
             if BITS == 32:
-                return int64(w != 0)
+                return int32(w != 0)
             if BITS == 16:
-                nz = (((w & 0x7FFF7FFF) + 0x7FFF7FFF) | w) & 0x80008000
-                return ((nz >> 15) & 1) | (nz >> 30)
-            nz = (((w & 0x7F7F7F7F) + 0x7F7F7F7F) | w) & 0x80808080
-            return (((nz >> 7) * 0x00204081) >> 21) & 0xF    # bits 0, 8, 16, 24 -> 21..24
+                nz = uint32((((w & 0x7FFF7FFF) + 0x7FFF7FFF) | w) & 0x80008000)
+                return int32(((nz >> 15) & 1) | (nz >> 30))
+            nz = uint32((((w & 0x7F7F7F7F) + 0x7F7F7F7F) | w) & 0x80808080)
+            # bits 7, 15, 23, 31 -> 21..24 (the low 32 bits of the product suffice)
+            return int32(_mul32(nz >> 7, 0x00204081) >> 21) & 0xF
+
+        @cuda.jit(device=True)
+        def pair_nonzero(w):
+            """Nonzero bits of the PER_WORD elements of a uint64 word w (an int64),
+            element k -> bit k. bf16 / fp16: each half's lane flags (bits 15, 31) are
+            gathered into one word by a byte permute (bits 7, 15, 23, 31) and
+            compressed by a multiply, 9 instructions for 4 elements."""
+            lo = uint32(w & FULL_MASK)
+            hi = uint32((w >> 32) & FULL_MASK)
+            if BITS == 16:
+                nz0 = uint32((((lo & 0x7FFF7FFF) + 0x7FFF7FFF) | lo) & 0x80008000)
+                nz1 = uint32((((hi & 0x7FFF7FFF) + 0x7FFF7FFF) | hi) & 0x80008000)
+                g = _prmt2(nz0, nz1, 0x7531)
+                return int32(_mul32(g, 0x00204081) >> 28)
+            return word_nonzero(lo) | (word_nonzero(hi) << GE)
 
         @cuda.jit(device=True)
         def pack_run(stage_w, q, a_s, s_sg, signs):
@@ -670,191 +767,256 @@ class DtypeKernels:
                 s_sg[_u(q)] = sg
 
         @cuda.jit(device=True)
-        def copy_stream(out, tw, t, P, a, e, pred, width, final):
-            """Write the stream words of bits [a*width, e*width) the tile owns: those
-            whose last bit it holds, and with ``final`` the stream's last partial
-            word. tw: the tile's stream from bit P*width (a = P unless clipped to
-            the capacity, and then nothing is written); pred: the last
-            min(32, P*width) stream bits before it, its earliest bit in bit 0."""
+        def copy_inner(out, tw, t, a, e, width):
+            """Write the stream words wholly inside bits [a*width, e*width): tw is the
+            tile's stream from bit a*width (LSB-first words)."""
             B0 = a * width
-            B1 = e * width
-            w_lo = B0 >> 5
-            w_end = B1 >> 5
-            base = B0 & 31
-            tailb = B1 & 31
-            last = w_end - 1
-            if final and tailb != 0:
-                last = w_end
-            pl = P * width
-            if pl > 32:
-                pl = 32
-            top = uint64(0)                 # pred with its last bit in bit 31
-            if pl > 0:
-                top = (uint64(pred) << uint64(32 - pl)) & uint64(FULL_MASK)
-            k = int64(t)
-            while w_lo + k <= last:
-                lo = top
-                if k > 0:
-                    lo = uint64(tw[_u(k - 1)])
-                word = (((uint64(tw[_u(k)]) << uint64(32)) | lo) << uint64(base)) >> uint64(32)
-                if w_lo + k == w_end:
-                    word &= (uint64(1) << uint64(tailb)) - uint64(1)   # past the stream: padding
-                if w_lo + k < out.size:
-                    out[_u(w_lo + k)] = word
-                k += NT
+            k0 = (B0 + 31) >> 5
+            k1 = (e * width) >> 5
+            if k1 > out.size:
+                k1 = out.size
+            off = uint64((k0 << 5) - B0)                 # < 32: word i is tw bits off + 32 i ..
+            i = int64(t)
+            while k0 + i < k1:
+                pair = (uint64(tw[_u(i + 1)]) << uint64(32)) | uint64(tw[_u(i)])
+                out[_u(k0 + i)] = (pair >> off) & uint64(FULL_MASK)
+                i += NT
+
+        @cuda.jit(device=True)
+        def stream_edges(tw, L):
+            """The first and the last 32 of the L bits of a tile's stream tw (zero past
+            L; the last ones top-aligned, i.e. their last bit in bit 31)."""
+            if L == 0:
+                return int64(0), int64(0)
+            w0 = int64(tw[0])
+            if L < 32:
+                return w0 & ((int64(1) << L) - 1), (w0 << (32 - L)) & FULL_MASK
+            p = L - 32
+            k = p >> 5
+            pair = (uint64(tw[_u(k + 1)]) << uint64(32)) | uint64(tw[_u(k)])
+            return w0, int64((pair >> uint64(p & 31)) & uint64(FULL_MASK))
+
+        @cuda.jit(device=True)
+        def stitch_word(out, starts, edges, n_tiles, cap, i, width, col):
+            """Write the stream word holding the first stored bit of tile i (i =
+            n_tiles: the stored end) when that bit is not word-aligned and no earlier
+            tile starts inside the same word: the bits of tile i - 1 in it (its
+            edge record's last bits), then those of tiles i, i+1, ... that start in
+            it before the stored end (their first bits; zero past each tile's end).
+            col: the edge record's column pair (0 values, 2 signs)."""
+            end = starts[n_tiles]
+            if end > cap:
+                end = cap
+            s = starts[i]
+            if s > cap:
+                s = cap
+            b0 = s * width
+            lo = (b0 >> 5) << 5
+            if b0 == lo:
+                return
+            sp = starts[i - 1]                           # i >= 1: tile 0 starts at bit 0
+            if sp > cap:
+                sp = cap
+            if sp * width > lo:
+                return
+            word = int64(edges[_u((i - 1) * 4 + col + 1)]) >> (32 - (b0 - lo))
+            k = i
+            while k < n_tiles:
+                fk = starts[k]
+                if fk > cap:
+                    fk = cap
+                if fk >= end or fk * width >= lo + 32:
+                    break
+                word |= (int64(edges[_u(k * 4 + col)]) << (fk * width - lo)) & FULL_MASK
+                k += 1
+            if (b0 >> 5) < out.size:
+                out[_u(b0 >> 5)] = word
+
+        @cuda.jit(device=True)
+        def publish(desc, tile, n, neg, t):
+            """Thread 0: the tile's count in one 8-byte descriptor, with its nosign flag
+            (inclusive for tile 0)."""
+            if t == 0:
+                d = n
+                if neg != 0:
+                    d |= LB_NEG
+                if tile == 0:
+                    cuda.atomic.exch(desc, SCRATCH_HEAD, int64(LB_INCL) | d)
+                else:
+                    cuda.atomic.exch(desc, SCRATCH_HEAD + tile, int64(LB_AGG) | d)
 
         def make_pack(mode, enc):
             """The pack kernel of one mode and encoding (both compile-time constants,
             so the other modes' code and the run-time encoding tests drop out)."""
             SIGNS = enc == SIGNPLANE
 
-            @cuda.jit(**PACK_JIT[mode])
+            @cuda.jit(**pack_jit[mode])
             def k_pack(xe, x64, use64, numel, ye, y64, ouse64, msrc, cap, incl_every,
-                       mask, offsets, chunk_log2, vt, vw, sw, scratch, tails, stat):
+                       mask, offsets, chunk_log2, vt, vw, sw, scratch, starts, edges, stat):
                 """One-pass pack. mode 0: x's nonzeros; 1: relu(x)'s, writing y = relu(x);
                 2: the same with y = relu(x)**2; 3 (masked_pack): x at the set bits of the
                 mask plane ``msrc`` (mask and offsets are then shared, not written).
-                ``scratch`` (int64, zeroed): ticket, status OR, one descriptor per tile;
-                ``tails`` (uint32): 4 per tile; ``stat`` (int64): status word, total count.
-                ``incl_every`` > 1 makes only every such tile publish its inclusive count
-                (tests use it to make the look-back walk)."""
+                ``scratch`` (int64, zeroed): ticket, unused, one descriptor per tile;
+                ``starts`` (int64): each tile's first value index, then the total;
+                ``edges`` (uint32): 4 per tile (k_finish); ``stat`` (int64): status
+                word, total count. ``incl_every`` > 1 makes only every such tile publish
+                its inclusive count (tests use it to make the look-back walk)."""
                 t = cuda.threadIdx.x
+                lane = t & 31
+                warp = t >> 5
                 n_tiles = int64(cuda.gridDim.x)
                 stage_w = cuda.shared.array(STAGE_W, uint32)
                 sv = stage_w.view(ENP)                       # the tile's values, compacted
                 a_s = cuda.shared.array(A_W, uint32)
                 s_sg = cuda.shared.array(SG_W, uint32)
-                sh_byte = cuda.shared.array(GPT, int32)
-                sh_rank = cuda.shared.array(GPT, int32)
                 sh_tot = cuda.shared.array(NW, int32)
+                sh_cnt = cuda.shared.array(PCNT_N, int64)   # lane 31's packed prefix and counts
+                sh_rs = cuda.shared.array(PRS_N, int32)   # lane 0's group ranks
                 sh_lane = cuda.shared.array(LANE_N, int64)
-                sh_f = cuda.shared.array(32, int64)
-                sh_i = cuda.shared.array(2, int32)
-                sh_p = cuda.shared.array(4, int64)
-                v = cuda.local.array(8, int64)
-                xv = cuda.local.array(XV_N, uint32)         # the elements, kept in registers
-                sq = cuda.local.array(8, int64)
-                if t == 0:
-                    sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
-                    sh_i[1] = 0
-                cuda.syncthreads()
-                tile = sh_p[0]
+                sh_p = cuda.shared.array(2, int64)
+                xw = cuda.local.array(PXW, int64)           # the elements, kept in registers
+                mb = cuda.local.array(PMB, int32)           # their mask bytes, 4 per word
+                lbf = cuda.local.array(LBW, int64)          # warp 0: look-back descriptors
+                if ticket:
+                    if t == 0:
+                        sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
+                    cuda.syncthreads()
+                    tile = sh_p[0]
+                else:
+                    tile = int64(cuda.blockIdx.x)
                 ngroups = (numel + 7) >> 3
+                g0 = tile * PGPT + warp * PSEG + lane        # this thread's group of round 0
+                # All loads first (a branch per round would expose each round's latency):
+                # whole uint64 words when the tile lies inside an aligned input, else
+                # element loads (elements past numel read as zero).
+                if use64 and (tile + 1) * PTILE <= numel:
+                    for r in range(PR):
+                        for q in range(ITEM):
+                            xw[r * ITEM + q] = int64(x64[_u((g0 + r * 32) * ITEM + q)])
+                else:
+                    for r in range(PR):
+                        for q in range(ITEM):
+                            w = int64(0)
+                            for j in range(PER_WORD):
+                                e = (g0 + r * 32) * 8 + q * PER_WORD + j
+                                if e < numel:
+                                    w |= int64(xe[_u(e)]) << (j * BITS)
+                            xw[r * ITEM + q] = w
                 neg = uint64(0)                              # OR of the stored patterns
-                for r in range(G):
-                    gi = r * NT + t
-                    g = tile * GPT + gi
-                    byte = int64(0)
-                    if g < ngroups:
-                        full = g * 8 + 8 <= numel
-                        if mode == MODE_PACK and use64 and full:
-                            for q in range(ITEM):
-                                w = int64(x64[_u(g * ITEM + q)])
-                                neg |= uint64(w)
-                                for h in range(2):
-                                    nz = word_nonzero((w >> (32 * h)) & FULL_MASK)
-                                    byte |= nz << (q * PER_WORD + h * GE)
-                                for j in range(PER_WORD):
-                                    v[q * PER_WORD + j] = (w >> (j * BITS)) & EMASK
-                        else:
-                            load_group(xe, x64, use64 and full, numel, g, v)
-                            if mode == MODE_MASKED:
-                                byte = int64(msrc[_u(g)])
-                            elif mode != MODE_PACK:
-                                for j in range(8):
-                                    v[j] = relu(v[j])
-                            for j in range(8):
-                                if mode == MODE_PACK:
-                                    neg |= uint64(v[j])
-                                if mode != MODE_MASKED and v[j] != 0:
-                                    byte |= 1 << j
-                            if mode == MODE_RELU:
-                                store_group(ye, y64, ouse64 and full, numel, g, v)
+                pk = PKT(0)                                  # round r's count in bits 8r..
+                for k in range(PMB):
+                    mb[k] = 0
+                for r in range(PR):
+                    g = g0 + r * 32
+                    byte = int32(0)
+                    if mode == MODE_PACK:
+                        for q in range(ITEM):
+                            w = xw[r * ITEM + q]
+                            neg |= uint64(w)                 # zeros have no sign bit
+                            byte |= pair_nonzero(w) << (q * PER_WORD)
+                    elif mode == MODE_MASKED:
+                        if g < ngroups:
+                            byte = int32(msrc[_u(g)])
+                        for j in range(8):
+                            if (byte >> j) & 1:
+                                neg |= uint64(xw[r * ITEM + j // PER_WORD] >> ((j % PER_WORD) * BITS))
+                    else:
+                        # relu per 32-bit word, y = relu(x) (or its square) stored per word.
+                        yfast = ouse64 and g * 8 + 8 <= numel
+                        for q in range(ITEM):
+                            w0 = xw[r * ITEM + q]
+                            w = relu_word(w0 & FULL_MASK) | (relu_word((w0 >> 32) & FULL_MASK) << 32)
+                            xw[r * ITEM + q] = w
+                            neg |= uint64(w)                 # a kept negative: a NaN
+                            byte |= pair_nonzero(w) << (q * PER_WORD)
+                            yw = w
                             if mode == MODE_RELU2:
-                                for j in range(8):
-                                    sq[j] = square(v[j])   # v keeps relu(x), the stored values
-                                store_group(ye, y64, ouse64 and full, numel, g, sq)
-                    for j in range(8):
-                        xv[r * 8 + j] = v[j]
-                    sh_byte[_u(gi)] = byte
-                cuda.syncthreads()
-                n = _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t)
-                for r in range(G):
-                    gi = r * NT + t
-                    g = tile * GPT + gi
-                    byte = sh_byte[_u(gi)]
-                    rk = sh_rank[_u(gi)]
+                                yw = int64(0)
+                                for j in range(PER_WORD):
+                                    yw |= square((w >> (j * BITS)) & EMASK) << (j * BITS)
+                            if g < ngroups:
+                                if yfast:
+                                    y64[_u(g * ITEM + q)] = yw
+                                else:
+                                    for j in range(PER_WORD):
+                                        e = g * 8 + q * PER_WORD + j
+                                        if e < numel:
+                                            ye[_u(e)] = (yw >> (j * BITS)) & EMASK
                     if g < ngroups and mode != MODE_MASKED:
                         mask[_u(g)] = byte
+                    mb[r >> 2] |= int32(byte) << (8 * (r & 3))
+                    pk += PKT(cuda.popc(int32(byte))) << PKT(8 * r)
+                negf = int32(enc == NOSIGN and (neg & uint64(SIGN_ALL)) != 0)
+
+                # Ranks: the packed rounds' counts scanned across the warp; lane 31's
+                # prefix and counts give the warp's round totals, sh_tot the warps'.
+                ex = pk_excl(pk, lane, t, sh_lane)          # fields of lanes before: <= 248
+                if lane == 31:
+                    tot = int32(0)
+                    for r in range(PR):
+                        tot += int32(((ex >> (8 * r)) & 0xFF) + ((pk >> (8 * r)) & 0xFF))
+                    sh_tot[warp] = tot
+                    sh_cnt[2 * warp] = ex
+                    sh_cnt[2 * warp + 1] = pk
+                negf = cuda.syncthreads_or(negf)             # any stored value with its sign set
+                before = int32(0)
+                n32 = int32(0)
+                for w in range(NW):
+                    tw = sh_tot[w]
+                    if w < warp:
+                        before = int32(before + tw)
+                    n32 = int32(n32 + tw)
+                n = int64(n32)
+                ex31 = sh_cnt[2 * warp]
+                pk31 = sh_cnt[2 * warp + 1]
+                if lb_early:
+                    publish(scratch, tile, n, negf, t)
+                    if t < 32 and tile > 0:
+                        lb_load(scratch, tile, lane, lbf)
+
+                # Stage the stored values in order.
+                for r in range(PR):
+                    rk = int32(before + ((ex >> (8 * r)) & 0xFF))
+                    before = int32(before + ((ex31 >> (8 * r)) & 0xFF) + ((pk31 >> (8 * r)) & 0xFF))
+                    if mode != MODE_MASKED and lane == 0:
+                        sh_rs[_u(warp * PR + r)] = rk              # round r's first rank
+                    byte = (mb[r >> 2] >> (8 * (r & 3))) & 0xFF
                     for j in range(8):
                         if (byte >> j) & 1:
-                            x = xv[r * 8 + j]
-                            sv[_u(rk)] = x
-                            if mode != MODE_PACK:
-                                neg |= uint64(x)
+                            sv[_u(rk)] = (xw[r * ITEM + j // PER_WORD] >> ((j % PER_WORD) * BITS)) & EMASK
                             rk += 1
-                if enc == NOSIGN and (neg & uint64(SIGN_ALL)) != 0:
-                    sh_i[1] = 1
+                if not lb_early:
+                    # Publish the count now (before staging, the extra live
+                    # registers spill the elements).
+                    publish(scratch, tile, n, negf, t)
                 cuda.syncthreads()
 
-                # Warp 0: publish this tile's count, find its offset, publish the
-                # inclusive count. The other warps meanwhile build the tile's stream.
-                width = int64(0)
-                if enc != RAW:
-                    width = int64(W)
-                lm = int64(0)
-                ll = int64(0)
-                ls = int64(0)
-                P = int64(0)
-                pm = int64(0)
-                ps = int64(0)
+                # Warp 0: the tile's offset from the look-back, then its inclusive
+                # count and its start (for k_finish). The other warps meanwhile
+                # build the tile's stream.
                 if t < 32:
-                    if t == 0:
-                        if width > 0:
-                            lm, ll = tail_values(sv, n)
-                        if SIGNS:
-                            ls, _ = tail_signs(sv, n)
-                        tails[tile * 4] = lm
-                        tails[tile * 4 + 1] = ls
-                        if tile == 0:
-                            tails[2] = lm
-                            tails[3] = ls
-                        if sh_i[1] != 0:
-                            cuda.atomic.or_(scratch, 1, int64(1))
-                        cuda.threadfence()
-                        if tile == 0:
-                            cuda.atomic.exch(scratch, SCRATCH_HEAD, int64(LB_INCL) | n)
-                        else:
-                            cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_AGG) | n)
+                    P = int64(0)
+                    pneg = int64(0)
                     if tile > 0:
-                        P, pm, ps = _lookback(scratch, tails, tile, width, SIGNS, t, sh_f, sh_i)
+                        if not lb_early:
+                            lb_load(scratch, tile, lane, lbf)
+                        P, pneg = lookback(scratch, tile, lane, lbf)
                     if t == 0:
+                        if negf != 0:
+                            pneg = int64(1)
                         if tile > 0 and tile % incl_every == 0:
-                            pl = P * width
-                            if pl > 32:
-                                pl = 32
-                            im, _ = _cat(pm, pl, lm, ll)
-                            pl = P
-                            if pl > 32:
-                                pl = 32
-                            nl = n
-                            if nl > 32:
-                                nl = 32
-                            isg, _ = _cat(ps, pl, ls, nl)
-                            tails[tile * 4 + 2] = im
-                            tails[tile * 4 + 3] = isg
-                            cuda.threadfence()
-                            cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, int64(LB_INCL) | (P + n))
+                            d = int64(LB_INCL) | (P + n)
+                            if pneg != 0:
+                                d |= LB_NEG
+                            cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, d)
+                        starts[tile] = P
                         if tile == n_tiles - 1:
-                            # Every predecessor OR-ed its status before publishing its count.
-                            cuda.threadfence()
-                            stat[0] = _rd64(scratch, 1)
+                            starts[n_tiles] = P + n
+                            stat[0] = pneg
                             stat[1] = P + n
                             if mode != MODE_MASKED:
                                 offsets[offsets.size - 1] = P + n
                         sh_p[1] = P
-                        sh_p[2] = pm
-                        sh_p[3] = ps
                 elif enc != RAW:
                     q = int64(t - 32)
                     while q * 32 < n:
@@ -862,55 +1024,74 @@ class DtypeKernels:
                         q += NT - 32
                 cuda.syncthreads()
                 P = sh_p[1]
-                pm = sh_p[2]
-                ps = sh_p[3]
 
-                if mode != MODE_MASKED:
-                    for r in range(G):
-                        gi = r * NT + t
-                        g = tile * GPT + gi
-                        if g < ngroups and ((g << 3) & ((int64(1) << chunk_log2) - 1)) == 0:
-                            offsets[_u((g << 3) >> chunk_log2)] = P + sh_rank[_u(gi)]
+                if mode != MODE_MASKED and lane == 0:
+                    # The chunks starting in the warp's segment (each at a round's
+                    # first element, see PSEG): a loop over them, not over the rounds.
+                    s0 = (tile * PGPT + warp * PSEG) * 8
+                    s1 = s0 + PSEG * 8
+                    if s1 > numel:
+                        s1 = numel
+                    c = (s0 + (int64(1) << chunk_log2) - 1) >> chunk_log2
+                    while (c << chunk_log2) < s1:
+                        offsets[_u(c)] = P + sh_rs[_u(warp * PR + (((c << chunk_log2) - s0) >> 8))]
+                        c += 1
+                # The stored values, clipped to the capacity.
                 a = P
                 if a > cap:
                     a = cap
                 e = P + n
                 if e > cap:
                     e = cap
-                final = (P < cap and P + n >= cap) or (tile == n_tiles - 1 and P + n < cap)
                 if enc == RAW:
                     i = int64(t)
                     while P + i < e:
                         vt[_u(P + i)] = int64(sv[_u(i)])
                         i += NT
                 else:
-                    copy_stream(vw, a_s, t, P, a, e, pm, W, final)
+                    copy_inner(vw, a_s, t, a, e, W)
                     if SIGNS:
-                        copy_stream(sw, s_sg, t, P, a, e, ps, 1, final)
+                        copy_inner(sw, s_sg, t, a, e, 1)
+                    if t == 0:
+                        ef, el = stream_edges(a_s, (e - a) * W)
+                        edges[_u(tile * 4)] = ef
+                        edges[_u(tile * 4 + 1)] = el
+                        if SIGNS:
+                            ef, el = stream_edges(s_sg, e - a)
+                            edges[_u(tile * 4 + 2)] = ef
+                            edges[_u(tile * 4 + 3)] = el
             return k_pack
 
         @cuda.jit
-        def k_zero_tail(stat, cap, enc, vt, vw, sw):
-            """Fixed capacity: zero what lies past the stored values (count from ``stat``)."""
-            stored = stat[1]
-            if stored > cap:
-                stored = cap
+        def k_finish(starts, edges, n_tiles, stat, cap, enc, zero, vt, vw, sw):
+            """After a pack: thread i <= n_tiles writes the stream word that tile i
+            starts inside (see stitch_word; none for raw values); with ``zero``
+            (fixed capacity), the grid then zeroes what lies past the stored values
+            (count from ``stat``)."""
             i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
             step = int64(cuda.gridDim.x) * cuda.blockDim.x
-            if enc == RAW:
-                e = stored + i
-                while e < cap:
-                    vt[e] = 0
-                    e += step
-            else:
-                k = ((stored * W + 31) >> 5) + i
-                while k < vw.size:
-                    vw[k] = 0
-                    k += step
-                k = ((stored + 31) >> 5) + i
-                while k < sw.size:
-                    sw[k] = 0
-                    k += step
+            if enc != RAW and i <= n_tiles:
+                stitch_word(vw, starts, edges, n_tiles, cap, i, W, 0)
+                if enc == SIGNPLANE:
+                    stitch_word(sw, starts, edges, n_tiles, cap, i, 1, 2)
+            if zero:
+                stored = stat[1]
+                if stored > cap:
+                    stored = cap
+                if enc == RAW:
+                    e = stored + i
+                    while e < cap:
+                        vt[e] = 0
+                        e += step
+                else:
+                    k = ((stored * W + 31) >> 5) + i
+                    while k < vw.size:
+                        vw[k] = 0
+                        k += step
+                    k = ((stored + 31) >> 5) + i
+                    while k < sw.size:
+                        sw[k] = 0
+                        k += step
 
         # Unpack: one kernel per (op, encoding), in the CuPy backend's per-word
         # form. The tile's value range [P, Pe) comes from the tile-offset array at
@@ -1300,7 +1481,7 @@ class DtypeKernels:
 
         self.pack = {(m, e): make_pack(m, e) for m in (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)
                      for e in (RAW, NOSIGN, SIGNPLANE)}
-        self.zero_tail = k_zero_tail
+        self.finish = k_finish
         self.unpack = {(op, e): make_unpack(op, e) for op in (0, 1) for e in (RAW, NOSIGN, SIGNPLANE)}
         self.gated = k_gated
         self.relu_backward = k_relu_backward

@@ -117,17 +117,63 @@ def test_fixed_capacity_no_sync_and_overflow(rng, dt):
 
 @pytest.mark.parametrize("dt", DT_PARAMS)
 def test_lookback_walks_many_windows(rng, dt, monkeypatch):
-    """Only every 100th tile publishes its inclusive count, so look-backs walk over
-    several 32-tile windows of concurrent predecessors; sparse and empty tiles make
-    the stream tails chain."""
-    monkeypatch.setattr(BE, "incl_every", 100)
-    n = 300 * NK.TILE + 123
+    """Only every 700th tile publishes its inclusive count, so look-backs walk over
+    many 32-tile windows of concurrent predecessors, past the 8 windows one round
+    trip reads (NK.LB_WINDOWS); sparse and empty tiles share stream words."""
+    monkeypatch.setattr(BE, "incl_every", 700)
+    T = NK.kernels_for(dt.name).ptile            # the pack's tile
+    n = 1500 * T + 123
     x = random_bits(rng, (n,), dt, 0.999)
-    x.view(dt.uint)[5 * NK.TILE:9 * NK.TILE] = 0
+    x.view(dt.uint)[5 * T:9 * T] = 0
     for enc in ("nosign", "signplane"):
         xx = x if enc != "nosign" else _unsigned(x, dt)
         p = BE.pack(dev(xx), dtype=dt.name, encoding=enc, chunk_log2=9)
         assert_same(p, reference.pack_array(xx, dt, enc, chunk_log2=9), f"walk {enc}")
+
+
+@pytest.mark.parametrize("dt", DT_PARAMS)
+def test_stitch_tiles_sharing_words(rng, dt):
+    """Pack tiles holding 0-3 values (and runs of empty ones), so that several tiles
+    start inside one stream word and many words are written by the stitch step
+    (k_finish) from the tiles' edge records, with tiles really concurrent; exact and
+    capacities ending inside such a word."""
+    T = NK.kernels_for(dt.name).ptile
+    n_t = 700
+    x = np.zeros(n_t * T + 77, dtype=dt.numpy)
+    xb = x.view(dt.uint)
+    counts = rng.integers(0, 4, size=n_t)
+    counts[100:140] = 0                          # a run of empty tiles
+    for k in range(n_t):
+        pos = rng.choice(T, size=counts[k], replace=False)
+        xb[k * T + pos] = rng.integers(1, 1 << dt.bits, size=pos.size)
+    nnz = int(np.count_nonzero(xb))
+    for enc in ("raw", "nosign", "signplane"):
+        xx = x if enc != "nosign" else _unsigned(x, dt)
+        n = int(np.count_nonzero(xx.view(dt.uint)))
+        for cap in (None, n - 1, n // 2 + 1, 5):
+            p = BE.pack(dev(xx), dtype=dt.name, encoding=enc, capacity=cap, chunk_log2=9)
+            assert_same(p, reference.pack_array(xx, dt, enc, capacity=cap, chunk_log2=9),
+                        f"stitch {enc} cap={cap}")
+    assert nnz > 0
+
+
+@pytest.mark.parametrize("dt", [_group(_dt.BFLOAT16), _group(_dt.FLOAT8_E4M3FN)])
+def test_nosign_flag_travels_the_look_back(rng, dt, monkeypatch):
+    """A sign bit in an early tile of many: the flag reaches the status word through
+    the look-back descriptors (inclusive ones, or aggregates when most tiles
+    publish none)."""
+    T = NK.kernels_for(dt.name).ptile
+    x = random_bits(rng, (300 * T + 5,), dt, 0.9, signs=False)
+    for incl_every in (1, 7):
+        monkeypatch.setattr(BE, "incl_every", incl_every)
+        for where in (3 * T + 11, 150 * T):
+            xx = x.copy()
+            xx.view(dt.uint)[where] = dt.sign_mask | 1
+            p = BE.pack(dev(xx), dtype=dt.name, encoding="nosign", capacity=xx.size)
+            with pytest.raises(EncodingError):
+                p.check()
+        p = BE.pack(dev(x), dtype=dt.name, encoding="nosign", capacity=x.size)
+        p.check()
 
 
 @pytest.mark.parametrize("dt", [_group(_dt.BFLOAT16), _group(_dt.FLOAT8_E4M3FN)])

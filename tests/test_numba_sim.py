@@ -346,17 +346,79 @@ else:
     @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT32, D.FLOAT8_E4M3FN], ids=IDS)
     def test_lookback_walks_aggregates(dtype, monkeypatch):
         """Tiles that publish only their own count make later tiles' look-back walk
-        back over several predecessors, concatenating their stream tails (in the
-        simulator blocks run in order, so otherwise the nearest one is always done).
-        Some tiles hold fewer than 32 stream bits, so tails must be chained."""
+        back over several predecessors, summing their counts (in the simulator
+        blocks run in order, so otherwise the nearest one is always done). Some
+        tiles hold fewer than 32 stream bits, so several tiles share a stream word."""
         monkeypatch.setattr(BE, "incl_every", 3)
         rng = _rng("walk", dtype.name)
-        x = random_tensor(rng, (5 * NK.TILE + 7,), dtype, 0.5)
+        T = NK.kernels_for(dtype.name).ptile         # the pack's tile
+        x = random_tensor(rng, (5 * T + 7,), dtype, 0.5)
         xb = x.view(dtype.uint)
-        xb[NK.TILE:2 * NK.TILE] = 0                  # an empty tile
-        xb[2 * NK.TILE:3 * NK.TILE - 1] = 0          # one value in this tile
-        xb[3 * NK.TILE:4 * NK.TILE - 2] = 0          # two in this one
+        xb[T:2 * T] = 0                              # an empty tile
+        xb[2 * T:3 * T - 1] = 0                      # one value in this tile
+        xb[3 * T:4 * T - 2] = 0                      # two in this one
         for enc in ("raw", "signplane"):
             for cap in (None, int(np.count_nonzero(xb)) - 3):
                 p = BE.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
                 _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
+
+    @pytest.mark.parametrize("dtype,encodings,variant", [
+        (D.FLOAT8_E4M3FN, ("nosign", "signplane"), {}),
+        (D.BFLOAT16, ("raw", "nosign"), {"lb_early": True, "ticket": False})], ids=str)
+    def test_pack_gpu_rounds(dtype, encodings, variant, monkeypatch):
+        """The pack with the GPU's groups per thread (fp8: 8, a 64-bit packed scan;
+        bf16: 4) instead of the simulator's 2, over a few of its larger tiles:
+        a sparse and an empty tile, then one whose first warp holds only nonzeros
+        (every round's 8-bit count field full, the top one wrapping), exact and
+        fixed capacity. bf16 also runs two variants of the A/B knobs (the count
+        published before staging, tiles by block index)."""
+        kern = NK.DtypeKernels(dtype.name, NK.pack_rounds_for(dtype.bits, sim=False), **variant)
+        monkeypatch.setattr(NK, "kernels_for", lambda name: kern)
+        T = kern.ptile
+        rng = _rng("gpurounds", dtype.name)
+        x = random_tensor(rng, (2 * T + 3 * T // 4 + 5,), dtype, 0.9, signed=False)
+        xb = x.view(dtype.uint)
+        xb[T:2 * T] = 0
+        xb[2 * T:2 * T + T // 2 + 3] |= 1
+        for i, enc in enumerate(encodings):
+            nnz = int(np.count_nonzero(xb))
+            cap = None if i == 0 else nnz - 50
+            p = BE.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
+            _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
+
+    def test_stitch_tiles_sharing_words():
+        """Tiles holding 0-3 values, so that several tiles start inside one stream word
+        (fp8: 7-bit codes; the sign plane: 1 bit per value): k_finish writes those
+        words from the tiles' edge records. Exact, and capacities ending inside a
+        word several tiles share."""
+        dtype = D.FLOAT8_E4M3FN
+        T = NK.kernels_for(dtype.name).ptile
+        rng = _rng("stitch")
+        x = np.zeros(11 * T + 5, dtype=dtype.numpy)
+        xb = x.view(dtype.uint)
+        for k in range(11):
+            pos = rng.choice(T, size=(0, 1, 2, 3, 1, 0, 0, 2, 3, 1, 1)[k], replace=False)
+            xb[k * T + pos] = rng.integers(1, 256, size=pos.size)
+        xb[-1] = 0x85
+        nnz = int(np.count_nonzero(xb))
+        for cap in (None, nnz - 1, 9):
+            p = BE.pack(x, encoding="signplane", chunk_log2=9, capacity=cap)
+            _assert_planes(p, R.pack_array(x, dtype, "signplane", chunk_log2=9, capacity=cap))
+
+    @pytest.mark.parametrize("incl_every", [1, 2])
+    def test_nosign_flag_travels_the_look_back(incl_every, monkeypatch):
+        """A sign bit in the first of three tiles: the flag reaches the status word
+        through the descriptors (the first tile's inclusive one, or the second's
+        aggregate when it publishes no inclusive count)."""
+        monkeypatch.setattr(BE, "incl_every", incl_every)
+        dtype = D.BFLOAT16
+        T = NK.kernels_for(dtype.name).ptile
+        x = random_tensor(_rng("negflag"), (2 * T + 100,), dtype, 0.7, signed=False)
+        x.view(dtype.uint)[17] = dtype.sign_mask | 5
+        p = BE.pack(x, encoding="nosign", chunk_log2=9, capacity=x.size)
+        assert BE.read_status(p) & 1
+        with pytest.raises(EncodingError):
+            p.check()
+        x.view(dtype.uint)[17] = 5
+        p = BE.pack(x, encoding="nosign", chunk_log2=9, capacity=x.size)
+        assert BE.read_status(p) == 0

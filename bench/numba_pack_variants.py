@@ -1,0 +1,64 @@
+"""Fixed-capacity pack timings of Numba pack variants, within one device call.
+
+    python3 bench/numba_pack_variants.py "" pack_blocks=6 lb_early=1 lb_windows=4,lb_early=1
+
+Each argument is one variant: ``DtypeKernels`` keywords (``pack_rounds``,
+``pack_blocks``, ``lb_windows``, ``lb_early``; see numba_kernels), "" for the
+committed kernels. bf16 and fp8 e4m3fn at sparsity 0.5 and 0.9, 2^27 elements,
+encoding nosign, median of 10 CUDA-event timings as in bench_codecs.py (so the
+pack and its k_finish launch are timed together). Every variant's planes are
+compared byte for byte with the committed kernels' (``same`` column); the GPU
+tests check the committed kernels against the reference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import cupy  # noqa: E402
+import torch  # noqa: E402
+
+import bitsparse_core as bc  # noqa: E402
+from bitsparse_core import numba_kernels as NK  # noqa: E402
+from bench_codecs import Timer, relu_like  # noqa: E402
+
+PLANES = ("mask", "offsets", "values", "signs")
+
+
+def main() -> None:
+    variants = sys.argv[1:] or [""]
+    committed = NK.kernels_for
+    stream = torch.cuda.Stream()
+    timer = Timer(torch, stream, 10)
+    for dname, tdtype in (("bfloat16", torch.bfloat16), ("float8_e4m3fn", torch.float8_e4m3fn)):
+        for sp in (0.5, 0.9):
+            x = relu_like(torch, 1 << 27, sp, tdtype, seed=int(sp * 1000))
+            nnz = int(torch.count_nonzero(x.view(torch.uint8 if x.element_size() == 1 else torch.int16)))
+
+            def pack():
+                return bc.pack(x, encoding="nosign", capacity=nnz, backend="numba", stream=stream)
+
+            NK.kernels_for = committed
+            ref = pack()
+            stream.synchronize()
+            for v in variants:
+                kw = {k: int(val) for k, val in (item.split("=") for item in v.split(",") if item)}
+                kern = NK.DtypeKernels(dname, **kw) if kw else committed(dname)
+                NK.kernels_for = lambda name, kern=kern: kern
+                try:
+                    p = pack()
+                    stream.synchronize()
+                    same = all(bool(cupy.array_equal(getattr(p, n), getattr(ref, n))) for n in PLANES)
+                    ms = timer(pack)
+                finally:
+                    NK.kernels_for = committed
+                print(f"{v or '(committed)':32s} {dname:14s} s={sp} pack fixed {ms * 1e3:7.1f} us"
+                      f"  same={same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
