@@ -1146,15 +1146,14 @@ class DtypeKernels:
 
         @cuda.jit(device=True)
         def plane_pair(b8, w32, nbytes, fast, k, sh):
-            """Bits [32 k + sh, 32 k + sh + 32) of a plane (sh taken mod 32); ``fast``:
-            both words exist."""
+            """Bits [32 k + sh, 32 k + sh + 32) of a plane (sh < 32)."""
             if fast:
-                lo = w32[k]
-                hi = w32[k + uint64(1)]
+                lo = uint64(w32[_u(k)])
+                hi = uint64(w32[_u(k + 1)])
             else:
-                lo = uint32(_load_word(b8, w32, nbytes, int64(k)))
-                hi = uint32(_load_word(b8, w32, nbytes, int64(k) + 1))
-            return _funnel_r(lo, hi, sh)
+                lo = uint64(_load_word(b8, w32, nbytes, k))
+                hi = uint64(_load_word(b8, w32, nbytes, k + 1))
+            return uint32((((hi << uint64(32)) | lo) >> uint64(sh)) & FULL_MASK)
 
         @cuda.jit(device=True)
         def expand_word(vals, j, s):
@@ -1175,7 +1174,6 @@ class DtypeKernels:
             VALS_W = UT * BITS // 32 + 4     # decoded words (+ guards for the pair reads)
             assert UR in (1, 2, 4)
             GE_LOG2 = GE.bit_length() - 1
-            assert (UNT * WG) % 32 == 0 and (UNT * GE) % 32 == 0
 
             @cuda.jit(device=True)
             def spread(c):
@@ -1190,9 +1188,9 @@ class DtypeKernels:
                 return (y & 0x007F007F) | ((y << 1) & 0x7F007F00)
 
             @cuda.jit(device=True)
-            def row_bits(mask, g, guard, ngroups):
-                """The mask bits of the row starting at group g; with ``guard``, 0 past
-                the end."""
+            def row_bits(mask, e0, guard, ngroups):
+                """The mask bits of the row at element e0; with ``guard``, 0 past the end."""
+                g = e0 >> 3
                 b = uint32(0)
                 for h in range(UMB):
                     if guard:
@@ -1310,21 +1308,20 @@ class DtypeKernels:
                 b1 = uint32(0)
                 b2 = uint32(0)
                 b3 = uint32(0)
-                g0 = row0 >> 3                   # rows are whole groups: one base
                 if tfull:
-                    b0 = row_bits(mask, g0, False, ngroups)
+                    b0 = row_bits(mask, row0, False, ngroups)
                     if UR > 1:
-                        b1 = row_bits(mask, g0 + URS // 8, False, ngroups)
+                        b1 = row_bits(mask, row0 + URS, False, ngroups)
                     if UR > 2:
-                        b2 = row_bits(mask, g0 + 2 * (URS // 8), False, ngroups)
-                        b3 = row_bits(mask, g0 + 3 * (URS // 8), False, ngroups)
+                        b2 = row_bits(mask, row0 + 2 * URS, False, ngroups)
+                        b3 = row_bits(mask, row0 + 3 * URS, False, ngroups)
                 else:
-                    b0 = row_bits(mask, g0, True, ngroups)
+                    b0 = row_bits(mask, row0, True, ngroups)
                     if UR > 1:
-                        b1 = row_bits(mask, g0 + URS // 8, True, ngroups)
+                        b1 = row_bits(mask, row0 + URS, True, ngroups)
                     if UR > 2:
-                        b2 = row_bits(mask, g0 + 2 * (URS // 8), True, ngroups)
-                        b3 = row_bits(mask, g0 + 3 * (URS // 8), True, ngroups)
+                        b2 = row_bits(mask, row0 + 2 * URS, True, ngroups)
+                        b3 = row_bits(mask, row0 + 3 * URS, True, ngroups)
 
                 # The tile's stored values, GE per shared word.
                 words = (n + GE - 1) >> GE_LOG2
@@ -1335,26 +1332,15 @@ class DtypeKernels:
                 s0 = off >> 5
                 ssh = off & 31
                 sfast = s0 + ((ssh + words * GE) >> 5) + 2 <= sw.size
-                # A thread's words lie UNT * WG bits apart, a whole number of stream
-                # words: its shift stays, its word index steps by a constant (so the
-                # loads are constant offsets from one address). Tile-relative bit
-                # positions fit 32 bits (a tile holds < 2**27 stream bits).
-                words32 = uint32(words)
-                q = uint32(t)
-                rel = uint32(uint32(sh0) + q * uint32(WG))
-                kv = uint64(w0) + uint64(rel >> uint32(5))
-                rs = uint32(uint32(ssh) + q * uint32(GE))
-                ks = uint64(s0) + uint64(rs >> uint32(5))
-                qs = int64(t)                    # q as a 64-bit index: constant store offsets
-                while q < words32:
-                    c = spread(plane_pair(vb, vw, nvb, fast, kv, rel))
+                q = int64(t)
+                while q < words:
+                    rel = sh0 + q * WG
+                    c = spread(plane_pair(vb, vw, nvb, fast, w0 + (rel >> 5), rel & 31))
                     if enc == SIGNPLANE:
-                        c |= spread_signs(plane_pair(sb, sw, nsb, sfast, ks, rs))
-                    vals[_u(qs)] = c
-                    q = uint32(q + uint32(UNT))
-                    qs += UNT
-                    kv += uint64(UNT * WG // 32)
-                    ks += uint64(UNT * GE // 32)
+                        rs = ssh + q * GE
+                        c |= spread_signs(plane_pair(sb, sw, nsb, sfast, s0 + (rs >> 5), rs & 31))
+                    vals[_u(q)] = c
+                    q += UNT
 
                 # Ranks within the warp (rounds in order), then the warps before this one.
                 st0, st1, acc = scan_pair(int32(0), b0, b1, UR > 1, UR > 1, lane, t, sh_lane)
