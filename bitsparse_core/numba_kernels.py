@@ -248,72 +248,6 @@ else:
         return cuda.shfl_sync(FULL_MASK, int32(v), 31)
 
 
-# ----------------------------------------------------------------------------
-# Unpack's word primitives. On the GPU one PTX instruction each (inline PTX):
-# libdevice's byte_perm masks its selector with 0x7777 (an instruction per
-# call), and a funnel shift written with 64-bit shifts needs its amount masked
-# to 0..31 first (SHF.R.W wraps it). Without Numba's intrinsic API, the portable
-# forms; under the simulator, Python.
-# ----------------------------------------------------------------------------
-if SIM:
-    def _prmt_xy(x, y, s):
-        """PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x) (selector
-        nibbles below 8: no sign replication)."""
-        xy = (int(y) << 32) | int(x)
-        r = 0
-        for k in range(4):
-            r |= ((xy >> (8 * ((int(s) >> (4 * k)) & 7))) & 0xFF) << (8 * k)
-        return np.uint32(r)
-
-    def _funnel_r(lo, hi, sh):
-        """The low 32 bits of (hi:lo) >> (sh & 31)."""
-        return np.uint32((((int(hi) << 32) | int(lo)) >> (int(sh) & 31)) & 0xFFFFFFFF)
-else:
-    try:
-        from numba.cuda.extending import intrinsic as _intrinsic
-    except ImportError:                     # numba-cuda before its own extending module
-        try:
-            from numba.core.extending import intrinsic as _intrinsic
-        except ImportError:
-            _intrinsic = None
-    if _intrinsic is not None:
-        from llvmlite import ir as _ir
-
-        def _ptx3(text):
-            """(x, y, z: uint32) -> uint32 computed by one PTX instruction."""
-            @_intrinsic
-            def op(typingctx, x, y, z):
-                def codegen(context, builder, sig, args):
-                    i32 = _ir.IntType(32)
-                    asm = _ir.InlineAsm(_ir.FunctionType(i32, [i32, i32, i32]), text, "=r,r,r,r")
-                    return builder.call(asm, args)
-                return uint32(uint32, uint32, uint32), codegen
-            return op
-
-        _prmt_asm = _ptx3("prmt.b32 $0, $1, $2, $3;")
-        _shf_asm = _ptx3("shf.r.wrap.b32 $0, $1, $2, $3;")
-
-        @cuda.jit(device=True)
-        def _prmt_xy(x, y, s):
-            """PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x) (selector
-            nibbles below 8: no sign replication)."""
-            return _prmt_asm(uint32(x), uint32(y), uint32(s))
-
-        @cuda.jit(device=True)
-        def _funnel_r(lo, hi, sh):
-            """The low 32 bits of (hi:lo) >> (sh & 31)."""
-            return _shf_asm(uint32(lo), uint32(hi), uint32(sh))
-    else:
-        @cuda.jit(device=True)
-        def _prmt_xy(x, y, s):
-            return uint32(libdevice.byte_perm(int32(x), int32(y), int32(s)))
-
-        @cuda.jit(device=True)
-        def _funnel_r(lo, hi, sh):
-            return uint32((((uint64(hi) << uint64(32)) | uint64(lo)) >> uint64(sh & 31))
-                          & FULL_MASK)
-
-
 @cuda.jit(device=True)
 def _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t):
     """sh_rank[gi] = nonzeros of the tile before group gi (gi = r*NT + t, the tile's
@@ -1159,10 +1093,11 @@ class DtypeKernels:
         def expand_word(vals, j, s):
             """An output word (GE = 2 or 4 elements) whose first set element takes
             stored value j of the tile; s: the PRMT selector of its mask bits."""
-            byte = uint32(j * (BITS // 8))
-            k = byte >> uint32(2)
-            src = _funnel_r(vals[_u(k)], vals[_u(k + uint32(1))], uint32(byte * uint32(8)))
-            return _prmt_xy(src, uint32(0), s)
+            byte = j * (BITS // 8)
+            k = byte >> 2
+            pair = (uint64(vals[_u(k + 1)]) << uint64(32)) | uint64(vals[_u(k)])
+            src = uint32((pair >> uint64((byte & 3) * 8)) & FULL_MASK)
+            return _prmt(src, s)
 
         def make_unpack(op, enc):
             WD = BITS if enc == RAW else W
