@@ -1057,17 +1057,6 @@ class DtypeKernels:
                     byte = k * (BITS // 8) + q if (mb >> p) & 1 else 4
                     SEL[mb] |= byte << (4 * (p * (BITS // 8) + q))
                 k += (mb >> p) & 1
-        # The same per mask byte: the selectors of the byte's 8 / GE words, 16 bits
-        # each (PRMT reads a selector's low 16 bits only), so one constant load
-        # serves two fp8 or four 16-bit words.
-        WPB = 8 // GE                    # output words per mask byte
-        SELB = np.zeros(256, dtype=np.uint32 if BITS == 8 else np.uint64)
-        if BITS < 32:
-            for byte in range(256):
-                e = 0
-                for k in range(WPB):
-                    e |= int(SEL[(byte >> (k * GE)) & ((1 << GE) - 1)]) << (16 * k)
-                SELB[byte] = e
 
         @cuda.jit(device=True)
         def spread_signs(s):
@@ -1090,14 +1079,16 @@ class DtypeKernels:
             return uint32((((hi << uint64(32)) | lo) >> uint64(sh)) & FULL_MASK)
 
         @cuda.jit(device=True)
-        def expand_word(vals, j, s):
-            """An output word (GE = 2 or 4 elements) whose first set element takes
-            stored value j of the tile; s: the PRMT selector of its mask bits."""
+        def expand_word(vals, sel, j, mb):
+            """The GE elements of an output word with mask bits mb, whose first set
+            element takes stored value j of the tile."""
+            if BITS == 32:
+                return vals[_u(j)] if mb != 0 else uint32(0)
             byte = j * (BITS // 8)
             k = byte >> 2
             pair = (uint64(vals[_u(k + 1)]) << uint64(32)) | uint64(vals[_u(k)])
             src = uint32((pair >> uint64((byte & 3) * 8)) & FULL_MASK)
-            return _prmt(src, s)
+            return _prmt(src, sel[mb])
 
         def make_unpack(op, enc):
             WD = BITS if enc == RAW else W
@@ -1135,56 +1126,36 @@ class DtypeKernels:
                         b = uint32(b | (uint32(mask[_u(g + h)]) << uint32(8 * h)))
                 return b
 
-            def make_emit(FAST):
-                """The row writer; FAST (plain unpack of a whole tile, aligned output)
-                has no bounds tests and stores whole 64-bit words."""
-                @cuda.jit(device=True)
-                def emit_row(vals, sel, o, v, gv, b, j, e0, numel, ge, g64, guse64,
-                             oe, o64, ouse64):
-                    """Expand and store the row at element e0 with mask bits b, whose
-                    first set element takes stored value j of the tile."""
-                    if FAST or e0 < numel:
-                        # Word m's first value: j plus the row's set bits before it;
-                        # its selector: one constant load per mask byte.
+            @cuda.jit(device=True)
+            def emit_row(vals, sel, o, v, gv, b, j, e0, tfull, numel, ge, g64, guse64,
+                         oe, o64, ouse64):
+                """Expand and store the row at element e0 with mask bits b, whose first
+                set element takes stored value j of the tile."""
+                if tfull or e0 < numel:
+                    for m in range(OW):
+                        mb = uint32((b >> uint32(m * GE)) & uint32((1 << GE) - 1))
+                        o[m] = expand_word(vals, sel, j, mb)
+                        j = int32(j + cuda.popc(mb))
+                    full = tfull or e0 + UV <= numel
+                    if op == 0 and ouse64 and full:
+                        for p in range(OW // 2):
+                            pair = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
+                            o64[_u(e0 * BITS // 64 + p)] = pair
+                    else:
                         for h in range(UMB):
-                            byte = uint32((b >> uint32(8 * h)) & uint32(0xFF))
-                            ts = sel[_u(byte)]
-                            for k in range(WPB):
-                                m = h * WPB + k
-                                jm = j
-                                if m > 0:
-                                    jm = int32(j + cuda.popc(b & uint32((1 << (m * GE)) - 1)))
-                                if BITS == 32:
-                                    if (byte >> uint32(k)) & uint32(1):
-                                        o[m] = vals[_u(jm)]
-                                    else:
-                                        o[m] = uint32(0)
-                                else:
-                                    o[m] = expand_word(vals, jm, uint32(ts >> (16 * k)))
-                        if op == 0 and (FAST or (ouse64 and e0 + UV <= numel)):
-                            for p in range(OW // 2):
-                                pair = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
-                                o64[_u(((e0 * ITEM) >> 3) + p)] = pair
-                        else:
-                            for h in range(UMB):
-                                g = (e0 >> 3) + h
+                            g = (e0 >> 3) + h
+                            for i in range(8):
+                                e = 8 * h + i
+                                v[i] = int64(o[e // GE] >> ((e % GE) * BITS)) & EMASK
+                            if op == 1:
+                                load_group(ge, g64, guse64 and g * 8 + 8 <= numel, numel, g, gv)
                                 for i in range(8):
-                                    e = 8 * h + i
-                                    v[i] = int64(o[e // GE] >> ((e % GE) * BITS)) & EMASK
-                                if op == 1:
-                                    load_group(ge, g64, guse64 and g * 8 + 8 <= numel, numel, g, gv)
-                                    for i in range(8):
-                                        rj = v[i]
-                                        if is_pos(rj):
-                                            v[i] = narrow(fmul(widen(gv[i]), fmul(widen(rj), TWO)))
-                                        else:
-                                            v[i] = 0
-                                store_group(oe, o64, FAST or (ouse64 and g * 8 + 8 <= numel),
-                                            numel, g, v)
-                return emit_row
-
-            emit_row = make_emit(False)
-            emit_fast = make_emit(True)
+                                    rj = v[i]
+                                    if is_pos(rj):
+                                        v[i] = narrow(fmul(widen(gv[i]), fmul(widen(rj), TWO)))
+                                    else:
+                                        v[i] = 0
+                            store_group(oe, o64, ouse64 and g * 8 + 8 <= numel, numel, g, v)
 
             @cuda.jit(device=True)
             def scan_pair(acc, ba, bb, two, tot_needed, lane, t, sh_lane):
@@ -1223,7 +1194,7 @@ class DtypeKernels:
                 vals = cuda.shared.array(VALS_W, uint32)
                 sh_tot = cuda.shared.array(UNW, int32)
                 sh_lane = cuda.shared.array(ULANE_N, int32)
-                sel = cuda.const.array_like(SELB)
+                sel = cuda.const.array_like(SEL)
                 o = cuda.local.array(OW, uint32)
                 v = cuda.local.array(8, int64)
                 gv = cuda.local.array(8, int64)
@@ -1291,35 +1262,16 @@ class DtypeKernels:
                     if w < warp:
                         before = int32(before + sh_tot[w])
 
-                # Rows: a whole tile with aligned output takes the writer without
-                # bounds tests (plain unpack only: relu2_backward's float work
-                # dominates its rows, and a second copy of it only adds code).
-                j0 = int32(before + st0)
-                j1 = int32(before + st1)
-                j2 = int32(before + st2)
-                j3 = int32(before + st3)
-                if op == 0 and tfull and ouse64:
-                    emit_fast(vals, sel, o, v, gv, b0, j0, row0, numel, ge, g64, guse64,
-                              oe, o64, ouse64)
-                    if UR > 1:
-                        emit_fast(vals, sel, o, v, gv, b1, j1, row0 + URS, numel, ge, g64,
-                                  guse64, oe, o64, ouse64)
-                    if UR > 2:
-                        emit_fast(vals, sel, o, v, gv, b2, j2, row0 + 2 * URS, numel, ge, g64,
-                                  guse64, oe, o64, ouse64)
-                        emit_fast(vals, sel, o, v, gv, b3, j3, row0 + 3 * URS, numel, ge, g64,
-                                  guse64, oe, o64, ouse64)
-                else:
-                    emit_row(vals, sel, o, v, gv, b0, j0, row0, numel, ge, g64, guse64,
-                             oe, o64, ouse64)
-                    if UR > 1:
-                        emit_row(vals, sel, o, v, gv, b1, j1, row0 + URS, numel, ge, g64,
-                                 guse64, oe, o64, ouse64)
-                    if UR > 2:
-                        emit_row(vals, sel, o, v, gv, b2, j2, row0 + 2 * URS, numel, ge, g64,
-                                 guse64, oe, o64, ouse64)
-                        emit_row(vals, sel, o, v, gv, b3, j3, row0 + 3 * URS, numel, ge, g64,
-                                 guse64, oe, o64, ouse64)
+                emit_row(vals, sel, o, v, gv, b0, int32(before + st0), row0, tfull, numel,
+                         ge, g64, guse64, oe, o64, ouse64)
+                if UR > 1:
+                    emit_row(vals, sel, o, v, gv, b1, int32(before + st1), row0 + URS, tfull,
+                             numel, ge, g64, guse64, oe, o64, ouse64)
+                if UR > 2:
+                    emit_row(vals, sel, o, v, gv, b2, int32(before + st2), row0 + 2 * URS,
+                             tfull, numel, ge, g64, guse64, oe, o64, ouse64)
+                    emit_row(vals, sel, o, v, gv, b3, int32(before + st3), row0 + 3 * URS,
+                             tfull, numel, ge, g64, guse64, oe, o64, ouse64)
             return k_unpack
 
         @cuda.jit
