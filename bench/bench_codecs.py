@@ -276,7 +276,7 @@ def write_outputs(res, out_dir: Path):
              f"same run: **{bw:.0f} GB/s** (read + write; write-only fill: "
              f"{res.get('fill_bandwidth_Bps', 0) / 1e9:.0f} GB/s). Bytes moved = dense + packed_size(nnz). "
              f"Tile rounds (pack/unpack/fused): {res.get('rounds')}.",
-             "",
+             ""] + [n + "\n" for n in res.get("notes", [])] + [
              "| backend | dtype | sparsity | ratio | pack exact us | % copy | pack fixed us | % copy | "
              "unpack us | % copy | x nvCOMP pack (fixed) | x nvCOMP unpack |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
