@@ -11,7 +11,9 @@
 //   B1
 //   2. each lane builds its 16-byte output vector one word at a time: the
 //      word's mask bits pick a PRMT selector that drops the next stored values
-//      into their element slots (bs_expand_word).
+//      into their element slots (bs_expand_word); in a round where every lane
+//      of the warp holds only a few values, it scatters them into a zeroed
+//      shared slot instead (bs_scatter_vec).
 //
 // OP 0: unpack. OP 1: relu2_backward (2 r g where r > 0). OP 2: gated
 // backward with u packed under the same mask (its own encoding UENC). OP 3:
