@@ -300,14 +300,14 @@ class NumbaBackend:
         (``1 << tile_log2`` elements, a multiple of K.TILE) is
         array[(i << tile_log2) >> shift]; ``keep`` must outlive the queued kernels.
         When chunks are larger than the kernel's tile, the array holds the prefix
-        counts per K.TILE elements (the pack tile), which serves any larger tile."""
+        counts per K.TILE elements (k_mask_count's tile), which serves any larger tile."""
         lay = p.layout
         n_tiles = _ceil_div(p.numel, K.TILE)
         mask = P.view(P.import_plane(p.mask), 0, lay.mask[1], np.uint8)
         if p.chunk_log2 <= tile_log2:
             odt = np.dtype(f"<u{lay.offset_width}")
             return mask, P.view(P.import_plane(p.offsets), 0, lay.n_chunks + 1, odt), p.chunk_log2, None
-        # Chunks span several tiles: prefix-sum the mask's popcount per pack tile.
+        # Chunks span several tiles: prefix-sum the mask's popcount per K.TILE elements.
         scratch = P.alloc((n_tiles + 3) * 8, st, allocator)
         cnt = P.view(scratch, 0, n_tiles + 1, np.int64)
         info = P.view(scratch, (n_tiles + 1) * 8, 2, np.int64)
