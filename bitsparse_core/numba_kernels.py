@@ -88,7 +88,7 @@ ULANE_N = UNT if SIM else 1
 # Unpack tiles have their own size: UR rows of 16 bytes (fp32: 32) per thread, so an
 # unpack tile is UR * UNT * 16 bytes of output whatever the dtype (op 0: 4 rows, i.e.
 # 16384 fp8 / 8192 bf16 / 8192 fp32 elements on the GPU, as the CuPy unpack). The
-# relu2 backward op keeps the pack tile (TILE elements). Per dtype: DtypeKernels.utile_log2.
+# relu2 backward op keeps TILE elements. Per dtype: DtypeKernels.utile_log2.
 UNPACK_ROWS = 4
 # Unpack: six 256-thread blocks per SM (42 registers); the relu2 backward op's float
 # products need more registers, four blocks.
@@ -148,35 +148,32 @@ if SIM:
         return np.uint32((int(a) * int(b)) & 0xFFFFFFFF)
 
     @cuda.jit(device=True)
-    def _warp_incl_scan(v, lane, t, sh_lane):
-        # Shared-memory stand-in for the shuffle scan (the simulator has no shuffles).
+    def _warp_lanes(v, lane, t, sh_lane):
+        # Shared-memory stand-in for the warp intrinsics (the simulator has no
+        # shuffles): every lane publishes v and gets its warp's 32 values.
         sh_lane[t] = v
         cuda.syncthreads()
-        s = int64(0)
-        for q in range(t - lane, t + 1):
-            s += sh_lane[q]
+        vals = [sh_lane[q] for q in range(t - lane, t - lane + 32)]
         cuda.syncthreads()
+        return vals
+
+    @cuda.jit(device=True)
+    def _warp_incl_scan(v, lane, t, sh_lane):
+        s = int64(0)
+        for x in _warp_lanes(v, lane, t, sh_lane)[: lane + 1]:
+            s += x
         return s
 
     @cuda.jit(device=True)
     def _warp_last(v, lane, t, sh_lane):
-        # Shared-memory stand-in for the broadcast of lane 31's value.
-        sh_lane[t] = v
-        cuda.syncthreads()
-        s = sh_lane[t - lane + 31]
-        cuda.syncthreads()
-        return s
+        # The broadcast of lane 31's value.
+        return _warp_lanes(v, lane, t, sh_lane)[31]
 
     @cuda.jit(device=True)
     def _warp_excl_scan(v, lane, t, sh_lane):
         # The pack's packed-field scan: the sum of the lanes before, wrapped to
         # int64 as the GPU's arithmetic wraps (the fields themselves never carry).
-        sh_lane[t] = v
-        cuda.syncthreads()
-        s = 0
-        for q in range(t - lane, t):
-            s += int(sh_lane[q])
-        cuda.syncthreads()
+        s = sum(int(x) for x in _warp_lanes(v, lane, t, sh_lane)[:lane])
         return np.array([s & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64).view(np.int64)[0]
 
     _warp_excl_scan64 = _warp_excl_scan
@@ -1042,7 +1039,7 @@ class DtypeKernels:
         URS = 32 * UV                    # elements per warp round
         OW = UV * BITS // 32             # output words per row
         # Rows per thread and tile size (log2) per op: plain unpack UNPACK_ROWS rows,
-        # relu2 backward the pack tile.
+        # relu2 backward TILE elements.
         UR_OP = {0: UNPACK_ROWS, 1: max(1, TILE // (UV * UNT))}
         self.utile_log2 = {op: int(UR_OP[op] * UV * UNT).bit_length() - 1 for op in (0, 1)}
         for op in (0, 1):

@@ -208,11 +208,11 @@ def test_misaligned_input_and_out(rng):
 @pytest.mark.parametrize("dt", DT_PARAMS)
 def test_unpack_tiles_and_chunk_sizes(rng, dt):
     """Plain unpack tiles (``utile_log2[0]``: 16384 fp8 / 8192 others) are larger
-    than the pack tile (4096): tensors over many of them with an odd size (partial
-    last tile and row), empty and nearly empty tiles, chunks smaller than the pack
-    tile, equal to it, between it and the unpack tile (fp8), equal to the unpack
-    tile (offsets straight from the chunk table) and larger (the per-pack-tile
-    prefix); relu2_backward (pack-sized tiles) and a misaligned out= alongside."""
+    than ``TILE`` (4096): tensors over many of them with an odd size (partial last
+    tile and row), empty and nearly empty tiles, chunks smaller than ``TILE``,
+    equal to it, between it and the unpack tile (fp8), equal to the unpack tile
+    (offsets straight from the chunk table) and larger (the prefix counted per
+    ``TILE``); relu2_backward (``TILE``-sized tiles) and a misaligned out= alongside."""
     ul = NK.kernels_for(dt.name).utile_log2[0]
     ut = 1 << ul
     assert ut > NK.TILE

@@ -18,7 +18,8 @@ simulator path differs from the GPU path only in the warp scan and broadcast
 (shared memory instead of ``shfl_up_sync`` / ``shfl_sync``), the float32 bit
 casts and the byte permute (NumPy and a Python loop instead of libdevice) and
 the tile sizes (64 threads instead of 256: pack tiles of 1024 elements instead
-of 4096, unpack tiles of 4096 fp8 / 2048 others instead of 16384 / 8192).
+of 64 bytes per thread, i.e. 8192 bf16 / 16384 fp8; unpack tiles of 4096 fp8 /
+2048 others instead of 16384 / 8192; ``TILE`` 1024 instead of 4096).
 
 What only the GPU run covers (tests/test_gpu_numba.py): the shuffle scan, the
 libdevice casts and byte permute as compiled by NVVM, float32 products on the GPU's FPU
@@ -181,11 +182,11 @@ else:
         (D.BFLOAT16, 11), (D.FLOAT16, 12), (D.FLOAT32, 10)], ids=str)
     def test_unpack_tiles(dtype, chunk_log2):
         """Unpack tiles are UNPACK_ROWS rows per thread (simulator: 4096 fp8 / 2048
-        16- and 32-bit elements), larger than the pack tile: tensors over several of
+        16- and 32-bit elements), larger than ``TILE``: tensors over several of
         them with a partial last tile, one tile empty and one nearly so, chunks
-        smaller than the pack tile, between it and the unpack tile, equal to the
+        smaller than ``TILE``, between it and the unpack tile, equal to the
         unpack tile (tile offsets straight from the chunk offsets) and larger
-        (the per-pack-tile prefix); relu2_backward (pack-tile sized) alongside."""
+        (the prefix counted per ``TILE``); relu2_backward (``TILE``-sized) alongside."""
         ut = 1 << NK.kernels_for(dtype.name).utile_log2[0]
         assert ut > NK.TILE
         n = 2 * ut + 3 * 64 + 13
