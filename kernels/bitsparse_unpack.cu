@@ -28,6 +28,10 @@
 // values G*q .. G*q+G-1 of the tile). Values past n in the last word are junk
 // that no mask bit selects. Bit positions are tile-relative 32-bit numbers;
 // only a tile whose words reach the end of the plane takes the guarded loads.
+// `between` (work that needs no value, called once by every thread, outside
+// any branch that could diverge) runs after each thread's first stream loads
+// are issued, so that their round trip, which follows the one for P, overlaps
+// it; on the guarded path (the plane's last tiles) it runs after the decode.
 __device__ __forceinline__ u32 bs_plane_bits(const u8* plane, u64 len, u64 w0, bool fast, u32 rel) {
     const u32 k = rel >> 5;
     const u32* p = reinterpret_cast<const u32*>(plane) + w0;
@@ -36,9 +40,9 @@ __device__ __forceinline__ u32 bs_plane_bits(const u8* plane, u64 len, u64 w0, b
     return bs_funnel_r(lo, hi, rel & 31u);
 }
 
-template <int BITS, int ENC>
+template <int BITS, int ENC, typename F>
 __device__ __forceinline__ void bs_decode_tile(const u8* values, u64 vlen, const u8* signs, u64 slen,
-                                               u64 P, u32 n, u32* vals) {
+                                               u64 P, u32 n, u32* vals, F&& between) {
     const int W = ENC == 0 ? BITS : BITS - 1;
     const int G = 32 / BITS;
     const u32 words = (n + G - 1) / G;
@@ -53,7 +57,22 @@ __device__ __forceinline__ void bs_decode_tile(const u8* values, u64 vlen, const
         // Every word in range: 32-bit offsets from the tile's first word, no guards.
         const u32* vp = reinterpret_cast<const u32*>(values) + w0;
         const u32* sp = reinterpret_cast<const u32*>(signs) + s0;
-        for (u32 q = threadIdx.x; q < words; q += BS_THREADS) {
+        const u32 q0 = threadIdx.x, rel0 = sh0 + q0 * (u32)(G * W), srel0 = ssh + q0 * (u32)G;
+        // fp32 with a sign plane keeps the old order (ranks after the decode):
+        // its 8 rounds of ranks, live through the decode, would spill.
+        const bool hoist = !(BITS == 32 && ENC == 2);
+        u32 lo = 0, hi = 0, slo = 0, shi = 0;
+        if (q0 < words) {
+            lo = vp[rel0 >> 5]; hi = vp[(rel0 >> 5) + 1];
+            if (ENC == 2) { slo = sp[srel0 >> 5]; shi = sp[(srel0 >> 5) + 1]; }
+        }
+        if (hoist) between();
+        if (q0 < words) {
+            u32 v = bs_spread<BITS, W>(bs_funnel_r(lo, hi, rel0));
+            if (ENC == 2) v |= bs_spread_signs<BITS>(bs_funnel_r(slo, shi, srel0));
+            vals[q0] = v;
+        }
+        for (u32 q = q0 + BS_THREADS; q < words; q += BS_THREADS) {
             const u32 rel = sh0 + q * (u32)(G * W), k = rel >> 5;
             u32 v = bs_spread<BITS, W>(bs_funnel_r(vp[k], vp[k + 1], rel));   // shifts by rel % 32
             if (ENC == 2) {
@@ -62,6 +81,7 @@ __device__ __forceinline__ void bs_decode_tile(const u8* values, u64 vlen, const
             }
             vals[q] = v;
         }
+        if (!hoist) between();
         return;
     }
     for (u32 q = threadIdx.x; q < words; q += BS_THREADS) {
@@ -69,6 +89,7 @@ __device__ __forceinline__ void bs_decode_tile(const u8* values, u64 vlen, const
         if (ENC == 2) v |= bs_spread_signs<BITS>(bs_plane_bits(signs, slen, s0, sfast, ssh + q * (u32)G));
         vals[q] = v;
     }
+    between();
 }
 
 // The 16-byte vector of V elements with mask bits b whose first stored value
@@ -193,14 +214,18 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         }
         bits[r] = b;
     }
+    // Ranks of the mask bits while the first stream words are in flight.
+    u32 start[R];
+    auto rank = [&]() {
+        const u32 wtot = bs_scan_rounds<R>(bits, lane, start);
+        if (lane == 0) s_warp_tot[warp] = wtot;
+    };
     bs_decode_tile<BITS, ENC>(reinterpret_cast<const u8*>(values_ptr), values_len,
-                              reinterpret_cast<const u8*>(signs_ptr), signs_len, P, n, vals);
+                              reinterpret_cast<const u8*>(signs_ptr), signs_len, P, n, vals, rank);
     if (OP == BS_OP_GATED)
         bs_decode_tile<BITS, UENC>(reinterpret_cast<const u8*>(uvalues_ptr), uvalues_len,
-                                   reinterpret_cast<const u8*>(usigns_ptr), usigns_len, P, n, uvals);
-    u32 start[R];
-    const u32 wtot = bs_scan_rounds<R>(bits, lane, start);
-    if (lane == 0) s_warp_tot[warp] = wtot;
+                                   reinterpret_cast<const u8*>(usigns_ptr), usigns_len, P, n, uvals,
+                                   [] {});
     __syncthreads();                                                   // B1
     u32 warp_excl = 0;
 #pragma unroll
