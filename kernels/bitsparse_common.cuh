@@ -375,10 +375,32 @@ BS_D u32 bs_warp_scan(u32 x, int lane) {
 
 // Ranks within a warp for R rounds (R even): start[r] is the warp-relative index
 // of this lane's first set bit in round r (rounds in order, lanes in order);
-// returns the warp's total. Two rounds share one packed scan.
-template <int R>
+// returns the warp's total. A lane holds at most MAXC set bits per round. With
+// MAXC <= 8 (bf16, fp32) four rounds share one scan of 8-bit fields: an
+// exclusive sum is at most 31 * 8 = 248 per field, so incl - x is exact even
+// when a field of the inclusive sum reaches 256 and carries (mod 2^32); the
+// round totals come from lane 31's exclusive sums plus its own counts.
+// Otherwise two rounds share one scan of 16-bit fields.
+template <int R, int MAXC>
 BS_D u32 bs_scan_rounds(const u32 (&bits)[R], int lane, u32 (&start)[R]) {
     u32 acc = 0;
+    if (MAXC <= 8 && R % 4 == 0) {
+#pragma unroll
+        for (int q = 0; q < R / 4; ++q) {
+            u32 packed = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) packed |= (u32)__popc(bits[4 * q + k]) << (8 * k);
+            const u32 excl = bs_warp_scan(packed, lane) - packed;
+            const u32 last_excl = __shfl_sync(BS_FULL, excl, 31);
+            const u32 last_own = __shfl_sync(BS_FULL, packed, 31);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                start[4 * q + k] = acc + ((excl >> (8 * k)) & 0xffu);
+                acc += ((last_excl >> (8 * k)) & 0xffu) + ((last_own >> (8 * k)) & 0xffu);
+            }
+        }
+        return acc;
+    }
 #pragma unroll
     for (int q = 0; q < R / 2; ++q) {
         const u32 packed = (u32)__popc(bits[2 * q]) | ((u32)__popc(bits[2 * q + 1]) << 16);

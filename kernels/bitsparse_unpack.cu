@@ -200,14 +200,19 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
 
     u32 bits[R];
     const bool full = tile_base + TILE <= numel;
+    // This lane's first vector, relative to the tile (rounds are RS elements apart).
+    const u32 lane_el = (u32)(warp * SEG + lane * V);
+    // In a whole tile a vector's bits are one byte (bf16), two (fp8) or a nibble
+    // (fp32) at a constant offset from the lane's first.
+    const u8* mrow = mask + (tile_base >> 3) + (lane_el >> 3);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const u64 g = tile_base + (u64)(warp * SEG + r * RS + lane * V);
+        const u64 g = tile_base + (u64)(lane_el + r * RS);
         u32 b = 0;
-        if (full) {            // a vector's bits are one byte (bf16), two (fp8) or a nibble
-            if (V == 8) b = mask[g >> 3];
-            else if (V == 16) b = reinterpret_cast<const u16*>(mask)[g >> 4];
-            else b = (u32)(mask[g >> 3] >> (u32)(g & 4u)) & VM;
+        if (full) {
+            if (V == 8) b = mrow[r * RS / 8];
+            else if (V == 16) b = *reinterpret_cast<const u16*>(mrow + r * RS / 8);
+            else b = (u32)(mrow[r * RS / 8] >> (lane_el & 4u)) & VM;
         } else if (g < numel) {
             b = (bs_load_word(mask, mask_len, g >> 5) >> (u32)(g & 31u)) & VM;
             if (g + V > numel) b &= (1u << (u32)(numel - g)) - 1u;
@@ -217,7 +222,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
     // Ranks of the mask bits while the first stream words are in flight.
     u32 start[R];
     auto rank = [&]() {
-        const u32 wtot = bs_scan_rounds<R>(bits, lane, start);
+        const u32 wtot = bs_scan_rounds<R, V>(bits, lane, start);
         if (lane == 0) s_warp_tot[warp] = wtot;
     };
     bs_decode_tile<BITS, ENC>(reinterpret_cast<const u8*>(values_ptr), values_len,
@@ -232,18 +237,21 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
     for (int k = 0; k < BS_WARPS; ++k) warp_excl += k < warp ? s_warp_tot[k] : 0u;
 
     // 2. Expand and store (or combine with the gradient).
+    uint4* orow = reinterpret_cast<uint4*>(reinterpret_cast<T*>(out_ptr) + tile_base + lane_el);
+    const bool plain_store = full && out_aligned;   // whole 16-byte vectors, no bounds
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const u64 g = tile_base + (u64)(warp * SEG + r * RS + lane * V);
+        const u64 g = tile_base + (u64)(lane_el + r * RS);
         // Lanes past the end hold no bits, so the vote is taken before they leave.
         const bool scatter = BsScatter<BITS>::MAX > 0 && !BS_NO_SCATTER
             && !__any_sync(BS_FULL, bs_popc(bits[r]) > (u32)BsScatter<BITS>::MAX);
-        if (g >= numel) continue;
+        if (!full && g >= numel) continue;
         const u32 j = warp_excl + start[r];
         const uint4 rv = scatter ? bs_scatter_vec<BITS>(vals, j, bits[r], &s_slot[tid])
                                  : bs_expand_vec<BITS>(vals, j, bits[r], s_sel);
         if (OP == BS_OP_UNPACK) {
-            bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, rv);
+            if (plain_store) orow[r * RS / V] = rv;
+            else bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, rv);
         } else {
             const uint4 gv = bs_load_vec<T>(reinterpret_cast<const T*>(g_ptr), g, numel, g_aligned);
             uint4 uv = make_uint4(0, 0, 0, 0);
