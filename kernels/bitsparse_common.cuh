@@ -363,7 +363,7 @@ template <typename T> BS_D void bs_store_vec(T* y, u64 g, u64 numel, bool aligne
         if (g + i < numel) y[g + i] = bs_lane<T>(v, i);
 }
 
-// Inclusive warp scan of a u32 (fields packed 16 bits apart add independently).
+// Inclusive warp scan of a u32 (packed fields add independently while they do not carry).
 BS_D u32 bs_warp_scan(u32 x, int lane) {
 #pragma unroll
     for (int s = 1; s < 32; s <<= 1) {

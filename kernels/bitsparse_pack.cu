@@ -273,7 +273,8 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
             }
             bits[r] = b;
         }
-        // Ranks: per-round counts packed 16 bits apart, then over warps.
+        // Ranks: per-round counts packed into 8- or 16-bit fields of warp scans
+        // (bs_scan_rounds), then over warps.
         const u32 wtot = bs_scan_rounds<R, V>(bits, lane, start);
         const bool wneg = __any_sync(BS_FULL, ENC == 1 && neg != 0u);
         if (lane == 0) { s_warp_tot[warp] = wtot; s_warp_neg[warp] = wneg; }

@@ -7,7 +7,8 @@
 //      from a per-tile prefix array (chunks larger than a tile: prefix_mode 2);
 //      decodes the tile's stored values, 32 / BITS per 32-bit word, from the
 //      value stream (and sign plane) into shared memory (`vals`); loads its
-//      mask bits and ranks them with packed warp scans.
+//      mask bits and ranks them with packed warp scans (in a sparse tile while
+//      the stream words are in flight).
 //   B1
 //   2. each lane builds its 16-byte output vector one word at a time: the
 //      word's mask bits pick a PRMT selector that drops the next stored values
@@ -235,7 +236,8 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         }
         bits[r] = b;
     }
-    // Ranks of the mask bits while the first stream words are in flight.
+    // Ranks of the mask bits (in a sparse tile while its stream words are in
+    // flight: bs_decode_tile calls this between its loads and their use).
     u32 start[R];
     auto rank = [&]() {
         const u32 wtot = bs_scan_rounds<R, V>(bits, lane, start);
