@@ -399,17 +399,17 @@ BS_D u32 bs_scan_rounds(const u32 (&bits)[R], int lane, u32 (&start)[R]) {
                 acc += ((last_excl >> (8 * k)) & 0xffu) + ((last_own >> (8 * k)) & 0xffu);
             }
         }
-        return acc;
-    }
+    } else {
 #pragma unroll
-    for (int q = 0; q < R / 2; ++q) {
-        const u32 packed = (u32)__popc(bits[2 * q]) | ((u32)__popc(bits[2 * q + 1]) << 16);
-        const u32 incl = bs_warp_scan(packed, lane);
-        const u32 excl = incl - packed;
-        const u32 tot = __shfl_sync(BS_FULL, incl, 31);
-        start[2 * q] = acc + (excl & 0xffffu);
-        start[2 * q + 1] = acc + (tot & 0xffffu) + (excl >> 16);
-        acc += (tot & 0xffffu) + (tot >> 16);
+        for (int q = 0; q < R / 2; ++q) {
+            const u32 packed = (u32)__popc(bits[2 * q]) | ((u32)__popc(bits[2 * q + 1]) << 16);
+            const u32 incl = bs_warp_scan(packed, lane);
+            const u32 excl = incl - packed;
+            const u32 tot = __shfl_sync(BS_FULL, incl, 31);
+            start[2 * q] = acc + (excl & 0xffffu);
+            start[2 * q + 1] = acc + (tot & 0xffffu) + (excl >> 16);
+            acc += (tot & 0xffffu) + (tot >> 16);
+        }
     }
     return acc;
 }
