@@ -204,17 +204,21 @@ else:
         return uint32(uint32(a) * uint32(b))
 
     @cuda.jit(device=True)
-    def _warp_excl_scan(v, lane, t, sh_lane):
-        """The pack's exclusive scan of four 8-bit count fields (32-bit shuffles;
-        a full top field wraps out of the inclusive sum, not out of the result)."""
-        x = int32(v)
+    def _warp_incl_scan(v, lane, t, sh_lane):
+        x = int32(v)                 # sums of a warp's counts: one 32-bit shuffle per step
         d = 1
         while d < 32:
             y = cuda.shfl_up_sync(FULL_MASK, x, d)
             if lane >= d:
                 x = int32(x + y)
             d *= 2
-        return int32(x - int32(v))
+        return x
+
+    @cuda.jit(device=True)
+    def _warp_excl_scan(v, lane, t, sh_lane):
+        """The pack's exclusive scan of four 8-bit count fields (32-bit shuffles;
+        a full top field wraps out of the inclusive sum, not out of the result)."""
+        return int32(_warp_incl_scan(v, lane, t, sh_lane) - int32(v))
 
     @cuda.jit(device=True)
     def _warp_excl_scan64(v, lane, t, sh_lane):
@@ -227,17 +231,6 @@ else:
                 x += y
             d *= 2
         return x - int64(v)
-
-    @cuda.jit(device=True)
-    def _warp_incl_scan(v, lane, t, sh_lane):
-        x = int32(v)                 # sums of a warp's counts: one 32-bit shuffle per step
-        d = 1
-        while d < 32:
-            y = cuda.shfl_up_sync(FULL_MASK, x, d)
-            if lane >= d:
-                x = int32(x + y)
-            d *= 2
-        return x
 
     @cuda.jit(device=True)
     def _warp_last(v, lane, t, sh_lane):
