@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import bitsparse_core as bc  # noqa: E402
-from bitsparse_core import format as _fmt  # noqa: E402
+from bitsparse_core.spec import format as _fmt  # noqa: E402
 
 NVCOMP_CODECS = ("ANS", "Cascaded", "Bitcomp", "Zstd")
 
@@ -152,7 +152,7 @@ def run(args):
     copy_bw, fill_bw = copy_bandwidth(torch, timer)
     print(f"device {props.name}, copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write), "
           f"fill {fill_bw / 1e9:.0f} GB/s", flush=True)
-    from bitsparse_core import cupy_backend as cb
+    from bitsparse_core.backends.cupy import backend as cb
     res = {"device": props.name, "sm_count": props.multi_processor_count,
            "copy_bandwidth_Bps": copy_bw, "fill_bandwidth_Bps": fill_bw, "rounds": dict(cb.ROUNDS), "numel": args.numel, "reps": args.reps,
            "encoding": "nosign", "python": platform.python_version(), "torch": torch.__version__,
@@ -231,7 +231,7 @@ def run(args):
 
 def rounds_sweep(torch, x, nnz, out, timer, stream, spec):
     """Fixed-capacity pack and unpack at several tile sizes (rounds per warp)."""
-    from bitsparse_core import cupy_backend as cb
+    from bitsparse_core.backends.cupy import backend as cb
     saved = dict(cb.ROUNDS)
     res = {}
     try:

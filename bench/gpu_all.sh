@@ -7,7 +7,7 @@ OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # Compile the CuPy kernels once, in parallel; later processes load the cached cubins.
-python3 -c "from bitsparse_core.cupy_backend import warm_cache; warm_cache(16)" >"$OUT/warm.log" 2>&1
+python3 -c "from bitsparse_core.backends.cupy.backend import warm_cache; warm_cache(16)" >"$OUT/warm.log" 2>&1
 timeout "${GPT_TIMEOUT:-200}" python3 bench/train_gpt.py --steps "${GPT_STEPS:-200}" --out "$OUT" 2>&1 | tee "$OUT/train_gpt.log"
 timeout "${DEMO_TIMEOUT:-90}" python3 -m bitsparse_core demo 2>"$OUT/demo.err" | tee "$OUT/demo.log" | tail -n 45
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -c 200000 >"$OUT/pytest_gpu.log"

@@ -18,7 +18,7 @@ fi
   python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"; } >>"$OUT/setup.log" 2>&1
 # Compile every kernel once, in parallel; later processes load CuPy's cached cubins.
 t0=$(date +%s)
-python3 -c "from bitsparse_core.cupy_backend import warm_cache; print('kernels', warm_cache(16, sweep_rounds=(${SWEEP_ROUNDS:-})))" >>"$OUT/setup.log" 2>&1
+python3 -c "from bitsparse_core.backends.cupy.backend import warm_cache; print('kernels', warm_cache(16, sweep_rounds=(${SWEEP_ROUNDS:-})))" >>"$OUT/setup.log" 2>&1
 echo "warm-up $(( $(date +%s) - t0 )) s" >>"$OUT/setup.log"
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then

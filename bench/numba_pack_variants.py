@@ -23,7 +23,7 @@ import cupy  # noqa: E402
 import torch  # noqa: E402
 
 import bitsparse_core as bc  # noqa: E402
-from bitsparse_core import numba_kernels as NK  # noqa: E402
+from bitsparse_core.backends.numba import kernels as NK  # noqa: E402
 from bench_codecs import Timer, relu_like  # noqa: E402
 
 PLANES = ("mask", "offsets", "values", "signs")

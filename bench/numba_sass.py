@@ -54,7 +54,7 @@ def main() -> None:
     class _Device:
         compute_capability = (9, 0)
     disp.get_current_device = lambda: _Device()
-    from bitsparse_core import numba_kernels as K
+    from bitsparse_core.backends.numba import kernels as K
 
     kw = {key: int(val) for key, val in (item.split("=") for item in a.variant.split(",") if item)}
     k = K.DtypeKernels(a.dtype, **kw) if kw else K.kernels_for(a.dtype)

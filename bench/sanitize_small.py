@@ -15,7 +15,8 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import bitsparse_core as bc  # noqa: E402
-from bitsparse_core import dtypes as _dt, reference, reference_ops  # noqa: E402
+from bitsparse_core import dtypes as _dt
+from bitsparse_core.spec import codec as reference, ops as reference_ops  # noqa: E402
 from gpu_util import random_bits  # noqa: E402
 
 

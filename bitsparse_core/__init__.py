@@ -19,34 +19,18 @@ The codec contract, for every backend:
 
 from __future__ import annotations
 
-from . import dtypes, errors, format
+from . import dtypes, errors
 from .backends import (backend_available, get_backend, register_backend, registered_backends,
                        select_backend)
 from .dlpack import device_of
 from .errors import *  # noqa: F401,F403  (the named errors are part of the API)
-from .format import DEFAULT_CHUNK_LOG2, Encoding, layout, packed_size
 from .packed import PackedTensor
-from .reference import NumpyBackend
-from .serialize import from_bytes, validate
+from .spec import format
+from .spec.codec import from_bytes
+from .spec.format import DEFAULT_CHUNK_LOG2, Encoding, layout, packed_size
+from .spec.serialize import validate
 
 __version__ = "0.1.0"
-
-
-
-def _cupy_backend():
-    from .cupy_backend import CupyBackend
-    return CupyBackend()
-
-
-def _numba_backend():
-    from .numba_backend import NumbaBackend
-    return NumbaBackend()
-
-
-# Priority order: for CUDA inputs, backend="auto" takes CuPy, then Numba.
-register_backend("numpy", "cpu", NumpyBackend)
-register_backend("cupy", "cuda", _cupy_backend)
-register_backend("numba", "cuda", _numba_backend)
 
 
 def pack(x, *, encoding="auto", backend: str = "auto", chunk_log2: int = DEFAULT_CHUNK_LOG2,
@@ -78,7 +62,7 @@ def unpack(p: PackedTensor, out=None, *, stream=None, allocator=None):
     if not isinstance(p, PackedTensor):
         raise TypeError(f"unpack takes a PackedTensor, not {type(p).__name__}; "
                         "use PackedTensor.from_bytes for serialized buffers")
-    return get_backend(p.backend).unpack(p, out=out, stream=stream, allocator=allocator)
+    return p.backend.unpack(p, out=out, stream=stream, allocator=allocator)
 
 
 def _backend_for(x, backend: str):
@@ -97,24 +81,24 @@ def relu_pack(a, *, square: bool = False, encoding="nosign", backend: str = "aut
 
 def relu_backward(grad, p: PackedTensor, *, stream=None, allocator=None):
     """ReLU's input gradient from the mask alone: ``grad`` where ``p``'s bit is set, else 0."""
-    return get_backend(p.backend).relu_backward(grad, p, stream=stream, allocator=allocator)
+    return p.backend.relu_backward(grad, p, stream=stream, allocator=allocator)
 
 
 def relu2_backward(grad, p: PackedTensor, *, stream=None, allocator=None):
     """ReLU²'s input gradient ``2·r·grad`` (0 where r <= 0), reading r from ``p``."""
-    return get_backend(p.backend).relu2_backward(grad, p, stream=stream, allocator=allocator)
+    return p.backend.relu2_backward(grad, p, stream=stream, allocator=allocator)
 
 
 def masked_pack(u, p_mask: PackedTensor, *, encoding="signplane", dtype=None, stream=None,
                 allocator=None) -> PackedTensor:
     """``u`` at the positions set in ``p_mask`` (gated ReLU's up projection), sharing its mask."""
-    return get_backend(p_mask.backend).masked_pack(u, p_mask, dtype=dtype, encoding=encoding,
+    return p_mask.backend.masked_pack(u, p_mask, dtype=dtype, encoding=encoding,
                                                    stream=stream, allocator=allocator)
 
 
 def gated_backward(grad, p_r: PackedTensor, p_u: PackedTensor, *, stream=None, allocator=None):
     """For ``h = relu(g) * u``: ``(grad_g, grad_u)`` from the two packed tensors."""
-    return get_backend(p_r.backend).gated_backward(grad, p_r, p_u, stream=stream,
+    return p_r.backend.gated_backward(grad, p_r, p_u, stream=stream,
                                                    allocator=allocator)
 
 

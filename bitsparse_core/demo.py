@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import dtypes as _dt
-from . import format as _fmt
+from .spec import format as _fmt
 from .backends import select_backend
 from .errors import BitsparseError
 

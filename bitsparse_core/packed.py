@@ -8,8 +8,8 @@ from typing import Any, Optional
 import numpy as np
 
 from . import dtypes as _dt
-from . import format as _fmt
 from .errors import CapacityOverflowError, EncodingError
+from .spec import format as _fmt
 
 
 @dataclass(eq=False)
@@ -23,6 +23,9 @@ class PackedTensor:
 
     ``nnz`` may be pending on a GPU (packing into a fixed capacity does not wait
     for the count); reading :attr:`nnz` or calling :meth:`check` fetches it.
+
+    ``backend`` is the backend object that made the planes (plain data: no registry
+    look-up); it reads the device-side counters and copies planes to the host.
     """
 
     shape: tuple
@@ -34,7 +37,7 @@ class PackedTensor:
     offsets: Any
     values: Any
     signs: Any
-    backend: str = "numpy"
+    backend: Any = None
     device: tuple = ("cpu", 0)
     _nnz: Optional[int] = None
     # Device-side error word written by GPU kernels (bit 0: a nosign value had its
@@ -59,8 +62,7 @@ class PackedTensor:
     def nnz(self) -> int:
         """Number of nonzero bit patterns (may exceed ``capacity`` after an overflow)."""
         if self._nnz is None:
-            from .backends import get_backend
-            self._nnz = int(get_backend(self.backend).read_nnz(self))
+            self._nnz = int(self.backend.read_nnz(self))
         return self._nnz
 
     @property
@@ -95,8 +97,7 @@ class PackedTensor:
         when a GPU kernel saw a set sign bit under ``nosign``.
         """
         if self.status is not None:
-            from .backends import get_backend
-            code = int(get_backend(self.backend).read_status(self))
+            code = int(self.backend.read_status(self))
             if code & 1:
                 raise EncodingError("nosign encoding: a stored value has its sign bit set; "
                                     "use encoding='signplane' or 'raw'")
@@ -107,22 +108,17 @@ class PackedTensor:
 
     # ---------------------------------------------------------- serializing
     def to_bytes(self) -> bytes:
-        from .serialize import to_bytes
+        """The format-v1 buffer of docs/format.md (capacity trimmed to nnz)."""
+        from .spec.serialize import to_bytes
         return to_bytes(self)
-
-    @classmethod
-    def from_bytes(cls, buf, *, validate: bool = True) -> "PackedTensor":
-        from .serialize import from_bytes
-        return from_bytes(buf, validate=validate)
 
     def __repr__(self) -> str:
         nnz = self._nnz if self._nnz is not None else "pending"
         return (f"PackedTensor(shape={self.shape}, dtype={self.dtype.name}, "
                 f"encoding={self.encoding.name.lower()}, nnz={nnz}, capacity={self.capacity}, "
-                f"nbytes={self.nbytes}, backend={self.backend!r}, device={self.device})")
+                f"nbytes={self.nbytes}, backend={getattr(self.backend, 'name', None)!r}, device={self.device})")
 
 
 def host_plane(p: PackedTensor, name: str) -> np.ndarray:
     """A plane of ``p`` as a NumPy array (copies device planes to the host)."""
-    from .backends import get_backend
-    return np.asarray(get_backend(p.backend).to_numpy(getattr(p, name)))
+    return np.asarray(p.backend.to_numpy(getattr(p, name)))

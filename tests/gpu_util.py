@@ -84,7 +84,7 @@ def device_bits(arr: np.ndarray):
 def plane_bytes(p, name: str) -> np.ndarray:
     """Plane ``name`` of ``p`` (from any backend) as host bytes."""
     from bitsparse_core.backends import get_backend
-    plane = get_backend(p.backend).to_numpy(getattr(p, name))
+    plane = p.backend.to_numpy(getattr(p, name))
     return np.asarray(plane).view(np.uint8).reshape(-1)
 
 

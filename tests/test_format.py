@@ -7,7 +7,7 @@ import pytest
 
 import bitsparse_core as bc
 from bitsparse_core import dtypes as D
-from bitsparse_core import format as F
+from bitsparse_core.spec import format as F
 
 
 def test_header_constants():

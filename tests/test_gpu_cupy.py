@@ -15,9 +15,9 @@ from gpu_util import (assert_same_bits, assert_same_planes, device_bits, fresh_r
 cp = require_cuda("cupy")
 
 import bitsparse_core as bc  # noqa: E402
-from bitsparse_core import cuda_interop as ci  # noqa: E402
+from bitsparse_core.backends.cuda import interop as ci  # noqa: E402
 from bitsparse_core import dtypes as _dt  # noqa: E402
-from bitsparse_core import reference, reference_ops  # noqa: E402
+from bitsparse_core.spec import codec as reference, ops as reference_ops  # noqa: E402
 from bitsparse_core.errors import (CapacityOverflowError, EncodingError,  # noqa: E402
                                    NonContiguousError, OutputMismatchError,
                                    UnsupportedDTypeError)
@@ -41,7 +41,7 @@ def assert_bits(gpu_array, want: np.ndarray, where=""):
 
 def test_kernels_built_for_this_device():
     major, minor = cp.cuda.Device().compute_capability[:1], cp.cuda.Device().compute_capability[1:]
-    from bitsparse_core.cupy_backend import ROUNDS, get_kernel
+    from bitsparse_core.backends.cupy.backend import ROUNDS, get_kernel
     k = get_kernel(cp.cuda.runtime.getDevice(), "pack", 0, 1, 0, ROUNDS["pack"])
     assert k.attributes["binary_version"] == int(major + minor)
 

@@ -30,10 +30,10 @@ cp = require_cuda("cupy")
 require_cuda("numba.cuda")
 
 import bitsparse_core as bc  # noqa: E402
-from bitsparse_core import cuda_interop as ci  # noqa: E402
+from bitsparse_core.backends.cuda import interop as ci  # noqa: E402
 from bitsparse_core import dtypes as _dt  # noqa: E402
-from bitsparse_core import numba_kernels as NK  # noqa: E402
-from bitsparse_core import reference, reference_ops  # noqa: E402
+from bitsparse_core.backends.numba import kernels as NK  # noqa: E402
+from bitsparse_core.spec import codec as reference, ops as reference_ops  # noqa: E402
 from bitsparse_core.errors import (CapacityOverflowError, EncodingError,  # noqa: E402
                                    OutputMismatchError)
 

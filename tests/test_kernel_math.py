@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from bitsparse_core import dtypes as _dt
-from bitsparse_core.kernel_sources import kernel_dir
+from bitsparse_core.backends.cuda.sources import kernel_dir
 
 FMT = {"bfloat16": 0, "float16": 1, "float32": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}
 
@@ -178,7 +178,7 @@ def test_products_match_reference(lib, dt):
 
 @pytest.mark.parametrize("dt", SMALL + [_dt.FLOAT32], ids=lambda d: d.name)
 def test_relu_predicate(lib, dt):
-    from bitsparse_core.reference_ops import relu_bits
+    from bitsparse_core.spec.ops import relu_bits
     if dt.bits == 32:
         pats = np.random.default_rng(3).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
         pats = np.concatenate([pats, np.array([0, 0x80000000, 0x7f800001, 0xff800001, 1, 0x80000001],
@@ -246,7 +246,7 @@ def test_word_nonzero(lib, bits):
 @pytest.mark.parametrize("bits", WIDTHS)
 def test_spread_inverts_the_stream(lib, bits, raw):
     """A stream chunk of 32/BITS codes spreads back to one code per lane."""
-    from bitsparse_core import bitstream
+    from bitsparse_core.spec import bitstream
     rng = np.random.default_rng(20 + bits)
     width = bits if raw else bits - 1
     per = 32 // bits
@@ -267,7 +267,7 @@ def test_spread_inverts_the_stream(lib, bits, raw):
 @pytest.mark.parametrize("bits", WIDTHS)
 def test_pack_group_matches_the_stream(lib, bits, raw):
     """32 staged values -> their codes as stream words, as bitstream.pack writes them."""
-    from bitsparse_core import bitstream
+    from bitsparse_core.spec import bitstream
     rng = np.random.default_rng(30 + bits)
     width = bits if raw else bits - 1
     groups = 512

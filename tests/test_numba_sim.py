@@ -63,12 +63,12 @@ if not SIM_ACTIVE:
 else:
     pytest.importorskip("numba.cuda")
     from bitsparse_core import dtypes as D
-    from bitsparse_core import reference as R
-    from bitsparse_core import reference_ops as RO
+    from bitsparse_core.spec import codec as R
+    from bitsparse_core.spec import ops as RO
     from bitsparse_core.errors import (CapacityOverflowError, EncodingError,
                                        OutputMismatchError)
-    from bitsparse_core import numba_kernels as NK
-    from bitsparse_core.numba_backend import NumbaBackend
+    from bitsparse_core.backends.numba import kernels as NK
+    from bitsparse_core.backends.numba.backend import NumbaBackend
     from helpers import ALL_DTYPES, random_tensor, same_bits
 
     assert NK.SIM, "numba_kernels did not pick its simulator path"

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import bitsparse_core as bc
+import bitsparse_core.spec.planes
 from bitsparse_core import dtypes as D
-from bitsparse_core import format as F
+from bitsparse_core.spec import format as F
 from helpers import ALL_DTYPES, ENCODINGS, random_tensor, same_bits, special_patterns
 
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (8,), (9,), (511,), (512,), (513,), (33, 65),
@@ -100,7 +101,7 @@ def test_fixed_capacity_keeps_first_values_and_reports_overflow(encoding):
     assert len(tight.values) == F.values_nbytes(D.BFLOAT16, tight.encoding, cap)
     full = bc.pack(x, encoding="raw").values.view("<u2")
     # The values that fit stay valid: the first `cap` stored patterns, in order.
-    assert np.array_equal(bc.reference.decode_values(tight, tight.values, tight.signs, cap),
+    assert np.array_equal(bc.spec.planes.decode_values(tight, tight.values, tight.signs, cap),
                           full[:cap])
     with pytest.raises(bc.CapacityOverflowError):
         tight.check()

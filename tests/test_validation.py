@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 import bitsparse_core as bc
 from bitsparse_core import dtypes as D
 from bitsparse_core import errors as E
-from bitsparse_core import format as F
+from bitsparse_core.spec import format as F
 from helpers import random_tensor
 
 

@@ -24,8 +24,9 @@ import numpy as np
 from jax import lax
 
 from .. import dtypes as _dt
-from .. import format as _fmt
+from ..spec import format as _fmt
 from ..errors import CapacityError, CapacityOverflowError, EncodingError, InputError
+from ..backends import get_backend
 from ..packed import PackedTensor
 
 Encoding = _fmt.Encoding
@@ -127,7 +128,7 @@ class JaxPacked:
                   (self.mask, self.offsets, self.values, self.signs)]
         extra = {"shares_mask": True} if self.shares_mask else {}
         return PackedTensor(tuple(self.shape), self.dtype, self.encoding, self.chunk_log2,
-                            self.capacity, *planes, backend="numpy", device=("cpu", 0),
+                            self.capacity, *planes, backend=get_backend("numpy"), device=("cpu", 0),
                             _nnz=int(planes[1][-1]), extra=extra)
 
 

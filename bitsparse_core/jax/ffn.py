@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import format as _fmt
+from ..spec import format as _fmt
 from . import codec
 
 

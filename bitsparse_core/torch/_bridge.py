@@ -214,7 +214,7 @@ def skeleton(p: PackedTensor) -> PackedTensor:
 
 def rebuild(skel: PackedTensor, planes) -> PackedTensor:
     """A PackedTensor on ``skel``'s backend whose planes view the torch tensors ``planes``."""
-    native = [_native(skel.backend, t) for t in planes]
+    native = [_native(skel.backend.name, t) for t in planes]
     return dataclasses.replace(skel, **dict(zip(PLANES, native)), extra=dict(skel.extra))
 
 
@@ -280,7 +280,7 @@ class PendingPack:
     def finish(self):
         """``(planes, skeleton)`` of the exact-size packed tensor (one wait for the count)."""
         from ..errors import EncodingError
-        from .. import format as _fmt
+        from ..spec import format as _fmt
         self.event.synchronize()
         head = self.host.numpy().tobytes()
         nnz = int.from_bytes(head[:self.width], "little")

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import format as _fmt
+from ..spec import format as _fmt
 from . import _bridge as B
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}

@@ -66,8 +66,8 @@ if not hasattr(np, "row_stack"):
 
 from numba import config, cuda, int32, int64, uint32, uint64  # noqa: E402
 
-from . import bitfloat
-from . import format as _fmt
+from ... import bitfloat
+from ...spec import format as _fmt
 
 SIM = bool(config.ENABLE_CUDASIM)
 _u = uint64                      # index cast: no wraparound code (module docstring)

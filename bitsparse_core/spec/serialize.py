@@ -12,17 +12,17 @@ import struct
 
 import numpy as np
 
+from ..errors import (ChecksumError, NotSerializableError, ChunkOffsetsError, MaskCountError,
+                      NonzeroPaddingError, SectionLayoutError, TrailingBytesError,
+                      TruncatedBufferError, ZeroValueError)
 from . import format as _fmt
-from .errors import (ChecksumError, NotSerializableError, ChunkOffsetsError, MaskCountError, NonzeroPaddingError,
-                     SectionLayoutError, TrailingBytesError, TruncatedBufferError, ZeroValueError)
-from .packed import PackedTensor, host_plane
-from .reference import chunk_offsets, decode_values
+from .planes import chunk_offsets, decode_values
 
 _NAMES = ("mask", "offsets", "values", "signs")
 
 
-def to_bytes(p: PackedTensor) -> bytes:
-    """Serialize ``p`` (from any backend) with capacity trimmed to nnz."""
+def to_bytes(p) -> bytes:
+    """Serialize a PackedTensor ``p`` (from any backend) with capacity trimmed to nnz."""
     if p.extra.get("shares_mask"):
         raise NotSerializableError("a masked_pack tensor shares another tensor's mask and may "
                                    "store zeros; it has no standalone format-v1 form")
@@ -32,7 +32,7 @@ def to_bytes(p: PackedTensor) -> bytes:
     buf = bytearray(lay.total_size)
     for name, (off, length) in lay.sections.items():
         if length:
-            plane = host_plane(p, name).view(np.uint8).reshape(-1)[:length].copy()
+            plane = np.asarray(p.backend.to_numpy(getattr(p, name))).view(np.uint8).reshape(-1)[:length].copy()
             _clear_tail_bits(plane, _used_bits(name, p, nnz))
             buf[off:off + length] = plane.tobytes()
     buf[:lay.header_size] = _fmt.encode_header(lay, nnz)
@@ -40,7 +40,7 @@ def to_bytes(p: PackedTensor) -> bytes:
     return bytes(buf)
 
 
-def _used_bits(name: str, p: PackedTensor, nnz: int):
+def _used_bits(name: str, p, nnz: int):
     """Meaningful bits at the start of a trimmed section (the rest is padding)."""
     if name == "mask":
         return p.numel
@@ -96,8 +96,8 @@ def validate(buf) -> _fmt.Header:
     if not np.array_equal(offsets, want):                                       # V17
         bad = int(np.flatnonzero(offsets != want)[0])
         raise ChunkOffsetsError(f"chunk offset {bad} is {int(offsets[bad])}, mask gives {int(want[bad])}")
-    p = _packed_view(raw, h, lay)
-    stored = decode_values(p, p.values, p.signs, h.nnz)
+    planes = _planes(raw, lay)
+    stored = decode_values(h, planes["values"], planes["signs"], h.nnz)
     zeros = np.flatnonzero(stored == 0)
     if zeros.size:                                                              # V18
         raise ZeroValueError(f"stored value {int(zeros[0])} has the all-zero bit pattern")
@@ -123,17 +123,16 @@ def _check_padding(raw: np.ndarray, h: _fmt.Header, lay: _fmt.Layout) -> None:
             raise NonzeroPaddingError(f"padding bits at the end of the {name} section are not zero")
 
 
-def _packed_view(raw: np.ndarray, h: _fmt.Header, lay: _fmt.Layout) -> PackedTensor:
+def _planes(raw: np.ndarray, lay: _fmt.Layout) -> dict:
     planes = {name: raw[off:off + length] for name, (off, length) in lay.sections.items()}
     planes["offsets"] = planes["offsets"].view(f"<u{lay.offset_width}")
-    return PackedTensor(tuple(h.shape), h.dtype, h.encoding, h.chunk_log2, h.capacity,
-                        planes["mask"], planes["offsets"], planes["values"], planes["signs"],
-                        backend="numpy", device=("cpu", 0), _nnz=h.nnz)
+    return planes
 
 
-def from_bytes(buf, *, validate: bool = True) -> PackedTensor:
-    """A CPU PackedTensor viewing ``buf`` (zero-copy). ``validate=False`` checks only
-    the header and layout; use it only on buffers you produced yourself."""
+def decode(buf, *, validate: bool = True):
+    """``(header, layout, planes)`` of a serialized buffer; the planes view ``buf``
+    (zero-copy). ``validate=False`` checks only the header and layout; use it only on
+    buffers you produced yourself."""
     mv = memoryview(buf).cast("B")
     if validate:
         h = _validate_buffer(mv)
@@ -142,4 +141,4 @@ def from_bytes(buf, *, validate: bool = True) -> PackedTensor:
         if len(mv) < h.total_size:
             raise TruncatedBufferError(f"buffer holds {len(mv)} of its {h.total_size} bytes")
     lay = _fmt.layout(h.shape, h.dtype, h.encoding, h.capacity, h.chunk_log2)
-    return _packed_view(np.frombuffer(mv, dtype=np.uint8), h, lay)
+    return h, lay, _planes(np.frombuffer(mv, dtype=np.uint8), lay)

@@ -9,7 +9,7 @@ from pathlib import Path
 def kernel_dir() -> Path:
     """The folder holding the ``.cu`` / ``.cuh`` sources."""
     # A checkout's own sources first: an installed copy elsewhere may be stale.
-    checkout = Path(__file__).resolve().parent.parent / "kernels"
+    checkout = Path(__file__).resolve().parents[3] / "kernels"
     if (checkout / "__init__.py").is_file():
         return checkout
     spec = importlib.util.find_spec("bitsparse_core._kernels")

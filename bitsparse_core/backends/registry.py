@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Protocol
 
-from .errors import BackendUnavailableError, UnsupportedDeviceError
+from ..errors import BackendUnavailableError, UnsupportedDeviceError
 
 
 class Backend(Protocol):

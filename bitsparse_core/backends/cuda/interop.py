@@ -49,10 +49,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import dtypes as _dt
-from . import format as _fmt
-from .dlpack import KDL_CUDA, KDL_CUDA_MANAGED, import_capsule, make_capsule, resolve_dtype
-from .errors import NonContiguousError, OutputMismatchError, UnsupportedDeviceError, UnsupportedDTypeError
+from ...spec import format as _fmt
+from ... import dtypes as _dt
+from ...dlpack import KDL_CUDA, KDL_CUDA_MANAGED, import_capsule, make_capsule, resolve_dtype
+from ...errors import NonContiguousError, OutputMismatchError, UnsupportedDeviceError, UnsupportedDTypeError
 
 STATUS_BYTES = 64
 _CUDA_DEVICES = (KDL_CUDA, KDL_CUDA_MANAGED)
@@ -353,7 +353,7 @@ class CudaArray:
 
     def get(self) -> np.ndarray:
         """An explicit copy to host memory (a NumPy array of the true dtype)."""
-        from .dlpack import exportable
+        from ...dlpack import exportable
         out = np.empty(self.shape, dtype=self.dtype.numpy)
         if out.nbytes:
             rt = _runtime()

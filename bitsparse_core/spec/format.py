@@ -12,8 +12,8 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from . import dtypes as _dt
-from .errors import (BadMagicError, ChunkSizeError, HeaderSizeError, OffsetWidthError,
+from .. import dtypes as _dt
+from ..errors import (BadMagicError, ChunkSizeError, HeaderSizeError, OffsetWidthError,
                      ReservedFieldError, ShapeMismatchError, TruncatedBufferError,
                      UnknownEncodingError, UnsupportedVersionError, CapacityError,
                      EncodingError)

@@ -27,12 +27,12 @@ import threading
 
 import numpy as np
 
-from . import cuda_interop as ci
-from . import dtypes as _dt
-from . import format as _fmt
-from .errors import CudaDriverError, EncodingError, OutputMismatchError
-from .kernel_sources import read_source
-from .packed import PackedTensor
+from ... import dtypes as _dt
+from ...errors import CudaDriverError, EncodingError, OutputMismatchError
+from ...packed import PackedTensor
+from ...spec import format as _fmt
+from ..cuda import interop as ci
+from ..cuda.sources import read_source
 
 Encoding = _fmt.Encoding
 
@@ -403,7 +403,7 @@ class CupyBackend:
         return PackedTensor(tuple(t.shape), t.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
                             planes["mask"] if mask is None else mask,
                             planes["offsets"] if offsets is None else offsets,
-                            planes["values"], planes["signs"], backend=self.name,
+                            planes["values"], planes["signs"], backend=self,
                             device=("cuda", dev), _nnz=nnz,
                             status=(_cupy_view(alloc.status_ptr, 4, np.int32, owner, dev)
                                     if status else None),

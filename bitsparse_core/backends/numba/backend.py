@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import format as _fmt
-from . import numba_kernels as K
-from .errors import EncodingError, OutputMismatchError, UnsupportedDeviceError
-from .packed import PackedTensor
+from ...errors import EncodingError, OutputMismatchError, UnsupportedDeviceError
+from ...packed import PackedTensor
+from ...spec import format as _fmt
+from . import kernels as K
 
 Encoding = _fmt.Encoding
 _ALIGN = 64
@@ -82,12 +82,12 @@ class _SimPlatform:
         return ("cuda", 0)
 
     def import_dense(self, x, dtype, st):
-        from .dlpack import to_numpy
+        from ...dlpack import to_numpy
         arr, dt = to_numpy(x, dtype)
         return arr.reshape(-1).view(np.uint8), tuple(arr.shape), dt
 
     def import_out(self, out, shape, dt, st):
-        from .dlpack import to_numpy
+        from ...dlpack import to_numpy
         arr, odt = to_numpy(out)
         if odt != dt or tuple(arr.shape) != tuple(shape):
             raise OutputMismatchError(f"out has {odt.name}{tuple(arr.shape)}; "
@@ -97,7 +97,7 @@ class _SimPlatform:
         return arr.reshape(-1).view(np.uint8)
 
     def new_dense(self, shape, dt, st, allocator):
-        from .dlpack import exportable
+        from ...dlpack import exportable
         n = _fmt.numel_of(shape) * dt.itemsize
         buf = self.alloc(n, st, allocator)
         return buf, exportable(buf[:n].view(dt.numpy).reshape(shape))
@@ -144,7 +144,7 @@ class _GpuPlatform:
     def __init__(self):
         from numba import cuda
         from numba.cuda.cudadrv import devicearray, driver
-        from . import cuda_interop as ci
+        from ..cuda import interop as ci
         self.cuda, self.driver, self.devicearray, self.ci = cuda, driver, devicearray, ci
         self._streams = {}
 
@@ -460,7 +460,7 @@ class NumbaBackend:
                          al.plane(P, "mask", np.uint8) if mask is None else mask,
                          al.plane(P, "offsets", odt) if offsets is None else offsets,
                          al.plane(P, "values", np.uint8), al.plane(P, "signs", np.uint8),
-                         backend=self.name, device=P.device(st), _nnz=nnz,
+                         backend=self, device=P.device(st), _nnz=nnz,
                          status=(P.plane(al.buf, al.status_offset, 4, np.int32)
                                  if with_status else None),
                          extra=dict(extra or {}))

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dtypes as _dt
+from .. import dtypes as _dt
+from ..backends.registry import get_backend
+from ..errors import EncodingError
+from ..packed import PackedTensor
 from . import format as _fmt
-from .packed import PackedTensor
-from .reference import pack_array, unpack_planes
+from .codec import pack_array, unpack_planes
+from .planes import encode_values
 
 
 def relu_bits(a: np.ndarray, dtype: _dt.DType) -> np.ndarray:
@@ -78,16 +81,14 @@ def masked_pack(u: np.ndarray, dtype: _dt.DType, p_mask: PackedTensor, *,
     The result is an in-memory tensor only (a stored value may be zero, which a
     standalone format-v1 buffer forbids); ``to_bytes`` refuses it.
     """
-    from .reference import encode_values
     encoding = _fmt.Encoding.parse(encoding)
     bits = u.reshape(-1).view(dtype.uint)
     stored = bits[mask_of(p_mask).reshape(-1)]
     if encoding == _fmt.Encoding.NOSIGN and np.any(stored >> (dtype.bits - 1)):
-        from .errors import EncodingError
         raise EncodingError("nosign encoding: a gated value has its sign bit set")
     values, signs = encode_values(stored, dtype, encoding, stored.size)
     return PackedTensor(tuple(u.shape), dtype, encoding, p_mask.chunk_log2, stored.size,
-                        p_mask.mask, p_mask.offsets, values, signs, backend="numpy",
+                        p_mask.mask, p_mask.offsets, values, signs, backend=get_backend("numpy"),
                         device=("cpu", 0), _nnz=int(stored.size), extra={"shares_mask": True})
 
 
