@@ -7,6 +7,7 @@
 // how tests/test_kernel_math.py checks them against NumPy / ml_dtypes on a
 // machine without a GPU.
 #pragma once
+#include "bitsparse_abi.h"  // ids and block geometry, generated from the Python ABI
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -21,12 +22,7 @@ typedef long long i64;
 #define BS_HD static inline
 #endif
 
-// Format ids, shared with bitsparse_core/cupy_backend.py (_FMT).
-#define BS_BF16 0
-#define BS_FP16 1
-#define BS_FP32 2
-#define BS_E4M3 3
-#define BS_E5M2 4
+// Format ids (BS_BF16 ...) come from bitsparse_abi.h.
 
 template <int FMT> struct Fmt;
 template <> struct Fmt<BS_BF16> { typedef u16 T; enum { BITS = 16, EXP = 8, MAN = 7 }; };
@@ -289,8 +285,6 @@ template <int BITS, int W> BS_HD void bs_pack_group(const u32* words, u32* out) 
 // Device-only helpers                                                       //
 // ------------------------------------------------------------------------- //
 #define BS_FULL 0xffffffffu
-#define BS_THREADS 256
-#define BS_WARPS 8
 
 // A 32-bit word of a byte plane of length len, zero past the end (planes are
 // never read beyond their section).

@@ -35,10 +35,6 @@
 #define BS_NEG (1ull << 61)
 #define BS_COUNT ((1ull << 61) - 1ull)
 
-#define BS_MODE_PACK 0
-#define BS_MODE_RELU 1
-#define BS_MODE_RELU2 2
-#define BS_MODE_MASKED 3
 
 // Warp-wide sum / OR (one REDUX instruction from sm_80 on).
 __device__ __forceinline__ u32 bs_warp_sum(u32 x) {

@@ -20,10 +20,6 @@
 // backward with u packed under the same mask (its own encoding UENC). OP 3:
 // gated backward with u dense.
 
-#define BS_OP_UNPACK 0
-#define BS_OP_RELU2 1
-#define BS_OP_GATED 2
-#define BS_OP_GATED_DENSE 3
 
 // Decode stored values [P, P + n) into vals, 32 / BITS per word (word q holds
 // values G*q .. G*q+G-1 of the tile). Values past n in the last word are junk

@@ -32,6 +32,7 @@ OFFSETS_64BIT_FROM = 1 << 32     # numel >= 2**32 -> 64-bit chunk offsets
 _FIXED = struct.Struct("<4sHHBBBBBBHIIQQQQ8Q")
 assert _FIXED.size == FIXED_HEADER_SIZE
 CHECKSUM_SLICE = slice(16, 20)
+SECTION_NAMES = ("mask", "offsets", "values", "signs")   # in buffer order
 
 
 class Encoding(enum.IntEnum):

@@ -26,10 +26,9 @@ at least ``nbytes`` bytes on ``device``, usable in stream order on ``stream``;
 the object is kept alive as long as any view of the memory. The default is
 CuPy's memory pool (stream-ordered on ``stream``); :func:`torch_allocator` uses
 PyTorch's caching allocator so ``torch.cuda.max_memory_allocated`` sees it.
-A packed tensor is ONE allocation (:func:`packed_allocation`): its sections at
-the offsets of :func:`bitsparse_core.format.layout` minus the header (so
-64-byte aligned, exactly the payload of a serialized buffer), then a 64-byte
-status area (u32 status word, u32 pad, u64 nnz) the kernels write.
+A packed tensor is ONE allocation, laid out by :func:`.host.pack_plan`.
+Torch tensors (inputs, and allocator results) are taken by pointer, without a
+DLPack round trip.
 
 Outputs.  Dense results (unpack, relu_pack's y, backward gradients) are
 :class:`CudaArray`: ``__dlpack__`` exports the true dtype (bf16 code 4, fp8
@@ -38,12 +37,14 @@ recorded on our stream, the consumer's stream made to wait on it);
 ``__cuda_array_interface__`` is there too, with the dtype's unsigned integer
 typestr for bf16 / fp8 (the interface has no codes for them).
 
-CUDA runtime calls (events, copies, pointer queries) go through CuPy's
-runtime bindings, which both backends have on a CUDA machine.
+Stream waits go through :mod:`.driver`; pointer queries and host copies of
+results through CuPy's runtime bindings, which both backends have on a CUDA
+machine.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -54,8 +55,23 @@ from ... import dtypes as _dt
 from ...dlpack import KDL_CUDA, KDL_CUDA_MANAGED, import_capsule, make_capsule, resolve_dtype
 from ...errors import NonContiguousError, OutputMismatchError, UnsupportedDeviceError, UnsupportedDTypeError
 
-STATUS_BYTES = 64
 _CUDA_DEVICES = (KDL_CUDA, KDL_CUDA_MANAGED)
+_TORCH_DTYPE_NAMES = {"bfloat16": _dt.BFLOAT16, "float16": _dt.FLOAT16, "float32": _dt.FLOAT32,
+                      "float8_e4m3fn": _dt.FLOAT8_E4M3FN, "float8_e5m2": _dt.FLOAT8_E5M2}
+
+
+class _TorchDtypes(dict):
+    """torch dtype -> DType, filled on first use (importing this module never imports torch)."""
+
+    def get(self, key, default=None):
+        if not self:
+            import torch
+            self.update({getattr(torch, n): d for n, d in _TORCH_DTYPE_NAMES.items()
+                         if hasattr(torch, n)})
+        return super().get(key, default)
+
+
+_TORCH_DTYPES = _TorchDtypes()
 
 
 def _runtime():
@@ -99,16 +115,18 @@ def stream_wait(consumer: int, producer: int, device: int) -> None:
     """Make ``consumer`` wait for the work queued so far on ``producer``."""
     if same_stream(consumer, producer):
         return
-    rt = _runtime()
-    prev = rt.getDevice()
-    rt.setDevice(device)
-    try:
-        ev = rt.eventCreateWithFlags(rt.eventDisableTiming)
-        rt.eventRecord(ev, producer)
-        rt.streamWaitEvent(consumer, ev, 0)
-        rt.eventDestroy(ev)        # released once the wait has been satisfied
-    finally:
-        rt.setDevice(prev)
+    from . import driver
+    driver.stream_wait(consumer, producer)
+
+
+def check_capacity(capacity, numel: int) -> int:
+    """A fixed capacity as an int in [0, numel], or a named error."""
+    from ...errors import CapacityError
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        raise CapacityError(f"capacity={capacity!r} must be an int (or None for an exact pack)")
+    if not 0 <= int(capacity) <= numel:
+        raise CapacityError(f"capacity={capacity} must lie in [0, numel={numel}]")
+    return int(capacity)
 
 
 # --------------------------------------------------------------------------- #
@@ -182,8 +200,34 @@ def _from_cai(x, dtype, handle: int) -> CudaTensor:
     return CudaTensor(ptr, shape, dt, device, x)
 
 
+def _torch_tensor(x):
+    """``x`` if it is a torch tensor (without importing torch), else None."""
+    torch = sys.modules.get("torch")
+    return x if torch is not None and isinstance(x, torch.Tensor) else None
+
+
+def _from_torch(t, dtype, stream: int) -> CudaTensor:
+    """A torch CUDA tensor by pointer: no DLPack capsule on the hot path. Ordered
+    after torch's current stream, as the DLPack stream rule would order it."""
+    import torch
+    if t.device.type != "cuda":
+        raise UnsupportedDeviceError(f"tensor lives on {t.device}, not CUDA")
+    if t.numel() and not t.is_contiguous():
+        raise NonContiguousError(f"tensor with shape {tuple(t.shape)} and strides {t.stride()} "
+                                 "is not C-contiguous; call .contiguous() first")
+    dt = _TORCH_DTYPES.get(t.dtype)
+    if dt is None or dtype is not None:
+        code = 2 if t.dtype.is_floating_point else (0 if t.dtype.is_signed else 1)
+        dt = resolve_dtype(code, 8 * t.element_size(), 1, dtype)
+    dev = t.device.index
+    stream_wait(stream, torch.cuda.current_stream(dev).cuda_stream, dev)
+    return CudaTensor(t.data_ptr(), tuple(t.shape), dt, dev, t)
+
+
 def import_cuda(x, dtype=None, stream: int = 0) -> CudaTensor:
     """Describe a CUDA tensor (no copy), ordered before work on ``stream``."""
+    if _torch_tensor(x) is not None:
+        return _from_torch(x, dtype, stream)
     if isinstance(x, CudaArray):
         dt = x.dtype
         if dtype is not None:
@@ -243,7 +287,9 @@ def allocate(nbytes: int, device: int, stream: int, allocator: Optional[Allocato
     """``nbytes`` bytes from ``allocator`` (default: CuPy's pool), checked."""
     alloc = allocator or cupy_allocator
     obj = alloc(int(nbytes), int(device), int(stream))
-    if hasattr(obj, "__cuda_array_interface__"):
+    if _torch_tensor(obj) is not None:
+        ptr, size, owner = obj.data_ptr(), obj.numel() * obj.element_size(), obj
+    elif hasattr(obj, "__cuda_array_interface__"):
         cai = obj.__cuda_array_interface__
         ptr = int(cai["data"][0] or 0)
         size = _fmt.numel_of(cai["shape"]) * int(cai["typestr"][2:])
@@ -257,33 +303,6 @@ def allocate(nbytes: int, device: int, stream: int, allocator: Optional[Allocato
     if size < nbytes or (nbytes and not ptr):
         raise MemoryError(f"allocator returned {size} bytes; {nbytes} were requested")
     return DeviceBuffer(ptr, int(nbytes), int(device), owner)
-
-
-@dataclass
-class PackedAllocation:
-    """One buffer holding every section of a packed tensor, plus the status area."""
-    buffer: DeviceBuffer
-    spans: dict          # section name -> (byte offset in the buffer, length)
-    status_offset: int
-
-    def ptr(self, name: str) -> int:
-        return self.buffer.ptr + self.spans[name][0]
-
-    @property
-    def status_ptr(self) -> int:
-        return self.buffer.ptr + self.status_offset
-
-
-def packed_allocation(lay: _fmt.Layout, device: int, stream: int, allocator=None,
-                      sections=("mask", "offsets", "values", "signs")) -> PackedAllocation:
-    """ONE allocation for ``sections`` of ``lay`` (64-byte aligned, layout order)."""
-    spans, pos = {}, 0
-    for name in sections:
-        length = lay.sections[name][1]
-        spans[name] = (pos, length)
-        pos += _fmt.align(length)
-    buf = allocate(pos + STATUS_BYTES, device, stream, allocator)
-    return PackedAllocation(buf, spans, pos)
 
 
 # --------------------------------------------------------------------------- #

@@ -35,11 +35,13 @@ import numpy as np
 from ...errors import EncodingError, OutputMismatchError, UnsupportedDeviceError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
+from ..cuda import abi
+from ..cuda.abi import Mode
+from ..cuda.host import pack_plan
 from . import kernels as K
 
 Encoding = _fmt.Encoding
-_ALIGN = 64
-STATUS_BYTES = 64      # u32 status word, u32 pad, u64 count (cuda_interop's status area)
+STATUS_BYTES = abi.STATUS_BYTES
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -47,18 +49,18 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class _Alloc:
-    """One packed tensor's allocation: its sections (64-byte aligned, format order,
-    each padded so whole 32-bit words can be written) and the status area."""
+    """One packed tensor's allocation, laid out by the shared host plan
+    (:func:`..cuda.host.pack_plan`): sections 64-byte aligned in format order, then
+    the status area."""
 
     def __init__(self, P, lay: _fmt.Layout, st, allocator, sections):
+        mode = Mode.MASKED if tuple(sections) == ("values", "signs") else Mode.PACK
+        plan = pack_plan(tuple(lay.shape), lay.dtype, lay.encoding, lay.capacity, lay.chunk_log2,
+                         mode)
         self.lay = lay
-        self.spans, pos = {}, 0
-        for name in sections:
-            n = lay.sections[name][1]
-            self.spans[name] = (pos, n)
-            pos += _fmt.align(n, _ALIGN)
-        self.status_offset = pos
-        self.buf = P.alloc(pos + STATUS_BYTES, st, allocator)
+        self.spans = {n: plan.spans[i] for i, n in enumerate(_fmt.SECTION_NAMES) if n in sections}
+        self.status_offset = plan.status_offset
+        self.buf = P.alloc(plan.nbytes, st, allocator)
 
     def plane(self, P, name, np_dtype):
         off, n = self.spans[name]

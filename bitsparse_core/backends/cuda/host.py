@@ -1,0 +1,253 @@
+"""The CUDA host protocol on raw pointers: what every GPU entry point queues.
+
+A packed tensor on the device is ONE block: the sections of
+:func:`~bitsparse_core.spec.format.layout` at their serialized offsets minus the
+header (64-byte aligned: the payload of a serialized buffer), then a 64-byte
+status area (u32 status, u32 pad, u64 nnz) the pack kernel writes. A
+:class:`PackPlan` holds everything about one pack that follows from its shape,
+dtype, encoding, capacity and mode (layout, spans, tiles, kernel, shared memory),
+computed once per distinct call (cached); the ``enqueue_*`` functions then only
+fill an argument record and launch. They never allocate, never synchronize and
+never look at the framework: callers pass device pointers and a stream and own
+the memory (the CuPy backend through its allocator, the torch ops through torch's
+caching allocator).
+
+Rules every caller relies on:
+
+* stream order: everything is queued on ``stream``; a caller whose inputs were
+  produced on another stream orders ``stream`` after it first;
+* scratch: a pack's scratch (``plan.scratch_bytes``, zeroed here) must stay
+  allocated until the queued kernels have run — stream-ordered allocators (torch's,
+  CuPy's) guarantee that when the caller drops it after queueing;
+* overflow: a fixed-capacity pack keeps the first ``capacity`` values and sets
+  ``STATUS_OVERFLOW``; every op that reads values must be given only packed
+  tensors known not to have overflowed (the callers check the status first).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ... import dtypes as _dt
+from ...spec import format as _fmt
+from ...spec.format import Encoding
+from . import abi, driver
+
+Mode, Op = abi.Mode, abi.Op
+
+
+class Planes(NamedTuple):
+    """Device pointers and byte lengths of one packed tensor's planes."""
+    mask: int
+    mask_len: int
+    offsets: int
+    off64: int
+    values: int
+    values_len: int
+    signs: int
+    signs_len: int
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    lay: _fmt.Layout
+    mode: Mode
+    spans: tuple          # (offset in the block, length) of mask, offsets, values, signs
+    status_offset: int
+    nbytes: int           # the whole block, status area included
+    rounds: int
+    n_tiles: int
+    scratch_bytes: int
+    smem: int
+    width: int            # bits per stored value in the value stream
+
+    def planes(self, block: int, mask: int = 0, offsets: int = 0) -> Planes:
+        """The planes of a block made by this plan (``mask`` / ``offsets`` given for a
+        masked pack, whose planes live in the mask tensor's block)."""
+        (mo, ml), (oo, ol), (vo, vl), (so, sl) = self.spans
+        return Planes(mask or block + mo, ml, offsets or block + oo, int(self.lay.offset_width == 8),
+                      block + vo, vl, block + so, sl)
+
+    def status(self, block: int) -> int:
+        return block + self.status_offset
+
+
+@functools.lru_cache(maxsize=4096)
+def pack_plan(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int, chunk_log2: int,
+              mode: Mode = Mode.PACK) -> PackPlan:
+    """The plan of one pack; ``mode`` MASKED lays out values and signs only."""
+    lay = _fmt.layout(shape, dtype, encoding, capacity, chunk_log2)
+    names = ("values", "signs") if mode == Mode.MASKED else ("mask", "offsets", "values", "signs")
+    spans, pos = {}, 0
+    for name in names:
+        length = lay.sections[name][1]
+        spans[name] = (pos, length)
+        pos += _fmt.align(length)
+    for name in ("mask", "offsets"):
+        spans.setdefault(name, (0, lay.sections[name][1]))
+    rounds = abi.pack_rounds(mode)
+    n_tiles = -(-lay.numel // abi.tile_elems(dtype, rounds))
+    return PackPlan(lay, Mode(mode), tuple(spans[n] for n in ("mask", "offsets", "values", "signs")),
+                    pos, pos + abi.STATUS_BYTES, rounds, n_tiles, abi.pack_scratch_bytes(n_tiles),
+                    abi.pack_smem_bytes(dtype, encoding, rounds), abi.stream_width(dtype, encoding))
+
+
+# Argument records are built once per thread (a launch copies them, so a record
+# is free for reuse as soon as the call returns).
+_RECORDS = threading.local()
+
+
+def _record(cls):
+    rec = getattr(_RECORDS, cls.__name__, None)
+    if rec is None:
+        rec = cls()
+        setattr(_RECORDS, cls.__name__, rec)
+    return rec
+
+
+class Kernels:
+    """The CUfunction handles of one device (CuPy-compiled kernels/*.cu)."""
+
+    def __init__(self, device: int):
+        from ..cupy import kernels
+        self.device = device
+        self._fn = functools.lru_cache(maxsize=None)(
+            lambda *key: kernels.function(device, *key))
+
+    def __call__(self, *key) -> int:
+        return self._fn(*key)
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_for(device: int) -> Kernels:
+    return Kernels(device)
+
+
+# --------------------------------------------------------------------------- #
+# Packing                                                                     #
+# --------------------------------------------------------------------------- #
+def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, scratch: int,
+                 y: int = 0, in_planes: Planes | None = None) -> None:
+    """Queue the pack of the dense tensor at ``x`` into ``block`` (``plan.nbytes``).
+
+    ``y``: where relu_pack writes the dense activation (modes RELU / RELU2).
+    ``in_planes``: the mask tensor's planes (mode MASKED). ``scratch``:
+    ``plan.scratch_bytes`` of device memory, zeroed here.
+    """
+    lay = plan.lay
+    if lay.numel == 0:
+        driver.memset0(block, plan.nbytes, stream)
+        return
+    k = kernels_for(device)
+    enc = lay.encoding
+    fused = plan.mode in (Mode.RELU, Mode.RELU2)
+    fmt = abi.FMT_OF[lay.dtype.name] if fused else abi.BITS_FMT[lay.dtype.bits]
+    masked = plan.mode == Mode.MASKED
+    pl = plan.planes(block)
+    driver.memset0(scratch, plan.scratch_bytes, stream)
+    rec = _record(abi.PackArgs)
+    rec.x, rec.numel, rec.x_aligned = x, lay.numel, x % 16 == 0
+    rec.mask, rec.mask_len = (in_planes.mask if masked else pl.mask), pl.mask_len
+    rec.offsets, rec.off64, rec.chunk_log2 = (0 if masked else pl.offsets), pl.off64, lay.chunk_log2
+    rec.values, rec.signs, rec.cap = pl.values, pl.signs, lay.capacity
+    rec.y, rec.y_aligned = y, bool(y) and y % 16 == 0
+    rec.scratch, rec.status, rec.n_tiles = scratch, plan.status(block), plan.n_tiles
+    func = k("pack", fmt, int(enc), int(plan.mode), plan.rounds)
+    grid = min(plan.n_tiles, driver.resident_blocks(func, abi.THREADS, plan.smem, device))
+    driver.launch_cooperative(func, grid, abi.THREADS, plan.smem, stream, rec)
+    signplane = enc == Encoding.SIGNPLANE
+    st = _record(abi.StitchArgs)
+    st.scratch, st.n_tiles, st.cap, st.width = scratch, plan.n_tiles, lay.capacity, plan.width
+    st.values, st.has_signs, st.signs = pl.values, signplane, pl.signs
+    driver.launch(k("stitch"), -(-(plan.n_tiles + 1) // abi.THREADS), abi.THREADS, 0, stream, st)
+    vwords, swords = -(-pl.values_len // 4), -(-pl.signs_len // 4)
+    if not masked and lay.capacity < lay.numel and max(vwords, swords):
+        zt = _record(abi.ZeroTailArgs)
+        zt.status, zt.cap, zt.width = plan.status(block), lay.capacity, plan.width
+        zt.values, zt.values_words, zt.has_signs = pl.values, vwords, signplane
+        zt.signs, zt.signs_words = pl.signs, swords
+        grid = min(-(-max(vwords, swords) // abi.THREADS), 4096)
+        driver.launch(k("zero_tail"), grid, abi.THREADS, 0, stream, zt)
+
+
+def enqueue_shrink(src: PackPlan, src_block: int, dst: PackPlan, dst_block: int,
+                   stream: int) -> None:
+    """Copy a worst-case block's sections (and status) into an exact-size block."""
+    head = src.spans[1][0] + src.spans[1][1]      # mask + offsets: the same spans in both
+    driver.copy(dst_block, src_block, head, stream)
+    for i in (2, 3):
+        driver.copy(dst_block + dst.spans[i][0], src_block + src.spans[i][0], dst.spans[i][1],
+                    stream)
+    driver.copy(dst.status(dst_block), src.status(src_block), 16, stream)
+
+
+# --------------------------------------------------------------------------- #
+# Unpacking and the fused backward ops                                        #
+# --------------------------------------------------------------------------- #
+def prefix_scratch_bytes(lay: _fmt.Layout, op: Op) -> int:
+    """Scratch an unpack-family op needs: 0 when every tile is a whole number of
+    chunks (the offsets table has both ends of each tile's value range), else one
+    prefix count per tile plus one."""
+    rounds = abi.unpack_rounds(lay.dtype, op)
+    tile = abi.tile_elems(lay.dtype, rounds)
+    if (1 << lay.chunk_log2) <= tile or lay.numel == 0:
+        return 0
+    return 8 * (-(-lay.numel // tile) + 1)
+
+
+def enqueue_unpack(lay: _fmt.Layout, p: Planes, op: Op, device: int, stream: int, out: int,
+                   *, grad: int = 0, out2: int = 0, pu: Planes | None = None,
+                   u_encoding: Encoding = Encoding.RAW, udense: int = 0, prefix: int = 0,
+                   prefix_scan=None) -> None:
+    """Queue an unpack-family kernel over the packed tensor ``p`` of layout ``lay``.
+
+    ``prefix``: ``prefix_scratch_bytes(lay, op)`` bytes of device memory when that
+    is nonzero; ``prefix_scan(ptr, n)`` then queues the in-place inclusive sum of
+    ``n`` u64 tile counts at ``ptr`` on ``stream`` (a framework's cumsum).
+    """
+    if lay.numel == 0:
+        return
+    k = kernels_for(device)
+    rounds = abi.unpack_rounds(lay.dtype, op)
+    tile = abi.tile_elems(lay.dtype, rounds)
+    n_tiles = -(-lay.numel // tile)
+    fmt = abi.BITS_FMT[lay.dtype.bits] if op == Op.UNPACK else abi.FMT_OF[lay.dtype.name]
+    mode = 0
+    if prefix_scratch_bytes(lay, op):
+        tc = _record(abi.TileCountsArgs)
+        tc.mask, tc.mask_len, tc.numel, tc.counts = p.mask, p.mask_len, lay.numel, prefix + 8
+        driver.memset0(prefix, 8, stream)
+        driver.launch(k("tile_counts", abi.BITS_FMT[lay.dtype.bits], rounds), n_tiles,
+                      abi.THREADS, 0, stream, tc)
+        prefix_scan(prefix + 8, n_tiles)
+        mode = 2
+    r = _record(abi.UnpackArgs)
+    r.numel, r.chunk_log2, r.prefix_mode = lay.numel, lay.chunk_log2, mode
+    r.offsets, r.off64, r.prefix = p.offsets, p.off64, prefix if mode else 0
+    r.mask, r.mask_len = p.mask, p.mask_len
+    r.values, r.values_len, r.signs, r.signs_len = p.values, p.values_len, p.signs, p.signs_len
+    q = pu or Planes(0, 0, 0, 0, 0, 0, 0, 0)
+    r.uvalues, r.uvalues_len, r.usigns, r.usigns_len = q.values, q.values_len, q.signs, q.signs_len
+    r.g, r.g_aligned, r.ud, r.ud_aligned = grad, grad % 16 == 0, udense, udense % 16 == 0
+    r.out, r.out_aligned, r.out2, r.out2_aligned = out, out % 16 == 0, out2, out2 % 16 == 0
+    uenc = int(u_encoding) if pu is not None else 0
+    func = k("unpack", fmt, int(op), rounds, int(lay.encoding), uenc)
+    driver.launch(func, n_tiles, abi.THREADS, 0, stream, r)
+
+
+def enqueue_relu_backward(lay: _fmt.Layout, p: Planes, device: int, stream: int, grad: int,
+                          out: int) -> None:
+    """ReLU's input gradient from the mask alone: ``grad`` where the bit is set, else 0."""
+    if lay.numel == 0:
+        return
+    v = 16 // lay.dtype.itemsize
+    # A grid-stride kernel: enough blocks to fill the device, not one per vector.
+    grid = min(-(-lay.numel // (v * abi.THREADS)), driver.sm_count(device) * 32)
+    r = _record(abi.MaskSelectArgs)
+    r.g, r.g_aligned, r.mask, r.mask_len = grad, grad % 16 == 0, p.mask, p.mask_len
+    r.numel, r.out, r.out_aligned = lay.numel, out, out % 16 == 0
+    driver.launch(kernels_for(device)("mask_select", abi.BITS_FMT[lay.dtype.bits]), grid,
+                  abi.THREADS, 0, stream, r)
