@@ -12,11 +12,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("bitsparse_core.torch needs PyTorch (pip install 'bitsparse_core[torch]' "
                       "or torch>=2.4); the rest of bitsparse_core works without it") from exc
 
-from .functional import (ENCODINGS, GatedReLULinearFunction, ReLULinearFunction,
+from .capacity import CapacityPolicy
+from .functional import (ENCODINGS, GatedReLULinearFunction,
                          gated_relu_ffn, gated_relu_linear, relu_ffn, relu_linear)
 from .hooks import SavedStats, compress_saved_tensors
 from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN
 
-__all__ = ["relu_linear", "gated_relu_linear", "relu_ffn", "gated_relu_ffn",
-           "ReLULinearFunction", "GatedReLULinearFunction", "PackedReLUFFN", "PackedReLU2FFN",
+__all__ = ["CapacityPolicy", "relu_linear", "gated_relu_linear", "relu_ffn", "gated_relu_ffn",
+           "GatedReLULinearFunction", "PackedReLUFFN", "PackedReLU2FFN",
            "PackedReGLUFFN", "compress_saved_tensors", "SavedStats", "ENCODINGS"]

@@ -34,6 +34,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _bridge as B
+from . import ops as _ops  # noqa: F401  (registers torch.ops.bitsparse)
+from ..spec.format import DEFAULT_CHUNK_LOG2, Encoding
+from .capacity import CapacityPolicy
 
 ENCODINGS = ("raw", "nosign", "signplane", "auto")
 
@@ -105,64 +108,6 @@ def _linear_backward(ctx, grad_out, weight, h_fn):
     return grad_h, grad_w, grad_b
 
 
-class ReLULinearFunction(torch.autograd.Function):
-    """``out = F.linear(relu(a), W, b)`` (``relu(a)**2`` when ``square``), saving ``pack(relu(a))``."""
-
-    @staticmethod
-    def forward(ctx, a, weight, bias, square, encoding, backend, mm_dtype):
-        call = B.Call(a.device, backend)
-        a = a.contiguous()
-        obj, dt = B.export(a)
-        # On CUDA the exact size is settled while the second matmul runs (see PendingPack);
-        # "auto" may have to re-pack as raw, which the backend does synchronously.
-        overlap = call.cuda and encoding != "auto"
-        y_arr, p = call.backend.relu_pack(obj, square=square, dtype=dt, encoding=encoding,
-                                          capacity=a.numel() if overlap else None,
-                                          **call.kwargs)
-        owners = call.owners()
-        y = B.as_torch(y_arr, a.dtype, a.shape, owners)
-        if overlap:
-            pending = B.PendingPack(call, p, owners)
-        else:
-            planes, skel = _Saved.planes(call, p, owners)
-        del y_arr, p, owners
-        with torch.autocast(a.device.type, enabled=False):
-            out = F.linear(y if mm_dtype is None else y.to(mm_dtype), weight, bias)
-        del y
-        if overlap:
-            planes, skel = pending.finish()
-            del pending
-        ctx.save_for_backward(weight, *planes)
-        ctx.skel, ctx.pack_stream, ctx.backend = skel, call.stream, backend
-        ctx.square, ctx.has_bias, ctx.weight_index = square, bias is not None, 1
-        ctx.a_dtype, ctx.a_shape, ctx.mm_dtype = a.dtype, tuple(a.shape), mm_dtype
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        weight, *planes = ctx.saved_tensors
-        call = B.Call(grad_out.device, ctx.backend)
-        p = _Saved.restore(ctx, planes, ctx.skel, call)
-
-        def h_fn():
-            h = _unpack(call, p, ctx.a_dtype, ctx.a_shape)
-            if ctx.square:
-                h.mul_(h)  # the forward's relu(a)**2, rounded the same single way
-            return h if ctx.mm_dtype is None else h.to(ctx.mm_dtype)
-
-        grad_h, grad_w, grad_b = _linear_backward(ctx, grad_out, weight, h_fn)
-        grad_a = None
-        if grad_h is not None:
-            grad_h = grad_h.view(ctx.a_shape)
-            if grad_h.dtype != ctx.a_dtype:
-                grad_h = grad_h.to(ctx.a_dtype)
-            op = call.backend.relu2_backward if ctx.square else call.backend.relu_backward
-            grad_a = B.as_torch(op(grad_h, p, **call.kwargs), ctx.a_dtype, ctx.a_shape,
-                                call.owners())
-        return grad_a, grad_w, grad_b, None, None, None, None
-
-
 class GatedReLULinearFunction(torch.autograd.Function):
     """``out = F.linear(relu(g) * u, W, b)``, saving ``pack(relu(g))`` and ``u`` where
     ``relu(g) != 0``, the two sharing one bitmask."""
@@ -226,16 +171,58 @@ class GatedReLULinearFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------- #
 # Functional API                                                              #
 # --------------------------------------------------------------------------- #
+def _encoding_id(encoding: str) -> int:
+    if encoding == "auto":
+        # "auto" would need a scan of the activation before packing; relu(a) holds no
+        # negative value but a negative NaN, so nosign is its encoding.
+        return int(Encoding.NOSIGN)
+    return int(Encoding.parse(encoding))
+
+
+_FUNCTIONAL_POLICIES: dict = {}
+
+
+def _policy(policy, density, shape, dtype, square):
+    """The capacity policy of a call: the caller's, a fixed density's, or one shared by
+    every functional call of this shape (adapting as a module's would)."""
+    if policy is not None:
+        return policy
+    key = (tuple(shape), dtype, square, density)
+    pol = _FUNCTIONAL_POLICIES.get(key)
+    if pol is None:
+        pol = _FUNCTIONAL_POLICIES[key] = CapacityPolicy(density)
+    return pol
+
+
 def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "nosign",
-                backend: str = "auto"):
+                density: float | None = None, policy: CapacityPolicy | None = None,
+                recompute=None, backend: str = "auto"):
     """``F.linear(torch.relu(a), weight, bias)`` (``torch.relu(a)**2`` if ``square``),
-    storing the activation packed for backward."""
+    storing the activation packed for backward at a fixed capacity, with no host sync.
+
+    ``recompute=(x, w1, b1)``, what made ``a = F.linear(x, w1, b1)``, lets a batch
+    that overflows the capacity recompute the activation exactly in backward;
+    without it such a backward waits for the pack's count and raises
+    :class:`~bitsparse_core.errors.CapacityOverflowError` on overflow
+    (:func:`relu_ffn` and the modules always pass it). ``density`` bounds the
+    nonzero fraction; by default the capacity adapts (:class:`CapacityPolicy`).
+    """
     _check_input(a, "a")
     encoding = _check_encoding(encoding)
+    if backend not in ("auto", "cupy", "numpy"):
+        raise ValueError(f"backend={backend!r}: the torch ops run the CuPy-compiled kernels "
+                         "on CUDA and the NumPy reference on CPU")
     mm = _autocast_dtype(a.device)
     weight, bias = _autocast(weight, mm), _autocast(bias, mm)
     mm_dtype = mm if mm is not None and a.dtype != mm else None
-    return ReLULinearFunction.apply(a, weight, bias, bool(square), encoding, backend, mm_dtype)
+    x, w1, b1 = recompute if recompute is not None else (None, None, None)
+    a = a.contiguous()
+    pol = _policy(policy, density, a.shape, a.dtype, bool(square))
+    out, _, _ = torch.ops.bitsparse.relu_linear(a, weight, bias, x, w1, b1,
+                                                pol.capacity(a.numel()), bool(square),
+                                                _encoding_id(encoding), DEFAULT_CHUNK_LOG2,
+                                                mm_dtype, pol.id)
+    return out
 
 
 def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
@@ -259,10 +246,20 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
 
 
 def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign",
+             density: float | None = None, policy: CapacityPolicy | None = None,
              backend: str = "auto"):
-    """``relu(x W1ᵀ + b1) W2ᵀ + b2`` (ReLU² when ``square``) with the activation stored packed."""
-    return relu_linear(F.linear(x, w1, b1), w2, b2, square=square, encoding=encoding,
-                       backend=backend)
+    """``relu(x W1ᵀ + b1) W2ᵀ + b2`` (ReLU² when ``square``) with the activation stored
+    packed: no host sync, exact on every batch (an overflowing one recomputes the
+    activation from ``x`` in backward with the forward's own GEMM)."""
+    mm = _autocast_dtype(x.device)
+    if mm is not None:
+        # The casts autocast's linear would make, made explicitly so the recompute
+        # sees exactly the tensors the first GEMM used (and saves nothing new).
+        x, w1, b1 = _autocast(x, mm), _autocast(w1, mm), _autocast(b1, mm)
+    with torch.autocast(x.device.type, enabled=False):
+        a = F.linear(x, w1, b1)
+    return relu_linear(a, w2, b2, square=square, encoding=encoding, density=density,
+                       policy=policy, recompute=(x, w1, b1), backend=backend)
 
 
 def gated_relu_ffn(x, w_gate, b_gate, w_up, b_up, w2, b2, *, encoding: str = "nosign",

@@ -10,14 +10,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import _check_encoding, gated_relu_linear, relu_linear
+from .capacity import CapacityPolicy
+from .functional import _check_encoding, gated_relu_linear, relu_ffn
 
 
 class _PackedFFN(nn.Module):
-    def __init__(self, encoding, backend):
+    def __init__(self, encoding, backend, density=None, margin=0.1):
         super().__init__()
         self.encoding = _check_encoding(encoding)
         self.backend = backend
+        self.capacity_policy = CapacityPolicy(density, margin)
+
+    def stats(self) -> dict:
+        """Packs made, overflows seen (each recomputed exactly), the densities."""
+        return self.capacity_policy.stats()
 
     def extra_repr(self) -> str:
         return f"encoding={self.encoding!r}, backend={self.backend!r}"
@@ -29,21 +35,23 @@ class PackedReLUFFN(_PackedFFN):
     square = False
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, *, encoding: str = "nosign",
-                 backend: str = "auto", device=None, dtype=None):
-        super().__init__(encoding, backend)
+                 density: float | None = None, margin: float = 0.1, backend: str = "auto",
+                 device=None, dtype=None):
+        super().__init__(encoding, backend, density, margin)
         self.fc1 = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return relu_linear(self.fc1(x), self.fc2.weight, self.fc2.bias, square=self.square,
-                           encoding=self.encoding, backend=self.backend)
+        return relu_ffn(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
+                        square=self.square, encoding=self.encoding,
+                        policy=self.capacity_policy, backend=self.backend)
 
     @classmethod
     def from_dense(cls, fc1: nn.Linear, fc2: nn.Linear, *, encoding: str = "nosign",
-                   backend: str = "auto"):
+                   density: float | None = None, margin: float = 0.1, backend: str = "auto"):
         """A packed FFN sharing the parameters of two existing ``nn.Linear``s."""
         m = cls.__new__(cls)
-        _PackedFFN.__init__(m, encoding, backend)
+        _PackedFFN.__init__(m, encoding, backend, density, margin)
         m.fc1, m.fc2 = fc1, fc2
         return m
 

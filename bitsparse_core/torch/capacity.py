@@ -1,0 +1,165 @@
+"""Capacity without waiting: device counters read back asynchronously, and the
+per-module policy that sizes the next packs from them.
+
+A fixed-capacity pack needs no host sync, but its capacity must come from
+somewhere. Each pack's status word and nonzero count are copied, behind the pack
+kernel, into a slot of one pinned host slab (:class:`FlagSlab`); the host reads a
+slot only once the copy has landed, which it sees without any CUDA call: the slot
+is filled with a sentinel first, and the status word is copied last. A
+:class:`CapacityPolicy` (one per module) polls its slots, keeps the largest
+density seen recently, and picks the next capacity from a ladder of density
+buckets (so allocations and compiled graphs are reused) with a margin.
+Overflows are counted and logged, never silent: the ops recompute exactly where
+a pack overflowed (see :mod:`.ops`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import itertools
+import weakref
+
+import numpy as np
+import torch
+
+log = logging.getLogger("bitsparse_core.torch")
+
+SENTINEL = 0xFFFFFFFF          # no status word the kernel writes (bits 0-1 only)
+NO_SLOT = -1                   # no copy queued (CUDA graph capture): state unknown
+HOST_FINAL = -2                # CPU pack: the block's own status area is final
+
+
+class FlagSlab:
+    """A ring of pinned 16-byte slots {u32 status, u32 pad, u64 nnz}.
+
+    A pack takes the next slot and gets a *ticket*: a CPU int64 tensor
+    ``[index, generation]`` (an op output, so it travels through autograd and
+    compiled graphs like any tensor). Reading a slot with a stale generation (the
+    ring came round; only for a pack thousands of packs old) answers "unknown",
+    which every caller treats as "not known to be clean": correct, only slower. A
+    slot whose copy has not landed yet is skipped when the ring comes round.
+    """
+
+    def __init__(self, slots: int = 1 << 14):
+        self.slots = slots
+        self._mem = None
+        self._next = 0
+        self._gen = np.zeros(slots, dtype=np.int64)
+        self._lock = threading.Lock()
+
+    def _arrays(self):
+        if self._mem is None:
+            self._mem = torch.empty(16 * self.slots, dtype=torch.uint8, pin_memory=True)
+            raw = self._mem.numpy()
+            self.status, self.nnz = raw.view(np.uint32), raw.view(np.uint64)
+            self.status[::4] = 0
+        return self.status, self.nnz
+
+    def acquire(self):
+        """``(host address of the slot, ticket)``; the slot reads as pending until
+        the caller's copies land."""
+        status, _ = self._arrays()
+        with self._lock:
+            for _ in range(self.slots):
+                i = self._next
+                self._next = (i + 1) % self.slots
+                if status[4 * i] != SENTINEL:
+                    break
+            else:
+                return 0, torch.tensor([NO_SLOT, 0], dtype=torch.int64)
+            self._gen[i] += 1
+            status[4 * i] = SENTINEL
+            gen = int(self._gen[i])
+        return self._mem.data_ptr() + 16 * i, torch.tensor([i, gen], dtype=torch.int64)
+
+    def read(self, ticket: torch.Tensor):
+        """``(status, nnz)`` of a ticket's pack once its copy has landed, else None."""
+        i, gen = (int(v) for v in ticket.numpy())
+        if i < 0:
+            return None
+        status, nnz = self._arrays()
+        s = int(status[4 * i])
+        if s == SENTINEL or self._gen[i] != gen:
+            return None
+        return s, int(nnz[2 * i + 1])
+
+
+SLAB = FlagSlab()
+POLICIES: "weakref.WeakValueDictionary[int, CapacityPolicy]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+# Densities a capacity may take: 1/64 times powers of 2^(1/3), up to 1.
+LADDER = tuple(min(1.0, 2 ** (k / 3) / 64) for k in range(19))
+
+
+class CapacityPolicy:
+    """Capacity of one call site's packs, adapted from the densities it saw.
+
+    ``density``: a fixed bound (the capacity is ``ceil(density * numel)``), or None
+    to adapt: the first packs use the full capacity (they cannot overflow) while
+    their counts come back; later ones the smallest ladder density at or above
+    ``(1 + margin)`` times the largest density of the last ``window`` packs.
+    ``bucket`` is a plain int attribute, so ``torch.compile`` guards on it and
+    recompiles (at most once per bucket) when the capacity moves.
+    """
+
+    def __init__(self, density: float | None = None, margin: float = 0.1, window: int = 64):
+        self.id = next(_IDS)
+        POLICIES[self.id] = self
+        if density is not None and not 0.0 <= float(density) <= 1.0:
+            raise ValueError(f"density={density!r} must lie in [0, 1]")
+        if margin < 0:
+            raise ValueError(f"margin={margin!r} must be >= 0")
+        self.density = None if density is None else float(density)
+        self.margin = float(margin)
+        self.bucket = len(LADDER) - 1
+        self._recent = collections.deque(maxlen=window)
+        self._pending = collections.deque(maxlen=4 * window)
+        self.packs = self.overflows = self.recomputes = 0
+        self.max_density = 0.0
+
+    def capacity(self, numel: int) -> int:
+        d = self.density if self.density is not None else LADDER[self.bucket]
+        return min(numel, math.ceil(d * numel))
+
+    def track(self, ticket: torch.Tensor, numel: int, capacity: int, known=None) -> None:
+        """Remember a pack whose count is on its way back (called at pack time);
+        ``known``: its ``(status, nnz)`` where the pack ran on the host."""
+        self.packs += 1
+        if known is not None:
+            self._observe(known[1], numel, capacity)
+        elif int(ticket.numpy()[0]) >= 0:
+            self._pending.append((ticket, numel, capacity))
+        self.poll()
+
+    def poll(self) -> None:
+        """Take in every count that has landed (no CUDA call) and re-pick the bucket."""
+        while self._pending:
+            ticket, numel, capacity = self._pending[0]
+            state = SLAB.read(ticket)
+            if state is None:
+                break
+            self._pending.popleft()
+            self._observe(state[1], numel, capacity)
+        if self.density is None and self._recent:
+            want = max(self._recent) * (1 + self.margin)
+            self.bucket = next((k for k, v in enumerate(LADDER) if v >= want), len(LADDER) - 1)
+
+    def _observe(self, nnz: int, numel: int, capacity: int) -> None:
+        d = nnz / numel if numel else 0.0
+        self._recent.append(d)
+        self.max_density = max(self.max_density, d)
+        if nnz > capacity:
+            self.overflows += 1
+            log.warning("bitsparse: %d nonzeros overflowed a capacity of %d (density %.4f); "
+                        "that layer's backward recomputes its activation exactly", nnz,
+                        capacity, d)
+
+    def stats(self) -> dict:
+        return {"packs": self.packs, "overflows": self.overflows, "recomputes": self.recomputes,
+                "max_density": self.max_density,
+                "capacity_density": self.density if self.density is not None
+                else LADDER[self.bucket]}

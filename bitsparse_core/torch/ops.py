@@ -1,0 +1,322 @@
+"""The PyTorch custom ops of the packed-activation path (namespace ``bitsparse``).
+
+``bitsparse::relu_linear`` computes ``F.linear(relu(a), W, b)`` (``relu(a)**2``
+when ``square``) and returns, beside the output, the packed ``relu(a)`` at a fixed
+capacity as ONE uint8 block (the layout of :func:`..backends.cuda.host.pack_plan`)
+and a *ticket* for its device-side counters (:mod:`.capacity`).
+``bitsparse::relu_linear_backward`` takes them back: where the ticket shows the
+pack clean, it unpacks (and runs the fused activation gradient); where it shows
+an overflow, or cannot tell yet (the copy has not landed, or a CUDA graph is being
+captured), it recomputes the activation from the FFN input with the same GEMM as
+the forward, so the gradients are bit-identical in every case and the host never
+waits for the GPU.
+
+Each op has a fake (meta) implementation, shapes from the format's layout at the
+given capacity, so ``torch.compile`` traces them without a graph break, and
+``relu_linear`` its autograd formula (``register_autograd``). CUDA tensors go to the
+kernels through :mod:`..backends.cuda.host` by pointer, on torch's current stream,
+with memory from torch's caching allocator; CPU tensors through the NumPy
+reference codec.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import dtypes as _dt
+from ..backends import get_backend
+from ..backends.cuda import abi, driver, host
+from ..errors import CapacityOverflowError
+from ..packed import PackedTensor
+from ..spec import ops as reference_ops
+from ..spec.format import Encoding
+from . import capacity as C
+
+_TORCH_TO_BS = {torch.bfloat16: _dt.BFLOAT16, torch.float16: _dt.FLOAT16,
+                torch.float32: _dt.FLOAT32}
+for _n, _d in (("float8_e4m3fn", _dt.FLOAT8_E4M3FN), ("float8_e5m2", _dt.FLOAT8_E5M2)):
+    if hasattr(torch, _n):
+        _TORCH_TO_BS[getattr(torch, _n)] = _d
+_OFFSET_DTYPES = {4: torch.int32, 8: torch.int64}
+
+
+def _plan(a_shape, dtype: torch.dtype, capacity: int, square: bool, encoding: int,
+          chunk_log2: int) -> host.PackPlan:
+    mode = abi.Mode.RELU2 if square else abi.Mode.RELU
+    return host.pack_plan(tuple(int(s) for s in a_shape), _TORCH_TO_BS[dtype], Encoding(encoding),
+                          int(capacity), int(chunk_log2), mode)
+
+
+# --------------------------------------------------------------------------- #
+# The block as a PackedTensor view (the CPU path and tests)                   #
+# --------------------------------------------------------------------------- #
+def block_view(block: torch.Tensor, plan: host.PackPlan) -> PackedTensor:
+    """A numpy-backend PackedTensor viewing a CPU block's planes (no copy)."""
+    raw = block.numpy()
+    planes = [raw[off:off + n] for off, n in plan.spans]
+    planes[1] = planes[1].view(f"<u{plan.lay.offset_width}")
+    status, nnz = _host_status(block, plan)
+    lay = plan.lay
+    return PackedTensor(lay.shape, lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity, *planes,
+                        backend=get_backend("numpy"), device=("cpu", 0), _nnz=nnz)
+
+
+def _host_status(block: torch.Tensor, plan: host.PackPlan):
+    raw = block.numpy()[plan.status_offset:plan.status_offset + 16]
+    return int(raw[:4].view(np.uint32)[0]), int(raw[8:].view(np.uint64)[0])
+
+
+def _pack_cpu(a: torch.Tensor, plan: host.PackPlan, square: bool):
+    lay = plan.lay
+    bits = a.detach().contiguous().view(_int_view(a.dtype)).numpy()
+    y, p = reference_ops.relu_pack(bits.view(lay.dtype.numpy), lay.dtype, square=square,
+                                   encoding=lay.encoding, chunk_log2=lay.chunk_log2,
+                                   capacity=lay.capacity)
+    block = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    raw = block.numpy()
+    for (off, n), plane in zip(plan.spans, (p.mask, p.offsets, p.values, p.signs)):
+        raw[off:off + n] = np.asarray(plane).view(np.uint8).reshape(-1)[:n]
+    status = abi.STATUS_OVERFLOW if p.nnz > lay.capacity else 0
+    raw[plan.status_offset:plan.status_offset + 4] = np.array([status], np.uint32).view(np.uint8)
+    raw[plan.status_offset + 8:plan.status_offset + 16] = np.array([p.nnz], np.uint64).view(np.uint8)
+    yt = torch.from_numpy(np.ascontiguousarray(y).view(_int_view_np(a.dtype))).view(a.dtype)
+    return yt.view(a.shape), block
+
+
+def _int_view(dtype: torch.dtype) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
+
+
+def _int_view_np(dtype: torch.dtype):
+    return {1: np.uint8, 2: np.int16, 4: np.int32}[torch.empty((), dtype=dtype).element_size()]
+
+
+# --------------------------------------------------------------------------- #
+# CUDA: the kernels by pointer on torch's current stream                      #
+# --------------------------------------------------------------------------- #
+def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
+    """``(y, block, ticket)``: y is relu(a) (squared for RELU2); the pack's status and
+    count are copied behind it into a pinned slot (none while a graph is captured)."""
+    dev = a.device.index
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    nbytes = a.numel() * a.element_size()
+    ybytes = -(-nbytes // 16) * 16
+    # The pack's scratch rides at the end of y's allocation: it is dead once the
+    # kernels have run, and y is freed right after the second GEMM.
+    ystore = torch.empty(ybytes + plan.scratch_bytes, dtype=torch.uint8, device=a.device)
+    block = torch.empty(plan.nbytes, dtype=torch.uint8, device=a.device)
+    host.enqueue_pack(plan, dev, stream, a.data_ptr(), block.data_ptr(),
+                      ystore.data_ptr() + ybytes, ystore.data_ptr())
+    y = ystore[:nbytes].view(a.dtype).view(a.shape)
+    if torch.cuda.is_current_stream_capturing():
+        ticket = torch.tensor([C.NO_SLOT, 0], dtype=torch.int64)
+    else:
+        slot, ticket = C.SLAB.acquire()
+        if slot:
+            status = plan.status(block.data_ptr())
+            driver.copy_to_host(slot + 8, status + 8, 8, stream)   # nnz first,
+            driver.copy_to_host(slot, status, 4, stream)           # the status word last
+    return y, block, ticket
+
+
+def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torch.Tensor,
+                 grad: Optional[torch.Tensor] = None) -> None:
+    dev, stream = block.device.index, torch.cuda.current_stream(block.device).cuda_stream
+    lay = plan.lay
+    nprefix = host.prefix_scratch_bytes(lay, op)
+    prefix = torch.empty(max(nprefix // 8, 1), dtype=torch.int64, device=block.device)
+
+    def scan(ptr: int, n: int) -> None:
+        counts = prefix[1:n + 1]
+        counts.copy_(torch.cumsum(counts, 0))
+
+    host.enqueue_unpack(lay, plan.planes(block.data_ptr()), op, dev, stream, out.data_ptr(),
+                        grad=grad.data_ptr() if grad is not None else 0,
+                        prefix=prefix.data_ptr() if nprefix else 0, prefix_scan=scan)
+
+
+# --------------------------------------------------------------------------- #
+# The ops                                                                     #
+# --------------------------------------------------------------------------- #
+@torch.library.custom_op("bitsparse::relu_linear", mutates_args=())
+def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                x: Optional[torch.Tensor], w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
+                capacity: int, square: bool, encoding: int, chunk_log2: int,
+                mm_dtype: Optional[torch.dtype], policy: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(F.linear(relu(a)[**2], W, b), packed block, ticket)``; ``x, w1, b1`` (what made
+    ``a = F.linear(x, w1, b1)``) are kept only for an exact recompute in backward."""
+    plan = _plan(a.shape, a.dtype, capacity, square, encoding, chunk_log2)
+    pol = C.POLICIES.get(policy)
+    if a.device.type == "cuda":
+        y, block, ticket = _pack_cuda(a, plan)
+        known = None
+    else:
+        y, block = _pack_cpu(a, plan, square)
+        ticket = torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64)
+        known = _host_status(block, plan)
+    if pol is not None:
+        pol.track(ticket, a.numel(), int(capacity), known)
+    out = F.linear(y if mm_dtype is None else y.to(mm_dtype), weight, bias)
+    return out, block, ticket
+
+
+@relu_linear.register_fake
+def _(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype, policy):
+    plan = _plan(a.shape, a.dtype, capacity, square, encoding, chunk_log2)
+    out = a.new_empty((*a.shape[:-1], weight.shape[0]), dtype=mm_dtype or a.dtype)
+    return (out, a.new_empty((plan.nbytes,), dtype=torch.uint8),
+            torch.empty((2,), dtype=torch.int64))
+
+
+def _state(block: torch.Tensor, ticket: torch.Tensor, plan: host.PackPlan):
+    """``(status, nnz)`` of the pack, or None while the host cannot know it."""
+    if int(ticket.numpy()[0]) == C.HOST_FINAL:
+        return _host_status(block, plan)
+    return C.SLAB.read(ticket)
+
+
+@torch.library.custom_op("bitsparse::relu_linear_backward", mutates_args=())
+def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: torch.Tensor,
+                         weight: torch.Tensor, x: Optional[torch.Tensor],
+                         w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
+                         a_shape: List[int], a_dtype: torch.dtype, has_bias: bool,
+                         capacity: int, square: bool, encoding: int, chunk_log2: int,
+                         mm_dtype: Optional[torch.dtype], policy: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_a, grad_W, grad_b)`` of :func:`relu_linear` (grad_b empty without bias),
+    repeating PyTorch's own ``linear`` backward on the 2-D views."""
+    plan = _plan(a_shape, a_dtype, capacity, square, encoding, chunk_log2)
+    state = _state(block, ticket, plan)
+    clean = state is not None and state[0] == 0
+    pol = C.POLICIES.get(policy)
+    if not clean:
+        if x is None:
+            state = _wait(block, ticket, plan)
+            if state[0] != 0:
+                raise CapacityOverflowError(
+                    f"{state[1]} nonzeros overflowed the capacity {capacity} of a relu_linear "
+                    "that has no recompute source; pass recompute=(x, w1, b1) or use relu_ffn")
+            clean = True
+        elif pol is not None:
+            pol.recomputes += 1
+    if clean:
+        r = _unpack(block, plan, a_shape, a_dtype)
+    else:
+        with torch.autocast(grad_out.device.type, enabled=False):
+            r = torch.relu(F.linear(x, w1, b1))
+    h = r * r if square else r
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    hm = h if mm_dtype is None else h.to(mm_dtype)
+    grad_w = g2.t().mm(hm.reshape(-1, hm.shape[-1]))
+    del h, hm
+    grad_b = g2.sum([0], keepdim=True).view(g2.shape[-1]) if has_bias else g2.new_empty((0,))
+    grad_h = g2.mm(weight).view(a_shape)
+    if grad_h.dtype != a_dtype:
+        grad_h = grad_h.to(a_dtype)
+    if clean:
+        grad_a = _activation_grad(grad_h, block, plan, square)
+    elif square:
+        grad_a = torch.ops.aten.threshold_backward(grad_h * (2 * r), r, 0)
+    else:
+        grad_a = torch.ops.aten.threshold_backward(grad_h, r, 0)
+    return grad_a, grad_w, grad_b
+
+
+@relu_linear_backward.register_fake
+def _(grad_out, block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias, capacity, square,
+      encoding, chunk_log2, mm_dtype, policy):
+    grad_a = grad_out.new_empty(a_shape, dtype=a_dtype)
+    grad_w = weight.new_empty(weight.shape)
+    grad_b = weight.new_empty((weight.shape[0],) if has_bias else (0,))
+    return grad_a, grad_w, grad_b
+
+
+def _wait(block, ticket, plan):
+    """The pack's state, waiting for it on the host (only for a relu_linear without a
+    recompute source whose count has not come back)."""
+    if block.device.type == "cuda":
+        torch.cuda.current_stream(block.device).synchronize()
+    state = _state(block, ticket, plan)
+    if state is None:   # no slot was taken (graph capture): read the block itself
+        return _host_status(block.cpu(), plan)
+    return state
+
+
+def _unpack(block, plan, a_shape, a_dtype) -> torch.Tensor:
+    if block.device.type != "cuda":
+        p = block_view(block, plan)
+        arr = np.asarray(get_backend("numpy").unpack(p)).view(_int_view_np(a_dtype))
+        return torch.from_numpy(arr).view(a_dtype).view(a_shape)
+    out = torch.empty(a_shape, dtype=a_dtype, device=block.device)
+    _unpack_cuda(block, plan, abi.Op.UNPACK, out)
+    return out
+
+
+def _activation_grad(grad_h, block, plan, square) -> torch.Tensor:
+    """relu's (mask only) or relu²'s (2 r grad) input gradient from the packed block."""
+    if block.device.type != "cuda":
+        p = block_view(block, plan)
+        g = grad_h.contiguous().view(_int_view(grad_h.dtype)).numpy().view(plan.lay.dtype.numpy)
+        fn = reference_ops.relu2_backward if square else reference_ops.relu_backward
+        res = np.ascontiguousarray(fn(g, p)).view(_int_view_np(grad_h.dtype))
+        return torch.from_numpy(res).view(grad_h.dtype).view(grad_h.shape)
+    grad_h = grad_h.contiguous()
+    out = torch.empty_like(grad_h)
+    if square:
+        _unpack_cuda(block, plan, abi.Op.RELU2, out, grad=grad_h)
+    else:
+        host.enqueue_relu_backward(plan.lay, plan.planes(block.data_ptr()), block.device.index,
+                                   torch.cuda.current_stream(block.device).cuda_stream,
+                                   grad_h.data_ptr(), out.data_ptr())
+    return out
+
+
+def _setup_context(ctx, inputs, output):
+    a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype, policy = inputs
+    _, block, ticket = output
+    ctx.save_for_backward(block, ticket, weight, x, w1, b1)
+    ctx.meta = (list(a.shape), a.dtype, bias is not None, capacity, square, encoding,
+                chunk_log2, mm_dtype, policy)
+
+
+def _backward(ctx, grad_out, _grad_block, _grad_ticket):
+    block, ticket, weight, x, w1, b1 = ctx.saved_tensors
+    a_shape, a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = ctx.meta
+    grad_a, grad_w, grad_b = torch.ops.bitsparse.relu_linear_backward(
+        grad_out.contiguous(), block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias,
+        capacity, square, encoding, chunk_log2, mm_dtype, policy)
+    need = ctx.needs_input_grad
+    return (grad_a if need[0] else None, grad_w if need[1] else None,
+            grad_b if has_bias and need[2] else None) + (None,) * 9
+
+
+relu_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def BENCH_CASES(shape, dtype, device):
+    """Zero-argument callables of each op on fresh inputs (bench/host_overhead.py)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = (torch.randn(shape, device=device, generator=gen) - 1.28).to(dtype)
+    d = shape[-1]
+    w = (torch.randn((64, d), device=device, generator=gen) / d ** 0.5).to(dtype)
+    cap = int(0.15 * a.numel())
+    enc = int(Encoding.NOSIGN)
+    out, block, ticket = relu_linear(a, w, None, None, None, None, cap, True, enc, 12, None, 0)
+    g = torch.randn_like(out)
+    plan = _plan(a.shape, a.dtype, cap, True, enc, 12)
+    y = torch.empty_like(a)
+    return {
+        "relu_pack": lambda: _pack_cuda(a, plan),
+        "unpack": lambda: _unpack_cuda(block, plan, abi.Op.UNPACK, y),
+        "relu2_backward": lambda: _unpack_cuda(block, plan, abi.Op.RELU2, y, grad=a),
+        "relu_linear": lambda: relu_linear(a, w, None, None, None, None, cap, True, enc, 12,
+                                           None, 0),
+        "relu_linear_backward": lambda: relu_linear_backward(
+            g, block, ticket, w, None, None, None, list(a.shape), a.dtype, False, cap, True,
+            enc, 12, None, 0),
+    }
