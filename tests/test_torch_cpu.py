@@ -169,10 +169,19 @@ def test_only_packed_planes_are_saved(kind, encoding):
     _, saved_dense = saved_tensors_of(lambda: dense.blocks[0](x))
     assert len(_activation_sized(saved_dense, n * f)) >= (2 if kind == "reglu" else 1)
 
-    # The planes saved are exactly the packed size: the format's section lengths.
+    # The planes saved are exactly the packed size: the format's section lengths (at
+    # the module's fixed capacity, plus the status area, for the sync-free ReLU ops).
     planes = [t for t in saved if t.dtype in (torch.uint8, torch.uint32, torch.uint64)]
     first = blk.gate_proj if kind == "reglu" else blk.fc1
     a = first(x).detach()
+    if kind != "reglu":
+        from bitsparse_core.torch.ops import _plan
+        enc = "nosign" if encoding == "auto" else encoding
+        cap = blk.capacity_policy.capacity(a.numel())
+        want = _plan(a.shape, a.dtype, cap, kind == "relu2", int(bc.Encoding.parse(enc)),
+                     bc.DEFAULT_CHUNK_LOG2).nbytes
+        assert sum(t.numel() * t.element_size() for t in planes) == want
+        return
     _, p = bc.relu_pack(a, encoding="raw" if encoding == "auto" else encoding)
     if encoding == "auto":
         _, p = bc.relu_pack(a, encoding="nosign")
@@ -313,7 +322,8 @@ def test_grad_only_for_what_needs_it():
 
 def test_packed_sizes_shrink_with_sparsity():
     a = torch.randn(64, 256) - 1.0   # ~84% negative
-    _, saved = saved_tensors_of(lambda: relu_linear(a.requires_grad_(), torch.randn(8, 256)))
+    _, saved = saved_tensors_of(lambda: relu_linear(a.requires_grad_(), torch.randn(8, 256),
+                                                    density=0.2))
     planes = sum(t.numel() * t.element_size() for t in saved if t.dtype in
                  (torch.uint8, torch.uint32))
     dense = a.numel() * 4

@@ -52,7 +52,10 @@ class FlagSlab:
 
     def _arrays(self):
         if self._mem is None:
-            self._mem = torch.empty(16 * self.slots, dtype=torch.uint8, pin_memory=True)
+            # Pinned where CUDA is (copies into it are then asynchronous); plain host
+            # memory elsewhere, where only host packs, which never use a slot, exist.
+            self._mem = torch.empty(16 * self.slots, dtype=torch.uint8,
+                                    pin_memory=torch.cuda.is_available())
             raw = self._mem.numpy()
             self.status, self.nnz = raw.view(np.uint32), raw.view(np.uint64)
             self.status[::4] = 0
@@ -103,7 +106,9 @@ class CapacityPolicy:
     their counts come back; later ones the smallest ladder density at or above
     ``(1 + margin)`` times the largest density of the last ``window`` packs.
     ``bucket`` is a plain int attribute, so ``torch.compile`` guards on it and
-    recompiles (at most once per bucket) when the capacity moves.
+    recompiles (at most once per bucket) when the capacity moves. It moves only in
+    :meth:`poll`, which the backward calls: a forward and its recompute under
+    activation checkpointing always see the same capacity.
     """
 
     def __init__(self, density: float | None = None, margin: float = 0.1, window: int = 64):
@@ -129,17 +134,14 @@ class CapacityPolicy:
         """Remember a pack whose count is on its way back (called at pack time);
         ``known``: its ``(status, nnz)`` where the pack ran on the host."""
         self.packs += 1
-        if known is not None:
-            self._observe(known[1], numel, capacity)
-        elif int(ticket.numpy()[0]) >= 0:
-            self._pending.append((ticket, numel, capacity))
-        self.poll()
+        if known is not None or int(ticket.numpy()[0]) >= 0:
+            self._pending.append((ticket, numel, capacity, known))
 
     def poll(self) -> None:
         """Take in every count that has landed (no CUDA call) and re-pick the bucket."""
         while self._pending:
-            ticket, numel, capacity = self._pending[0]
-            state = SLAB.read(ticket)
+            ticket, numel, capacity, known = self._pending[0]
+            state = known or SLAB.read(ticket)
             if state is None:
                 break
             self._pending.popleft()

@@ -194,6 +194,8 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     state = _state(block, ticket, plan)
     clean = state is not None and state[0] == 0
     pol = C.POLICIES.get(policy)
+    if pol is not None:
+        pol.poll()
     if not clean:
         if x is None:
             state = _wait(block, ticket, plan)

@@ -1,0 +1,168 @@
+"""The sync-free packed FFN path: custom ops, adaptive capacity, exact recompute on
+overflow, torch.compile and (GPU) CUDA graphs, each bit-identical to dense PyTorch."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import bitsparse_core.torch as bst  # noqa: E402
+from bitsparse_core.errors import CapacityOverflowError  # noqa: E402
+from bitsparse_core.torch import capacity as C  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _dense(m, x):
+    h = torch.relu(m.fc1(x))
+    return m.fc2(h * h if m.square else h)
+
+
+def _grads(fn, m, x, steps=2):
+    for p in m.parameters():
+        p.grad = None
+    x.grad = None
+    for _ in range(steps):
+        out = fn(x)
+        out.float().square().sum().backward()
+    return out.detach(), [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
+
+
+def _model(cls, device, density=None, d=32, f=128, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return cls(d, f, density=density).to(device=device, dtype=dtype)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.disable(logging.WARNING)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", [bst.PackedReLUFFN, bst.PackedReLU2FFN])
+@pytest.mark.parametrize("density", [None, 0.9, 0.01])
+def test_bit_identical_to_dense_with_and_without_overflow(device, cls, density):
+    m = _model(cls, device, density)
+    x = torch.randn(3, 40, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+    out, grads = _grads(m, m, x)
+    ref, ref_grads = _grads(lambda t: _dense(m, t), m, x)
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    st = m.stats()
+    assert st["packs"] == 2
+    if density == 0.01:            # every batch overflows: counted, recomputed, exact
+        if device == "cuda":
+            torch.cuda.synchronize()
+            m.capacity_policy.poll()
+        assert m.stats()["overflows"] == 2 and st["recomputes"] == 2
+    elif device == "cpu":
+        assert st["overflows"] == 0 and st["recomputes"] == 0
+
+
+def test_capacity_adapts_to_observed_density():
+    pol = C.CapacityPolicy()
+    assert pol.capacity(1000) == 1000            # nothing seen yet: cannot overflow
+    ticket = torch.tensor([C.HOST_FINAL, 0])
+    pol.track(ticket, 1000, 1000, known=(0, 100))
+    assert pol.capacity(1000) == 1000            # the bucket moves only when polled
+    pol.poll()
+    assert 0.11 <= C.LADDER[pol.bucket] < 0.14   # 0.1 * 1.1 rounded up the ladder
+    assert pol.capacity(1000) == int(-(-C.LADDER[pol.bucket] * 1000 // 1))
+    pol.track(ticket, 1000, 20, known=(2, 300))
+    pol.poll()
+    assert pol.overflows == 1 and C.LADDER[pol.bucket] >= 0.33
+    with pytest.raises(ValueError):
+        C.CapacityPolicy(density=1.5)
+
+
+def test_flag_slab_tickets_read_unknown_until_landed_and_after_reuse():
+    slab = C.FlagSlab(slots=2)
+    addr, t1 = slab.acquire()
+    assert slab.read(t1) is None                 # sentinel: the copy has not landed
+    status, nnz = slab._arrays()
+    i = int(t1[0])
+    nnz[2 * i + 1] = 77
+    status[4 * i] = 2
+    assert slab.read(t1) == (2, 77)
+    _, t2 = slab.acquire()
+    _, t3 = slab.acquire()                       # the ring came round to t1's slot
+    assert int(t3[0]) == i and slab.read(t1) is None
+    assert slab.read(torch.tensor([C.NO_SLOT, 0])) is None
+
+
+def test_relu_linear_without_recompute_source_raises_on_overflow():
+    torch.manual_seed(0)
+    a = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    out = bst.relu_linear(a, w, density=0.01)
+    with pytest.raises(CapacityOverflowError, match="recompute"):
+        out.float().sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    from bitsparse_core.torch import ops
+    torch.manual_seed(0)
+    a = torch.randn(4, 96, device=device, dtype=torch.bfloat16) - 0.5
+    x = torch.randn(4, 48, device=device, dtype=torch.bfloat16)
+    w = torch.randn(24, 96, device=device, dtype=torch.bfloat16)
+    w1 = torch.randn(96, 48, device=device, dtype=torch.bfloat16)
+    args = (a, w, None, x, w1, None, 200, True, 1, 12, None, 0)
+    torch.library.opcheck(ops.relu_linear, args,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.gpu)])
+def test_compile_fullgraph_bit_identical_to_compiled_dense(device, backend):
+    if backend == "inductor" and device == "cpu":
+        pytest.skip("inductor is checked on the GPU")
+    m = _model(bst.PackedReLU2FFN, device)
+    x = torch.randn(2, 24, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+    out, grads = _grads(torch.compile(m, backend=backend, fullgraph=True), m, x)
+    dense = torch.compile(lambda t: _dense(m, t), backend=backend, fullgraph=True)
+    ref, ref_grads = _grads(dense, m, x)
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("density", [None, 0.01])
+def test_cuda_graph_training_step_replays_bit_identically(density):
+    m = _model(bst.PackedReLU2FFN, "cuda", density)
+    ref_m = _model(bst.PackedReLU2FFN, "cuda", density)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref_m.parameters(), lr=0.1)
+    xs = [torch.randn(4, 64, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    static_x = xs[0].clone()
+
+    def step(model, optim, x):
+        optim.zero_grad(set_to_none=False)
+        loss = model(x).float().square().mean()
+        loss.backward()
+        optim.step()
+        return loss
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):                        # warm up (as torch.cuda.graphs asks)
+            step(m, opt, static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(2):
+        step(ref_m, ref_opt, static_x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_loss = step(m, opt, static_x)
+    for x in xs:
+        static_x.copy_(x)
+        g.replay()
+        ref = step(ref_m, ref_opt, x)
+        assert torch.equal(static_loss, ref)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters()))
