@@ -1,45 +1,115 @@
-"""A small GPT with a ReLU² MLP (modded-nanoGPT style) trained on real text, four ways.
+"""A GPT with a ReLU² MLP (modded-nanoGPT style) trained on real text, several ways.
 
 The text is the Python standard library's own source files, read as bytes
 (byte-level tokens, vocabulary 256): every machine with Python has it and
-nobody here wrote it. The same model, initial weights and batches are trained
+nobody here wrote it. In one process, from the same initial weights and on the
+same batches, it trains
 
-* ``dense``      -- plain PyTorch (the reference),
-* ``checkpoint`` -- torch.utils.checkpoint around every MLP,
-* ``ours-raw``, ``ours-nosign`` -- the MLP activation stored packed by
-  bitsparse_core (``bitsparse_core.torch``), raw or sign-dropped values.
+* ``dense``          -- plain PyTorch (the reference),
+* ``checkpoint``     -- torch.utils.checkpoint around every MLP,
+* ``ours-raw``, ``ours-nosign`` -- the MLP is ``bitsparse_core.torch.PackedReLU2FFN``
+  (activation stored packed, raw or sign-dropped values),
+* ``dense-compiled``, ``ours-compiled`` -- ``torch.compile`` of the dense and the
+  ``ours-nosign`` model (compared with each other).
 
-Per step it records the loss of each variant (ours must equal dense bit for
-bit), each layer's activation sparsity, peak memory and step time, and writes
-``bench/results/train_gpt.{json,md,png}``.
+Three modes, each writing JSON + Markdown + PNG under ``--out``:
 
-    python bench/train_gpt.py --steps 200            # on the GPU
-    python bench/train_gpt.py --steps 5 --device cpu --small   # a quick CPU check
+* default: per variant the median step time, host time, peak memory, losses (bit
+  for bit against the reference), and host syncs per step from torch.profiler
+  (``train_gpt.*``);
+* ``--bitident-steps N``: dense, ours-raw and ours-nosign for N steps with the
+  deterministic math attention; losses and final parameters must equal dense's
+  bit for bit (exit 1 otherwise) (``train_gpt_bitident.*``);
+* ``--budget``: under a memory cap that dense does not fit at the preset batch,
+  the largest batch each of dense / checkpoint / ours-nosign fits, and tokens/s
+  of checkpoint and ours at the largest batch both fit (``train_gpt_budget.*``).
+
+    python bench/train_gpt.py --preset gpt12 --out OUT          # on the GPU
+    python bench/train_gpt.py --preset gpt12 --bitident-steps 200 --out OUT
+    python bench/train_gpt.py --preset gpt12 --budget --out OUT
+    python bench/train_gpt.py --device cpu --small --steps 3 --out /tmp/x   # CPU check
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import gc
 import json
-import math
 import os
 import statistics
 import sys
 import sysconfig
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 import bitsparse_core.torch as bst  # noqa: E402
+from profile_syncs import profile_steps  # noqa: E402
 
-VARIANTS = ("dense", "checkpoint", "ours-raw", "ours-nosign")
+START = time.monotonic()
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int
+    d: int
+    heads: int
+    d_ff: int
+    seq: int
+    batch: int
+
+
+PRESETS = {
+    "gpt6": Shape(layers=6, d=768, heads=6, d_ff=3072, seq=512, batch=32),
+    "gpt12": Shape(layers=12, d=1024, heads=16, d_ff=4096, seq=1024, batch=8),
+}
+SMALL = Shape(layers=2, d=64, heads=2, d_ff=256, seq=64, batch=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    mlp: str                  # "dense", or the encoding of the PackedReLU2FFN
+    reference: str            # the variant whose losses/params this one must equal
+    checkpoint: bool = False
+    compiled: bool = False
+
+
+VARIANTS = {
+    "dense": Variant("dense", "dense"),
+    "checkpoint": Variant("dense", "dense", checkpoint=True),
+    "ours-raw": Variant("raw", "dense"),
+    "ours-nosign": Variant("nosign", "dense"),
+    "dense-compiled": Variant("dense", "dense-compiled", compiled=True),
+    "ours-compiled": Variant("nosign", "dense-compiled", compiled=True),
+}
+BITIDENT_VARIANTS = ("dense", "ours-raw", "ours-nosign")
+BUDGET_VARIANTS = ("dense", "checkpoint", "ours-nosign")
+# Profile rows of the library's own ops (CPU self time per op).
+OWN_OPS = ("bitsparse",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Steps of one variant run: warm-up (untimed), timed, then profiled (no per-step sync)."""
+    warmup: int
+    timed: int
+    profiled: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.timed + self.profiled
 
 
 # ----------------------------------------------------------------------------- data
@@ -61,60 +131,54 @@ def stdlib_bytes(limit: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:limit], dtype=np.uint8)
 
 
-def batches(data: np.ndarray, steps: int, batch: int, seq: int, seed: int):
-    """The same (input, target) batches for every variant."""
+def make_batches(data: np.ndarray, steps: int, batch: int, seq: int, seed: int) -> list:
+    """The same (input, target) CPU batches for every variant."""
     rng = np.random.default_rng(seed)
+    out = []
     for _ in range(steps):
         starts = rng.integers(0, data.size - seq - 1, size=batch)
-        idx = starts[:, None] + np.arange(seq + 1)[None, :]
-        block = torch.from_numpy(data[idx].astype(np.int64))
-        yield block[:, :-1], block[:, 1:]
+        block = torch.from_numpy(data[starts[:, None] + np.arange(seq + 1)].astype(np.int64))
+        out.append((block[:, :-1], block[:, 1:]))
+    return out
 
 
 # ---------------------------------------------------------------------------- model
-class MLP(nn.Module):
-    """fc -> relu(.)² -> proj. ``mode`` picks how the activation is kept for backward."""
+class DenseReLU2FFN(nn.Module):
+    """fc2(relu(fc1(x))²) in plain PyTorch, with PackedReLU2FFN's parameter names."""
 
-    def __init__(self, d: int, hidden: int, mode: str):
+    def __init__(self, d: int, d_ff: int):
         super().__init__()
-        self.fc = nn.Linear(d, hidden)
-        self.proj = nn.Linear(hidden, d)
-        self.mode = mode
-        self.record = False          # dense mode: note the activation's zero fraction
-        self.last_sparsity = float("nan")
+        self.fc1 = nn.Linear(d, d_ff)
+        self.fc2 = nn.Linear(d_ff, d)
 
     def forward(self, x):
-        if self.mode.startswith("ours"):
-            encoding = self.mode.split("-", 1)[1]
-            y = bst.relu_ffn(x, self.fc.weight, self.fc.bias, self.proj.weight,
-                             self.proj.bias, square=True, encoding=encoding)
-        else:
-            h = F.relu(self.fc(x))
-            if self.record:
-                self.last_sparsity = float((h == 0).float().mean())
-            y = self.proj(h.square())
-        return y
+        return self.fc2(F.relu(self.fc1(x)).square())
+
+
+def make_mlp(kind: str, d: int, d_ff: int, ours_kwargs: dict) -> nn.Module:
+    """Every variant's MLP is built here, so options of the Packed module
+    (``--ours-kwargs``) reach each ours variant the same way."""
+    if kind == "dense":
+        return DenseReLU2FFN(d, d_ff)
+    return bst.PackedReLU2FFN(d, d_ff, encoding=kind, **ours_kwargs)
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, mode: str):
+    def __init__(self, shape: Shape, mlp: nn.Module, checkpoint: bool):
         super().__init__()
-        self.heads = heads
-        self.norm1 = nn.RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.out = nn.Linear(d, d, bias=False)
-        self.norm2 = nn.RMSNorm(d)
-        self.mlp = MLP(d, 4 * d, mode)
-        self.checkpoint = mode == "checkpoint"
+        self.heads = shape.heads
+        self.norm1 = nn.RMSNorm(shape.d)
+        self.qkv = nn.Linear(shape.d, 3 * shape.d, bias=False)
+        self.out = nn.Linear(shape.d, shape.d, bias=False)
+        self.norm2 = nn.RMSNorm(shape.d)
+        self.mlp = mlp
+        self.checkpoint = checkpoint
 
     def attention(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        # Written out (not SDPA) so the backward is deterministic on every device.
-        att = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d // self.heads))
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~causal, float("-inf")).softmax(-1)
-        return self.out((att @ v).transpose(1, 2).reshape(b, t, d))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
 
     def forward(self, x):
         x = x + self.attention(self.norm1(x))
@@ -125,158 +189,568 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, layers: int, d: int, heads: int, seq: int, mode: str):
+    def __init__(self, shape: Shape, variant: Variant, ours_kwargs: dict):
         super().__init__()
-        self.embed = nn.Embedding(256, d)
-        self.pos = nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads, mode) for _ in range(layers))
-        self.norm = nn.RMSNorm(d)
-        self.head = nn.Linear(d, 256, bias=False)
+        self.embed = nn.Embedding(256, shape.d)
+        self.pos = nn.Embedding(shape.seq, shape.d)
+        self.blocks = nn.ModuleList(
+            Block(shape, make_mlp(variant.mlp, shape.d, shape.d_ff, ours_kwargs), variant.checkpoint)
+            for _ in range(shape.layers))
+        self.norm = nn.RMSNorm(shape.d)
+        self.head = nn.Linear(shape.d, 256, bias=False)
 
-    def forward(self, idx, targets=None, record=False):
+    def forward(self, idx, targets):
         x = self.embed(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for blk in self.blocks:
-            blk.mlp.record = record
             x = blk(x)
         logits = self.head(self.norm(x)).float()
-        loss = F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
-        return loss, [blk.mlp.last_sparsity for blk in self.blocks] if record else []
+        return F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
 
 
-# --------------------------------------------------------------------------- training
-def train(variant: str, args, data: np.ndarray, init_state: dict, device: torch.device):
-    torch.manual_seed(args.seed)
-    model = GPT(args.layers, args.d, args.heads, args.seq, variant).to(device)
-    model.load_state_dict(init_state)
-    model.to(dtype=torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0, foreach=False)
-    losses, times, sparsity = [], [], []
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
+def initial_state(shape: Shape, seed: int) -> dict:
+    """The one set of initial weights (on the CPU, so it does not depend on the device)."""
+    torch.manual_seed(seed)
+    return GPT(shape, VARIANTS["dense"], {}).state_dict()
+
+
+def load_init(model: nn.Module, init_state: dict) -> None:
+    """Load the shared initial weights; a module option may add buffers of its own, but
+    every parameter must come from ``init_state``."""
+    missing, unexpected = model.load_state_dict(init_state, strict=False)
+    params = dict(model.named_parameters())
+    unset = [k for k in missing if k in params]
+    if unset or unexpected:
+        raise RuntimeError(f"initial state does not fit: unset {unset}, unexpected {unexpected}")
+
+
+# -------------------------------------------------------------------------- running
+class TimeLimit(Exception):
+    """The wall-clock budget (--time-limit) ran out."""
+
+
+@dataclasses.dataclass
+class Bench:
+    """What every variant run shares: options, data, initial weights, device, deadline."""
+    args: argparse.Namespace
+    shape: Shape
+    data: np.ndarray
+    init_state: dict
+    device: torch.device
+
+    def check_time(self, where: str) -> None:
+        if self.remaining() <= 0:
+            raise TimeLimit(where)
+
+    def remaining(self) -> float:
+        return self.args.time_limit - (time.monotonic() - START)
+
+
+def attention_backend(name: str):
+    """SDPA as PyTorch picks it ('auto': flash on a recent GPU), or the math backend,
+    whose backward is deterministic (flash's is not under warn-only determinism)."""
+    return sdpa_kernel(SDPBackend.MATH) if name == "math" else contextlib.nullcontext()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Drop what the last variant left (compiled graphs, cached blocks) before the next."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    for step, (x, y) in enumerate(batches(data, args.steps, args.batch, args.seq, args.seed)):
-        x, y = x.to(device), y.to(device)
-        record = variant == "dense" and step % args.sparsity_every == 0
-        t0 = time.perf_counter()
-        loss, sp = model(x, y, record=record)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if record:
-            sparsity.append((step, sp))
-    peak = torch.cuda.max_memory_allocated() if cuda else None
-    params = [p.detach().float().cpu() for p in model.parameters()]
-    return dict(losses=losses, times=times, sparsity=sparsity, peak_bytes=peak), params
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--d", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=6)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sparsity-every", type=int, default=10)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--small", action="store_true", help="tiny model for a CPU check")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--out", default=str(HERE / "results"))
-    args = ap.parse_args(argv)
-    if args.small:
-        args.layers, args.d, args.heads, args.seq, args.batch = 2, 64, 2, 64, 4
-    device = torch.device(args.device)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+def build(bench: Bench, name: str):
+    """The variant's model (bf16, from the shared initial weights), what to call, and its optimizer."""
+    variant = VARIANTS[name]
+    with bench.device:
+        model = GPT(bench.shape, variant, bench.args.ours_kwargs)
+    load_init(model, bench.init_state)
+    model.to(dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=bench.args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0, foreach=False)
+    call = model
+    if variant.compiled:
+        call = torch.compile(model, fullgraph=bench.args.compile_fullgraph)
+    return model, call, opt
 
-    data = stdlib_bytes(limit=64 << 20)
-    torch.manual_seed(args.seed)
-    init_state = GPT(args.layers, args.d, args.heads, args.seq, "dense").state_dict()
-    results, final_params = {}, {}
-    for variant in args.variants.split(","):
-        res, params = train(variant, args, data, init_state, device)
-        results[variant] = res
-        final_params[variant] = params
-        peak = f"{res['peak_bytes'] / 2**20:.0f} MiB" if res["peak_bytes"] else "n/a"
-        print(f"{variant:<12} final loss {res['losses'][-1]:.4f}  "
-              f"median step {1e3 * statistics.median(res['times'][2:] or res['times']):.1f} ms  "
-              f"peak {peak}", flush=True)
 
-    dense = results["dense"]
-    summary = {"config": {k: v for k, v in vars(args).items() if k != "out"},
-               "tokens_of_text": int(data.size),
-               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "variants": {}}
+def train_step(model, opt, x, y) -> torch.Tensor:
+    """One whole step: forward, backward, optimizer. Returns the loss, left on the device."""
+    loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def probe_sparsity(model: GPT, x, y) -> list:
+    """Each layer's fraction of zeros in relu(fc1(x)), from a forward pass outside the
+    timed step (a probe inside it would add kernels and syncs to the reference)."""
+    fractions = []
+    hooks = [blk.mlp.fc1.register_forward_hook(
+        lambda mod, inp, out: fractions.append((F.relu(out) == 0).float().mean()))
+        for blk in model.blocks]
+    try:
+        model(x, y)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [float(f) for f in fractions]
+
+
+def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
+    """Train one variant on ``batches`` by ``plan``; returns its results and final parameters."""
+    device, args = bench.device, bench.args
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model, call, opt = build(bench, name)
+    probe = name == "dense" and args.sparsity_every > 0
+    losses, times, host, sparsity, first_step_s = [], [], [], [], None
+
+    def step(x, y):
+        return train_step(call, opt, x, y)
+
+    with attention_backend(args.attn):
+        for i, (x, y) in enumerate(batches[:plan.warmup + plan.timed]):
+            bench.check_time(f"{name} at step {i}")
+            x, y = x.to(device), y.to(device)
+            sync(device)
+            t0 = time.perf_counter()
+            losses.append(step(x, y))
+            t1 = time.perf_counter()
+            sync(device)
+            t2 = time.perf_counter()
+            first_step_s = first_step_s or t2 - t0
+            if i >= plan.warmup:
+                times.append(t2 - t0)
+                host.append(t1 - t0)
+            if probe and i % args.sparsity_every == 0:
+                sparsity.append((i, probe_sparsity(model, x, y)))
+        syncs = None
+        if plan.profiled:
+            bench.check_time(f"{name} before profiling")
+            on_device = [(x.to(device), y.to(device)) for x, y in batches[plan.warmup + plan.timed:]]
+            prof_losses, syncs = profile_steps(step, on_device, device, OWN_OPS)
+            sync(device)
+            losses += prof_losses
+    res = {
+        "status": "ok",
+        "batch": batches[0][0].shape[0],
+        "median_step_ms": 1e3 * statistics.median(times) if times else None,
+        "median_host_ms": 1e3 * statistics.median(host) if host else None,
+        "first_step_s": first_step_s,
+        "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "losses": torch.stack(losses).float().cpu().tolist(),
+        "syncs": syncs,
+        "sparsity": sparsity,
+    }
+    params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return res, params
+
+
+def is_oom(exc: BaseException) -> bool:
+    """torch's OOM, or a library's (cuBLAS/cuDNN workspace, CuPy) that says the same."""
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "alloc_failed" in text
+
+
+def guarded(bench: Bench, name: str, batches: list, plan: Plan):
+    """``run_variant``, with a compile failure, an OOM or the time limit recorded as the
+    variant's status instead of ending the whole run; memory is freed either way."""
+    try:
+        return run_variant(bench, name, batches, plan)
+    except TimeLimit as exc:
+        return {"status": f"skipped: time limit ({exc})"}, None
+    except Exception as exc:  # noqa: BLE001 - any failure of one variant is its result
+        kind = "oom" if is_oom(exc) else "error"
+        return {"status": f"{kind}: {type(exc).__name__}: {str(exc)[:500]}",
+                "traceback": traceback.format_exc()[-4000:]}, None
+    finally:
+        free_memory(bench.device)
+
+
+def compare(res: dict, ref: dict, params: dict, ref_params: dict) -> None:
+    """Add to ``res`` whether its losses and final parameters equal the reference's, bit for bit."""
+    a, b = res["losses"], ref["losses"]
+    res["losses_bit_identical"] = a == b
+    res["max_abs_loss_diff"] = max(abs(x - y) for x, y in zip(a, b))
+    res["params_bit_identical"] = (ref_params.keys() <= params.keys()
+                                   and all(torch.equal(params[n], p) for n, p in ref_params.items()))
+
+
+def add_ratios(results: dict) -> None:
+    """Step time relative to dense, and to the variant's reference where that is another."""
+    def ratio(name, ref):
+        t, r = results[name].get("median_step_ms"), results.get(ref, {}).get("median_step_ms")
+        return t / r if t and r else None
     for name, res in results.items():
-        summary["variants"][name] = {
-            "median_step_ms": 1e3 * statistics.median(res["times"][2:] or res["times"]),
-            "peak_mib": res["peak_bytes"] / 2**20 if res["peak_bytes"] else None,
-            "final_loss": res["losses"][-1],
-            "losses_bit_identical_to_dense": res["losses"] == dense["losses"],
-            "params_bit_identical_to_dense": all(torch.equal(a, b) for a, b in
-                                                 zip(final_params[name], final_params["dense"])),
-        }
-    summary["losses"] = {n: r["losses"] for n, r in results.items()}
-    summary["sparsity"] = dense["sparsity"]
-    write_reports(summary, Path(args.out))
-    ok = all(v["losses_bit_identical_to_dense"] for n, v in summary["variants"].items()
-             if n.startswith("ours"))
-    print("losses of ours bit-identical to dense:", ok)
-    return 0 if ok else 1
+        res["step_ratio_vs_dense"] = ratio(name, "dense")
+        res["step_ratio_vs_reference"] = ratio(name, VARIANTS[name].reference)
 
 
-def write_reports(summary: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_gpt.json").write_text(json.dumps(summary, indent=1))
-    cfg = summary["config"]
-    lines = [f"# GPT with ReLU² MLP on Python stdlib bytes ({summary['device']})", "",
-             f"{cfg['layers']} layers, d={cfg['d']}, seq={cfg['seq']}, batch={cfg['batch']}, "
-             f"{cfg['steps']} steps, bf16.", "",
-             "| variant | median step (ms) | peak memory (MiB) | final loss | losses = dense | params = dense |",
-             "| --- | --- | --- | --- | --- | --- |"]
+def run_variants(bench: Bench, names: list, plan: Plan, report) -> dict:
+    """Run the variants in order on the same batches, comparing each with its reference;
+    ``report(results)`` is called after each, so a cut-off run leaves its results written."""
+    s = bench.shape
+    batches = make_batches(bench.data, plan.total, s.batch, s.seq, bench.args.seed)
+    references = {VARIANTS[n].reference for n in names}
+    results, ref_params, longest = {}, {}, 0.0
+    for name in names:
+        if bench.remaining() < longest:
+            results[name] = {"status": "skipped: time limit"}
+        else:
+            t0 = time.monotonic()
+            res, params = guarded(bench, name, batches, plan)
+            res["wall_s"] = time.monotonic() - t0
+            longest = max(longest, res["wall_s"])
+            ref = VARIANTS[name].reference
+            if params is not None and name in references:
+                ref_params[name] = params
+            if params is not None and ref in ref_params and ref != name:
+                compare(res, results[ref], params, ref_params[ref])
+            results[name] = res
+            del params
+        add_ratios(results)
+        print_variant(name, results[name])
+        report(results)
+    return results
+
+
+def print_variant(name: str, res: dict) -> None:
+    if res["status"] != "ok":
+        print(f"{name:<15} {res['status'][:300]}", flush=True)
+        return
+    peak = f"{res['peak_mib']:.0f} MiB" if res["peak_mib"] else "n/a"
+    ident = {None: "", True: "  = reference", False: "  != reference"}[res.get("losses_bit_identical")]
+    step = f"{res['median_step_ms']:.1f} ms" if res["median_step_ms"] else "n/a"
+    print(f"{name:<15} final loss {res['losses'][-1]:.4f}  median step {step}  "
+          f"peak {peak}{ident}", flush=True)
+
+
+# --------------------------------------------------------------------------- budget
+def largest_batch(fits, start: int, tries: int):
+    """The largest batch b >= 1 with ``fits(b)``: double (or halve) from ``start`` until
+    the answer flips, then bisect. At most ``tries`` calls, so when they run out the
+    answer is the largest seen to fit (0: none did)."""
+    lo, hi, b, calls = 0, None, start, 0
+    while calls < tries:
+        calls += 1
+        if fits(b):
+            lo = b
+        else:
+            hi = b
+        b = 2 * lo if hi is None else (hi // 2 if lo == 0 else (lo + hi) // 2)
+        if b in (0, lo):
+            break
+    return lo
+
+
+def budget(bench: Bench, report) -> dict:
+    """Largest batch of dense / checkpoint / ours-nosign under a memory cap that dense does
+    not fit at the preset batch (``--budget-factor`` of dense's peak there), and tokens/s of
+    checkpoint and ours at the largest batch both fit."""
+    args, device, s = bench.args, bench.device, bench.shape
+    fit_plan, speed_plan = Plan(warmup=1, timed=2), Plan(warmup=args.warmup, timed=args.steps)
+    found = {"tries": {n: {} for n in BUDGET_VARIANTS}, "largest_batch": {}, "throughput": {}}
+
+    def attempt(name, batch, plan):
+        batches = make_batches(bench.data, plan.total, batch, s.seq, args.seed)
+        res, _ = guarded(bench, name, batches, plan)
+        res.pop("losses", None)
+        return res
+
+    def fits(name):
+        def fit(batch):
+            res = attempt(name, batch, fit_plan)
+            found["tries"][name][batch] = {"status": res["status"], "peak_mib": res.get("peak_mib")}
+            report(found)
+            if res["status"] == "ok" or res["status"].startswith("oom"):
+                return res["status"] == "ok"
+            raise RuntimeError(f"{name} at batch {batch}: {res['status']}")
+        return fit
+
+    ref = attempt("dense", s.batch, fit_plan)
+    if ref["status"] != "ok":
+        found["error"] = f"dense at batch {s.batch}: {ref['status']}"
+        return found
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = args.budget_factor * ref["peak_mib"] * 2**20 / total
+    found.update(dense_peak_mib_at_preset_batch=ref["peak_mib"], memory_fraction=fraction,
+                 budget_mib=fraction * total / 2**20)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    try:
+        for name in BUDGET_VARIANTS:
+            try:
+                found["largest_batch"][name] = largest_batch(fits(name), s.batch, args.budget_tries)
+            except RuntimeError as exc:
+                found["largest_batch"][name] = None
+                found.setdefault("errors", {})[name] = str(exc)
+        common = min(found["largest_batch"].get(n) or 0 for n in ("checkpoint", "ours-nosign"))
+        found["common_batch"] = common
+        for name, batch in (("checkpoint", common), ("ours-nosign", common),
+                            ("dense", found["largest_batch"].get("dense") or 0)):
+            if batch:
+                res = attempt(name, batch, speed_plan)
+                if res.get("median_step_ms"):
+                    res["tokens_per_s"] = batch * s.seq / (res["median_step_ms"] / 1e3)
+                found["throughput"][name] = res
+                report(found)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    return found
+
+
+# -------------------------------------------------------------------------- reports
+def header(bench: Bench, mode: str, plan: Plan | None) -> dict:
+    return {"mode": mode,
+            "config": {k: v for k, v in vars(bench.args).items() if k != "out"},
+            "shape": dataclasses.asdict(bench.shape),
+            "plan": dataclasses.asdict(plan) if plan else None,
+            "tokens_of_text": int(bench.data.size),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else "cpu"}
+
+
+def describe(summary: dict) -> str:
+    s, c, p = summary["shape"], summary["config"], summary["plan"]
+    text = (f"{s['layers']} layers, d={s['d']}, {s['heads']} heads, d_ff={s['d_ff']}, "
+            f"seq={s['seq']}, batch={s['batch']}, bf16, attention={c['attn']}")
+    if p:
+        text += f"; steps: {p['warmup']} warm-up + {p['timed']} timed + {p['profiled']} profiled"
+    if c["ours_kwargs"]:
+        text += f"; ours kwargs {json.dumps(c['ours_kwargs'])}"
+    return text + "."
+
+
+def _f(v, fmt=".1f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _yes(v) -> str:
+    return {None: "-", True: "yes", False: "NO"}[v]
+
+
+def markdown_variants(summary: dict) -> str:
+    """The variants table, the sync table and the library-op table."""
+    out = [f"# GPT with ReLU² MLP on Python stdlib bytes ({summary['device']}, {summary['mode']})",
+           "", describe(summary), "",
+           "| variant | median step (ms) | host (ms) | × dense | × reference | peak (MiB) | "
+           "first step (s) | final loss | losses = ref | params = ref | max loss diff |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    failed = []
     for name, v in summary["variants"].items():
-        peak = f"{v['peak_mib']:.0f}" if v["peak_mib"] else "-"
-        lines.append(f"| {name} | {v['median_step_ms']:.1f} | {peak} | {v['final_loss']:.4f} | "
-                     f"{'yes' if v['losses_bit_identical_to_dense'] else 'NO'} | "
-                     f"{'yes' if v['params_bit_identical_to_dense'] else 'NO'} |")
-    (out / "train_gpt.md").write_text("\n".join(lines) + "\n")
+        if v["status"] != "ok":
+            failed.append(f"- {name}: {v['status']}")
+            continue
+        ref = VARIANTS[name].reference
+        out.append(f"| {name} | {_f(v['median_step_ms'])} | {_f(v['median_host_ms'])} | "
+                   f"{_f(v.get('step_ratio_vs_dense'), '.2f')} | "
+                   f"{_f(v.get('step_ratio_vs_reference'), '.2f') if ref != 'dense' else '-'} | "
+                   f"{_f(v['peak_mib'], '.0f')} | {_f(v['first_step_s'], '.2f')} | "
+                   f"{v['losses'][-1]:.4f} | {_yes(v.get('losses_bit_identical'))} | "
+                   f"{_yes(v.get('params_bit_identical'))} | {_f(v.get('max_abs_loss_diff'), '.2e')} |")
+    out += ["", "Reference: dense, and dense-compiled for ours-compiled. Host = CPU time to "
+            "issue a step (from its start to before the closing synchronize)."]
+    if summary["config"]["attn"] == "auto":
+        out += ["", "attention=auto lets SDPA pick a fused backend whose backward need not be "
+                "deterministic, so losses can differ from the reference in the last bits "
+                "(checkpoint too); bit-identity is checked with --bitident-steps (math attention)."]
+    if failed:
+        out += ["", "Not run to the end:", ""] + failed
+    profiled = {n: v["syncs"] for n, v in summary["variants"].items() if v.get("syncs")}
+    if profiled:
+        keys = list(next(iter(profiled.values()))["per_step"])
+        out += ["", "## Host syncs per step (torch.profiler, no per-step sync of the benchmark)", "",
+                "| variant | " + " | ".join(keys) + " | host ms/step (profiled) |",
+                "| --- " * (len(keys) + 2) + "|"]
+        for name, sy in profiled.items():
+            out.append(f"| {name} | " + " | ".join(_f(sy["per_step"][k], "g") for k in keys)
+                       + f" | {sy['host_ms_per_step']:.1f} |")
+        rows = [(n, r) for n, sy in profiled.items() for r in sy["own_ops"]]
+        if rows:
+            out += ["", "## Library ops, CPU time per step (key_averages rows naming "
+                    + " / ".join(OWN_OPS) + ")", "",
+                    "| variant | op | calls/step | self CPU (ms) | total CPU (ms) | GPU (ms) |",
+                    "| --- | --- | --- | --- | --- | --- |"]
+            out += [f"| {n} | `{r['name'][:90]}` | {r['calls_per_step']:g} | "
+                    f"{r['self_cpu_ms_per_step']:.2f} | {r['cpu_total_ms_per_step']:.2f} | "
+                    f"{r['device_total_ms_per_step']:.2f} |" for n, r in rows]
+    return "\n".join(out) + "\n"
+
+
+def markdown_budget(summary: dict) -> str:
+    out = [f"# GPT memory budget ({summary['device']})", "", describe(summary), ""]
+    if "memory_fraction" in summary:
+        out.append(f"Budget {summary['budget_mib']:.0f} MiB (memory fraction "
+                   f"{summary['memory_fraction']:.4f}): {summary['config']['budget_factor']} × "
+                   f"dense's peak of {summary['dense_peak_mib_at_preset_batch']:.0f} MiB at the "
+                   "preset batch.")
+    if "error" in summary:
+        out.append(f"Stopped: {summary['error']}")
+    out += ["", "| variant | largest batch | tries (batch: result, peak MiB) |", "| --- | --- | --- |"]
+    for name, tries in summary["tries"].items():
+        seen = ", ".join(f"{b}: {t['status'].split(':')[0]} {_f(t['peak_mib'], '.0f')}"
+                         for b, t in tries.items())
+        out.append(f"| {name} | {_f(summary['largest_batch'].get(name), 'd')} | {seen} |")
+    for name, err in summary.get("errors", {}).items():
+        out.append(f"\n{name}: {err}")
+    if summary["throughput"]:
+        out += ["", f"Throughput (checkpoint and ours at batch {summary['common_batch']}, the "
+                "largest both fit; dense at its own largest):", "",
+                "| variant | batch | median step (ms) | tokens/s | peak (MiB) | status |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for name, r in summary["throughput"].items():
+            out.append(f"| {name} | {r.get('batch', '-')} | {_f(r.get('median_step_ms'))} | "
+                       f"{_f(r.get('tokens_per_s'), '.0f')} | {_f(r.get('peak_mib'), '.0f')} | "
+                       f"{r['status'][:80]} |")
+    return "\n".join(out) + "\n"
+
+
+def plot_variants(summary: dict, path: Path, plt) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ok = {n: v for n, v in summary["variants"].items() if v["status"] == "ok"}
+    for name, v in ok.items():
+        axes[0].plot(v["losses"], label=name, lw=1)
+    axes[0].set(title="training loss", xlabel="step", ylabel="loss")
+    axes[0].legend()
+    sparsity = ok.get("dense", {}).get("sparsity")
+    if sparsity:
+        per_layer = np.array([sp for _, sp in sparsity])
+        for layer in range(per_layer.shape[1]):
+            axes[1].plot([s for s, _ in sparsity], per_layer[:, layer], marker=".",
+                         label=f"layer {layer}")
+        axes[1].set(title="MLP activation sparsity (fraction of zeros)", xlabel="step")
+        axes[1].legend(fontsize=7)
+    names = list(ok)
+    peaks = [ok[n]["peak_mib"] or 0 for n in names]
+    axes[2].bar(names, peaks, color="tab:blue")
+    axes[2].set(title="peak memory (MiB); median step time in labels")
+    axes[2].tick_params(axis="x", labelrotation=30)
+    for i, (p, n) in enumerate(zip(peaks, names)):
+        axes[2].text(i, p, f"{_f(ok[n]['median_step_ms'], '.0f')} ms", ha="center",
+                     va="bottom", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_budget(summary: dict, path: Path, plt) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(summary["largest_batch"])
+    axes[0].bar(names, [summary["largest_batch"][n] or 0 for n in names], color="tab:blue")
+    axes[0].set(title=f"largest batch under {summary.get('budget_mib', 0):.0f} MiB")
+    tp = {n: r.get("tokens_per_s") or 0 for n, r in summary["throughput"].items()}
+    axes[1].bar(list(tp), list(tp.values()), color="tab:green")
+    axes[1].set(title="tokens/s under the budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(summary: dict, out: Path, stem: str) -> None:
+    """``stem``.json, .md and (where matplotlib is installed) .png under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary["elapsed_s"] = time.monotonic() - START
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=str))
+    budget_mode = summary["mode"] == "budget"
+    (out / f"{stem}.md").write_text(markdown_budget(summary) if budget_mode
+                                    else markdown_variants(summary))
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for name, losses in summary["losses"].items():
-        axes[0].plot(losses, label=name, lw=1)
-    axes[0].set(title="training loss (ours overlaps dense exactly)", xlabel="step", ylabel="loss")
-    axes[0].legend()
-    if summary["sparsity"]:
-        steps = [s for s, _ in summary["sparsity"]]
-        per_layer = np.array([sp for _, sp in summary["sparsity"]])
-        for layer in range(per_layer.shape[1]):
-            axes[1].plot(steps, per_layer[:, layer], label=f"layer {layer}")
-        axes[1].set(title="MLP activation sparsity (fraction of zeros)", xlabel="step")
-        axes[1].legend(fontsize=7)
-    names = list(summary["variants"])
-    peaks = [summary["variants"][n]["peak_mib"] or 0 for n in names]
-    times = [summary["variants"][n]["median_step_ms"] for n in names]
-    axes[2].bar(names, peaks, color="tab:blue")
-    axes[2].set(title="peak memory (MiB); step time (ms) in labels")
-    for i, (p, t) in enumerate(zip(peaks, times)):
-        axes[2].text(i, p, f"{t:.0f} ms", ha="center", va="bottom", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "train_gpt.png", dpi=110)
+    (plot_budget if budget_mode else plot_variants)(summary, out / f"{stem}.png", plt)
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="gpt6")
+    ap.add_argument("--small", action="store_true", help="tiny model for a CPU check")
+    for name in ("layers", "d", "heads", "d-ff", "seq", "batch"):
+        ap.add_argument(f"--{name}", type=int, help="override the preset")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sparsity-every", type=int, default=10, help="0: no sparsity probe")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--attn", choices=("auto", "math"), default="auto")
+    ap.add_argument("--compile-fullgraph", action="store_true")
+    ap.add_argument("--ours-kwargs", type=json.loads, default={},
+                    help="JSON dict passed to the PackedReLU2FFN constructor")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--bitident-steps", type=int, default=0,
+                      help="bit-identity mode: dense, ours-raw, ours-nosign, math attention")
+    mode.add_argument("--budget", action="store_true", help="memory-budget mode (CUDA)")
+    ap.add_argument("--budget-factor", type=float, default=0.8)
+    ap.add_argument("--budget-tries", type=int, default=7, help="fit tries per variant")
+    ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; later variants are skipped")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+    if not isinstance(args.ours_kwargs, dict):
+        ap.error("--ours-kwargs must be a JSON object")
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.budget and not args.device.startswith("cuda"):
+        ap.error("--budget needs a CUDA device")
+    if args.bitident_steps:
+        args.attn, args.variants = "math", ",".join(BITIDENT_VARIANTS)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    base = SMALL if args.small else PRESETS[args.preset]
+    shape = dataclasses.replace(base, **{k: v for k in ("layers", "d", "heads", "d_ff", "seq", "batch")
+                                         if (v := getattr(args, k)) is not None})
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # memory calls want an index
+    bench = Bench(args, shape, stdlib_bytes(limit=64 << 20), initial_state(shape, args.seed),
+                  device)
+    out = Path(args.out)
+
+    if args.budget:
+        summary = header(bench, "budget", None)
+        summary.update(budget(bench, lambda part: write_reports({**summary, **part}, out,
+                                                                "train_gpt_budget")))
+        write_reports(summary, out, "train_gpt_budget")
+        print(markdown_budget(summary))
+        return 0
+
+    plan = (Plan(0, args.bitident_steps) if args.bitident_steps
+            else Plan(args.warmup, args.steps, args.profile_steps))
+    mode, stem = ("bitident", "train_gpt_bitident") if args.bitident_steps else ("train", "train_gpt")
+    summary = header(bench, mode, plan)
+
+    def report(results):
+        write_reports({**summary, "variants": results}, out, stem)
+
+    results = run_variants(bench, args.variants.split(","), plan, report)
+    summary["variants"] = results
+    write_reports(summary, out, stem)
+    print(f"wrote {out / stem}.{{json,md,png}} in {time.monotonic() - START:.0f} s")
+    if mode == "bitident":
+        ok = all(results[n]["status"] == "ok" and results[n].get("losses_bit_identical")
+                 and results[n].get("params_bit_identical") for n in BITIDENT_VARIANTS[1:])
+        print("losses and final parameters of ours bit-identical to dense:", ok)
+        return 0 if ok else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call: warm the kernel cache, GPU tests, host-overhead bench, the GPT bench.
+# Usage (device machine, repo root): bash bench/gpu_run.sh   (parts: SKIP_TESTS / SKIP_HOST / SKIP_GPT=1)
+#   TESTS (pytest paths), GPT_ARGS (extra train_gpt.py flags); logs and results go to $OUT.
+set -u
+OUT=${OUT:-bench/results/session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+t0=$(date +%s)
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
+  python3 -c "from bitsparse_core.backends.cupy.kernels import warm_cache; print('kernels', warm_cache(16))"
+} >"$OUT/setup.log" 2>&1
+echo "setup $(( $(date +%s) - t0 )) s"; tail -n 3 "$OUT/setup.log"
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -x ${PYTEST_ARGS:-} \
+      ${TESTS:-tests/test_torch_ops.py tests/test_gpu_cupy.py tests/test_torch_gpu.py} >"$OUT/pytest.log" 2>&1
+  echo "pytest rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 30 "$OUT/pytest.log" | cut -c1-400
+fi
+if [ -z "${SKIP_HOST:-}" ]; then
+  timeout 150 python3 bench/host_overhead.py --backends cupy --time-limit 110 --out "$OUT" >"$OUT/host.log" 2>&1
+  echo "host rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 40 "$OUT/host.log" | cut -c1-300
+fi
+if [ -z "${SKIP_GPT:-}" ]; then
+  timeout "${GPT_TIMEOUT:-260}" python3 bench/train_gpt.py ${GPT_ARGS:---preset gpt12 --steps 15 --time-limit 230} --out "$OUT" >"$OUT/gpt.log" 2>&1
+  echo "gpt rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 40 "$OUT/gpt.log" | cut -c1-300
+fi

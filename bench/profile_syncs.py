@@ -1,0 +1,88 @@
+"""Host syncs and host time of a few training steps, counted with torch.profiler.
+
+A host sync (a stream/event/device synchronize, a device-to-host copy, a
+``.item()`` of a device tensor, a synchronous ``cudaMemcpy``) stalls the CPU
+until the GPU has caught up, so the CPU cannot queue the next step ahead of the
+GPU. Counting them per step, and the CPU time of the library's own ops, shows
+whether a variant is paced by the host rather than by the GPU. Only host calls
+made inside the profiled steps count: the profiler's own synchronize at exit
+lies outside every step and is left out.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+STEP_LABEL = "bench::step"
+# Host-side calls counted by exact name. cudaMemcpy (not ...Async) waits for the copy.
+HOST_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+              "cudaMemcpy", "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense")
+# GPU-side copy events, named like "Memcpy DtoH (Device -> Pinned)".
+GPU_COPIES = ("Memcpy DtoH", "Memcpy HtoD")
+
+
+def profile_steps(step_fn, batches, device: torch.device, own_ops=("bitsparse",), top: int = 8):
+    """Run ``step_fn(x, y)`` on each batch under the profiler, with no sync between steps.
+
+    Returns the step outputs and a summary: sync counts per step, host time per
+    step, and the ``top`` host-side rows of ``key_averages()`` whose name contains
+    one of ``own_ops`` (case-insensitive), by CPU self time."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    outputs = []
+    with profile(activities=activities) as prof:
+        for x, y in batches:
+            with record_function(STEP_LABEL):
+                outputs.append(step_fn(x, y))
+    return outputs, summarize(prof, len(batches), own_ops, top)
+
+
+def _host_events_in_steps(events):
+    """The step ranges, and the host-side events that start inside one (steps excluded)."""
+    steps = [(e.time_range.start, e.time_range.end) for e in events
+             if e.name == STEP_LABEL and e.device_type == DeviceType.CPU]
+    inside = [e for e in events if e.device_type == DeviceType.CPU and e.name != STEP_LABEL
+              and any(s <= e.time_range.start <= t for s, t in steps)]
+    return steps, inside
+
+
+def _device_scalars(events) -> int:
+    """``aten::_local_scalar_dense`` calls that copy from the device (a runtime memcpy runs
+    inside them): the host syncs among the ``.item()`` calls, which also read CPU tensors
+    (the optimizer's step counters, say) without any sync."""
+    copies = [e for e in events if e.name.startswith("cudaMemcpy")]
+    return sum(any(c.thread == e.thread and e.time_range.start <= c.time_range.start
+                   <= e.time_range.end for c in copies)
+               for e in events if e.name == "aten::_local_scalar_dense")
+
+
+def summarize(prof, n_steps: int, own_ops, top: int) -> dict:
+    """Per-step counts and times from a finished profile of ``n_steps`` steps."""
+    events = prof.events()
+    steps, inside = _host_events_in_steps(events)
+    names = [e.name for e in inside]
+    counts = {name: names.count(name) / n_steps for name in HOST_CALLS}
+    counts["item of a device tensor"] = _device_scalars(inside) / n_steps
+    copies = {}
+    for e in events:
+        if e.name.startswith("Memcpy "):
+            copies[e.name] = copies.get(e.name, 0) + 1 / n_steps
+    for prefix in GPU_COPIES:
+        counts[prefix] = sum(n for name, n in copies.items() if name.startswith(prefix))
+    patterns = [p.lower() for p in own_ops]
+    rows = [r for r in prof.key_averages() if r.device_type == DeviceType.CPU
+            and any(p in r.key.lower() for p in patterns)]
+    rows.sort(key=lambda r: r.self_cpu_time_total, reverse=True)
+    return {
+        "per_step": counts,
+        "gpu_copies_per_step": copies,
+        "host_ms_per_step": sum(t - s for s, t in steps) / 1e3 / max(len(steps), 1),
+        "own_ops": [{"name": r.key, "calls_per_step": r.count / n_steps,
+                     "self_cpu_ms_per_step": r.self_cpu_time_total / 1e3 / n_steps,
+                     "cpu_total_ms_per_step": r.cpu_time_total / 1e3 / n_steps,
+                     "device_total_ms_per_step": r.device_time_total / 1e3 / n_steps}
+                    for r in rows[:top]],
+    }
