@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import bitsparse_core as bc  # noqa: E402
+from bitsparse_core.backends.cuda import abi  # noqa: E402
 from bitsparse_core.spec import format as _fmt  # noqa: E402
 
 NVCOMP_CODECS = ("ANS", "Cascaded", "Bitcomp", "Zstd")
@@ -154,7 +155,7 @@ def run(args):
           f"fill {fill_bw / 1e9:.0f} GB/s", flush=True)
     from bitsparse_core.backends.cupy import backend as cb
     res = {"device": props.name, "sm_count": props.multi_processor_count,
-           "copy_bandwidth_Bps": copy_bw, "fill_bandwidth_Bps": fill_bw, "rounds": dict(cb.ROUNDS), "numel": args.numel, "reps": args.reps,
+           "copy_bandwidth_Bps": copy_bw, "fill_bandwidth_Bps": fill_bw, "rounds": {"pack": abi.PACK_ROUNDS, "unpack": abi.UNPACK_ROUNDS, "fused": abi.FUSED_ROUNDS}, "numel": args.numel, "reps": args.reps,
            "encoding": "nosign", "python": platform.python_version(), "torch": torch.__version__,
            "rows": [], "baseline": [], "nvcomp": []}
     dtypes = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -230,26 +231,11 @@ def run(args):
 
 
 def rounds_sweep(torch, x, nnz, out, timer, stream, spec):
-    """Fixed-capacity pack and unpack at several tile sizes (rounds per warp)."""
-    from bitsparse_core.backends.cupy import backend as cb
-    saved = dict(cb.ROUNDS)
-    res = {}
-    try:
-        for r in [int(v) for v in spec.split(",")]:
-            cb.ROUNDS["pack"] = cb.ROUNDS["unpack"] = r
-            p = bc.pack(x, encoding="nosign", capacity=nnz, backend="cupy", stream=stream)
-            bc.unpack(p, out=out, stream=stream)
-            stream.synchronize()
-            ok = torch.equal(out.view(torch.uint8), x.view(torch.uint8))
-            res[r] = {"ok": bool(ok),
-                      "pack_fixed_ms": timer(lambda: bc.pack(x, encoding="nosign", capacity=nnz,
-                                                             backend="cupy", stream=stream)),
-                      "unpack_ms": timer(lambda: bc.unpack(p, out=out, stream=stream))}
-            print(f"   rounds={r}: pack fixed {res[r]['pack_fixed_ms'] * 1e3:.1f} us, "
-                  f"unpack {res[r]['unpack_ms'] * 1e3:.1f} us, ok={ok}", flush=True)
-    finally:
-        cb.ROUNDS.update(saved)
-    return res
+    """Tile sizes are ABI constants now (bitsparse_core/backends/cuda/abi.py) that the
+    host plans and the kernel build share; a sweep needs a variant record passed to
+    both, which is not built yet."""
+    raise SystemExit("--rounds sweeps are not available since the ABI refactor; edit "
+                     "abi.PACK_ROUNDS / UNPACK_ROUNDS and rerun instead")
 
 
 def summarize(res):

@@ -41,8 +41,9 @@ def assert_bits(gpu_array, want: np.ndarray, where=""):
 
 def test_kernels_built_for_this_device():
     major, minor = cp.cuda.Device().compute_capability[:1], cp.cuda.Device().compute_capability[1:]
-    from bitsparse_core.backends.cupy.backend import ROUNDS, get_kernel
-    k = get_kernel(cp.cuda.runtime.getDevice(), "pack", 0, 1, 0, ROUNDS["pack"])
+    from bitsparse_core.backends.cuda.abi import PACK_ROUNDS
+    from bitsparse_core.backends.cupy.kernels import get_kernel
+    k = get_kernel(cp.cuda.runtime.getDevice(), "pack", 0, 1, 0, PACK_ROUNDS)
     assert k.attributes["binary_version"] == int(major + minor)
 
 

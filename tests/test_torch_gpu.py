@@ -104,6 +104,7 @@ def test_saved_bytes_are_the_packed_size(kind, encoding):
         saved_tensors_of(lambda: blk(x))[0].float().sum().backward()
     blk.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
+    cap = blk.capacity_policy.capacity(n * f) if kind != "reglu" else None
     before = _requested_bytes()
     out, saved = saved_tensors_of(lambda: blk(x))
     grown = _requested_bytes() - before
@@ -119,6 +120,19 @@ def test_saved_bytes_are_the_packed_size(kind, encoding):
     first = blk.gate_proj if kind == "reglu" else blk.fc1
     a = first(x).detach()
     _, p = bc.relu_pack(a, encoding=encoding, stream=torch.cuda.current_stream().cuda_stream)
+    if kind != "reglu":
+        # The sync-free ops save one block at the module's capacity: the planes of
+        # the exact pack at their spans (values up to nnz), then the status area.
+        from bitsparse_core.torch.ops import _plan
+        plan = _plan(a.shape, a.dtype, cap, kind == "relu2", int(p.encoding), p.chunk_log2)
+        assert [t.numel() for t in planes] == [plan.nbytes]
+        block = planes[0].cpu().numpy()
+        import cupy
+        for (off, _), exp in zip(plan.spans, (p.mask, p.offsets, p.values, p.signs)):
+            e = cupy.asnumpy(exp).view("u1")
+            assert block[off:off + e.size].tobytes() == e.tobytes()
+        assert grown < n * f * 2 * (1 if kind == "relu" else 2) / 2
+        return
     lay = p.layout
     want = lay.mask[1] + lay.offsets[1] + lay.values[1] + lay.signs[1]
     if kind == "reglu":
