@@ -193,11 +193,13 @@ def test_errors_cuda():
 
 
 def test_nosign_refuses_negative_nan_cuda():
-    """relu keeps -NaN's sign bit; nosign cannot store it: the forward raises (status word)."""
-    a = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
-    a.view(torch.int16)[3, 7] = -64  # 0xFFC0: a NaN with its sign bit set
+    """relu keeps -NaN's sign bit; nosign cannot store it. The sync-free forward does not
+    wait for the status word; a backward with no recompute source raises on it."""
+    a = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        a.view(torch.int16)[3, 7] = -64  # 0xFFC0: a NaN with its sign bit set
     w = torch.randn(32, 512, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(bc.EncodingError):
-        relu_linear(a, w, encoding="nosign")
+        relu_linear(a, w, encoding="nosign").float().sum().backward()
     out = relu_linear(a, w, encoding="signplane")
     assert out.shape == (64, 32)

@@ -209,9 +209,11 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     """
     _check_input(a, "a")
     encoding = _check_encoding(encoding)
-    if backend not in ("auto", "cupy", "numpy"):
-        raise ValueError(f"backend={backend!r}: the torch ops run the CuPy-compiled kernels "
-                         "on CUDA and the NumPy reference on CPU")
+    allowed = ("auto", "cupy") if a.device.type == "cuda" else ("auto", "numpy")
+    if backend not in allowed:
+        raise B.UnsupportedDeviceError(f"backend={backend!r} for a {a.device.type} tensor: the "
+                                       "torch ops run the CuPy-compiled kernels on CUDA and the "
+                                       "NumPy reference on CPU")
     mm = _autocast_dtype(a.device)
     weight, bias = _autocast(weight, mm), _autocast(bias, mm)
     mm_dtype = mm if mm is not None and a.dtype != mm else None

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .. import dtypes as _dt
 from ..backends import get_backend
 from ..backends.cuda import abi, driver, host
-from ..errors import CapacityOverflowError
+from ..errors import CapacityOverflowError, EncodingError
 from ..packed import PackedTensor
 from ..spec import ops as reference_ops
 from ..spec.format import Encoding
@@ -199,6 +199,10 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     if not clean:
         if x is None:
             state = _wait(block, ticket, plan)
+            if state[0] & abi.STATUS_NOSIGN_VIOLATION:
+                raise EncodingError("nosign encoding: relu kept a negative NaN, whose sign bit "
+                                    "nosign cannot store; use encoding='signplane' or 'raw', or "
+                                    "pass recompute=(x, w1, b1)")
             if state[0] != 0:
                 raise CapacityOverflowError(
                     f"{state[1]} nonzeros overflowed the capacity {capacity} of a relu_linear "
