@@ -246,8 +246,9 @@ class Bench:
 
 
 def attention_backend(name: str):
-    """SDPA as PyTorch picks it ('auto': flash on a recent GPU), or the math backend,
-    whose backward is deterministic (flash's is not under warn-only determinism)."""
+    """SDPA as PyTorch picks it ('auto': a fused kernel, cuDNN's on an H200), or the math
+    backend, whose backward is deterministic (the fused ones' need not be under
+    warn-only determinism)."""
     return sdpa_kernel(SDPBackend.MATH) if name == "math" else contextlib.nullcontext()
 
 
@@ -310,7 +311,7 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model, call, opt = build(bench, name)
-    probe = name == "dense" and args.sparsity_every > 0
+    probe = name == "dense" and args.sparsity_every > 0 and not args.budget
     losses, times, host, sparsity, first_step_s = [], [], [], [], None
 
     def step(x, y):
