@@ -137,6 +137,10 @@ class OutputMismatchError(InputError, ValueError):
     """An ``out=`` array has the wrong shape, dtype, device or layout."""
 
 
+class UnsupportedTransformError(InputError, NotImplementedError):
+    """A function transform (e.g. ``torch.func.vmap``) the packed ops cannot run under."""
+
+
 # --------------------------------------------------------------------------- #
 # Device errors                                                               #
 # --------------------------------------------------------------------------- #

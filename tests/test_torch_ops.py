@@ -117,7 +117,7 @@ def test_opcheck(device):
     # eager-vs-traced output comparison cannot hold; the compile tests cover tracing.
     utils = ("test_schema", "test_faketensor") + (("test_aot_dispatch_static",)
                                                   if device == "cpu" else ())
-    torch.library.opcheck(ops.relu_linear, args, test_utils=utils)
+    torch.library.opcheck(torch.ops.bitsparse.relu_linear.default, args, test_utils=utils)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -168,3 +168,22 @@ def test_cuda_graph_training_step_replays_bit_identically(density):
         ref = step(ref_m, ref_opt, x)
         assert torch.equal(static_loss, ref)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters()))
+
+
+def test_torch_func_grad_matches_dense_and_vmap_raises_named_error():
+    from bitsparse_core.errors import UnsupportedTransformError
+    torch.manual_seed(0)
+    x = torch.randn(6, 16)
+    w1, w2 = torch.randn(48, 16), torch.randn(8, 48)
+
+    def ours(w1, w2):
+        return bst.relu_ffn(x, w1, None, w2, None, square=True).square().sum()
+
+    def dense(w1, w2):
+        return torch.nn.functional.linear(torch.relu(x @ w1.t()) ** 2, w2).square().sum()
+
+    got = torch.func.grad(ours, argnums=(0, 1))(w1, w2)
+    want = torch.func.grad(dense, argnums=(0, 1))(w1, w2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(UnsupportedTransformError):
+        torch.func.vmap(lambda t: bst.relu_ffn(t, w1, None, w2, None))(x.view(2, 3, 16))

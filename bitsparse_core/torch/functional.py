@@ -36,6 +36,7 @@ from torch.autograd.function import once_differentiable
 from . import _bridge as B
 from . import ops as _ops  # noqa: F401  (registers torch.ops.bitsparse)
 from ..spec.format import DEFAULT_CHUNK_LOG2, Encoding
+from ..errors import UnsupportedTransformError
 from .capacity import CapacityPolicy
 
 ENCODINGS = ("raw", "nosign", "signplane", "auto")
@@ -220,11 +221,50 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     x, w1, b1 = recompute if recompute is not None else (None, None, None)
     a = a.contiguous()
     pol = _policy(policy, density, a.shape, a.dtype, bool(square))
-    out, _, _ = torch.ops.bitsparse.relu_linear(a, weight, bias, x, w1, b1,
-                                                pol.capacity(a.numel()), bool(square),
-                                                _encoding_id(encoding), DEFAULT_CHUNK_LOG2,
-                                                mm_dtype, pol.id)
+    out, _, _ = ReLULinearFunction.apply(a, weight, bias, x, w1, b1, pol.capacity(a.numel()),
+                                         bool(square), _encoding_id(encoding),
+                                         DEFAULT_CHUNK_LOG2, mm_dtype, pol.id)
     return out
+
+
+class ReLULinearFunction(torch.autograd.Function):
+    """Autograd of ``bitsparse::relu_linear``: saves the packed block, its ticket, the
+    weight and the recompute source; the backward is ``bitsparse::relu_linear_backward``.
+    Forward and ``setup_context`` are separate, so torch.func and torch.compile take it."""
+
+    @staticmethod
+    def forward(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype,
+                policy):
+        return torch.ops.bitsparse.relu_linear(a, weight, bias, x, w1, b1, capacity, square,
+                                               encoding, chunk_log2, mm_dtype, policy)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype, policy = inputs
+        _, block, ticket = output
+        ctx.save_for_backward(block, ticket, weight, x, w1, b1)
+        ctx.mark_non_differentiable(block, ticket)
+        ctx.meta = (list(a.shape), a.dtype, bias is not None, capacity, square, encoding,
+                    chunk_log2, mm_dtype, policy)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_block, _grad_ticket):
+        block, ticket, weight, x, w1, b1 = ctx.saved_tensors
+        a_shape, a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = \
+            ctx.meta
+        grad_a, grad_w, grad_b = torch.ops.bitsparse.relu_linear_backward(
+            grad_out.contiguous(), block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias,
+            capacity, square, encoding, chunk_log2, mm_dtype, policy)
+        need = ctx.needs_input_grad
+        return (grad_a if need[0] else None, grad_w if need[1] else None,
+                grad_b if has_bias and need[2] else None) + (None,) * 9
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise UnsupportedTransformError(
+            "bitsparse's packed ReLU ops have no batching rule (the packed block's size is "
+            "fixed per call); apply torch.func.vmap outside them or use the dense FFN")
 
 
 def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",

@@ -12,8 +12,8 @@ the forward, so the gradients are bit-identical in every case and the host never
 waits for the GPU.
 
 Each op has a fake (meta) implementation, shapes from the format's layout at the
-given capacity, so ``torch.compile`` traces them without a graph break, and
-``relu_linear`` its autograd formula (``register_autograd``). CUDA tensors go to the
+given capacity, so ``torch.compile`` traces them without a graph break; the
+autograd formula joining the two is ``functional.ReLULinearFunction``. CUDA tensors go to the
 kernels through :mod:`..backends.cuda.host` by pointer, on torch's current stream,
 with memory from torch's caching allocator; CPU tensors through the NumPy
 reference codec.
@@ -142,7 +142,30 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
 # --------------------------------------------------------------------------- #
 # The ops                                                                     #
 # --------------------------------------------------------------------------- #
-@torch.library.custom_op("bitsparse::relu_linear", mutates_args=())
+# Registered through the low-level Library API: a Python kernel straight in the
+# dispatcher. torch.library.custom_op wraps each call in its autograd and
+# dynamo-disable layers, measured at ~60 us per call here (bench/NOTES.md); the
+# autograd formula lives in ReLULinearFunction (functional.py) instead.
+_LIB = torch.library.Library("bitsparse", "DEF")
+_LIB.define("relu_linear(Tensor a, Tensor weight, Tensor? bias, Tensor? x, Tensor? w1, "
+            "Tensor? b1, int capacity, bool square, int encoding, int chunk_log2, "
+            "ScalarType? mm_dtype, int policy) -> (Tensor, Tensor, Tensor)")
+_LIB.define("relu_linear_backward(Tensor grad_out, Tensor block, Tensor ticket, Tensor weight, "
+            "Tensor? x, Tensor? w1, Tensor? b1, int[] a_shape, ScalarType a_dtype, "
+            "bool has_bias, int capacity, bool square, int encoding, int chunk_log2, "
+            "ScalarType? mm_dtype, int policy) -> (Tensor, Tensor, Tensor)")
+
+
+def _register(name: str):
+    """Register a function as the CPU and CUDA kernel of ``bitsparse::name``."""
+    def deco(fn):
+        _LIB.impl(name, fn, "CPU")
+        _LIB.impl(name, fn, "CUDA")
+        return fn
+    return deco
+
+
+@_register("relu_linear")
 def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 x: Optional[torch.Tensor], w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
                 capacity: int, square: bool, encoding: int, chunk_log2: int,
@@ -165,7 +188,7 @@ def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return out, block, ticket
 
 
-@relu_linear.register_fake
+@torch.library.register_fake("bitsparse::relu_linear")
 def _(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype, policy):
     plan = _plan(a.shape, a.dtype, capacity, square, encoding, chunk_log2)
     out = a.new_empty((*a.shape[:-1], weight.shape[0]), dtype=mm_dtype or a.dtype)
@@ -180,7 +203,7 @@ def _state(block: torch.Tensor, ticket: torch.Tensor, plan: host.PackPlan):
     return C.SLAB.read(ticket)
 
 
-@torch.library.custom_op("bitsparse::relu_linear_backward", mutates_args=())
+@_register("relu_linear_backward")
 def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: torch.Tensor,
                          weight: torch.Tensor, x: Optional[torch.Tensor],
                          w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
@@ -233,7 +256,7 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     return grad_a, grad_w, grad_b
 
 
-@relu_linear_backward.register_fake
+@torch.library.register_fake("bitsparse::relu_linear_backward")
 def _(grad_out, block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias, capacity, square,
       encoding, chunk_log2, mm_dtype, policy):
     grad_a = grad_out.new_empty(a_shape, dtype=a_dtype)
@@ -282,28 +305,6 @@ def _activation_grad(grad_h, block, plan, square) -> torch.Tensor:
     return out
 
 
-def _setup_context(ctx, inputs, output):
-    a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype, policy = inputs
-    _, block, ticket = output
-    ctx.save_for_backward(block, ticket, weight, x, w1, b1)
-    ctx.meta = (list(a.shape), a.dtype, bias is not None, capacity, square, encoding,
-                chunk_log2, mm_dtype, policy)
-
-
-def _backward(ctx, grad_out, _grad_block, _grad_ticket):
-    block, ticket, weight, x, w1, b1 = ctx.saved_tensors
-    a_shape, a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = ctx.meta
-    grad_a, grad_w, grad_b = torch.ops.bitsparse.relu_linear_backward(
-        grad_out.contiguous(), block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias,
-        capacity, square, encoding, chunk_log2, mm_dtype, policy)
-    need = ctx.needs_input_grad
-    return (grad_a if need[0] else None, grad_w if need[1] else None,
-            grad_b if has_bias and need[2] else None) + (None,) * 9
-
-
-relu_linear.register_autograd(_backward, setup_context=_setup_context)
-
-
 def BENCH_CASES(shape, dtype, device):
     """Zero-argument callables of each op on fresh inputs (bench/host_overhead.py)."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -312,7 +313,8 @@ def BENCH_CASES(shape, dtype, device):
     w = (torch.randn((64, d), device=device, generator=gen) / d ** 0.5).to(dtype)
     cap = int(0.15 * a.numel())
     enc = int(Encoding.NOSIGN)
-    out, block, ticket = relu_linear(a, w, None, None, None, None, cap, True, enc, 12, None, 0)
+    op, op_backward = torch.ops.bitsparse.relu_linear, torch.ops.bitsparse.relu_linear_backward
+    out, block, ticket = op(a, w, None, None, None, None, cap, True, enc, 12, None, 0)
     g = torch.randn_like(out)
     plan = _plan(a.shape, a.dtype, cap, True, enc, 12)
     y = torch.empty_like(a)
@@ -320,9 +322,8 @@ def BENCH_CASES(shape, dtype, device):
         "relu_pack": lambda: _pack_cuda(a, plan),
         "unpack": lambda: _unpack_cuda(block, plan, abi.Op.UNPACK, y),
         "relu2_backward": lambda: _unpack_cuda(block, plan, abi.Op.RELU2, y, grad=a),
-        "relu_linear": lambda: relu_linear(a, w, None, None, None, None, cap, True, enc, 12,
-                                           None, 0),
-        "relu_linear_backward": lambda: relu_linear_backward(
+        "relu_linear": lambda: op(a, w, None, None, None, None, cap, True, enc, 12, None, 0),
+        "relu_linear_backward": lambda: op_backward(
             g, block, ticket, w, None, None, None, list(a.shape), a.dtype, False, cap, True,
             enc, 12, None, 0),
     }
