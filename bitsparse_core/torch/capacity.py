@@ -4,8 +4,8 @@ per-module policy that sizes the next packs from them.
 A fixed-capacity pack needs no host sync, but its capacity must come from
 somewhere. Each pack's status word and nonzero count are copied, behind the pack
 kernel, into a slot of one pinned host slab (:class:`FlagSlab`); the host reads a
-slot only once the copy has landed, which it sees without any CUDA call: the slot
-is filled with a sentinel first, and the status word is copied last. A
+slot only once the copy has landed, which it sees without any CUDA call: both
+fields are filled with a sentinel first, and each lands whole (aligned words). A
 :class:`CapacityPolicy` (one per module) polls its slots, keeps the largest
 density seen recently, and picks the next capacity from a ladder of density
 buckets (so allocations and compiled graphs are reused) with a margin.
@@ -28,6 +28,7 @@ import torch
 log = logging.getLogger("bitsparse_core.torch")
 
 SENTINEL = 0xFFFFFFFF          # no status word the kernel writes (bits 0-1 only)
+SENTINEL64 = (1 << 64) - 1     # no count a pack can have
 NO_SLOT = -1                   # no copy queued (CUDA graph capture): state unknown
 HOST_FINAL = -2                # CPU pack: the block's own status area is final
 
@@ -64,7 +65,7 @@ class FlagSlab:
     def acquire(self):
         """``(host address of the slot, ticket)``; the slot reads as pending until
         the caller's copies land."""
-        status, _ = self._arrays()
+        status, nnz = self._arrays()
         with self._lock:
             for _ in range(self.slots):
                 i = self._next
@@ -75,8 +76,11 @@ class FlagSlab:
                 return 0, torch.tensor([NO_SLOT, 0], dtype=torch.int64)
             self._gen[i] += 1
             status[4 * i] = SENTINEL
+            nnz[2 * i + 1] = SENTINEL64
             gen = int(self._gen[i])
-        return self._mem.data_ptr() + 16 * i, torch.tensor([i, gen], dtype=torch.int64)
+        ticket = torch.empty(2, dtype=torch.int64)
+        ticket.numpy()[:] = (i, gen)
+        return self._mem.data_ptr() + 16 * i, ticket
 
     def read(self, ticket: torch.Tensor):
         """``(status, nnz)`` of a ticket's pack once its copy has landed, else None."""
@@ -84,10 +88,10 @@ class FlagSlab:
         if i < 0:
             return None
         status, nnz = self._arrays()
-        s = int(status[4 * i])
-        if s == SENTINEL or self._gen[i] != gen:
+        s, n = int(status[4 * i]), int(nnz[2 * i + 1])
+        if s == SENTINEL or n == SENTINEL64 or self._gen[i] != gen:
             return None
-        return s, int(nnz[2 * i + 1])
+        return s, n
 
 
 SLAB = FlagSlab()

@@ -44,11 +44,25 @@ for _n, _d in (("float8_e4m3fn", _dt.FLOAT8_E4M3FN), ("float8_e5m2", _dt.FLOAT8_
 _OFFSET_DTYPES = {4: torch.int32, 8: torch.int64}
 
 
+_PLANS: dict = {}
+
+
 def _plan(a_shape, dtype: torch.dtype, capacity: int, square: bool, encoding: int,
           chunk_log2: int) -> host.PackPlan:
-    mode = abi.Mode.RELU2 if square else abi.Mode.RELU
-    return host.pack_plan(tuple(int(s) for s in a_shape), _TORCH_TO_BS[dtype], Encoding(encoding),
-                          int(capacity), int(chunk_log2), mode)
+    """The pack plan of a call, looked up by a key that is cheap to hash."""
+    key = (tuple(a_shape), dtype, capacity, square, encoding, chunk_log2)
+    plan = _PLANS.get(key)
+    if plan is None:
+        mode = abi.Mode.RELU2 if square else abi.Mode.RELU
+        plan = _PLANS[key] = host.pack_plan(tuple(int(s) for s in a_shape), _TORCH_TO_BS[dtype],
+                                            Encoding(encoding), int(capacity), int(chunk_log2),
+                                            mode)
+    return plan
+
+
+def _stream(device: torch.device) -> int:
+    """The raw handle of torch's current stream on ``device`` (no Stream object made)."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
 
 
 # --------------------------------------------------------------------------- #
@@ -101,34 +115,37 @@ def _int_view_np(dtype: torch.dtype):
 def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
     """``(y, block, ticket)``: y is relu(a) (squared for RELU2); the pack's status and
     count are copied behind it into a pinned slot (none while a graph is captured)."""
-    dev = a.device.index
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    nbytes = a.numel() * a.element_size()
-    ybytes = -(-nbytes // 16) * 16
+    device = a.device
+    stream = _stream(device)
+    numel, item = a.numel(), a.element_size()
+    yelems = -(-numel * item // 16) * 16 // item
     # The pack's scratch rides at the end of y's allocation: it is dead once the
     # kernels have run, and y is freed right after the second GEMM.
-    ystore = torch.empty(ybytes + plan.scratch_bytes, dtype=torch.uint8, device=a.device)
-    block = torch.empty(plan.nbytes, dtype=torch.uint8, device=a.device)
-    host.enqueue_pack(plan, dev, stream, a.data_ptr(), block.data_ptr(),
-                      ystore.data_ptr() + ybytes, ystore.data_ptr())
-    y = ystore[:nbytes].view(a.dtype).view(a.shape)
+    ystore = torch.empty(yelems + -(-plan.scratch_bytes // item), dtype=a.dtype, device=device)
+    block = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+    yptr, bptr = ystore.data_ptr(), block.data_ptr()
+    host.enqueue_pack(plan, device.index, stream, a.data_ptr(), bptr, yptr + yelems * item, yptr)
+    y = ystore.as_strided(a.shape, a.stride())
     if torch.cuda.is_current_stream_capturing():
         ticket = torch.tensor([C.NO_SLOT, 0], dtype=torch.int64)
     else:
         slot, ticket = C.SLAB.acquire()
-        if slot:
-            status = plan.status(block.data_ptr())
-            driver.copy_to_host(slot + 8, status + 8, 8, stream)   # nnz first,
-            driver.copy_to_host(slot, status, 4, stream)           # the status word last
+        if slot:   # status word and count in one copy; the slot reads pending until both land
+            driver.copy_to_host(slot, plan.status(bptr), 16, stream)
     return y, block, ticket
 
 
 def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torch.Tensor,
                  grad: Optional[torch.Tensor] = None) -> None:
-    dev, stream = block.device.index, torch.cuda.current_stream(block.device).cuda_stream
+    dev, stream = block.device.index, _stream(block.device)
     lay = plan.lay
     nprefix = host.prefix_scratch_bytes(lay, op)
-    prefix = torch.empty(max(nprefix // 8, 1), dtype=torch.int64, device=block.device)
+    if not nprefix:
+        host.enqueue_unpack(lay, plan.planes(block.data_ptr()), op, dev, stream, out.data_ptr(),
+                            grad=grad.data_ptr() if grad is not None else 0)
+        return
+    # Chunks larger than a tile: per-tile counts, summed by torch on the same stream.
+    prefix = torch.empty(nprefix // 8, dtype=torch.int64, device=block.device)
 
     def scan(ptr: int, n: int) -> None:
         counts = prefix[1:n + 1]
@@ -136,7 +153,7 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
 
     host.enqueue_unpack(lay, plan.planes(block.data_ptr()), op, dev, stream, out.data_ptr(),
                         grad=grad.data_ptr() if grad is not None else 0,
-                        prefix=prefix.data_ptr() if nprefix else 0, prefix_scan=scan)
+                        prefix=prefix.data_ptr(), prefix_scan=scan)
 
 
 # --------------------------------------------------------------------------- #
@@ -300,7 +317,7 @@ def _activation_grad(grad_h, block, plan, square) -> torch.Tensor:
         _unpack_cuda(block, plan, abi.Op.RELU2, out, grad=grad_h)
     else:
         host.enqueue_relu_backward(plan.lay, plan.planes(block.data_ptr()), block.device.index,
-                                   torch.cuda.current_stream(block.device).cuda_stream,
+                                   _stream(block.device),
                                    grad_h.data_ptr(), out.data_ptr())
     return out
 

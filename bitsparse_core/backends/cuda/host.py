@@ -129,6 +129,48 @@ def kernels_for(device: int) -> Kernels:
 # --------------------------------------------------------------------------- #
 # Packing                                                                     #
 # --------------------------------------------------------------------------- #
+class _PackLaunch:
+    """The launches of one plan on one device, with every field that follows from the
+    plan already in the argument records: a call then sets only the pointers."""
+
+    def __init__(self, plan: PackPlan, device: int):
+        lay, k = plan.lay, kernels_for(device)
+        enc = lay.encoding
+        fused = plan.mode in (Mode.RELU, Mode.RELU2)
+        fmt = abi.FMT_OF[lay.dtype.name] if fused else abi.BITS_FMT[lay.dtype.bits]
+        self.pack = k("pack", fmt, int(enc), int(plan.mode), plan.rounds)
+        self.grid = min(plan.n_tiles, driver.resident_blocks(self.pack, abi.THREADS, plan.smem,
+                                                             device))
+        self.stitch = k("stitch")
+        self.stitch_grid = -(-(plan.n_tiles + 1) // abi.THREADS)
+        signplane = enc == Encoding.SIGNPLANE
+        self.args = abi.PackArgs().set(numel=lay.numel, mask_len=plan.spans[0][1],
+                                       off64=lay.offset_width == 8, chunk_log2=lay.chunk_log2,
+                                       cap=lay.capacity, n_tiles=plan.n_tiles)
+        self.stitch_args = abi.StitchArgs().set(n_tiles=plan.n_tiles, cap=lay.capacity,
+                                                width=plan.width, has_signs=signplane)
+        vwords, swords = -(-plan.spans[2][1] // 4), -(-plan.spans[3][1] // 4)
+        self.zero_tail = None
+        if plan.mode != Mode.MASKED and lay.capacity < lay.numel and max(vwords, swords):
+            self.zero_tail = k("zero_tail")
+            self.zero_grid = min(-(-max(vwords, swords) // abi.THREADS), 4096)
+            self.zero_args = abi.ZeroTailArgs().set(cap=lay.capacity, width=plan.width,
+                                                    values_words=vwords, has_signs=signplane,
+                                                    signs_words=swords)
+
+
+def _pack_launch(plan: PackPlan, device: int) -> _PackLaunch:
+    """This thread's launches of ``plan`` (a launch reads its record while ctypes has
+    released the GIL, so threads never share one)."""
+    cache = getattr(_RECORDS, "pack", None)
+    if cache is None:
+        cache = _RECORDS.pack = {}
+    entry = cache.get(id(plan))
+    if entry is None or entry[0] is not plan or entry[1] != device:
+        entry = cache[id(plan)] = (plan, device, _PackLaunch(plan, device))
+    return entry[2]
+
+
 def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, scratch: int,
                  y: int = 0, in_planes: Planes | None = None) -> None:
     """Queue the pack of the dense tensor at ``x`` into ``block`` (``plan.nbytes``).
@@ -137,40 +179,28 @@ def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, s
     ``in_planes``: the mask tensor's planes (mode MASKED). ``scratch``:
     ``plan.scratch_bytes`` of device memory, zeroed here.
     """
-    lay = plan.lay
-    if lay.numel == 0:
+    if plan.lay.numel == 0:
         driver.memset0(block, plan.nbytes, stream)
         return
-    k = kernels_for(device)
-    enc = lay.encoding
-    fused = plan.mode in (Mode.RELU, Mode.RELU2)
-    fmt = abi.FMT_OF[lay.dtype.name] if fused else abi.BITS_FMT[lay.dtype.bits]
-    masked = plan.mode == Mode.MASKED
-    pl = plan.planes(block)
+    L = _pack_launch(plan, device)
+    (mo, _), (oo, _), (vo, _), (so, _) = plan.spans
+    values, signs, status = block + vo, block + so, block + plan.status_offset
     driver.memset0(scratch, plan.scratch_bytes, stream)
-    rec = _record(abi.PackArgs)
-    rec.x, rec.numel, rec.x_aligned = x, lay.numel, x % 16 == 0
-    rec.mask, rec.mask_len = (in_planes.mask if masked else pl.mask), pl.mask_len
-    rec.offsets, rec.off64, rec.chunk_log2 = (0 if masked else pl.offsets), pl.off64, lay.chunk_log2
-    rec.values, rec.signs, rec.cap = pl.values, pl.signs, lay.capacity
-    rec.y, rec.y_aligned = y, bool(y) and y % 16 == 0
-    rec.scratch, rec.status, rec.n_tiles = scratch, plan.status(block), plan.n_tiles
-    func = k("pack", fmt, int(enc), int(plan.mode), plan.rounds)
-    grid = min(plan.n_tiles, driver.resident_blocks(func, abi.THREADS, plan.smem, device))
-    driver.launch_cooperative(func, grid, abi.THREADS, plan.smem, stream, rec)
-    signplane = enc == Encoding.SIGNPLANE
-    st = _record(abi.StitchArgs)
-    st.scratch, st.n_tiles, st.cap, st.width = scratch, plan.n_tiles, lay.capacity, plan.width
-    st.values, st.has_signs, st.signs = pl.values, signplane, pl.signs
-    driver.launch(k("stitch"), -(-(plan.n_tiles + 1) // abi.THREADS), abi.THREADS, 0, stream, st)
-    vwords, swords = -(-pl.values_len // 4), -(-pl.signs_len // 4)
-    if not masked and lay.capacity < lay.numel and max(vwords, swords):
-        zt = _record(abi.ZeroTailArgs)
-        zt.status, zt.cap, zt.width = plan.status(block), lay.capacity, plan.width
-        zt.values, zt.values_words, zt.has_signs = pl.values, vwords, signplane
-        zt.signs, zt.signs_words = pl.signs, swords
-        grid = min(-(-max(vwords, swords) // abi.THREADS), 4096)
-        driver.launch(k("zero_tail"), grid, abi.THREADS, 0, stream, zt)
+    r = L.args
+    r.x, r.x_aligned, r.y, r.y_aligned = x, x % 16 == 0, y, bool(y) and y % 16 == 0
+    if in_planes is not None:                       # masked: the mask tensor's own mask
+        r.mask, r.offsets = in_planes.mask, 0
+    else:
+        r.mask, r.offsets = block + mo, block + oo
+    r.values, r.signs, r.scratch, r.status = values, signs, scratch, status
+    driver.launch_cooperative(L.pack, L.grid, abi.THREADS, plan.smem, stream, r)
+    st = L.stitch_args
+    st.scratch, st.values, st.signs = scratch, values, signs
+    driver.launch(L.stitch, L.stitch_grid, abi.THREADS, 0, stream, st)
+    if L.zero_tail is not None:
+        zt = L.zero_args
+        zt.status, zt.values, zt.signs = status, values, signs
+        driver.launch(L.zero_tail, L.zero_grid, abi.THREADS, 0, stream, zt)
 
 
 def enqueue_shrink(src: PackPlan, src_block: int, dst: PackPlan, dst_block: int,
