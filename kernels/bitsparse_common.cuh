@@ -179,15 +179,6 @@ BS_HD u32 bs_funnel_r(u32 lo, u32 hi, u32 sh) {
 #endif
 }
 
-// (hi:lo) << sh, high 32 bits, sh in 0..31.
-BS_HD u32 bs_funnel_l(u32 lo, u32 hi, u32 sh) {
-#if defined(__CUDA_ARCH__)
-    return __funnelshift_l(lo, hi, sh);
-#else
-    return (u32)(((((unsigned long long)hi << 32) | lo) << (sh & 31u)) >> 32);
-#endif
-}
-
 // PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x); only s's low 16 bits
 // count, and every selector here keeps bit 3 of each nibble clear (PTX's prmt
 // would replicate the sign there; __byte_perm instead masks it off, an extra op).

@@ -37,7 +37,6 @@ TORCH_TO_BS = {
 for _name, _d in (("float8_e4m3fn", _dt.FLOAT8_E4M3FN), ("float8_e5m2", _dt.FLOAT8_E5M2)):
     if hasattr(torch, _name):
         TORCH_TO_BS[getattr(torch, _name)] = _d
-BS_TO_TORCH = {v: k for k, v in TORCH_TO_BS.items()}
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 _NP_TO_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint32): torch.uint32,
                 np.dtype(np.uint64): torch.uint64, np.dtype(np.int32): torch.int32}
@@ -247,62 +246,3 @@ def keep_alive_on_stream(tensors, call: Call, pack_stream) -> None:
     for t in tensors:
         if t.numel():
             t.record_stream(call.stream)
-
-
-# --------------------------------------------------------------------------- #
-# Exact packing without stalling the GPU                                      #
-# --------------------------------------------------------------------------- #
-class PendingPack:
-    """A CUDA pack made at worst-case capacity (no sync), shrunk to its exact size later.
-
-    An exact pack needs the nonzero count on the host before it can size the
-    values plane; asking for it right after the pack kernel leaves the GPU idle
-    while Python sizes and copies. Instead the count and the status word are
-    copied to pinned memory behind the pack kernel, the caller queues more work
-    (the FFN's second matmul), and :meth:`finish` waits only for that copy,
-    then queues the copy of the sections into an exact-size buffer. The result
-    is what an exact pack gives: the same planes, ``capacity == nnz``.
-    """
-
-    def __init__(self, call: Call, p: PackedTensor, owners):
-        self.call, self.p = call, p
-        lay = p.layout
-        self.raw = {name: as_torch(getattr(p, name), torch.uint8, (getattr(lay, name)[1],), owners)
-                    if getattr(lay, name)[1] else None for name in PLANES}
-        self.width = lay.offset_width
-        status = as_torch(p.status, torch.uint8, (4,), owners)
-        self.host = torch.empty(16, dtype=torch.uint8, pin_memory=True)
-        self.host[:self.width].copy_(self.raw["offsets"][-self.width:], non_blocking=True)
-        self.host[8:12].copy_(status, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record(call.stream)
-
-    def finish(self):
-        """``(planes, skeleton)`` of the exact-size packed tensor (one wait for the count)."""
-        from ..errors import EncodingError
-        from ..spec import format as _fmt
-        self.event.synchronize()
-        head = self.host.numpy().tobytes()
-        nnz = int.from_bytes(head[:self.width], "little")
-        if int.from_bytes(head[8:12], "little") & 1:
-            raise EncodingError("nosign encoding: a stored value has its sign bit set "
-                                "(relu keeps a negative NaN); use encoding='signplane' or 'raw'")
-        p = self.p
-        lay = _fmt.layout(p.shape, p.dtype, p.encoding, nnz, p.chunk_log2)
-        spans, pos = {}, 0
-        for name in PLANES:
-            spans[name] = (pos, getattr(lay, name)[1])
-            pos += _fmt.align(spans[name][1])
-        buf = torch.empty((pos,), dtype=torch.uint8, device=self.raw["mask"].device)
-        planes = []
-        for name in PLANES:
-            off, n = spans[name]
-            dst = buf[off:off + n]
-            if n:
-                dst.copy_(self.raw[name][:n])  # the first n bytes: the exact section
-            if name == "offsets":
-                dst = dst.view(torch.uint64 if self.width == 8 else torch.uint32)
-            planes.append(dst)
-        skel = dataclasses.replace(skeleton(p), capacity=nnz, _nnz=nnz, status=None)
-        self.raw = self.p = None  # the worst-case buffer goes back to the cache, stream-ordered
-        return tuple(planes), skel

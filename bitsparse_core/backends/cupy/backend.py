@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import EncodingError, OutputMismatchError
+from ...errors import OutputMismatchError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
-from ..cuda import driver, host
+from ..cuda import driver, host, protocol
 from ..cuda import interop as ci
 from ..cuda.abi import Mode, Op
 from .kernels import warm_cache  # noqa: F401  (bench scripts warm the compile cache here)
@@ -65,6 +65,35 @@ def _cumsum_into(device: int, stream: int):
 # --------------------------------------------------------------------------- #
 # The backend                                                                 #
 # --------------------------------------------------------------------------- #
+class _CupySteps:
+    """The protocol's steps (:mod:`..cuda.protocol`) for one CuPy pack call."""
+
+    def __init__(self, backend, t: ci.CudaTensor, stream: int, allocator, y: int = 0,
+                 in_planes: host.Planes | None = None):
+        self.backend, self.t, self.s, self.allocator = backend, t, stream, allocator
+        self.y, self.in_planes = y, in_planes
+
+    def run(self, plan):
+        t = self.t
+        block = ci.allocate(plan.nbytes, t.device, self.s, self.allocator)
+        scratch = ci.allocate(plan.scratch_bytes, t.device, self.s, self.allocator)
+        host.enqueue_pack(plan, t.device, self.s, t.ptr, block.ptr, scratch.ptr, self.y,
+                          self.in_planes)
+        return block       # scratch is freed in stream order, after the queued kernels
+
+    def read_head(self, plan, block):
+        head = _read_host(plan.status(block.ptr), 16, self.s)
+        return int(head[:4].view(np.uint32)[0]), int(head[8:16].view(np.uint64)[0])
+
+    def shrink(self, plan, block, small):
+        out = ci.allocate(small.nbytes, self.t.device, self.s, self.allocator)
+        host.enqueue_shrink(plan, block.ptr, small, out.ptr, self.s)
+        return out
+
+    def packed(self, plan, block, nnz, pending_status):
+        return self.backend._packed(self.t, plan, block, self.s, nnz=nnz, status=pending_status)
+
+
 class CupyBackend:
     name = "cupy"
     device_type = "cuda"
@@ -85,30 +114,8 @@ class CupyBackend:
 
     def _pack(self, t: ci.CudaTensor, encoding, chunk_log2, capacity, s, allocator, mode,
               y: ci.CudaArray | None = None) -> PackedTensor:
-        chunk_log2 = _fmt.check_chunk_log2(chunk_log2)
-        auto = isinstance(encoding, str) and encoding.lower() == "auto"
-        enc = Encoding.NOSIGN if auto else Encoding.parse(encoding)
-        exact = capacity is None
-        cap = t.numel if exact else ci.check_capacity(capacity, t.numel)
-        plan = host.pack_plan(tuple(t.shape), t.dtype, enc, cap, chunk_log2, mode)
-        buf = ci.allocate(plan.nbytes, t.device, s, allocator)
-        scratch = ci.allocate(plan.scratch_bytes, t.device, s, allocator)
-        host.enqueue_pack(plan, t.device, s, t.ptr, buf.ptr, scratch.ptr, y.ptr if y else 0)
-        if not (exact or auto):
-            return self._packed(t, plan, buf, s, nnz=None, status=True)
-        head = _read_host(plan.status(buf.ptr), 16, s)                # the one sync
-        status, nnz = int(head[:4].view(np.uint32)[0]), int(head[8:16].view(np.uint64)[0])
-        if status & 1:
-            if auto:
-                return self._pack(t, Encoding.RAW, chunk_log2, capacity, s, allocator, mode, y)
-            raise EncodingError("nosign encoding: a stored value has its sign bit set; "
-                                "use encoding='signplane' or 'raw'")
-        if exact:
-            small = host.pack_plan(tuple(t.shape), t.dtype, enc, nnz, chunk_log2, mode)
-            out = ci.allocate(small.nbytes, t.device, s, allocator)
-            host.enqueue_shrink(plan, buf.ptr, small, out.ptr, s)
-            plan, buf = small, out
-        return self._packed(t, plan, buf, s, nnz=nnz, status=False)
+        steps = _CupySteps(self, t, s, allocator, y.ptr if y else 0)
+        return protocol.pack(steps, tuple(t.shape), t.dtype, encoding, chunk_log2, capacity, mode)
 
     def _packed(self, t, plan, buf, s, *, nnz, status, mask=None, offsets=None, extra=None):
         lay, dev = plan.lay, buf.device
@@ -128,10 +135,8 @@ class CupyBackend:
     def _ready(self, p: PackedTensor, s: int, *, values: bool = True) -> host.Planes:
         """``p``'s planes, ordered before work on ``s`` and checked for overflow and
         nosign violations when the op reads its values."""
-        if p.device[0] != "cuda":
-            raise OutputMismatchError(f"packed tensor lives on {p.device}; the cupy backend "
-                                      "works on CUDA tensors")
-        ci.stream_wait(s, int(p.extra.get("stream", s)), p.device[1])
+        protocol.check_packed(p)
+        ci.stream_wait(s, protocol.producer_stream(p, s), p.device[1])
         if values:
             p.check()
         return planes_of(p)
@@ -167,9 +172,7 @@ class CupyBackend:
 
     def _grad(self, grad, p, s):
         g = ci.import_cuda(grad, stream=s)
-        if g.dtype != p.dtype or tuple(g.shape) != tuple(p.shape):
-            raise OutputMismatchError(f"grad is {g.dtype.name}{tuple(g.shape)}; the packed "
-                                      f"activation is {p.dtype.name}{tuple(p.shape)}")
+        protocol.check_like("grad", g.shape, g.dtype, p)
         if g.device != p.device[1]:
             raise OutputMismatchError(f"grad lives on cuda:{g.device}, the packed tensor on "
                                       f"cuda:{p.device[1]}")
@@ -194,26 +197,21 @@ class CupyBackend:
                     allocator=None):
         s = ci.stream_handle(stream)
         t = ci.import_cuda(u, dtype=dtype, stream=s)
-        if tuple(t.shape) != tuple(p_mask.shape) or t.dtype != p_mask.dtype:
-            raise OutputMismatchError(f"u is {t.dtype.name}{tuple(t.shape)}, mask tensor is "
-                                      f"{p_mask.dtype.name}{tuple(p_mask.shape)}")
+        protocol.check_like("u", t.shape, t.dtype, p_mask)
         if t.device != p_mask.device[1]:
             raise OutputMismatchError(f"u lives on cuda:{t.device}, the mask on cuda:{p_mask.device[1]}")
         enc = Encoding.parse(encoding)
         mp = self._ready(p_mask, s, values=False)
         nnz = p_mask.nnz                    # known after an exact pack; else one sync
         plan = host.pack_plan(tuple(t.shape), t.dtype, enc, nnz, p_mask.chunk_log2, Mode.MASKED)
-        buf = ci.allocate(plan.nbytes, t.device, s, allocator)
-        scratch = ci.allocate(plan.scratch_bytes, t.device, s, allocator)
-        host.enqueue_pack(plan, t.device, s, t.ptr, buf.ptr, scratch.ptr, in_planes=mp)
-        return self._packed(t, plan, buf, s, nnz=nnz, status=enc == Encoding.NOSIGN,
+        block = _CupySteps(self, t, s, allocator, in_planes=mp).run(plan)
+        return self._packed(t, plan, block, s, nnz=nnz, status=enc == Encoding.NOSIGN,
                             mask=p_mask.mask, offsets=p_mask.offsets, extra={"shares_mask": True})
 
     def gated_backward(self, grad, p_r, p_u, *, stream=None, allocator=None):
         s = ci.stream_handle(stream)
         g = self._grad(grad, p_r, s)
-        if tuple(p_u.shape) != tuple(p_r.shape) or p_u.dtype != p_r.dtype:
-            raise OutputMismatchError("p_u and p_r differ in shape or dtype")
+        protocol.check_pair(p_r, p_u)
         pu = self._ready(p_u, s)            # every packed input checked for overflow
         dev = g.device
         gg = ci.CudaArray.empty(p_r.shape, p_r.dtype, dev, s, allocator)

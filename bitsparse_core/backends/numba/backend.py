@@ -8,16 +8,10 @@ inputs, the pluggable allocator, DLPack outputs) in
 planes are views into it (CuPy arrays, like the CuPy backend's, so either
 backend unpacks the other's tensors).
 
-Host syncs happen only where a size must be known on the host:
-
-* ``capacity=None`` (exact): the one-pass kernel packs into a worst-case layout,
-  one sync reads the count, the sections are copied into an exact allocation;
-* ``encoding="auto"``: one sync reads the nosign status (a set sign bit re-packs
-  as raw);
-* ``capacity=K`` with an explicit encoding: no sync; ``p.nnz`` / ``p.check()``
-  read the device-side count and status word later;
-* ``masked_pack`` of a tensor whose count is still pending: one sync (the
-  companion's capacity is that count, as in the reference).
+Exact, fixed-capacity and ``"auto"`` packing follow the host protocol both CUDA
+backends share (:mod:`..cuda.protocol`), with allocations laid out by its plans;
+``masked_pack`` of a tensor whose count is still pending syncs once (the
+companion's capacity is that count, as in the reference).
 
 A packed tensor remembers the stream it was made on (``extra["stream"]``); an
 op on another stream first makes that stream wait for it (an event), so planes
@@ -32,11 +26,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import EncodingError, OutputMismatchError, UnsupportedDeviceError
+from ...errors import OutputMismatchError, UnsupportedDeviceError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
 from ..cuda import abi
 from ..cuda.abi import Mode
+from ..cuda import protocol
 from ..cuda.host import pack_plan
 from . import kernels as K
 
@@ -53,18 +48,49 @@ class _Alloc:
     (:func:`..cuda.host.pack_plan`): sections 64-byte aligned in format order, then
     the status area."""
 
-    def __init__(self, P, lay: _fmt.Layout, st, allocator, sections):
-        mode = Mode.MASKED if tuple(sections) == ("values", "signs") else Mode.PACK
-        plan = pack_plan(tuple(lay.shape), lay.dtype, lay.encoding, lay.capacity, lay.chunk_log2,
-                         mode)
-        self.lay = lay
-        self.spans = {n: plan.spans[i] for i, n in enumerate(_fmt.SECTION_NAMES) if n in sections}
+    def __init__(self, P, plan, st, allocator):
+        self.plan, self.lay = plan, plan.lay
+        names = ("values", "signs") if plan.mode == Mode.MASKED else _fmt.SECTION_NAMES
+        self.spans = {n: plan.spans[i] for i, n in enumerate(_fmt.SECTION_NAMES) if n in names}
         self.status_offset = plan.status_offset
         self.buf = P.alloc(plan.nbytes, st, allocator)
 
     def plane(self, P, name, np_dtype):
         off, n = self.spans[name]
         return P.plane(self.buf, off, n, np_dtype)
+
+
+class _NumbaSteps:
+    """The protocol's steps (:mod:`..cuda.protocol`) for one Numba pack call."""
+
+    def __init__(self, backend, P, st, buf, dt, mode, allocator, ybuf, zero_tail):
+        self.backend, self.P, self.st, self.buf, self.dt = backend, P, st, buf, dt
+        self.mode, self.allocator, self.ybuf, self.zero_tail = mode, allocator, ybuf, zero_tail
+        self.keep = None
+
+    def run(self, plan):
+        al = _Alloc(self.P, plan, self.st, self.allocator)
+        self.keep = self.backend._run_pack(self.P, self.st, self.buf, plan.lay.numel, self.dt,
+                                           self.mode, plan.lay, al, self.allocator, self.ybuf,
+                                           None, zero_tail=self.zero_tail)
+        return al
+
+    def read_head(self, plan, al):
+        status, total = self.P.read(al.buf, al.status_offset, 2, np.int64, self.st)
+        return int(status) & 0xFFFFFFFF, int(total)
+
+    def shrink(self, plan, al, small):
+        P, st = self.P, self.st
+        out = _Alloc(P, small, st, self.allocator)
+        head = plan.spans[1][0] + plan.spans[1][1]        # mask + offsets: the same spans
+        P.copy(out.buf, 0, al.buf, 0, head, st)
+        for i in (2, 3):
+            P.copy(out.buf, small.spans[i][0], al.buf, plan.spans[i][0], small.spans[i][1], st)
+        P.copy(out.buf, small.status_offset, al.buf, plan.status_offset, 16, st)
+        return out
+
+    def packed(self, plan, al, nnz, pending_status):
+        return self.backend._packed(self.P, self.st, plan.lay, al, nnz, pending_status, self.keep)
 
 
 # ----------------------------------------------------------------------------
@@ -247,9 +273,7 @@ class _GpuPlatform:
 
     def order_after(self, p, st):
         """Make our stream wait for the work that produced p's planes (on p's stream)."""
-        producer = p.extra.get("stream")
-        if producer is not None:
-            self.ci.stream_wait(st[0], int(producer), p.device[1])
+        self.ci.stream_wait(st[0], protocol.producer_stream(p, st[0]), p.device[1])
 
 
 _PLATFORM = None
@@ -329,12 +353,6 @@ class NumbaBackend:
         P.launch(K.k_scan, 1, K.SCAN_NT, st, cnt, n_tiles, info)
         return mask, cnt, K.TILE_LOG2, scratch
 
-    @staticmethod
-    def _check_packed(p):
-        if p.device[0] != "cuda":
-            raise UnsupportedDeviceError(f"packed tensor lives on {p.device}; the numba backend "
-                                         "works on CUDA tensors")
-
     # ----------------------------------------------------------- packing
     def pack(self, x, *, dtype=None, encoding="auto", chunk_log2=_fmt.DEFAULT_CHUNK_LOG2,
              capacity=None, stream=None, allocator=None) -> PackedTensor:
@@ -356,29 +374,10 @@ class NumbaBackend:
 
     def _pack(self, P, st, buf, shape, dt, mode, encoding, chunk_log2, capacity, allocator,
               ybuf=None):
-        chunk_log2 = _fmt.check_chunk_log2(chunk_log2)
-        auto = isinstance(encoding, str) and encoding.lower() == "auto"
-        enc = Encoding.NOSIGN if auto else Encoding.parse(encoding)
-        numel = _fmt.numel_of(shape)
-        if capacity is not None:
-            capacity = int(capacity)
-        exact = capacity is None
-        lay = _fmt.layout(shape, dt, enc, numel if exact else capacity, chunk_log2)
-        al = _Alloc(P, lay, st, allocator, ("mask", "offsets", "values", "signs"))
-        keep = self._run_pack(P, st, buf, numel, dt, mode, lay, al, allocator, ybuf, None,
-                              zero_tail=not exact)
-        if exact or auto:
-            status, total = (int(v) for v in P.read(al.buf, al.status_offset, 2, np.int64, st))
-            if status & 1:
-                if auto:
-                    return self._pack(P, st, buf, shape, dt, mode, Encoding.RAW, chunk_log2,
-                                      capacity, allocator, ybuf)
-                raise EncodingError("nosign encoding: a stored value has its sign bit set; "
-                                    "use encoding='signplane' or 'raw'")
-            if exact:
-                lay, al = self._shrink(P, st, lay, al, total, allocator)
-            return self._packed(P, st, lay, al, total, False, keep)
-        return self._packed(P, st, lay, al, None, enc == Encoding.NOSIGN, keep)
+        steps = _NumbaSteps(self, P, st, buf, dt, mode, allocator, ybuf,
+                            zero_tail=capacity is not None)
+        return protocol.pack(steps, tuple(shape), dt, encoding, chunk_log2, capacity,
+                             Mode(mode))
 
     def _run_pack(self, P, st, buf, numel, dt, mode, lay, al, allocator, ybuf, p_mask,
                   zero_tail):
@@ -443,18 +442,6 @@ class NumbaBackend:
         sw = P.view(al.buf, so, _ceil_div(sn, 4) if enc == Encoding.SIGNPLANE else 0, np.uint32)
         return vt, vw, sw
 
-    def _shrink(self, P, st, lay, al, nnz, allocator):
-        """Copy the sections of a worst-case layout into an exact-size allocation."""
-        exact = _fmt.layout(lay.shape, lay.dtype, lay.encoding, nnz, lay.chunk_log2)
-        out = _Alloc(P, exact, st, allocator, ("mask", "offsets", "values", "signs"))
-        head = al.spans["offsets"][0] + al.spans["offsets"][1]    # mask + offsets: same spans
-        P.copy(out.buf, 0, al.buf, 0, head, st)
-        for name in ("values", "signs"):
-            P.copy(out.buf, out.spans[name][0], al.buf, al.spans[name][0],
-                   exact.sections[name][1], st)
-        P.copy(out.buf, out.status_offset, al.buf, al.status_offset, 16, st)
-        return exact, out
-
     def _packed(self, P, st, lay, al, nnz, with_status, keep, mask=None, offsets=None,
                 extra=None):
         odt = np.dtype(f"<u{lay.offset_width}")
@@ -474,17 +461,16 @@ class NumbaBackend:
     def masked_pack(self, u, p_mask, *, dtype=None, encoding="signplane", stream=None,
                     allocator=None) -> PackedTensor:
         P = _platform()
-        self._check_packed(p_mask)
+        protocol.check_packed(p_mask)
         st = P.stream(stream)
         buf, shape, dt = P.import_dense(u, dtype, st)
-        if tuple(shape) != tuple(p_mask.shape) or dt != p_mask.dtype:
-            raise OutputMismatchError(f"u is {dt.name}{tuple(shape)}, mask tensor is "
-                                      f"{p_mask.dtype.name}{tuple(p_mask.shape)}")
+        protocol.check_like("u", shape, dt, p_mask)
         enc = Encoding.parse(encoding)
         P.order_after(p_mask, st)
         nnz = p_mask.nnz  # the companion stores every masked position (sync if pending)
-        lay = _fmt.layout(shape, dt, enc, nnz, p_mask.chunk_log2)
-        al = _Alloc(P, lay, st, allocator, ("values", "signs"))
+        plan = pack_plan(tuple(shape), dt, enc, nnz, p_mask.chunk_log2, Mode.MASKED)
+        al = _Alloc(P, plan, st, allocator)
+        lay = plan.lay
         keep = self._run_pack(P, st, buf, p_mask.numel, dt, K.MODE_MASKED, lay, al, allocator,
                               None, p_mask, zero_tail=False)
         return self._packed(P, st, lay, al, nnz, enc == Encoding.NOSIGN, keep, mask=p_mask.mask,
@@ -493,7 +479,7 @@ class NumbaBackend:
     # ----------------------------------------------------------- unpacking
     def unpack(self, p: PackedTensor, *, out=None, stream=None, allocator=None):
         P = _platform()
-        self._check_packed(p)
+        protocol.check_packed(p)
         st = P.stream(stream)
         P.order_after(p, st)
         p.check()
@@ -506,7 +492,7 @@ class NumbaBackend:
 
     def relu2_backward(self, grad, p, *, stream=None, allocator=None):
         P = _platform()
-        self._check_packed(p)
+        protocol.check_packed(p)
         st = P.stream(stream)
         P.order_after(p, st)
         p.check()
@@ -534,7 +520,7 @@ class NumbaBackend:
 
     def relu_backward(self, grad, p, *, stream=None, allocator=None):
         P = _platform()
-        self._check_packed(p)
+        protocol.check_packed(p)
         st = P.stream(stream)
         P.order_after(p, st)
         gbuf = self._grad(P, st, grad, p)
@@ -552,11 +538,9 @@ class NumbaBackend:
 
     def gated_backward(self, grad, p_r, p_u, *, stream=None, allocator=None):
         P = _platform()
-        self._check_packed(p_r)
-        self._check_packed(p_u)
-        if tuple(p_u.shape) != tuple(p_r.shape) or p_u.dtype != p_r.dtype:
-            raise OutputMismatchError(f"p_u is {p_u.dtype.name}{tuple(p_u.shape)}, p_r is "
-                                      f"{p_r.dtype.name}{tuple(p_r.shape)}")
+        protocol.check_packed(p_r)
+        protocol.check_packed(p_u)
+        protocol.check_pair(p_r, p_u)
         st = P.stream(stream)
         P.order_after(p_r, st)
         P.order_after(p_u, st)
@@ -581,9 +565,7 @@ class NumbaBackend:
 
     def _grad(self, P, st, grad, p):
         gbuf, shape, dt = P.import_dense(grad, None, st)
-        if dt != p.dtype or tuple(shape) != tuple(p.shape):
-            raise OutputMismatchError(f"grad is {dt.name}{tuple(shape)}; the packed "
-                                      f"activation is {p.dtype.name}{tuple(p.shape)}")
+        protocol.check_like("grad", shape, dt, p)
         return gbuf
 
     # ----------------------------------------------------------- host reads

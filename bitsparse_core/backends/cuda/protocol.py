@@ -1,0 +1,95 @@
+"""The host protocol both CUDA backends follow, written once.
+
+A backend supplies the steps that touch its memory and kernels (a
+:class:`PackSteps`); this module decides what to queue and when the host must
+wait:
+
+* fixed capacity with an explicit encoding: queue the pack, never wait;
+  overflow and nosign violations stay on the device until ``PackedTensor.check``;
+* ``capacity=None`` (exact): pack into a worst-case block, wait once for the
+  count, copy the sections into an exact-size block (the shrink);
+* ``encoding="auto"``: wait once for the status word; a set sign bit packs
+  again as raw.
+
+and which checks every op makes of its packed inputs: on the device that made
+them, ordered after the stream that made them, not overflowed when the op reads
+their values.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ...errors import EncodingError, OutputMismatchError, UnsupportedDeviceError
+from ...spec import format as _fmt
+from ...spec.format import Encoding
+from . import abi
+from .host import PackPlan, pack_plan
+from .interop import check_capacity
+
+NOSIGN_MESSAGE = ("nosign encoding: a stored value has its sign bit set; use encoding='signplane' "
+                  "or 'raw'")
+
+
+class PackSteps(Protocol):
+    """What a backend does for one pack call (one object per call)."""
+
+    def run(self, plan: PackPlan):
+        """Allocate a block for ``plan`` and queue the pack into it; return the block."""
+
+    def read_head(self, plan: PackPlan, block) -> tuple:
+        """``(status, nnz)`` from the block's status area (waits for the stream)."""
+
+    def shrink(self, plan: PackPlan, block, small: PackPlan):
+        """A new block for ``small`` holding the sections of ``block``, queued."""
+
+    def packed(self, plan: PackPlan, block, nnz, pending_status: bool):
+        """The PackedTensor of a block (``nnz`` None while it is on the device)."""
+
+
+def pack(steps: PackSteps, shape: tuple, dtype, encoding, chunk_log2, capacity,
+         mode: abi.Mode = abi.Mode.PACK):
+    """Run the protocol above for one pack; returns ``steps.packed(...)``."""
+    chunk_log2 = _fmt.check_chunk_log2(chunk_log2)
+    auto = isinstance(encoding, str) and encoding.lower() == "auto"
+    enc = Encoding.NOSIGN if auto else Encoding.parse(encoding)
+    numel = _fmt.numel_of(shape)
+    exact = capacity is None
+    cap = numel if exact else check_capacity(capacity, numel)
+    plan = pack_plan(tuple(shape), dtype, enc, cap, chunk_log2, mode)
+    block = steps.run(plan)
+    if not (exact or auto):
+        return steps.packed(plan, block, None, enc == Encoding.NOSIGN)
+    status, nnz = steps.read_head(plan, block)                 # the one wait
+    if status & abi.STATUS_NOSIGN_VIOLATION:
+        if auto:
+            return pack(steps, shape, dtype, Encoding.RAW, chunk_log2, capacity, mode)
+        raise EncodingError(NOSIGN_MESSAGE)
+    if exact:
+        small = pack_plan(tuple(shape), dtype, enc, nnz, chunk_log2, mode)
+        block, plan = steps.shrink(plan, block, small), small
+    return steps.packed(plan, block, nnz, False)
+
+
+def check_packed(p, device_type: str = "cuda") -> None:
+    if p.device[0] != device_type:
+        raise UnsupportedDeviceError(f"packed tensor lives on {p.device}; this backend works on "
+                                     f"{device_type} tensors")
+
+
+def check_like(what: str, shape, dtype, p) -> None:
+    """A dense argument (grad, u) must have the packed tensor's shape and dtype."""
+    if dtype != p.dtype or tuple(shape) != tuple(p.shape):
+        raise OutputMismatchError(f"{what} is {dtype.name}{tuple(shape)}; the packed tensor is "
+                                  f"{p.dtype.name}{tuple(p.shape)}")
+
+
+def check_pair(p_r, p_u) -> None:
+    if tuple(p_u.shape) != tuple(p_r.shape) or p_u.dtype != p_r.dtype:
+        raise OutputMismatchError(f"p_u is {p_u.dtype.name}{tuple(p_u.shape)}, p_r is "
+                                  f"{p_r.dtype.name}{tuple(p_r.shape)}")
+
+
+def producer_stream(p, default: int = 0) -> int:
+    """The stream a packed tensor was made on (ops on other streams wait for it)."""
+    return int(p.extra.get("stream", default))
