@@ -1,0 +1,359 @@
+"""The unpack kernels (``DtypeKernels.unpack``), one per (op, encoding): op 0
+the stored patterns, op 1 relu2_backward (2*r*grad where r > 0, else +0).
+
+In the CuPy backend's per-word form: the tile's value range [P, Pe) comes from
+the tile-offset array at both ends, so its stored values are decoded before the
+ranks are known, 32 / BITS per 32-bit word of shared memory (a stream word pair
+shifted and spread into lanes: no per-value work). Each thread then builds UR
+rows of UV elements (16 bytes; 32 for float32), warp-major as in the CuPy
+kernel: warp w owns UR * 32 rows of the tile, its round r covers 32 consecutive
+rows, one per lane. Each output word is the next stored values' bytes (a funnel
+shift of two shared words) dropped into the slots its mask bits select (one
+PRMT).
+
+Unpack tiles have their own size: UR rows of 16 bytes (fp32: 32) per thread, so
+an unpack tile is UR * UNT * 16 bytes of output whatever the dtype (op 0:
+UNPACK_ROWS = 4 rows, i.e. 16384 fp8 / 8192 bf16 / 8192 fp32 elements on the
+GPU, as the CuPy unpack; under the simulator 4096 fp8 / 2048 others, the GPU's
+per-thread shapes). The relu2 backward op keeps TILE elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import cuda, int32, int64, uint32, uint64
+
+from .common import (FULL_MASK, NOSIGN, RAW, SIGNPLANE, SIM, TILE, ULANE_N, UNT, UNW, _load_word,
+                     _prmt, _u, _warp_incl_scan, _warp_last)
+
+UNPACK_ROWS = 4
+# Unpack: six 256-thread blocks per SM (42 registers); the relu2 backward op's float
+# products need more registers, four blocks.
+UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in (0, 1)}
+TWO = 0x40000000                 # float32 bits of 2.0
+
+
+@dataclass(frozen=True)
+class UnpackGeom:
+    """The unpack rows' shape and PRMT selectors of one element type."""
+
+    UV: int            # elements per row
+    UMB: int           # mask bytes per row
+    URS: int           # elements per warp round
+    OW: int            # output words per row
+    UR_OP: dict        # rows per thread, per op
+    utile_log2: dict   # tile size (log2), per op
+    SEL: Any           # PRMT selector per mask bits of an output word
+    SEL16: int         # bf16 / fp16: the four selectors in one constant
+
+
+def unpack_geometry(el) -> UnpackGeom:
+    BITS, GE = el.BITS, el.GE
+    UV = 8 if BITS == 32 else 128 // BITS
+    UMB = UV // 8                    # mask bytes per row
+    URS = 32 * UV                    # elements per warp round
+    OW = UV * BITS // 32             # output words per row
+    # Rows per thread and tile size (log2) per op: plain unpack UNPACK_ROWS rows,
+    # relu2 backward TILE elements.
+    UR_OP = {0: UNPACK_ROWS, 1: max(1, TILE // (UV * UNT))}
+    utile_log2 = {op: int(UR_OP[op] * UV * UNT).bit_length() - 1 for op in (0, 1)}
+    for op in (0, 1):
+        assert (1 << utile_log2[op]) == UR_OP[op] * UV * UNT >= TILE
+    # PRMT selector per mask bits of a word: the next values' bytes go to the
+    # selected elements' slots, selector nibble 4 (a zero byte of y = 0) elsewhere.
+    SEL = np.zeros(1 << GE, dtype=np.uint32)
+    for mb in range(1 << GE):
+        k = 0
+        for p in range(GE):
+            for q in range(BITS // 8):
+                byte = k * (BITS // 8) + q if (mb >> p) & 1 else 4
+                SEL[mb] |= byte << (4 * (p * (BITS // 8) + q))
+            k += (mb >> p) & 1
+    # bf16 / fp16: the four 16-bit selectors in one constant, picked by a shift.
+    # fp8: a 16-entry table in shared memory (sel, filled per block). Indexing a
+    # constant-memory table by a per-lane mb instead serialises the warp over
+    # its distinct addresses (bench/NOTES_numba.md, session 5).
+    SEL16 = sum(int(SEL[mb]) << (16 * mb) for mb in range(4)) if BITS == 16 else 0
+    return UnpackGeom(UV=UV, UMB=UMB, URS=URS, OW=OW, UR_OP=UR_OP, utile_log2=utile_log2,
+                      SEL=SEL, SEL16=SEL16)
+
+
+@cuda.jit(device=True)
+def plane_pair(b8, w32, nbytes, fast, k, sh):
+    """Bits [32 k + sh, 32 k + sh + 32) of a plane (sh < 32)."""
+    if fast:
+        lo = uint64(w32[_u(k)])
+        hi = uint64(w32[_u(k + 1)])
+    else:
+        lo = uint64(_load_word(b8, w32, nbytes, k))
+        hi = uint64(_load_word(b8, w32, nbytes, k + 1))
+    return uint32((((hi << uint64(32)) | lo) >> uint64(sh)) & FULL_MASK)
+
+
+@cuda.jit(device=True)
+def scan_pair(acc, ba, bb, two, tot_needed, lane, t, sh_lane):
+    """Warp ranks of two rounds (bb only with ``two``), counts 16 bits apart
+    in one scan (a round holds at most 32 * UV < 2**16): (start of round a,
+    start of round b, acc + both rounds' warp totals). Without
+    ``tot_needed`` only lane 31's third value is right."""
+    packed = int32(cuda.popc(ba))
+    if two:
+        packed = int32(packed | (cuda.popc(bb) << 16))
+    inc = int32(_warp_incl_scan(packed, lane, t, sh_lane))
+    tot = inc
+    if tot_needed:
+        tot = int32(_warp_last(inc, lane, t, sh_lane))
+    excl = int32(inc - packed)
+    sa = int32(acc + (excl & 0xFFFF))
+    sb = int32(acc + (tot & 0xFFFF) + (excl >> 16))
+    return sa, sb, int32(acc + (tot & 0xFFFF) + (tot >> 16))
+
+
+def make_word_expand(el, ug):
+    """(spread_signs, expand_word) of element type ``el``."""
+    BITS, GE, SEL16 = el.BITS, el.GE, ug.SEL16
+
+    @cuda.jit(device=True)
+    def spread_signs(s):
+        """Sign bits 0 .. GE-1 of s -> the sign bit of each BITS-bit lane."""
+        if BITS == 32:
+            return (s & 1) << 31
+        if BITS == 16:
+            return ((s & 1) << 15) | ((s & 2) << 30)
+        return (((s & 0xF) * 0x00204081) & 0x01010101) << 7
+
+    @cuda.jit(device=True)
+    def expand_word(vals, sel, j, mb):
+        """The GE elements of an output word with mask bits mb, whose first set
+        element takes stored value j of the tile."""
+        if BITS == 32:
+            return vals[_u(j)] if mb != 0 else uint32(0)
+        byte = j * (BITS // 8)
+        k = byte >> 2
+        pair = (uint64(vals[_u(k + 1)]) << uint64(32)) | uint64(vals[_u(k)])
+        src = uint32((pair >> uint64((byte & 3) * 8)) & FULL_MASK)
+        if BITS == 16:
+            return _prmt(src, uint32((uint64(SEL16) >> uint64(16 * mb)) & 0xFFFF))
+        return _prmt(src, sel[mb])
+
+    return spread_signs, expand_word
+
+
+def _make_spread(el, enc):
+    BITS, WD = el.BITS, el.BITS if enc == RAW else el.W
+
+    @cuda.jit(device=True)
+    def spread(c):
+        """A stream word pair's 32 / BITS codes of width WD -> one per BITS-bit lane."""
+        if WD == BITS:
+            return c
+        if BITS == 32:
+            return c & 0x7FFFFFFF
+        if BITS == 16:
+            return (c & 0x7FFF) | ((c << 1) & 0x7FFF0000)
+        y = (c & 0x3FFF) | ((c << 2) & 0x3FFF0000)          # two 14-bit halves
+        return (y & 0x007F007F) | ((y << 1) & 0x7F007F00)
+
+    return spread
+
+
+def _make_rows(el, ug, op, expand_word):
+    """(row_bits, emit_row): a row's mask bits and its expanded, stored output."""
+    BITS, GE, EMASK = el.BITS, el.GE, el.EMASK
+    UV, UMB, OW = ug.UV, ug.UMB, ug.OW
+    widen, narrow, is_pos, fmul = el.widen, el.narrow, el.is_pos, el.fmul
+    load_group, store_group = el.load_group, el.store_group
+
+    @cuda.jit(device=True)
+    def row_bits(mask, e0, guard, ngroups):
+        """The mask bits of the row at element e0; with ``guard``, 0 past the end."""
+        g = e0 >> 3
+        b = uint32(0)
+        for h in range(UMB):
+            if guard:
+                if g + h < ngroups:
+                    b = uint32(b | (uint32(mask[_u(g + h)]) << uint32(8 * h)))
+            else:
+                b = uint32(b | (uint32(mask[_u(g + h)]) << uint32(8 * h)))
+        return b
+
+    @cuda.jit(device=True)
+    def emit_row(vals, sel, o, v, gv, b, j, e0, tfull, numel, ge, g64, guse64,
+                 oe, o64, ouse64):
+        """Expand and store the row at element e0 with mask bits b, whose first
+        set element takes stored value j of the tile."""
+        if tfull or e0 < numel:
+            for m in range(OW):
+                mb = uint32((b >> uint32(m * GE)) & uint32((1 << GE) - 1))
+                o[m] = expand_word(vals, sel, j, mb)
+                j = int32(j + cuda.popc(mb))
+            full = tfull or e0 + UV <= numel
+            if op == 0 and ouse64 and full:
+                for p in range(OW // 2):
+                    pair = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
+                    o64[_u(e0 * BITS // 64 + p)] = pair
+            else:
+                for h in range(UMB):
+                    g = (e0 >> 3) + h
+                    for i in range(8):
+                        e = 8 * h + i
+                        v[i] = int64(o[e // GE] >> ((e % GE) * BITS)) & EMASK
+                    if op == 1:
+                        load_group(ge, g64, guse64 and g * 8 + 8 <= numel, numel, g, gv)
+                        for i in range(8):
+                            rj = v[i]
+                            if is_pos(rj):
+                                v[i] = narrow(fmul(widen(gv[i]), fmul(widen(rj), TWO)))
+                            else:
+                                v[i] = 0
+                    store_group(oe, o64, ouse64 and g * 8 + 8 <= numel, numel, g, v)
+
+    return row_bits, emit_row
+
+
+def make_unpack(el, ug, op, enc, spread_signs, expand_word):
+    """The unpack kernel of one op and encoding (compile-time constants)."""
+    BITS, W, GE = el.BITS, el.W, el.GE
+    UV, URS, OW, SEL = ug.UV, ug.URS, ug.OW, ug.SEL
+    spread = _make_spread(el, enc)
+    row_bits, emit_row = _make_rows(el, ug, op, expand_word)
+    WD = BITS if enc == RAW else W
+    WG = GE * WD                 # stream bits per decoded word
+    UR = ug.UR_OP[op]            # rows per thread
+    UTL = ug.utile_log2[op]
+    UT = 1 << UTL                # elements per tile
+    SEG = UR * URS               # elements per warp
+    VALS_W = UT * BITS // 32 + 4     # decoded words (+ guards for the pair reads)
+    assert UR in (1, 2, 4)
+    GE_LOG2 = GE.bit_length() - 1
+    SEL_N = 16 if BITS == 8 else 1
+
+    @cuda.jit(**UNPACK_JIT[op])
+    def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
+                 ge, g64, guse64, oe, o64, ouse64):
+        """Dense output of one tile of UT elements. op 0: the stored patterns
+        (unpack); op 1: relu2_backward, 2*r*grad where r > 0, else +0. The
+        tile's stored values are toff[(i << UTL) >> toff_shift] up to the
+        same at tile i + 1 (toff has one entry past the last tile or chunk);
+        vb/vw: the values plane as bytes and as its whole 32-bit words
+        (empty when unaligned), nvb its length (likewise the signs).
+        The UR <= 4 rows are written out (scalars, not a loop over a local
+        array: the compiler does not always unroll it, and the array then
+        lives in local memory)."""
+        t = cuda.threadIdx.x
+        lane = t & 31
+        warp = t >> 5
+        tile = int64(cuda.blockIdx.x)
+        vals = cuda.shared.array(VALS_W, uint32)
+        sh_tot = cuda.shared.array(UNW, int32)
+        sh_lane = cuda.shared.array(ULANE_N, int32)
+        sel = cuda.shared.array(SEL_N, uint32)
+        if BITS == 8 and t < SEL_N:
+            sel[t] = cuda.const.array_like(SEL)[t]   # read after the rank barrier
+        o = cuda.local.array(OW, uint32)
+        v = cuda.local.array(8, int64)
+        gv = cuda.local.array(8, int64)
+        ngroups = (numel + 7) >> 3
+        base = tile << UTL
+        tfull = base + UT <= numel       # no per-row bounds in a whole tile
+        row0 = base + (warp * SEG + lane * UV)
+
+        # The tile's value range (its loads first: the decode waits on them).
+        off = int64(toff[_u(base >> toff_shift)])
+        ie = ((tile + 1) << UTL) >> toff_shift
+        if ie > toff.size - 1:
+            ie = toff.size - 1
+        n = int64(toff[_u(ie)]) - off
+        # Mask bits of this thread's rows (round r: element row0 + r * URS). A
+        # whole tile loads them without a test between (all loads in flight).
+        b1 = uint32(0)
+        b2 = uint32(0)
+        b3 = uint32(0)
+        if tfull:
+            b0 = row_bits(mask, row0, False, ngroups)
+            if UR > 1:
+                b1 = row_bits(mask, row0 + URS, False, ngroups)
+            if UR > 2:
+                b2 = row_bits(mask, row0 + 2 * URS, False, ngroups)
+                b3 = row_bits(mask, row0 + 3 * URS, False, ngroups)
+        else:
+            b0 = row_bits(mask, row0, True, ngroups)
+            if UR > 1:
+                b1 = row_bits(mask, row0 + URS, True, ngroups)
+            if UR > 2:
+                b2 = row_bits(mask, row0 + 2 * URS, True, ngroups)
+                b3 = row_bits(mask, row0 + 3 * URS, True, ngroups)
+
+        # The tile's stored values, GE per shared word.
+        words = (n + GE - 1) >> GE_LOG2
+        bit0 = off * WD
+        w0 = bit0 >> 5
+        sh0 = bit0 & 31
+        fast = w0 + ((sh0 + words * WG) >> 5) + 2 <= vw.size
+        s0 = off >> 5
+        ssh = off & 31
+        sfast = s0 + ((ssh + words * GE) >> 5) + 2 <= sw.size
+        if fast and (enc != SIGNPLANE or sfast):
+            # Every word in range: 32-bit bit positions relative to the tile's
+            # first word (a tile holds < 2**27 stream bits), no guards.
+            words32 = uint32(words)
+            q32 = uint32(t)
+            while q32 < words32:
+                rel = uint32(uint32(sh0) + q32 * uint32(WG))
+                k = uint64(w0) + uint64(rel >> uint32(5))
+                pair = (uint64(vw[k + uint64(1)]) << uint64(32)) | uint64(vw[k])
+                c = spread(uint32((pair >> uint64(rel & uint32(31))) & FULL_MASK))
+                if enc == SIGNPLANE:
+                    rs = uint32(uint32(ssh) + q32 * uint32(GE))
+                    ks = uint64(s0) + uint64(rs >> uint32(5))
+                    sp = (uint64(sw[ks + uint64(1)]) << uint64(32)) | uint64(sw[ks])
+                    c |= spread_signs(uint32((sp >> uint64(rs & uint32(31))) & FULL_MASK))
+                vals[q32] = c
+                q32 = uint32(q32 + uint32(UNT))
+        else:
+            q = int64(t)
+            while q < words:
+                rel = sh0 + q * WG
+                c = spread(plane_pair(vb, vw, nvb, fast, w0 + (rel >> 5), rel & 31))
+                if enc == SIGNPLANE:
+                    rs = ssh + q * GE
+                    c |= spread_signs(plane_pair(sb, sw, nsb, sfast, s0 + (rs >> 5), rs & 31))
+                vals[_u(q)] = c
+                q += UNT
+
+        # Ranks within the warp (rounds in order), then the warps before this one.
+        st0, st1, acc = scan_pair(int32(0), b0, b1, UR > 1, UR > 1, lane, t, sh_lane)
+        st2 = int32(0)
+        st3 = int32(0)
+        if UR > 2:
+            st2, st3, acc = scan_pair(acc, b2, b3, True, True, lane, t, sh_lane)
+        if lane == 31:
+            sh_tot[warp] = acc
+        cuda.syncthreads()
+        before = int32(0)
+        for w in range(UNW):
+            if w < warp:
+                before = int32(before + sh_tot[w])
+
+        emit_row(vals, sel, o, v, gv, b0, int32(before + st0), row0, tfull, numel,
+                 ge, g64, guse64, oe, o64, ouse64)
+        if UR > 1:
+            emit_row(vals, sel, o, v, gv, b1, int32(before + st1), row0 + URS, tfull,
+                     numel, ge, g64, guse64, oe, o64, ouse64)
+        if UR > 2:
+            emit_row(vals, sel, o, v, gv, b2, int32(before + st2), row0 + 2 * URS,
+                     tfull, numel, ge, g64, guse64, oe, o64, ouse64)
+            emit_row(vals, sel, o, v, gv, b3, int32(before + st3), row0 + 3 * URS,
+                     tfull, numel, ge, g64, guse64, oe, o64, ouse64)
+    return k_unpack
+
+
+def make_unpack_kernels(el):
+    """(utile_log2, {(op, encoding): k_unpack}) of element type ``el``."""
+    ug = unpack_geometry(el)
+    spread_signs, expand_word = make_word_expand(el, ug)
+    return ug.utile_log2, {(op, enc): make_unpack(el, ug, op, enc, spread_signs, expand_word)
+                           for op in (0, 1) for enc in (RAW, NOSIGN, SIGNPLANE)}
