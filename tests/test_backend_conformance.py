@@ -38,7 +38,9 @@ are deliberately not xfailed):
   must raise CapacityOverflowError when ``p_u`` (not only ``p_r``) overflowed
   (numpy: a wrong gradient under nosign / signplane, a ValueError under raw).
 * ``test_consumer_stream_waits_for_producer`` (GPU): an op on stream s2 reading
-  a tensor whose planes are still being written on s1 must wait for s1 (cupy).
+  a tensor whose planes are still being written on s1 must wait for s1 (cupy,
+  on an H200: relu2_backward, masked_pack, gated_backward, and unpack of an
+  exact pack and of a masked_pack tensor).
 * fixed capacity = numel (``test_fixed_capacity``, ``test_empty_and_odd_sizes``,
   ``test_masked_pack_of_a_pending_mask`` on GPU): the value slots past nnz are
   padding and must be zero, as the reference's (cupy skips zeroing them when
@@ -67,6 +69,10 @@ from helpers import ALL_DTYPES, SIM_ACTIVE, random_tensor, run_in_simulator, spe
 ENCODINGS = ("raw", "nosign", "signplane", "auto")
 STORED = ("raw", "nosign", "signplane")          # the encodings a buffer can hold
 SIMULATED = ("numba",)                           # backends that run under the simulator
+
+# The data holds infinities, NaNs and extremes on purpose: float warnings of the
+# reference products (and of the numpy backend, which runs them) are expected.
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 
 def IDS(value):
@@ -696,7 +702,9 @@ def test_consumer_stream_waits_for_producer(A, rng, consumer):
     kernel first, and an allocator that poisons its memory and then keeps s1 busy),
     so a consumer that does not wait reads poison. A first round syncs s1 before
     the consumer: it must pass everywhere, and it loads every kernel involved
-    (a first launch can synchronize the device, hiding the race)."""
+    (a first launch can synchronize the device, hiding the race). Best effort the
+    other way round: an implicit device sync elsewhere (a cudaMalloc) can hide a
+    missing wait, but a backend that waits never fails here."""
     dtype = D.BFLOAT16
     n = 1 << 22
     s1, s2 = A.stream(), A.stream()
@@ -720,6 +728,7 @@ def test_consumer_stream_waits_for_producer(A, rng, consumer):
                             **kw)[1]
 
     for synced in (True, False):
+        p = p_u = None          # the last round's memory back to the pool first
         where = f"{consumer} on s2 of a tensor written on s1 ({'synced' if synced else 'no sync'})"
         _, p_r = bc.relu_pack(Aa, backend=A.name, stream=s1, **kw)   # finished before the spin
         A.cp.cuda.Device().synchronize()
