@@ -1,8 +1,16 @@
-"""Data generators shared by the CPU tests."""
+"""Data generators shared by the CPU tests, and the simulator re-run of a test module."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from bitsparse_core import dtypes as D
 
@@ -41,3 +49,27 @@ def same_bits(a, b, dtype: D.DType) -> bool:
     a = np.asarray(a)
     b = np.asarray(b)
     return a.shape == b.shape and np.array_equal(a.view(dtype.uint), b.view(dtype.uint))
+
+
+SIM_ACTIVE = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_in_simulator(test_file: str, timeout: int = 1800) -> None:
+    """Run the test module ``test_file`` again in a child pytest process with Numba's
+    CUDA simulator switched on (``NUMBA_ENABLE_CUDASIM=1``): the variable must be set
+    before ``numba.cuda`` is first imported, and other tests of this process may
+    already have imported it. Skips without numba or when the child ran no test;
+    fails with the child's output when it failed."""
+    if importlib.util.find_spec("numba") is None:
+        pytest.skip("numba is not installed")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
+         str(Path(test_file).resolve().relative_to(ROOT))],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    print(out)
+    if proc.returncode == 5 or (proc.returncode == 0 and not re.search(r"\d+ passed", out)):
+        pytest.skip("the simulator suite collected or ran no test:\n" + out[-2000:])
+    assert proc.returncode == 0, "simulator suite failed:\n" + out[-12000:]

@@ -6,15 +6,18 @@ variable must be set before ``numba.cuda`` is first imported, and other tests of
 this process may already have imported it. Run directly with the variable set,
 the tests below run in-process.
 
-What CI covers here (simulator, tiny tensors): every dtype x encoding (raw,
-nosign, signplane, auto) for pack and unpack, exact and fixed capacity (under,
-exact fit, overflow reported on the device and by ``check``), nosign sign
-violations (raised at pack time when exact, status word when fixed), every fused
-op (relu_pack plain and squared, relu_backward, relu2_backward, masked_pack in
-each encoding, gated_backward), chunks smaller and larger than a kernel tile,
-empty and 0-d tensors, ``out=``, inputs not 8-byte aligned (the element-wise
-load path), and special bit patterns (±0, ±inf, NaN payloads, subnormals). The
-simulator path differs from the GPU path only in the warp scan and broadcast
+The generic contract (every dtype x encoding for pack and unpack, exact and
+fixed capacity, overflow, every fused op, empty and 0-d tensors, ``out=``,
+special bit patterns) is checked for every backend, this one under the
+simulator included, by tests/test_backend_conformance.py. What CI covers here
+(simulator, tiny tensors) is the numba backend's own machinery: nosign sign
+violations in the status word, chunks smaller and larger than a kernel tile
+(the unpack tiles and the mask-prefix path), inputs not 8-byte aligned (the
+element-wise load path), the one-block scan, the decoupled look-back walking
+over aggregates (and carrying the nosign flag), the GPU's pack rounds, and the
+stitching of stream words shared by tiles.
+
+The simulator path differs from the GPU path only in the warp scan and broadcast
 (shared memory instead of ``shfl_up_sync`` / ``shfl_sync``), the float32 bit
 casts and the byte permute (NumPy and a Python loop instead of libdevice) and
 the tile sizes (64 threads instead of 256: pack tiles of 1024 elements instead
@@ -30,46 +33,26 @@ allocator, and agreement with the CuPy backend.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-SIM_ACTIVE = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import SIM_ACTIVE, run_in_simulator
 
 
 if not SIM_ACTIVE:
     def test_simulator_suite():
         """Run this module again in a child process with the simulator switched on."""
-        if importlib.util.find_spec("numba") is None:
-            pytest.skip("numba is not installed")
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
-             str(Path(__file__).relative_to(ROOT))],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        out = proc.stdout + proc.stderr
-        print(out)
-        if proc.returncode == 5 or (proc.returncode == 0 and not re.search(r"\d+ passed", out)):
-            pytest.skip("the simulator suite collected or ran no test:\n" + out[-2000:])
-        assert proc.returncode == 0, "simulator suite failed:\n" + out[-12000:]
+        run_in_simulator(__file__)
 
 else:
     pytest.importorskip("numba.cuda")
     from bitsparse_core import dtypes as D
     from bitsparse_core.spec import codec as R
     from bitsparse_core.spec import ops as RO
-    from bitsparse_core.errors import (CapacityOverflowError, EncodingError,
-                                       OutputMismatchError)
+    from bitsparse_core.errors import EncodingError
     from bitsparse_core.backends.numba import kernels as NK
     from bitsparse_core.backends.numba.backend import NumbaBackend
-    from helpers import ALL_DTYPES, random_tensor, same_bits
+    from helpers import random_tensor, same_bits
 
     assert NK.SIM, "numba_kernels did not pick its simulator path"
     BE = NumbaBackend()
@@ -95,53 +78,7 @@ else:
         b[np.isnan(f)] &= np.array(dtype.sign_mask - 1, dtype=dtype.uint)
         return b.view(dtype.numpy)
 
-    # 1100 elements: two simulator tiles (1024 + 76), three 512-element chunks.
-    SHAPE = (4, 275)
-
     # ------------------------------------------------------------------ pack
-    @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=IDS)
-    @pytest.mark.parametrize("encoding", ["raw", "nosign", "signplane", "auto"])
-    def test_pack_unpack_exact(dtype, encoding):
-        rng = _rng("exact", dtype.name, encoding)
-        signed = encoding != "nosign"
-        x = random_tensor(rng, SHAPE, dtype, 0.5, signed=signed)
-        ref = R.pack_array(x, dtype, encoding, chunk_log2=9)
-        p = BE.pack(x, encoding=encoding, chunk_log2=9)
-        _assert_planes(p, ref)
-        assert p.nnz == ref.nnz
-        assert same_bits(BE.unpack(p), x, dtype)
-
-    @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=IDS)
-    def test_auto_picks_nosign_for_unsigned(dtype):
-        x = random_tensor(_rng("auto", dtype.name), (300,), dtype, 0.3, signed=False)
-        p = BE.pack(x, encoding="auto", chunk_log2=9)
-        _assert_planes(p, R.pack_array(x, dtype, "auto", chunk_log2=9))
-        assert p.encoding.name == "NOSIGN"
-
-    @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=IDS)
-    @pytest.mark.parametrize("encoding", ["raw", "nosign", "signplane"])
-    def test_fixed_capacity(dtype, encoding):
-        """Under, exact fit and overflow: planes as the reference's, counts on device."""
-        rng = _rng("cap", dtype.name, encoding)
-        x = random_tensor(rng, (1030,), dtype, 0.6, signed=encoding != "nosign")
-        nnz = int(np.count_nonzero(x.view(dtype.uint)))
-        # One case per test, rotating over dtypes: room to spare, exact fit, overflow.
-        case = (ALL_DTYPES.index(dtype) + ("raw", "nosign", "signplane").index(encoding)) % 3
-        for cap in ((nnz + 37, nnz, nnz - 29)[case],):
-            p = BE.pack(x, encoding=encoding, chunk_log2=9, capacity=cap)
-            assert p._nnz is None  # no host sync happened
-            ref = R.pack_array(x, dtype, encoding, chunk_log2=9, capacity=cap)
-            _assert_planes(p, ref)
-            assert p.nnz == nnz
-            if cap >= nnz:
-                p.check()
-                assert same_bits(BE.unpack(p), x, dtype)
-            else:
-                with pytest.raises(CapacityOverflowError):
-                    p.check()
-                with pytest.raises(CapacityOverflowError):
-                    BE.unpack(p)
-
     @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT8_E4M3FN, D.FLOAT32], ids=IDS)
     def test_nosign_violation(dtype):
         x = random_tensor(_rng("viol", dtype.name), (600,), dtype, 0.5, signed=False)
@@ -212,124 +149,7 @@ else:
             want = RO.relu2_backward(g, p_ref)
         assert same_bits(BE.relu2_backward(g, p), want, dtype)
 
-    @pytest.mark.parametrize("shape", [(), (0,), (3, 0), (1,), (9,)], ids=str)
-    def test_tiny_and_empty(shape):
-        dtype = D.BFLOAT16
-        x = random_tensor(_rng("tiny", shape), shape, dtype, 0.3)
-        for cap in (None, int(np.prod(shape, dtype=np.int64))):
-            p = BE.pack(x, encoding="signplane", chunk_log2=9, capacity=cap)
-            _assert_planes(p, R.pack_array(x, dtype, "signplane", chunk_log2=9, capacity=cap))
-            y = BE.unpack(p)
-            assert np.asarray(y).shape == shape and same_bits(y, x, dtype)
-
-    def test_out_mismatch_refused():
-        x = random_tensor(_rng("out"), (40,), D.FLOAT16, 0.5)
-        p = BE.pack(x, encoding="raw", chunk_log2=9)
-        with pytest.raises(OutputMismatchError):
-            BE.unpack(p, out=np.zeros(41, dtype=np.float16))
-        with pytest.raises(OutputMismatchError):
-            BE.unpack(p, out=np.zeros(40, dtype=np.float32))
-
-    # ------------------------------------------------------------- fused ops
-    @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=IDS)
-    @pytest.mark.parametrize("square", [False, True])
-    def test_relu_pack(dtype, square):
-        a = _no_neg_nan(random_tensor(_rng("relu", dtype.name, square), SHAPE, dtype, 0.2), dtype)
-        y_ref, p_ref = RO.relu_pack(a, dtype, square=square, encoding="nosign", chunk_log2=9)
-        y, p = BE.relu_pack(a, square=square, encoding="nosign", chunk_log2=9)
-        assert same_bits(y, y_ref, dtype)
-        _assert_planes(p, p_ref)
-        # Fixed capacity, no sync: same planes.
-        y2, p2 = BE.relu_pack(a, square=square, encoding="signplane", chunk_log2=9,
-                              capacity=p_ref.nnz + 5)
-        assert same_bits(y2, y_ref, dtype)
-        _assert_planes(p2, R.pack_array(RO.relu_bits(a, dtype), dtype, "signplane", chunk_log2=9,
-                                        capacity=p_ref.nnz + 5))
-
-    @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT8_E5M2], ids=IDS)
-    def test_relu_pack_negative_nan(dtype):
-        """relu keeps NaN with its sign, so nosign must refuse a negative NaN."""
-        a = random_tensor(_rng("nnan", dtype.name), (500,), dtype, 0.2)
-        a.view(dtype.uint)[123] = dtype.sign_mask | (dtype.sign_mask - 1)  # -NaN
-        with pytest.raises(EncodingError):
-            RO.relu_pack(a, dtype, encoding="nosign", chunk_log2=9)
-        with pytest.raises(EncodingError):
-            BE.relu_pack(a, encoding="nosign", chunk_log2=9)
-        _, p = BE.relu_pack(a, encoding="nosign", chunk_log2=9, capacity=500)
-        with pytest.raises(EncodingError):
-            p.check()
-
-    @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=IDS)
-    def test_backward_ops(dtype):
-        rng = _rng("bwd", dtype.name)
-        a = _no_neg_nan(random_tensor(rng, SHAPE, dtype, 0.2), dtype)
-        g = random_tensor(rng, SHAPE, dtype, 0.05)
-        _, p = BE.relu_pack(a, encoding="nosign", chunk_log2=9)
-        _, p_ref = RO.relu_pack(a, dtype, encoding="nosign", chunk_log2=9)
-        assert same_bits(BE.relu_backward(g, p), RO.relu_backward(g, p_ref), dtype)
-        with np.errstate(all="ignore"):
-            want = RO.relu2_backward(g, p_ref)
-        assert same_bits(BE.relu2_backward(g, p), want, dtype)
-
-    @pytest.mark.parametrize("dtype,encoding", [
-        (D.BFLOAT16, "signplane"), (D.FLOAT16, "raw"), (D.FLOAT32, "nosign"),
-        (D.FLOAT8_E4M3FN, "signplane"), (D.FLOAT8_E5M2, "raw")], ids=str)
-    def test_masked_pack_and_gated_backward(dtype, encoding):
-        """Every dtype, every companion encoding (rotated over dtypes to keep the
-        simulator run short; the GPU suite runs the full product)."""
-        rng = _rng("gated", dtype.name, encoding)
-        gate = _no_neg_nan(random_tensor(rng, SHAPE, dtype, 0.2), dtype)
-        u = random_tensor(rng, SHAPE, dtype, 0.1, signed=encoding != "nosign")
-        g = random_tensor(rng, SHAPE, dtype, 0.05)
-        # Where grad and r (or u) are both NaN the reference's NaN payload depends on
-        # NumPy's loop (see bitfloat: near the array's end it took r's, elsewhere
-        # grad's), so grad gets a plain value there: the products stay defined.
-        nan = lambda x: np.isnan(x.astype(np.float32))  # noqa: E731
-        g = np.where(nan(g) & (nan(gate) | nan(u)), np.ones((), dtype.numpy), g).astype(dtype.numpy)
-        _, p_r = BE.relu_pack(gate, encoding="nosign", chunk_log2=9)
-        _, pr_ref = RO.relu_pack(gate, dtype, encoding="nosign", chunk_log2=9)
-        p_u = BE.masked_pack(u, p_r, encoding=encoding)
-        pu_ref = RO.masked_pack(u, dtype, pr_ref, encoding=encoding)
-        _assert_planes(p_u, pu_ref)
-        p_u.check()
-        with np.errstate(all="ignore"):
-            gg_ref, gu_ref = RO.gated_backward(g, pr_ref, pu_ref)
-        gg, gu = BE.gated_backward(g, p_r, p_u)
-        assert same_bits(gu, gu_ref, dtype) and same_bits(gg, gg_ref, dtype)
-
-    @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT32], ids=IDS)
-    def test_masked_pack_large_chunks_and_fixed_capacity_mask(dtype):
-        """A mask tensor packed with chunk_log2=11 at a fixed capacity (count pending)."""
-        rng = _rng("mlarge", dtype.name)
-        gate = _no_neg_nan(random_tensor(rng, (2500,), dtype, 0.3), dtype)
-        u = random_tensor(rng, (2500,), dtype, 0.1)
-        g = random_tensor(rng, (2500,), dtype, 0.0)
-        _, p_r = BE.relu_pack(gate, encoding="nosign", chunk_log2=11, capacity=2500)
-        _, pr_ref = RO.relu_pack(gate, dtype, encoding="nosign", chunk_log2=11, capacity=2500)
-        _assert_planes(p_r, pr_ref)
-        p_u = BE.masked_pack(u, p_r, encoding="signplane")
-        pu_ref = RO.masked_pack(u, dtype, pr_ref, encoding="signplane")
-        _assert_planes(p_u, pu_ref)
-        with np.errstate(all="ignore"):
-            gg_ref, gu_ref = RO.gated_backward(g, pr_ref, pu_ref)
-            r2_ref = RO.relu2_backward(g, pr_ref)
-        gg, gu = BE.gated_backward(g, p_r, p_u)
-        assert same_bits(gu, gu_ref, dtype) and same_bits(gg, gg_ref, dtype)
-        assert same_bits(BE.relu2_backward(g, p_r), r2_ref, dtype)
-
-    def test_masked_pack_nosign_violation_in_status():
-        dtype = D.FLOAT16
-        rng = _rng("mviol")
-        gate = _no_neg_nan(random_tensor(rng, (700,), dtype, 0.0), dtype)
-        gate.view(dtype.uint)[:] &= np.uint16(0x7FFF)
-        gate.view(dtype.uint)[gate.view(dtype.uint) == 0] = 1
-        u = random_tensor(rng, (700,), dtype, 0.0, signed=False)
-        u.view(dtype.uint)[650] |= np.uint16(0x8000)
-        _, p_r = BE.relu_pack(gate, encoding="nosign", chunk_log2=9)
-        p_u = BE.masked_pack(u, p_r, encoding="nosign")
-        with pytest.raises(EncodingError):
-            p_u.check()
-
+    # ------------------------------------------------------------- kernels
     def test_scan_kernel_many_passes():
         """The one-block scan (unpack's tile offsets when chunks span several tiles)
         over more entries than one pass of its threads holds."""
