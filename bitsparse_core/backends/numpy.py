@@ -64,6 +64,7 @@ class NumpyBackend:
 
     def gated_backward(self, grad, p_r, p_u, *, stream=None, allocator=None):
         p_r.check()
+        p_u.check()                    # every packed input is checked for overflow
         gg, gu = reference_ops.gated_backward(self._grad(grad, p_r), p_r, p_u)
         return exportable(gg), exportable(gu)
 

@@ -151,7 +151,7 @@ class _PackLaunch:
                                                 width=plan.width, has_signs=signplane)
         vwords, swords = -(-plan.spans[2][1] // 4), -(-plan.spans[3][1] // 4)
         self.zero_tail = None
-        if plan.mode != Mode.MASKED and lay.capacity < lay.numel and max(vwords, swords):
+        if plan.mode != Mode.MASKED and max(vwords, swords):
             self.zero_tail = k("zero_tail")
             self.zero_grid = min(-(-max(vwords, swords) // abi.THREADS), 4096)
             self.zero_args = abi.ZeroTailArgs().set(cap=lay.capacity, width=plan.width,
@@ -172,12 +172,14 @@ def _pack_launch(plan: PackPlan, device: int) -> _PackLaunch:
 
 
 def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, scratch: int,
-                 y: int = 0, in_planes: Planes | None = None) -> None:
+                 y: int = 0, in_planes: Planes | None = None, zero_tail: bool = True) -> None:
     """Queue the pack of the dense tensor at ``x`` into ``block`` (``plan.nbytes``).
 
     ``y``: where relu_pack writes the dense activation (modes RELU / RELU2).
     ``in_planes``: the mask tensor's planes (mode MASKED). ``scratch``:
-    ``plan.scratch_bytes`` of device memory, zeroed here.
+    ``plan.scratch_bytes`` of device memory, zeroed here. ``zero_tail``: zero the
+    value slots past the stored values (a fixed capacity; an exact pack's worst-case
+    block is shrunk to the stored values instead).
     """
     if plan.lay.numel == 0:
         driver.memset0(block, plan.nbytes, stream)
@@ -197,7 +199,7 @@ def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, s
     st = L.stitch_args
     st.scratch, st.values, st.signs = scratch, values, signs
     driver.launch(L.stitch, L.stitch_grid, abi.THREADS, 0, stream, st)
-    if L.zero_tail is not None:
+    if zero_tail and L.zero_tail is not None:
         zt = L.zero_args
         zt.status, zt.values, zt.signs = status, values, signs
         driver.launch(L.zero_tail, L.zero_grid, abi.THREADS, 0, stream, zt)

@@ -34,8 +34,9 @@ NOSIGN_MESSAGE = ("nosign encoding: a stored value has its sign bit set; use enc
 class PackSteps(Protocol):
     """What a backend does for one pack call (one object per call)."""
 
-    def run(self, plan: PackPlan):
-        """Allocate a block for ``plan`` and queue the pack into it; return the block."""
+    def run(self, plan: PackPlan, fixed: bool):
+        """Allocate a block for ``plan`` and queue the pack into it; return the block.
+        ``fixed``: a caller's capacity, whose unused value slots must read as zeros."""
 
     def read_head(self, plan: PackPlan, block) -> tuple:
         """``(status, nnz)`` from the block's status area (waits for the stream)."""
@@ -57,7 +58,7 @@ def pack(steps: PackSteps, shape: tuple, dtype, encoding, chunk_log2, capacity,
     exact = capacity is None
     cap = numel if exact else check_capacity(capacity, numel)
     plan = pack_plan(tuple(shape), dtype, enc, cap, chunk_log2, mode)
-    block = steps.run(plan)
+    block = steps.run(plan, not exact)
     if not (exact or auto):
         return steps.packed(plan, block, None, enc == Encoding.NOSIGN)
     status, nnz = steps.read_head(plan, block)                 # the one wait

@@ -73,12 +73,12 @@ class _CupySteps:
         self.backend, self.t, self.s, self.allocator = backend, t, stream, allocator
         self.y, self.in_planes = y, in_planes
 
-    def run(self, plan):
+    def run(self, plan, fixed=True):
         t = self.t
         block = ci.allocate(plan.nbytes, t.device, self.s, self.allocator)
         scratch = ci.allocate(plan.scratch_bytes, t.device, self.s, self.allocator)
         host.enqueue_pack(plan, t.device, self.s, t.ptr, block.ptr, scratch.ptr, self.y,
-                          self.in_planes)
+                          self.in_planes, zero_tail=fixed)
         return block       # scratch is freed in stream order, after the queued kernels
 
     def read_head(self, plan, block):

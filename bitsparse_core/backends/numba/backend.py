@@ -63,16 +63,16 @@ class _Alloc:
 class _NumbaSteps:
     """The protocol's steps (:mod:`..cuda.protocol`) for one Numba pack call."""
 
-    def __init__(self, backend, P, st, buf, dt, mode, allocator, ybuf, zero_tail):
+    def __init__(self, backend, P, st, buf, dt, mode, allocator, ybuf):
         self.backend, self.P, self.st, self.buf, self.dt = backend, P, st, buf, dt
-        self.mode, self.allocator, self.ybuf, self.zero_tail = mode, allocator, ybuf, zero_tail
+        self.mode, self.allocator, self.ybuf = mode, allocator, ybuf
         self.keep = None
 
-    def run(self, plan):
+    def run(self, plan, fixed):
         al = _Alloc(self.P, plan, self.st, self.allocator)
         self.keep = self.backend._run_pack(self.P, self.st, self.buf, plan.lay.numel, self.dt,
                                            self.mode, plan.lay, al, self.allocator, self.ybuf,
-                                           None, zero_tail=self.zero_tail)
+                                           None, zero_tail=fixed)
         return al
 
     def read_head(self, plan, al):
@@ -374,8 +374,7 @@ class NumbaBackend:
 
     def _pack(self, P, st, buf, shape, dt, mode, encoding, chunk_log2, capacity, allocator,
               ybuf=None):
-        steps = _NumbaSteps(self, P, st, buf, dt, mode, allocator, ybuf,
-                            zero_tail=capacity is not None)
+        steps = _NumbaSteps(self, P, st, buf, dt, mode, allocator, ybuf)
         return protocol.pack(steps, tuple(shape), dt, encoding, chunk_log2, capacity,
                              Mode(mode))
 
