@@ -77,65 +77,120 @@ class _Device:
         return out, statistics.median(times)
 
 
-def codec_table(numel: int, seed: int = 0) -> tuple:
+def codec_table(numel: int, seed: int = 0, *, dtypes=DTYPES, sparsities=SPARSITIES,
+                backend: str = "auto", encoding: str = "nosign", repeats: int | None = None,
+                progress: bool = True) -> tuple:
+    """Pack one ReLU-like tensor per (dtype, sparsity); ``(backend, rows)``."""
     import bitsparse_core as bc
 
-    backend = pick_backend()
+    backend = pick_backend() if backend == "auto" else backend
     dev = _Device(backend)
-    repeats = 10 if dev.gpu else 1
+    repeats = repeats or (10 if dev.gpu else 1)
     rng = np.random.default_rng(seed)
     rows = []
-    cases = [(d, s) for d in DTYPES for s in SPARSITIES]
+    cases = [(_dt.resolve(d), s) for d in dtypes for s in sparsities]
     for dtype, s in tqdm(cases, desc=f"packing on {backend}", unit="case", file=sys.stderr,
-                         disable=None):
+                         disable=None if progress else True):
         host = relu_like(rng, numel, s, dtype)
         x = dev.put(host)
-        p, t_pack = dev.timed(lambda: bc.pack(x, encoding="nosign", backend=backend,
+        p, t_pack = dev.timed(lambda: bc.pack(x, encoding=encoding, backend=backend,
                                               dtype=dtype), repeats)
         y, t_unpack = dev.timed(lambda: bc.unpack(p), repeats)
         exact = np.array_equal(dev.get(y, dtype), host.view(dtype.uint))
-        formula = _fmt.packed_size(host.shape, dtype, _fmt.Encoding.NOSIGN, p.nnz)
+        formula = _fmt.packed_size(host.shape, dtype, p.encoding, p.nnz)
         dense = host.nbytes
-        rows.append(dict(dtype=dtype.name, sparsity=s, nnz=p.nnz, packed=p.nbytes,
-                         formula=formula, ratio=p.ratio,
-                         pack_gbs=(dense + p.nbytes) / t_pack / 1e9,
+        rows.append(dict(dtype=dtype.name, sparsity=s, encoding=p.encoding.name.lower(),
+                         nnz=p.nnz, dense=dense, packed=p.nbytes, formula=formula,
+                         ratio=p.ratio, pack_gbs=(dense + p.nbytes) / t_pack / 1e9,
                          unpack_gbs=(dense + p.nbytes) / t_unpack / 1e9, exact=exact))
     return backend, rows
 
 
+def codec_ok(rows: list) -> bool:
+    """Every round trip bit-exact and every size equal to the format's formula."""
+    return all(r["packed"] == r["formula"] and r["exact"] for r in rows)
+
+
 def print_codec_table(backend: str, numel: int, rows: list) -> bool:
-    print(f"\nbackend: {backend}   tensor of {numel:,} elements, encoding nosign, "
+    encodings = ", ".join(sorted({r.get("encoding", "nosign") for r in rows}))
+    print(f"\nbackend: {backend}   tensor of {numel:,} elements, encoding {encodings}, "
           "throughput = (dense + packed bytes) / median time")
     head = (f"{'dtype':<14}{'sparsity':>9}{'nnz':>11}{'packed B':>12}{'formula B':>12}"
             f"{'ratio':>7}{'pack GB/s':>11}{'unpack GB/s':>12}{'exact':>7}")
     print(head)
     print("-" * len(head))
-    ok = True
     for r in rows:
-        ok &= r["packed"] == r["formula"] and r["exact"]
         print(f"{r['dtype']:<14}{r['sparsity']:>9.2f}{r['nnz']:>11,}{r['packed']:>12,}"
               f"{r['formula']:>12,}{r['ratio']:>7.2f}{r['pack_gbs']:>11.1f}"
               f"{r['unpack_gbs']:>12.1f}{'yes' if r['exact'] else 'NO':>7}")
+    ok = codec_ok(rows)
     print("all round trips bit-exact, all sizes equal to the format's formula" if ok
           else "MISMATCH: see the rows above")
     return ok
 
 
-def training_comparison() -> bool:
-    """Dense vs packed ReLU² FFN training (needs torch and bitsparse_core.torch)."""
+def training_comparison(steps: int | None = None, threads: int | None = 1):
+    """Dense vs packed ReLU² FFN training: ``(result, None)``, or ``(None, why skipped)``.
+
+    On the CPU the model is tiny, and torch's default of one intra-op thread per
+    core makes its step time swing by two orders of magnitude on a busy machine
+    (threads spinning against each other and against other processes); the
+    comparison runs with ``threads`` intra-op threads (None or 0: torch's
+    default) and reports the minimum and median step time.
+    """
     try:
         import torch
         from .torch import demo_training
     except ImportError as exc:
-        print(f"\n(training comparison skipped: {exc})")
-        return True
-    return demo_training.run_and_print(torch.device("cuda" if torch.cuda.is_available()
-                                                    else "cpu"))
+        return None, str(exc)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cpu = device.type == "cpu"
+    previous = torch.get_num_threads()
+    if cpu and threads:
+        torch.set_num_threads(threads)
+    try:
+        res = demo_training.run(device, steps=steps or (12 if cpu else 6))
+        res["threads"] = torch.get_num_threads() if cpu else None
+    finally:
+        torch.set_num_threads(previous)
+    return summarize_training(res), None
+
+
+def summarize_training(res: dict) -> dict:
+    """``demo_training.run``'s result with each variant's row as a dict (times in ms)."""
+    dense = res["rows"]["dense"][0]
+    rows = {name: dict(peak_mib=peak, median_ms=1e3 * median, min_ms=1e3 * min(times),
+                       final_loss=losses[-1], losses_equal_dense=losses == dense, losses=losses)
+            for name, (losses, median, peak, times) in res["rows"].items()}
+    return {**res, "rows": rows}
+
+
+def print_training(res: dict) -> bool:
+    threads = f", {res['threads']} CPU thread(s)" if res.get("threads") else ""
+    print(f"\ntraining comparison on {res['device']}: {res['layers']}-layer ReLU² FFN stack, "
+          f"d={res['d']}, f={res['f']}, {res['tokens']} tokens, {res['dtype']}, "
+          f"{res['steps']} AdamW steps (step times after the first){threads}")
+    head = (f"{'variant':<18}{'peak MiB':>10}{'min ms':>9}{'median ms':>11}{'final loss':>13}"
+            f"{'losses = dense':>16}")
+    print(head)
+    print("-" * len(head))
+    for name, r in res["rows"].items():
+        peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "n/a"
+        print(f"{name:<18}{peak:>10}{r['min_ms']:>9.1f}{r['median_ms']:>11.1f}"
+              f"{r['final_loss']:>13.6f}{'yes' if r['losses_equal_dense'] else 'NO':>16}")
+    return training_ok(res)
+
+
+def training_ok(res) -> bool:
+    return res is None or all(r["losses_equal_dense"] for r in res["rows"].values())
+
+
+def default_numel(backend: str = "auto") -> int:
+    backend = pick_backend() if backend == "auto" else backend
+    return 1 << 24 if backend != "numpy" else 1 << 20
 
 
 def main(argv=None) -> int:
-    numel = 1 << 24 if pick_backend() != "numpy" else 1 << 20
-    backend, rows = codec_table(numel)
-    ok = print_codec_table(backend, numel, rows)
-    ok &= training_comparison()
-    return 0 if ok else 1
+    """``bitsparse demo`` with its defaults (the CLI parses the options)."""
+    from .cli import main as cli_main
+    return cli_main(["demo", *(argv or [])])

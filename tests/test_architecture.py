@@ -6,8 +6,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "bitsparse_core"
 
 
@@ -86,10 +84,3 @@ def test_no_function_over_200_lines():
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({n})")
     assert long == []
 
-
-def test_every_subpackage_ships_in_the_wheel():
-    tomllib = pytest.importorskip("tomllib")
-    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
-    listed = set(config["tool"]["setuptools"]["packages"])
-    present = {_module_name(p.parent / "__init__.py") for p in PACKAGE.rglob("__init__.py")}
-    assert present - listed == set()

@@ -52,7 +52,8 @@ def _train(model, batches, device):
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
-    return losses, statistics.median(times[1:] or times), peak
+    times = times[1:] or times  # the first step is warm-up
+    return losses, statistics.median(times), peak, times
 
 
 def run(device: torch.device, steps: int = 6):
@@ -81,19 +82,6 @@ def run(device: torch.device, steps: int = 6):
 
 
 def run_and_print(device: torch.device) -> bool:
-    res = run(device)
-    print(f"\ntraining comparison on {res['device']}: {res['layers']}-layer ReLU² FFN stack, "
-          f"d={res['d']}, f={res['f']}, {res['tokens']} tokens, {res['dtype']}, "
-          f"{res['steps']} AdamW steps")
-    dense_losses = res["rows"]["dense"][0]
-    head = f"{'variant':<18}{'peak MiB':>10}{'step ms':>10}{'final loss':>13}{'losses = dense':>16}"
-    print(head)
-    print("-" * len(head))
-    ok = True
-    for name, (losses, step, peak) in res["rows"].items():
-        same = losses == dense_losses
-        ok &= same
-        peak_s = f"{peak:.0f}" if peak is not None else "n/a"
-        print(f"{name:<18}{peak_s:>10}{1e3 * step:>10.1f}{losses[-1]:>13.6f}"
-              f"{'yes' if same else 'NO':>16}")
-    return ok
+    """Run and print the comparison (the report, with min and median step times, is the demo's)."""
+    from ..demo import print_training, summarize_training
+    return print_training(summarize_training(run(device)))

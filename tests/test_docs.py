@@ -1,0 +1,446 @@
+"""Docs cannot drift from the results they cite.
+
+Every measured figure in README.md and docs/*.md stands inside a region marked
+
+    <!-- figures: bench/results/<file>, ... (checked by tests/test_docs.py) -->
+    ...
+    <!-- /figures -->
+
+and is rendered here from the cited result file (JSON, or the session log
+gpu_session.md) or from the format's size formula. Each rendered fragment must
+appear in its doc verbatim (whitespace and line breaks aside), and no other
+number may stand in a region: a figure typed by hand, or left behind by a new
+run, fails the suite. After a new benchmark run, ``python3 tests/test_docs.py``
+prints every fragment as the results now give it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+DOCS = ("README.md", "docs/guide.md", "docs/torch.md", "docs/jax.md")
+MINUS = "\u2212"
+REGION = re.compile(r"<!-- figures: (?P<sources>[^>]*?) \(checked by tests/test_docs\.py\) -->"
+                    r"(?P<body>.*?)<!-- /figures -->", re.S)
+
+
+@lru_cache(maxsize=None)
+def result(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def pct(ratio: float, digits: int = 1) -> str:
+    """A time ratio as the docs write it: +2.0 %, −0.6 %."""
+    v = round((ratio - 1) * 100, digits)
+    return f"{'+' if v >= 0 else MINUS}{abs(v):.{digits}f} %"
+
+
+def mib(x: float) -> str:
+    return f"{x:.0f}"
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f}"
+
+
+def span(values, fmt="{:.0f}") -> str:
+    return f"{fmt.format(min(values))}–{fmt.format(max(values))}"
+
+
+def identical(*flags) -> str:
+    return "bit-identical" if all(f is True for f in flags) else "NOT bit-identical"
+
+
+# --------------------------------------------------------------------- sources
+def gpu_session() -> dict:
+    """The latest session's counts from the log bench/results/gpu_session.md."""
+    text = (RESULTS / "gpu_session.md").read_text()
+    latest = text.split("\n## ")[1]             # "## Latest (...)", the first section
+    blocks = latest.split("```")[1::2]
+    return dict(passed=sum(int(n) for n in re.findall(r"(\d+) passed", blocks[0])),
+                failed=sum(int(n) for n in re.findall(r"(\d+) failed", blocks[0])),
+                errors=int(re.search(r"ERROR SUMMARY: (\d+) errors", blocks[1])[1]),
+                hazards=int(re.search(r"(\d+) hazards", blocks[1])[1]))
+
+
+def torch_ffn():
+    r = result("torch_ffn.json")
+    c = r["config"]
+    zeros = [s for k in r["kinds"].values() for s in k["sparsity_per_layer"]]
+    return r, c, round(100 * sum(zeros) / len(zeros))
+
+
+def jax_modes() -> dict:
+    return {m["mode"]: m for m in result("jax_ffn.json")["modes"]}
+
+
+def host_us(op: str, backend: str, mode: str) -> float:
+    return next(s["host_us"] for s in result("host_overhead.json")["summary"]
+                if (s["op"], s["backend"], s["mode"]) == (op, backend, mode))
+
+
+def size_ratio(zeros: float, numel: int = 1 << 20) -> float:
+    """Dense / packed bytes of a bf16 nosign tensor (the format's size formula)."""
+    import bitsparse_core as bc
+    nnz = round((1 - zeros) * numel)
+    return numel * 2 / bc.packed_size((numel,), "bfloat16", "nosign", nnz)
+
+
+# --------------------------------------------------------------- the fragments
+def readme() -> list:
+    g = gpu_session()
+    bi = result("train_gpt_bitident.json")
+    biv = bi["variants"]
+    tg = result("train_gpt.json")
+    tgv = tg["variants"]
+    sh = tg["shape"]
+    bu = result("train_gpt_budget.json")
+    tp = bu["throughput"]
+    common = bu["common_batch"]
+    small = next(i for i in result("host_overhead.json")["inputs"] if i["size"] == "small")
+    public = [s["host_us"] for s in result("host_overhead.json")["summary"]
+              if s["backend"] == "cupy"]   # the bc.* calls, both modes, small input
+    r, c, zeros = torch_ffn()
+    t2 = r["kinds"]["relu2"]["variants"]
+    jm = jax_modes()
+    cd = result("codecs.json")
+    cupy = [row for row in cd["rows"] if row["backend"] == "cupy"]
+    numba = {(row["dtype"], row["sparsity"]): row for row in cd["rows"]
+             if row["backend"] == "numba"}
+    slow = [numba[(row["dtype"], row["sparsity"])][k] / row[k] for row in cupy
+            for k in ("pack_exact_ms", "pack_fixed_ms", "unpack_ms")]
+    bf16_90 = next(row for row in cupy if (row["dtype"], row["sparsity"]) == ("bfloat16", 0.9))
+    syncs = sum(v["syncs"]["per_step"][k] for name, v in tgv.items() if name.startswith("ours")
+                for k in ("cudaStreamSynchronize", "cudaEventSynchronize",
+                          "cudaDeviceSynchronize", "cudaMemcpy", "item of a device tensor"))
+    tokens = sh["seq"] * sh["batch"]
+    return [
+        f"| GPU test suite (CuPy, Numba, PyTorch, JAX paths) | {g['passed']} passed"
+        f"{'' if not g['failed'] else ', ' + str(g['failed']) + ' failed'}; compute-sanitizer "
+        f"memcheck {g['errors']} errors, racecheck {g['hazards']} hazards "
+        "| `bench/results/gpu_session.md` |",
+
+        f"| {sh['layers']}-layer ReLU² GPT, d={sh['d']}, bf16, {tokens} tokens/step, "
+        f"{bi['plan']['timed']} steps with math attention | losses and final parameters "
+        f"{identical(*(biv[v][k] for v in ('ours-raw', 'ours-nosign') for k in ('losses_bit_identical', 'params_bit_identical')))}"
+        f" to dense; peak {mib(biv['ours-raw']['peak_mib'])} / {mib(biv['ours-nosign']['peak_mib'])}"
+        f" MiB (raw / nosign) vs {mib(biv['dense']['peak_mib'])} dense; step "
+        f"{pct(biv['ours-raw']['step_ratio_vs_dense'], 0)} / "
+        f"{pct(biv['ours-nosign']['step_ratio_vs_dense'], 0)} vs dense "
+        f"{biv['dense']['median_step_ms']:.1f} ms | `bench/results/train_gpt_bitident.md` |",
+
+        f"| same GPT, SDPA's fused attention | {syncs:.0f} host syncs per step from our ops; step "
+        f"{pct(tgv['ours-raw']['step_ratio_vs_dense'], 0)} (raw) / "
+        f"{pct(tgv['ours-nosign']['step_ratio_vs_dense'], 0)} (nosign) vs dense "
+        f"{tgv['dense']['median_step_ms']:.1f} ms, checkpointing "
+        f"{pct(tgv['checkpoint']['step_ratio_vs_dense'], 0)}, torch.compile'd "
+        f"{pct(tgv['ours-compiled']['step_ratio_vs_reference'], 0)} vs compiled dense; peak "
+        f"{mib(tgv['ours-raw']['peak_mib'])} / {mib(tgv['ours-nosign']['peak_mib'])} MiB vs "
+        f"{mib(tgv['dense']['peak_mib'])} dense, {mib(tgv['checkpoint']['peak_mib'])} "
+        "checkpointed | `bench/results/train_gpt.md` |",
+
+        f"| same GPT within {mib(bu['budget_mib'])} MiB ({bu['config']['budget_factor']} × dense's "
+        f"peak) | largest batch: dense {bu['largest_batch']['dense']}, ours (nosign) "
+        f"{bu['largest_batch']['ours-nosign']}, checkpointing {bu['largest_batch']['checkpoint']}; "
+        f"at batch {common} ours {tp['ours-nosign']['tokens_per_s']:.0f} tokens/s vs "
+        f"checkpointing {tp['checkpoint']['tokens_per_s']:.0f} "
+        f"({pct(tp['ours-nosign']['tokens_per_s'] / tp['checkpoint']['tokens_per_s'], 0)}) "
+        "| `bench/results/train_gpt_budget.md` |",
+
+        f"| host time per call, {small['numel']}-element bf16 tensor | torch ops: unpack "
+        f"{host_us('unpack', 'torch.ops', 'torch-ops'):.1f} µs, relu2_backward "
+        f"{host_us('relu2_backward', 'torch.ops', 'torch-ops'):.1f} µs, relu_pack "
+        f"{host_us('relu_pack', 'torch.ops', 'torch-ops'):.1f} µs; public `bc.*` API (CuPy) "
+        f"{span(public, '{:.1f}')} µs | `bench/results/host_overhead.md` |",
+
+        f"| {c['layers']}-layer bf16 ReLU² FFN stack, d={c['d']}, f={c['f']}, {c['tokens']} "
+        f"tokens, {zeros} % zeros (PyTorch) | peak {mib(t2['ours_nosign']['peak_mib'])} MiB vs "
+        f"{mib(t2['dense']['peak_mib'])} dense and {mib(t2['checkpoint']['peak_mib'])} "
+        f"checkpointed; step {pct(t2['ours_raw']['time_vs_dense'])} (raw) / "
+        f"{pct(t2['ours_nosign']['time_vs_dense'])} (nosign) vs "
+        f"{pct(t2['checkpoint']['time_vs_dense'])} checkpointed | `bench/results/torch_ffn.md` |",
+
+        f"| same stack in JAX (jit) | activation memory {gib(jm['packed']['temp_size_in_bytes'])}"
+        f" GiB vs {gib(jm['dense']['temp_size_in_bytes'])} plain, "
+        f"{gib(jm['checkpoint']['temp_size_in_bytes'])} jax.checkpoint; step "
+        f"{pct(jm['packed']['step_ms_median'] / jm['dense']['step_ms_median'])} vs "
+        f"{pct(jm['checkpoint']['step_ms_median'] / jm['dense']['step_ms_median'])} "
+        "| `bench/results/jax_ffn.md` |",
+
+        f"| codec kernels, 2^{int(math.log2(cd['numel']))} bf16 / fp8 elements | CuPy: unpack "
+        f"{span([100 * row['unpack_frac_copy'] for row in cupy])} % (bf16 at "
+        f"{100 * bf16_90['sparsity']:.0f} % zeros: {100 * bf16_90['unpack_frac_copy']:.0f} %), "
+        f"fixed-capacity pack {span([100 * row['pack_fixed_frac_copy'] for row in cupy])} % of the "
+        f"copy bandwidth ({cd['copy_bandwidth_Bps'] / 1e12:.2f} TB/s); unpack "
+        f"{span([row['unpack_vs_nvcomp'] for row in cupy], '{:.1f}')}×, fixed-capacity pack "
+        f"{span([row['pack_fixed_vs_nvcomp'] for row in cupy], '{:.1f}')}× nvCOMP's fastest "
+        f"codec. Numba: every pack and unpack {span(slow, '{:.2f}')}× CuPy's time "
+        "| `bench/results/codecs.md` |",
+    ]
+
+
+def guide() -> list:
+    import bitsparse_core as bc
+    from bitsparse_core.spec import format as fmt
+    lay = bc.layout((1 << 20,), "bfloat16", "nosign")
+    offsets = 100 * lay.offsets[1] / lay.mask[1]
+    r, c, zeros = torch_ffn()
+    t2 = r["kinds"]["relu2"]["variants"]
+    jm = jax_modes()
+    biv = result("train_gpt_bitident.json")["variants"]
+    tg = result("train_gpt.json")
+    tgv, sh = tg["variants"], tg["shape"]
+    bu = result("train_gpt_budget.json")
+    cd = result("codecs.json")
+    return [
+        f"plus {fmt.ALIGN}-byte alignment and the chunk offsets ({offsets:.1f} % of the mask at "
+        f"the default {1 << fmt.DEFAULT_CHUNK_LOG2}-element chunks).",
+
+        f"At 80 % zeros a bf16 activation shrinks {size_ratio(0.8):.2f}× with `nosign`; at 90 % "
+        f"zeros {size_ratio(0.9):.2f}×, at 99 % {size_ratio(0.99):.2f}× (the format's size "
+        "formula for a 2^20-element tensor with exactly that fraction of zeros, which "
+        "`bitsparse demo` measures; `bc.packed_size(shape, dtype, encoding, nnz)` gives any "
+        "other size).",
+
+        "pack and unpack against the device copy bandwidth measured in the same run "
+        f"({cd['copy_bandwidth_Bps'] / 1e9:.0f} GB/s), the naive PyTorch version and nvCOMP "
+        f"{cd['nvcomp'][0]['version']}.",
+
+        f"{c['layers']} layers, d = {c['d']}, f = {c['f']}, {c['tokens']} tokens, bf16, {zeros} % "
+        f"zeros. ReLU²: peak {mib(t2['ours_nosign']['peak_mib'])} MiB packed vs "
+        f"{mib(t2['dense']['peak_mib'])} dense and {mib(t2['checkpoint']['peak_mib'])} with "
+        f"per-layer checkpointing, at {pct(t2['ours_raw']['time_vs_dense'])} (raw) / "
+        f"{pct(t2['ours_nosign']['time_vs_dense'])} (nosign) step time (checkpointing: "
+        f"{pct(t2['checkpoint']['time_vs_dense'])}).",
+
+        f"activation memory {gib(jm['packed']['temp_size_in_bytes'])} GiB packed vs "
+        f"{gib(jm['dense']['temp_size_in_bytes'])} GiB plain, "
+        f"{pct(jm['packed']['step_ms_median'] / jm['dense']['step_ms_median'])} step time "
+        f"(jax.checkpoint: {gib(jm['checkpoint']['temp_size_in_bytes'])} GiB, "
+        f"{pct(jm['checkpoint']['step_ms_median'] / jm['dense']['step_ms_median'])}).",
+
+        f"{sh['layers']} layers, d = {sh['d']}, {sh['seq'] * sh['batch']} tokens per step, bf16. "
+        f"With math attention the losses and final parameters of the packed runs are "
+        f"{identical(*(biv[v][k] for v in ('ours-raw', 'ours-nosign') for k in ('losses_bit_identical', 'params_bit_identical')))}"
+        f" to dense's over {len(biv['dense']['losses'])} steps "
+        "([train_gpt_bitident.md](../bench/results/train_gpt_bitident.md)). With SDPA's fused "
+        f"attention a packed step takes {pct(tgv['ours-raw']['step_ratio_vs_dense'], 0)} (raw) / "
+        f"{pct(tgv['ours-nosign']['step_ratio_vs_dense'], 0)} (nosign) over dense's "
+        f"{tgv['dense']['median_step_ms']:.1f} ms at a peak of {mib(tgv['ours-nosign']['peak_mib'])}"
+        f" MiB vs {mib(tgv['dense']['peak_mib'])}; under a {mib(bu['budget_mib'])} MiB budget "
+        f"packing fits batch {bu['largest_batch']['ours-nosign']} where dense fits "
+        f"{bu['largest_batch']['dense']} ([train_gpt_budget.md](../bench/results/train_gpt_budget.md)).",
+    ]
+
+
+def torch_md() -> list:
+    r, c, zeros = torch_ffn()
+    kinds = r["kinds"]
+    rows = []
+    for kind, label in (("relu", "ReLU"), ("relu2", "ReLU²")):
+        v = kinds[kind]["variants"]
+        order = ("dense", "checkpoint", "save_on_cpu", "ours_raw", "ours_nosign")
+        rows.append(f"| {label} peak MiB | " + " | ".join(mib(v[n]["peak_mib"]) for n in order)
+                    + " |")
+        rows.append(f"| {label} step ms | " + " | ".join(
+            f"{v[n]['median_ms']:.1f}" + (f" ({pct(v[n]['time_vs_dense'])})"
+                                         if n.startswith("ours") else "") for n in order) + " |")
+    dense_act = c["tokens"] * c["f"] * 2 / 2**20          # one bf16 activation, MiB
+    per_layer = {(k, enc): dense_act * (2 if k == "relu2" else 1)
+                 - kinds[k]["variants"][f"ours_{enc}"]["bytes_saved_mib"] / c["layers"]
+                 for k in ("relu", "relu2") for enc in ("raw", "nosign")}
+    L = c["layers"]
+    slack = max(abs(v["dense"]["saved_mib"] - v[n]["saved_mib"] - v[n]["bytes_saved_mib"])
+                for v in (k["variants"] for k in kinds.values()) for n in ("ours_raw", "ours_nosign"))
+    return [
+        f"{L}-layer bf16 FFN stack, d = {c['d']}, f = {c['f']}, {c['tokens']} tokens, "
+        f"{zeros} % zero activations, torch {r['torch']}, median of {c['steps']} steps after "
+        f"{c['warmup']} warm-up steps.",
+        *rows,
+        "The memory left allocated after the forward differs from dense by what packing "
+        f"saves, to within {slack:.0f} MiB. In this run that is {L} × ({dense_act:.0f} MiB dense − "
+        f"{per_layer['relu', 'raw']:.0f} MiB packed) with raw and {L} × ({dense_act:.0f} − "
+        f"{per_layer['relu', 'nosign']:.0f}) with nosign for ReLU; for ReLU², whose dense "
+        f"version keeps both `relu(a)` and its square, {L} × ({2 * dense_act:.0f} − "
+        f"{per_layer['relu2', 'raw']:.0f}) and {L} × ({2 * dense_act:.0f} − "
+        f"{per_layer['relu2', 'nosign']:.0f}).",
+    ]
+
+
+def jax_md() -> list:
+    r = result("jax_ffn.json")
+    jm = jax_modes()
+    c = r["config"]
+    cd = result("codecs.json")
+    dense_ms = jm["dense"]["step_ms_median"]
+    co = r["codec"]
+    ops = [("elementwise `t + 1` (a copy)", "copy"),
+           ("`pack` (relu, mask, offsets, 15-bit value stream)", "pack"),
+           ("`unpack`", "unpack"), ("mask only", "mask")]
+    labels = {"dense": "plain JAX", "checkpoint": "`jax.checkpoint` per block",
+              "packed": f"packed, density bound {c['density']}",
+              "packed-overflow": f"packed, bound {c['overflow_density']} (every layer overflows)"}
+    table = []
+    for mode in ("dense", "checkpoint", "packed", "packed-overflow"):
+        m = jm[mode]
+        same = m.get("bit_identical_to_dense")
+        table.append(f"| {labels[mode]} | {gib(m['temp_size_in_bytes'])} | "
+                     f"{m['step_ms_median']:.1f} | "
+                     + ("–" if mode == "dense" else pct(m["step_ms_median"] / dense_ms))
+                     + f" | {'–' if same is None else ('yes' if same else 'no (see above)')} |")
+    pos = r["positive_fraction"]
+    elems = co["elements"]
+    block_in = c["tokens"] * c["d"] * 2 / 2**20
+    saved = jm["dense"]["temp_size_in_bytes"] - jm["packed"]["temp_size_in_bytes"]
+    cupy_fixed = [100 * row["pack_fixed_frac_copy"] for row in cd["rows"]
+                  if row["backend"] == "cupy"]
+    return [
+        f"On an H200 at full size, the codec adds "
+        f"{pct(jm['packed']['step_ms_median'] / dense_ms)} to the step time over plain JAX. "
+        f"`jax.checkpoint` adds {pct(jm['checkpoint']['step_ms_median'] / dense_ms)}",
+        f"Measured on one [{c['tokens']}, {c['f']}] bf16 activation:",
+        *[f"| {label} | {co[key]['ms']:.2f} ms | {co[key]['GBps']:.0f} GB/s |"
+          for label, key in ops],
+        f"This pack moves {co['pack']['GBps']:.0f} GB/s, "
+        f"{100 * co['pack']['GBps'] / co['copy']['GBps']:.0f} % of what the copy reaches in the "
+        f"same run; the CUDA kernels' fixed-capacity pack reaches "
+        f"{span(cupy_fixed)} % of the copy bandwidth "
+        f"([codecs.md](../bench/results/codecs.md), 2^{int(math.log2(cd['numel']))} elements), "
+        f"so an FFI pack would be faster. But measured alone, packing costs {c['layers']} × {co['pack']['ms']:.2f} = "
+        f"{c['layers'] * co['pack']['ms']:.1f} ms per step, yet the whole measured overhead is "
+        f"{jm['packed']['step_ms_median'] - dense_ms:.1f} ms per step",
+        f"The overflow run (capacity bound {c['overflow_density']} < the real "
+        f"{max(pos):.2f}, so every layer recomputed) was "
+        f"{'**not**' if not jm['packed-overflow']['bit_identical_to_dense'] else ''} "
+        "bit-identical.",
+        f"{c['layers']} residual blocks `x + relu(x @ w1 + b1) @ w2`, bf16, d = {c['d']}, "
+        f"f = {c['f']}, {c['tokens']} tokens. `b1` is calibrated per layer "
+        f"for {100 - round(100 * sum(pos) / len(pos))} % negative pre-activations (measured: "
+        f"{span([100 * p for p in pos], '{:.1f}')} % positive).",
+        f"timed as the median of {c['steps']} steps after a warm-up.",
+        f"The arguments (parameters and x, {gib(jm['dense']['argument_size_in_bytes'])} GiB)",
+        *table,
+        f"Packing cuts the step's temp memory by {saved / 2**30:.1f} GiB "
+        f"({MINUS}{100 * saved / jm['dense']['temp_size_in_bytes']:.0f} %). The saved residual "
+        f"per layer is {co['packed_plane_bytes'] / 2**20:.0f} MiB of planes plus the "
+        f"{block_in:.0f} MiB block input. Plain JAX keeps `relu(a)` "
+        f"({co['dense_bytes'] / 2**20:.0f} MiB) and the `a > 0` predicate "
+        f"({elems / 2**20:.0f} MiB) besides that input. `jax.checkpoint` needs "
+        f"{gib(jm['packed']['temp_size_in_bytes'] - jm['checkpoint']['temp_size_in_bytes'])} GiB "
+        "less temp memory",
+        f"The bound is per tensor: {c['density']} against a measured {max(pos):.2f} here.",
+    ]
+
+
+FRAGMENTS = {"README.md": readme, "docs/guide.md": guide, "docs/torch.md": torch_md,
+             "docs/jax.md": jax_md}
+
+
+# ----------------------------------------------------------------------- tests
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _regions(doc: str) -> list:
+    return list(REGION.finditer((ROOT / doc).read_text()))
+
+
+# What may stand in a region besides the fragments: code, links, and names with digits.
+_NOT_FIGURES = [re.compile(p) for p in (
+    r"`[^`]*`",                                 # inline code: paths, calls, 2^27 in code
+    r"\]\([^)]*\)",                             # link targets
+    r"!\[[^\]]*\]",                             # image alt texts
+    r"\b[A-Za-z_][\w.\-]*\d[\w.\-]*",           # names: H200, bf16, fc1, e4m3fn, v1, x86
+    r"§\d+",
+)]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_fragment_is_quoted_verbatim(doc):
+    text = _flat("".join(m["body"] for m in _regions(doc)))
+    missing = [f for f in FRAGMENTS[doc]() if _flat(f) not in text]
+    assert not missing, (f"{doc}: these figures, as {RESULTS.relative_to(ROOT)} now gives "
+                         "them, are not in its figures regions:\n" + "\n".join(missing))
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_no_unchecked_number_in_a_figures_region(doc):
+    regions = _regions(doc)
+    assert regions, f"{doc} has no figures region"
+    fragments = sorted((_flat(f) for f in FRAGMENTS[doc]()), key=len, reverse=True)
+    for m in regions:
+        body = _flat(m["body"])
+        for f in fragments:
+            body = body.replace(f, " ")
+        for pattern in _NOT_FIGURES:
+            body = pattern.sub(" ", body)
+        stray = re.findall(r"[^ ]*\d[^ ]*", body)
+        assert not stray, f"{doc}: numbers no check produces: {stray}"
+        for source in re.findall(r"bench/results/[\w.]+", m["sources"]):
+            assert (ROOT / source).is_file(), f"{doc} cites {source}, which does not exist"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_do_not_cite_the_stale_numba_run(doc):
+    assert "numba_codecs" not in (ROOT / doc).read_text()
+
+
+def test_the_stale_numba_run_is_labelled():
+    assert (RESULTS / "numba_codecs.md").read_text().startswith("> **Stale**")
+
+
+def test_gpu_session_log_parses():
+    g = gpu_session()
+    assert g["passed"] > 0 and g["failed"] == 0
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_install_instructions_work_from_a_checkout(doc):
+    """Nothing tells users to install from an index the package is not on."""
+    text = (ROOT / doc).read_text()
+    bad = re.findall(r"pip install [\"']?bitsparse_core\b", text)
+    assert not bad, f"{doc}: {bad}"
+
+
+def test_guide_extras_exist():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    named = set(re.findall(r'pip install -e "\.\[([\w,]+)\]"', (ROOT / "docs/guide.md").read_text()))
+    assert named and all(e in extras for group in named for e in group.split(",")), named
+
+
+def _commands(doc: str) -> list:
+    """The ``bitsparse ...`` command lines of a doc's bash blocks (continuations joined)."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S)
+    lines = " ".join(blocks).replace("\\\n", " ").split("\n")
+    return [line.split("#")[0].strip() for line in lines if line.strip().startswith("bitsparse ")]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_documented_command_lines_parse(doc):
+    import shlex
+    from bitsparse_core.cli import _parser
+    for line in _commands(doc):
+        try:
+            _parser().parse_args(shlex.split(line)[1:])
+        except SystemExit as exc:        # --version / --help exit 0; a bad option exits 2
+            assert exc.code == 0, line
+
+
+if __name__ == "__main__":
+    for doc, make in FRAGMENTS.items():
+        print(f"==== {doc}")
+        for f in make():
+            print(f)
+            print()
+    sys.exit(0)
