@@ -188,9 +188,3 @@ def training_ok(res) -> bool:
 def default_numel(backend: str = "auto") -> int:
     backend = pick_backend() if backend == "auto" else backend
     return 1 << 24 if backend != "numpy" else 1 << 20
-
-
-def main(argv=None) -> int:
-    """``bitsparse demo`` with its defaults (the CLI parses the options)."""
-    from .cli import main as cli_main
-    return cli_main(["demo", *(argv or [])])

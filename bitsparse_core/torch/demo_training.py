@@ -79,9 +79,3 @@ def run(device: torch.device, steps: int = 6):
         rows[name] = _train(model, batches, device)
     return dict(layers=layers, d=d, f=f, tokens=tokens, dtype=str(dtype).split(".")[-1],
                 device=str(device), steps=steps, rows=rows)
-
-
-def run_and_print(device: torch.device) -> bool:
-    """Run and print the comparison (the report, with min and median step times, is the demo's)."""
-    from ..demo import print_training, summarize_training
-    return print_training(summarize_training(run(device)))
