@@ -290,6 +290,78 @@ def test_bad_arguments():
         jax.jit(lambda a: codec.pack(a, capacity=3, encoding="raw").check())(x)
 
 
+def test_import_without_jax_says_what_to_install():
+    code = ("import sys; sys.modules['jax'] = None\n"
+            "try:\n    import bitsparse_core.jax\nexcept ImportError as e:\n"
+            "    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith("ImportError") and "needs JAX" in out and "pip install" in out
+
+
+@pytest.mark.parametrize("capacity", [0.5, 1.9, 3.0, "100", True, None], ids=repr)
+def test_capacity_must_be_an_int(capacity):
+    x = jnp.asarray(np.array([[1.0, 0, 2, 3]], np.float32))
+    if capacity is None:
+        assert codec.pack(x).capacity == 3          # eager exact pack
+        return
+    with pytest.raises(bc.errors.CapacityError, match="must be an int"):
+        codec.pack(x, capacity=capacity)
+    with pytest.raises(bc.errors.CapacityError, match="must be an int"):
+        codec.relu_pack_planes(x, capacity=capacity)
+
+
+def test_numpy_int_capacity_is_an_int():
+    x = jnp.asarray(np.array([1.0, 0, 2, 3], np.float32))
+    assert codec.pack(x, capacity=np.int64(3)).capacity == 3
+    assert codec.relu_pack_planes(x, capacity=np.int32(2)).capacity == 2
+
+
+def test_masked_pack_auto_is_signplane_eager_and_traced():
+    rng = np.random.default_rng(2)
+    a = jnp.asarray(random_tensor(rng, (4, 96), D.BFLOAT16, 0.4))
+    u = jnp.asarray(random_tensor(rng, (4, 96), D.BFLOAT16, 0.0))
+    p = codec.relu_pack_planes(a, capacity=4 * 96)
+    want = codec.masked_pack(u, p, encoding="signplane")
+    for got in (codec.masked_pack(u, p, encoding="auto"),
+                jax.jit(lambda u, p: codec.masked_pack(u, p, encoding="auto"))(u, p)):
+        assert got.encoding == bc.Encoding.SIGNPLANE
+        assert trees_bit_identical(got, want)
+    p_r, p_u = codec.relu_pack_planes(a, capacity=4 * 96, encoding="auto", u=u,
+                                      u_encoding="auto")
+    assert (p_r.encoding, p_u.encoding) == (bc.Encoding.NOSIGN, bc.Encoding.SIGNPLANE)
+
+
+def test_pack_config_auto_under_grad():
+    kind = "gated"                          # both encodings: the ReLU output's and u's
+    layers, x = _setup(kind)
+    auto = ffn.PackConfig(density=0.3, encoding="auto", u_encoding="AUTO", chunk_log2=9)
+    assert (auto.encoding, auto.u_encoding) == ("nosign", "signplane")
+    assert auto == ffn.PackConfig(density=0.3, chunk_log2=9)    # the same static key
+    g_auto = jax.grad(_loss)(layers, x, kind, "packed", auto)
+    g_ref = jax.grad(_loss)(layers, x, kind, "packed", ffn.PackConfig(density=0.3, chunk_log2=9))
+    assert trees_bit_identical(g_auto, g_ref)
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"density": 2.0}, bc.errors.CapacityError), ({"density": -0.1}, bc.errors.CapacityError),
+    ({"density": float("nan")}, bc.errors.CapacityError),
+    ({"density": "0.5"}, bc.errors.CapacityError), ({"density": True}, bc.errors.CapacityError),
+    ({"encoding": "bogus"}, EncodingError), ({"encoding": None}, EncodingError),
+    ({"u_encoding": "zip"}, EncodingError),
+    ({"chunk_log2": 3}, bc.errors.ChunkSizeError), ({"chunk_log2": 12.5}, bc.errors.ChunkSizeError),
+], ids=lambda v: repr(v) if isinstance(v, dict) else v.__name__)
+def test_pack_config_is_checked_when_made(kwargs, error):
+    with pytest.raises(error):
+        ffn.PackConfig(**kwargs)
+
+
+def test_pack_config_normalises_names():
+    cfg = ffn.PackConfig(density=1, encoding="RAW", u_encoding=bc.Encoding.NOSIGN)
+    assert (cfg.density, cfg.encoding, cfg.u_encoding) == (1.0, "raw", "nosign")
+    assert hash(cfg) == hash(ffn.PackConfig(density=1.0, encoding="raw", u_encoding="nosign"))
+
+
 # --------------------------------------------------------------------------- #
 # GPU                                                                         #
 # --------------------------------------------------------------------------- #

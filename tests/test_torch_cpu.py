@@ -199,6 +199,17 @@ def test_only_packed_planes_are_saved(kind, encoding):
 # --------------------------------------------------------------------------- #
 # compress_saved_tensors                                                      #
 # --------------------------------------------------------------------------- #
+def test_hooks_context_manager_binds_itself_with_stats():
+    m = relu_mlp()
+    x, _ = _data((64,), 32, torch.float32)
+    with compress_saved_tensors(min_numel=256) as c:
+        assert isinstance(c, compress_saved_tensors)
+        y = m(x)
+        assert c.stats.packed == 2
+    y.sum().backward()
+    assert c.stats.unpacked >= 2 and 0 < c.stats.packed_bytes < c.stats.dense_bytes
+
+
 def test_hooks_training_is_bit_identical_and_packs_relu_outputs():
     dense = relu_mlp()
     hooked_inner = relu_mlp()
@@ -270,6 +281,38 @@ def test_hooks_roundtrip_is_lossless(dtype, encoding):
     back = hooks._unpack(packed)
     assert back.dtype == dtype and torch.equal(back.view(bits.dtype), bits)
     assert torch.equal(hooks._unpack(packed).view(bits.dtype), bits)  # again
+
+
+# --------------------------------------------------------------------------- #
+# Empty batches                                                               #
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_batches_match_dense(kind, dtype):
+    """A zero dimension in the batch ((2, 0, 16): torch strides it (16, 16, 1)) runs
+    forward and backward like the dense model: empty outputs, zero gradients."""
+    dense, ours = make_pair(kind, "nosign", d=16, f=40, dtype=dtype)
+    for shape in ((2, 0, 16), (0, 16), (0, 3, 16)):
+        got = []
+        for m in (dense, ours):
+            m.zero_grad(set_to_none=True)
+            x = torch.zeros(*shape, dtype=dtype, requires_grad=True)
+            y = m(x)
+            y.sum().backward()
+            got.append((y, x.grad, [p.grad for p in m.parameters()]))
+        (y0, gx0, gp0), (y1, gx1, gp1) = got
+        assert y1.shape == y0.shape == shape and torch.equal(gx1, gx0)
+        assert all(torch.equal(a, b) for a, b in zip(gp0, gp1))
+
+
+def test_packed_ffn_modules_take_a_2_0_16_input():
+    from bitsparse_core.torch import PackedReGLUFFN, PackedReLU2FFN
+    for m in (PackedReLUFFN(16, 32), PackedReLU2FFN(16, 32), PackedReGLUFFN(16, 32)):
+        x = torch.randn(2, 0, 16, requires_grad=True)
+        y = m(x)
+        y.sum().backward()
+        assert y.shape == (2, 0, 16) and x.grad.shape == (2, 0, 16)
+        assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
 
 
 # --------------------------------------------------------------------------- #

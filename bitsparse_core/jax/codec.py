@@ -366,9 +366,44 @@ def mask_of(p: JaxPacked) -> jax.Array:
 # --------------------------------------------------------------------------- #
 def capacity_for(numel: int, density: float) -> int:
     """Value slots for a density bound: ``ceil(density * numel)``, at most numel."""
-    if not 0.0 <= float(density) <= 1.0:
+    density = check_density(density)
+    return min(int(numel), int(math.ceil(density * int(numel))))
+
+
+def check_capacity(capacity, numel: int) -> int:
+    """A value-slot count: an int in [0, numel] (``capacity=0.5`` or ``"100"`` is a
+    mistake, not something to round), else :class:`CapacityError`."""
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        raise CapacityError(f"capacity={capacity!r} must be an int number of value slots "
+                            "(or pass density= for a fraction of the elements)")
+    if not 0 <= int(capacity) <= numel:
+        raise CapacityError(f"capacity={capacity} must lie in [0, numel={numel}]")
+    return int(capacity)
+
+
+def check_density(density) -> float:
+    """A density bound: a real number in [0, 1], else :class:`CapacityError`."""
+    if isinstance(density, bool) or not isinstance(density, (int, float, np.integer, np.floating)):
+        raise CapacityError(f"density={density!r} must be a number in [0, 1]")
+    if not 0.0 <= float(density) <= 1.0:  # NaN fails too
         raise CapacityError(f"density={density} must lie in [0, 1]")
-    return min(int(numel), int(math.ceil(float(density) * int(numel))))
+    return float(density)
+
+
+def relu_encoding(encoding) -> Encoding:
+    """The encoding of a ReLU output: ``"auto"`` is nosign (relu keeps no negative value
+    but a negative NaN, which sets ``status``), as the torch adapter resolves it."""
+    if isinstance(encoding, str) and encoding.lower() == "auto":
+        return Encoding.NOSIGN
+    return Encoding.parse(encoding)
+
+
+def companion_encoding(encoding) -> Encoding:
+    """The encoding of gated companion values (signed): ``"auto"`` is signplane, the
+    encoding that holds any sign without a scan of the data (traceable)."""
+    if isinstance(encoding, str) and encoding.lower() == "auto":
+        return Encoding.SIGNPLANE
+    return Encoding.parse(encoding)
 
 
 def _check_input(x) -> _dt.DType:
@@ -386,10 +421,7 @@ def _resolve_capacity(x, numel, capacity, density, nnz_if_eager):
     if density is not None:
         return capacity_for(numel, density)
     if capacity is not None:
-        capacity = int(capacity)
-        if not 0 <= capacity <= numel:
-            raise CapacityError(f"capacity={capacity} must lie in [0, numel={numel}]")
-        return capacity
+        return check_capacity(capacity, numel)
     if is_traced(x):
         raise CapacityError("under jit the values buffer needs a static size: pass "
                             "capacity= or density=")
@@ -499,14 +531,15 @@ def relu_pack_planes(a: jax.Array, *, capacity: int, encoding="nosign",
     Traceable; the building block of the FFN ops."""
     _fmt.check_chunk_log2(chunk_log2)
     dtype = _check_input(a)
-    encoding = Encoding.parse(encoding)
+    encoding = relu_encoding(encoding)
+    capacity = check_capacity(capacity, _fmt.numel_of(a.shape))
     r = relu_bits(a)
     bits = lax.bitcast_convert_type(r.reshape(-1), _UINT[dtype.bits])
     planes, ranks, nz = _pack_bits(bits, dtype, encoding, capacity, chunk_log2)
     p_r = JaxPacked(*planes, tuple(a.shape), dtype, encoding, chunk_log2, capacity)
     if u is None:
         return p_r
-    return p_r, _masked_from_ranks(u, p_r, ranks, nz, Encoding.parse(u_encoding))
+    return p_r, _masked_from_ranks(u, p_r, ranks, nz, companion_encoding(u_encoding))
 
 
 def _masked_from_ranks(u, p_mask, ranks, nz, encoding):
@@ -528,9 +561,11 @@ def _masked_from_ranks(u, p_mask, ranks, nz, encoding):
 
 def masked_pack(u: jax.Array, p_mask: JaxPacked, *, encoding="signplane") -> JaxPacked:
     """``u``'s bit patterns at ``p_mask``'s set positions (zeros included), sharing its
-    mask and offsets and capacity (reference_ops.masked_pack at fixed capacity)."""
+    mask and offsets and capacity (reference_ops.masked_pack at fixed capacity).
+    ``encoding="auto"`` is signplane (see :func:`companion_encoding`)."""
+    encoding = companion_encoding(encoding)
     ranks, nz = _ranks_of(p_mask)
-    return _masked_from_ranks(jnp.asarray(u), p_mask, ranks, nz, Encoding.parse(encoding))
+    return _masked_from_ranks(jnp.asarray(u), p_mask, ranks, nz, encoding)
 
 
 def unpack_masked(p_u: JaxPacked, *, fallback=None):

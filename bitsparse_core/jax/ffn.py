@@ -29,17 +29,33 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..errors import ChunkSizeError
 from ..spec import format as _fmt
 from . import codec
 
 
 @dataclass(frozen=True)
 class PackConfig:
-    """Static packing parameters of an FFN op (hashable: a jit static argument)."""
+    """Static packing parameters of an FFN op (hashable: a jit static argument).
+
+    Checked when made, not at trace time: ``density`` must be a number in [0, 1]
+    (:class:`CapacityError`), the encodings known names (:class:`EncodingError`),
+    ``chunk_log2`` in the format's range. ``"auto"`` is resolved here to what it
+    means for these ops: nosign for the ReLU output, signplane for the companion.
+    """
     density: float = 0.25          # bound on the fraction of positive pre-activations
     encoding: str = "nosign"       # ReLU outputs never carry a sign bit
     u_encoding: str = "signplane"  # gated companion values are signed
     chunk_log2: int = _fmt.DEFAULT_CHUNK_LOG2
+
+    def __post_init__(self):
+        set_ = partial(object.__setattr__, self)
+        set_("density", codec.check_density(self.density))
+        set_("encoding", codec.relu_encoding(self.encoding).name.lower())
+        set_("u_encoding", codec.companion_encoding(self.u_encoding).name.lower())
+        if isinstance(self.chunk_log2, bool) or not isinstance(self.chunk_log2, int):
+            raise ChunkSizeError(f"chunk_log2={self.chunk_log2!r} must be an int")
+        _fmt.check_chunk_log2(self.chunk_log2)
 
     def capacity(self, shape) -> int:
         return codec.capacity_for(_fmt.numel_of(shape), self.density)

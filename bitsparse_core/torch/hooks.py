@@ -66,7 +66,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     devices:      device types to pack on (CPU uses the slow NumPy reference codec).
     backend:      bitsparse_core backend for CUDA tensors (``"auto"``: the first available).
 
-    ``stats`` (a :class:`SavedStats`) counts what was packed.
+    ``stats`` (a :class:`SavedStats`) counts what was packed; ``with
+    compress_saved_tensors() as c:`` binds the hooks object itself, so ``c.stats``
+    can be read inside the block and after it.
     """
 
     def __init__(self, *, min_sparsity: float = 0.5, min_numel: int = 1 << 16,
@@ -82,6 +84,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self.stats = SavedStats()
         self._by_base = WeakIdKeyDictionary()  # base tensor -> (version, _Packed)
         super().__init__(self._pack, self._unpack)
+
+    def __enter__(self) -> "compress_saved_tensors":
+        super().__enter__()  # torch's returns None
+        return self
 
     # ------------------------------------------------------------------ pack
     def _candidate(self, t) -> bool:

@@ -351,18 +351,51 @@ class CudaArray:
         return (KDL_CUDA, self.device)
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        if dl_device is not None and tuple(int(v) for v in dl_device) != (KDL_CUDA, self.device):
-            raise BufferError(f"cannot export a cuda:{self.device} array to DLPack device {dl_device}")
-        if copy:
-            raise BufferError("CudaArray exports without copying; copy=True is not supported")
+        """The DLPack >= 1.0 / array API export (see :mod:`bitsparse_core.dlpack`).
+
+        ``stream``: the consumer's (None = legacy default, -1 = no ordering); our
+        pending work is ordered before it. ``copy=True`` copies on that stream (on
+        ours for -1) and sets the is-copied flag. ``dl_device=(kDLCPU, 0)`` exports
+        a host copy (stream must be None; ``copy=False`` raises CopyRefusedError);
+        any other device but ours raises BufferError."""
+        from ...dlpack import KDL_CPU, CopyRefusedError, export_host, export_request
+        versioned, target, copy = export_request(max_version, dl_device, copy)
+        if target == (KDL_CPU, 0):
+            if copy is False:
+                raise CopyRefusedError(f"exporting cuda:{self.device} data to the CPU needs a "
+                                       "device-to-host copy, and copy=False forbids it")
+            if stream is not None:
+                raise BufferError(f"stream={stream!r} given with dl_device=(kDLCPU, 0); "
+                                  "DLPack takes stream=None there")
+            return export_host(self.get(), self.dtype, max_version=max_version, copied=True)
+        if target is not None and target != (KDL_CUDA, self.device):
+            raise BufferError(f"cannot export a cuda:{self.device} array to DLPack device "
+                              f"{target}; it lives on {(KDL_CUDA, self.device)}")
         # Stream rule: None means the legacy default stream, -1 means no sync.
         if stream is None:
             stream = 1
+        if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
+            raise TypeError(f"stream must be an int handle or None, not {stream!r}")
         if int(stream) == 0:
             raise BufferError("stream=0 is ambiguous in DLPack; use 1 (legacy) or 2 (per-thread)")
+        if int(stream) < -1:
+            raise BufferError(f"stream={stream} is not a CUDA stream handle")
         if int(stream) != -1:
             stream_wait(int(stream), self.stream, self.device)
-        return make_capsule(self.ptr, self.shape, self.dtype, KDL_CUDA, self.device, self)
+        src = self
+        if copy:
+            on = self.stream if int(stream) == -1 else int(stream)
+            src = CudaArray.empty(self.shape, self.dtype, self.device, on)
+            if self.nbytes:
+                rt = _runtime()
+                prev = rt.getDevice()
+                rt.setDevice(self.device)
+                try:
+                    rt.memcpyAsync(src.ptr, self.ptr, self.nbytes, rt.memcpyDeviceToDevice, on)
+                finally:
+                    rt.setDevice(prev)
+        return make_capsule(src.ptr, src.shape, src.dtype, KDL_CUDA, src.device, src,
+                            versioned=versioned, copied=bool(copy))
 
     @property
     def __cuda_array_interface__(self) -> dict:
