@@ -246,7 +246,7 @@ def m_shape(buf, r):
     shape = list(struct.unpack_from(f"<{ndim}Q", buf, 120))
     i = r.randrange(ndim)
     shape[i] = r.choice([0, 1, 2, shape[i] + 1, max(shape[i] - 1, 0), 2**29, 2**58, 2**58 + 1,
-                         2**62, 2**63, 2**64 - 1])
+                         2**62, 2**63, 2**64 - 1]) % 2**64
     product = 1
     for s in shape:
         product *= s

@@ -325,10 +325,6 @@ def _cut(size_of):
     return lambda buf: buf[:size_of(buf)]
 
 
-def _header(buf):
-    return F.decode_header(bytes(buf[:192]) + bytes(max(0, 192 - len(buf))))
-
-
 def _mask_bit_set(buf):
     off, _ = sections(buf)[0]
     bits = np.unpackbits(np.frombuffer(bytes(buf[off:off + 64]), np.uint8), bitorder="little")
