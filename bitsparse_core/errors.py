@@ -20,14 +20,16 @@ class BitsparseError(Exception):
 
 
 # --------------------------------------------------------------------------- #
-# Serialized-buffer validation (docs/format.md, "Validation", rules V1..V17)   #
+# Serialized-buffer validation (docs/format.md §8, rules V1..V19)             #
 # --------------------------------------------------------------------------- #
 class FormatError(BitsparseError, ValueError):
     """A serialized buffer is not a valid format-v1 buffer."""
 
 
 class TruncatedBufferError(FormatError):
-    """V1: the buffer is shorter than the fixed header, its header or its total size."""
+    """V1a / V1b / V1c: the buffer is shorter than the 120-byte fixed header (V1a), than
+    its checked ``header_size`` (V1b, after V8) or than its checked ``total_size``
+    (V1c, after V12)."""
 
 
 class BadMagicError(FormatError):
@@ -58,6 +60,10 @@ class HeaderSizeError(FormatError):
     """V8: ndim exceeds the maximum or header_size disagrees with ndim."""
 
 
+class ShapeTooLargeError(FormatError):
+    """V19: the product of the shape's nonzero dimensions exceeds 2**58 (checked before V9)."""
+
+
 class ShapeMismatchError(FormatError):
     """V9: numel differs from the product of the shape."""
 
@@ -67,7 +73,8 @@ class OffsetWidthError(FormatError):
 
 
 class CapacityError(FormatError):
-    """V11: nnz exceeds capacity, or capacity exceeds numel."""
+    """V11: nnz exceeds capacity, or capacity exceeds numel. Also raised by ``pack`` for
+    a capacity that is not an int in [0, numel] (bool, float and str included)."""
 
 
 class SectionLayoutError(FormatError):

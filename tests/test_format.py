@@ -98,3 +98,32 @@ def test_header_round_trip():
     h = F.decode_header(raw + bytes(lay.total_size - len(raw)))
     assert (h.shape, h.nnz, h.capacity, h.checksum, h.chunk_log2) == ((3, 4, 5), 11, 17, 0xDEADBEEF, 10)
     assert h.dtype is D.FLOAT8_E5M2 and h.encoding == F.Encoding.SIGNPLANE
+
+
+def _doc_rule_rows():
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    section = text[text.index("## 8. Validation"):text.index("### 8.1")]
+    return [(int(m[1]), m[2], m[3]) for m in
+            re.finditer(r"^\| (\d+) \| (V\d+[abc]?) \| .* \| `(\w+)` \|$", section, re.M)]
+
+
+def test_spec_rule_table_is_the_order_the_reader_checks():
+    """docs/format.md §8 lists the rules, their order and errors exactly as the reader
+    applies them (tests/test_validation.py proves that order pair by pair)."""
+    from test_validation import RULES
+    rows = _doc_rule_rows()
+    assert [n for n, _, _ in rows] == list(range(1, len(RULES) + 1))
+    assert [(rule, err) for _, rule, err in rows] == [(r, e.__name__) for r, e, _ in RULES]
+    from bitsparse_core import errors as E
+    for _, rule, err in rows:   # each error's docstring names its rule
+        assert rule in getattr(E, err).__doc__
+
+
+def test_dimension_bound_constants():
+    assert F.MAX_EXTENT == 2**58
+    assert F.extent(()) == 1 and F.extent((0, 0)) == 1 and F.extent((3, 0, 5)) == 15
+    F.check_extent((2**58, 0))
+    with pytest.raises(bc.ShapeTooLargeError):
+        F.check_extent((2**29, 2**29, 2))

@@ -114,6 +114,62 @@ def test_fixed_capacity_keeps_first_values_and_reports_overflow(encoding):
 def test_capacity_out_of_range():
     with pytest.raises(bc.CapacityError):
         bc.pack(np.ones(10, np.float32), capacity=11)
+    with pytest.raises(bc.CapacityError):
+        bc.pack(np.ones(10, np.float32), capacity=-1)
+
+
+@pytest.mark.parametrize("capacity", [1.9, 0.5, 3.0, "100", "3", True, False, np.True_, [3],
+                                      np.float32(2)], ids=repr)
+@pytest.mark.parametrize("fn", ["pack", "relu_pack"])
+def test_capacity_must_be_an_int(capacity, fn):
+    """Before: 1.9 became 1, "100" became 100 and True became 1, silently."""
+    x = np.ones(10, np.float32)
+    with pytest.raises(bc.CapacityError, match="must be an int"):
+        getattr(bc, fn)(x, capacity=capacity)
+
+
+@pytest.mark.parametrize("capacity", [7, np.int64(7), np.uint8(7)], ids=repr)
+def test_integer_capacities_are_accepted(capacity):
+    p = bc.pack(np.ones(10, np.float32), capacity=capacity)
+    assert p.capacity == 7 and type(p.capacity) is int and p.overflowed
+
+
+@pytest.mark.parametrize("chunk_log2", [9.0, 9.5, "9", True])
+def test_chunk_log2_must_be_an_int(chunk_log2):
+    with pytest.raises(bc.ChunkSizeError):
+        bc.pack(np.ones(10, np.float32), chunk_log2=chunk_log2)
+
+
+@pytest.mark.parametrize("ndim", [32, 33, 64])
+def test_high_ndim_round_trips(ndim):
+    """A spec-valid ndim-33..64 buffer decodes (NumPy >= 2.0 holds 64 dimensions)."""
+    shape = (2, 3) + (1,) * (ndim - 2)
+    x = random_tensor(np.random.default_rng(ndim), shape, D.BFLOAT16, 0.3)
+    buf = bc.pack(x, encoding="raw", chunk_log2=9).to_bytes()
+    assert bc.validate(buf).shape == shape
+    assert same_bits(bc.unpack(bc.from_bytes(buf)), x, D.BFLOAT16)
+
+
+def test_nan_products_follow_one_rule():
+    """The reference's float32 products keep the first NaN operand (quieted) and give
+    0xFFC00000 for 0 * inf, whatever the installed NumPy's multiply does (2.2 keeps the
+    second NaN of two, 2.4 the first)."""
+    from bitsparse_core.spec.ops import mul_f32
+    bits = np.array([0x7F800001, 0xFFC01234, 0x7FC00000, 0x3F800000, 0, 0x7F800000, 0x80000000],
+                    dtype=np.uint32)
+    a, b = np.repeat(bits, bits.size), np.tile(bits, bits.size)
+    got = mul_f32(a.view(np.float32), b.view(np.float32)).view(np.uint32)
+    for x, y, z in zip(a, b, got):
+        nan = lambda v: (int(v) & 0x7FFFFFFF) > 0x7F800000  # noqa: E731
+        if nan(x):
+            assert z == x | 0x00400000
+        elif nan(y):
+            assert z == y | 0x00400000
+        elif {int(x) & 0x7FFFFFFF, int(y) & 0x7FFFFFFF} == {0, 0x7F800000}:
+            assert z == 0xFFC00000
+        else:
+            assert z == (np.float32(x.view(np.float32)) * np.float32(y.view(np.float32))).view(np.uint32)
+    assert mul_f32(np.float32(2), np.float32(3)).shape == ()
 
 
 def test_unpack_into_out_and_out_mismatch():

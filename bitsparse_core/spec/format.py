@@ -8,21 +8,28 @@ allocates exactly what the spec says.
 from __future__ import annotations
 
 import enum
+import operator
 import struct
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import dtypes as _dt
 from ..errors import (BadMagicError, ChunkSizeError, HeaderSizeError, OffsetWidthError,
-                     ReservedFieldError, ShapeMismatchError, TruncatedBufferError,
-                     UnknownEncodingError, UnsupportedVersionError, CapacityError,
-                     EncodingError)
+                     ReservedFieldError, ShapeMismatchError, ShapeTooLargeError,
+                     TruncatedBufferError, UnknownEncodingError, UnsupportedVersionError,
+                     CapacityError, EncodingError)
 
 MAGIC = b"BSPK"
 VERSION = 1
 ALIGN = 64
 FIXED_HEADER_SIZE = 120          # bytes before the shape array
 MAX_NDIM = 64
+# V19: the product of the nonzero dimensions is at most 2**58, so every bit index into
+# the dense tensor (numel * 32 bits) or into any section fits a signed 64-bit integer,
+# and NumPy (whose sizes are intp) can hold any shape a valid buffer names.
+MAX_EXTENT = 1 << 58
 MIN_CHUNK_LOG2 = 9               # 512 elements: each chunk's mask bytes start 64-byte aligned
 MAX_CHUNK_LOG2 = 24
 DEFAULT_CHUNK_LOG2 = 12          # 4096 elements per chunk
@@ -110,10 +117,45 @@ class Layout:
                 "signs": self.signs}
 
 
+def _as_int(value, what: str, cls) -> int:
+    """``value`` as a Python int; bools, floats, strings and other non-integers raise ``cls``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise cls(f"{what}={value!r} must be an int, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise cls(f"{what}={value!r} must be an int, not {type(value).__name__}") from None
+
+
 def check_chunk_log2(chunk_log2: int, cls=ChunkSizeError) -> int:
-    if not (MIN_CHUNK_LOG2 <= int(chunk_log2) <= MAX_CHUNK_LOG2):
+    chunk_log2 = _as_int(chunk_log2, "chunk_log2", cls)
+    if not (MIN_CHUNK_LOG2 <= chunk_log2 <= MAX_CHUNK_LOG2):
         raise cls(f"chunk_log2={chunk_log2} outside [{MIN_CHUNK_LOG2}, {MAX_CHUNK_LOG2}]")
-    return int(chunk_log2)
+    return chunk_log2
+
+
+def check_capacity(capacity, numel: int) -> int:
+    """A fixed capacity as an int in [0, numel]; anything else raises :class:`CapacityError`."""
+    capacity = _as_int(capacity, "capacity", CapacityError)
+    if not 0 <= capacity <= numel:
+        raise CapacityError(f"capacity={capacity} must lie in [0, numel={numel}]")
+    return capacity
+
+
+def extent(shape) -> int:
+    """Product of the nonzero dimensions (1 if there are none): numel for a non-empty tensor."""
+    n = 1
+    for s in shape:
+        if s:
+            n *= int(s)
+    return n
+
+
+def check_extent(shape) -> None:
+    """Rule V19: the product of the nonzero dimensions is at most :data:`MAX_EXTENT`."""
+    if extent(shape) > MAX_EXTENT:
+        raise ShapeTooLargeError(f"shape {tuple(shape)}: the product of its nonzero dimensions "
+                                 f"exceeds 2**58")
 
 
 def numel_of(shape) -> int:
@@ -133,10 +175,9 @@ def layout(shape, dtype, encoding, capacity=None, chunk_log2: int = DEFAULT_CHUN
         raise HeaderSizeError(f"ndim={len(shape)} exceeds {MAX_NDIM}")
     if any(s < 0 for s in shape):
         raise ShapeMismatchError(f"negative dimension in shape {shape}")
+    check_extent(shape)
     numel = numel_of(shape)
-    capacity = numel if capacity is None else int(capacity)
-    if not 0 <= capacity <= numel:
-        raise CapacityError(f"capacity={capacity} must lie in [0, numel={numel}]")
+    capacity = numel if capacity is None else check_capacity(capacity, numel)
     n_chunks = -(-numel // (1 << chunk_log2))
     hs = header_size(len(shape))
     lengths = [(numel + 7) // 8,
@@ -184,39 +225,41 @@ def encode_header(lay: Layout, nnz: int, checksum: int = 0) -> bytes:
 
 
 def decode_header(buf) -> Header:
-    """Parse and check the header fields (rules V1-V11 of the spec).
+    """Parse and check the header: rules V1a, V2-V8, V1b, V19, V9-V11, in that order
+    (docs/format.md §8). Nothing past the header is read.
 
-    Section positions (V12) and everything after the header are checked by
-    :func:`bitsparse_core.serialize.validate`.
+    Section positions (V12) and everything after them are checked by
+    :func:`bitsparse_core.spec.serialize.validate`.
     """
     mv = memoryview(buf).cast("B")
-    if len(mv) < FIXED_HEADER_SIZE:
+    if len(mv) < FIXED_HEADER_SIZE:                                             # V1a
         raise TruncatedBufferError(f"{len(mv)} bytes is shorter than the {FIXED_HEADER_SIZE}-byte fixed header")
     (magic, version, hsize, code, bits, enc, clog2, ndim, owidth, res0, checksum, res1,
      numel, nnz, capacity, total, *secs) = _FIXED.unpack_from(mv, 0)
-    if magic != MAGIC:
+    if magic != MAGIC:                                                          # V2
         raise BadMagicError(f"magic {bytes(magic)!r} is not {MAGIC!r}")
-    if version != VERSION:
+    if version != VERSION:                                                      # V3
         raise UnsupportedVersionError(f"format version {version}; this library reads version {VERSION}")
-    dtype = _dt.from_dlpack_pair(code, bits, in_header=True)
+    dtype = _dt.from_dlpack_pair(code, bits, in_header=True)                    # V4
     try:
-        encoding = Encoding(enc)
+        encoding = Encoding(enc)                                                # V5
     except ValueError:
         raise UnknownEncodingError(f"encoding byte {enc} is not 0, 1 or 2") from None
-    check_chunk_log2(clog2)
-    if res0 or res1:
+    check_chunk_log2(clog2)                                                     # V6
+    if res0 or res1:                                                            # V7
         raise ReservedFieldError(f"reserved header fields are {res0}, {res1}; both must be 0")
-    if ndim > MAX_NDIM or hsize != header_size(ndim):
+    if ndim > MAX_NDIM or hsize != header_size(ndim):                           # V8
         raise HeaderSizeError(f"header_size={hsize} with ndim={ndim}; expected "
                               f"{header_size(min(ndim, MAX_NDIM))} and ndim <= {MAX_NDIM}")
-    if len(mv) < hsize:
+    if len(mv) < hsize:                                                         # V1b
         raise TruncatedBufferError(f"{len(mv)} bytes is shorter than the {hsize}-byte header")
     shape = struct.unpack_from(f"<{ndim}Q", mv, FIXED_HEADER_SIZE)
-    if numel_of(shape) != numel:
+    check_extent(shape)                                                         # V19
+    if numel_of(shape) != numel:                                                # V9
         raise ShapeMismatchError(f"numel={numel} but shape {shape} holds {numel_of(shape)}")
-    if owidth != offset_width(numel):
+    if owidth != offset_width(numel):                                           # V10
         raise OffsetWidthError(f"offset_width={owidth}; numel={numel} requires {offset_width(numel)}")
-    if not (nnz <= capacity <= numel):
+    if not (nnz <= capacity <= numel):                                          # V11
         raise CapacityError(f"need nnz <= capacity <= numel; got nnz={nnz}, capacity={capacity}, numel={numel}")
     sections = tuple((secs[2 * i], secs[2 * i + 1]) for i in range(4))
     return Header(dtype, encoding, clog2, shape, numel, nnz, capacity, checksum, total, hsize, sections)

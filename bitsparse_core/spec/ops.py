@@ -4,7 +4,8 @@ These are the executable spec of the GPU kernels' fused paths: a GPU result
 must equal these bit for bit. Float products are formed exactly in float32
 (a product of two bf16/fp16/fp8 values always fits) and rounded once to the
 tensor's dtype, round-to-nearest-even -- the same single rounding PyTorch's
-elementwise kernels perform.
+elementwise kernels perform. A NaN product follows one fixed rule (:func:`mul_f32`),
+not whichever NaN operand the installed NumPy's loops happen to keep.
 
 ReLU here is ``r = a if a > 0 else +0.0``, with NaN passed through (as
 ``torch.relu`` does); ``-0.0`` becomes ``+0.0``, so a packed ReLU output has a
@@ -36,6 +37,29 @@ def relu_bits(a: np.ndarray, dtype: _dt.DType) -> np.ndarray:
     return np.where(keep, a, np.zeros((), dtype=dtype.numpy)).astype(dtype.numpy)
 
 
+_F32_QUIET = np.uint32(0x00400000)
+_F32_DEFAULT_NAN = np.uint32(0xFFC00000)
+
+
+def mul_f32(a, b) -> np.ndarray:
+    """The float32 product ``a * b`` with x86 SSE's NaN rule, which the GPU kernels
+    reproduce: a NaN operand gives the first NaN operand, quieted; an invalid product
+    (0 * inf) gives the default NaN 0xFFC00000. NumPy alone does not fix this: which
+    NaN of two its multiply keeps differs between versions (NumPy 2.2 keeps the
+    second, 2.4 the first) and between platforms."""
+    a, b = np.broadcast_arrays(np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32))
+    out = np.empty(a.shape, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        np.multiply(a, b, out=out)
+    nan = np.isnan(out)
+    if nan.any():
+        a_nan, b_nan = np.isnan(a), np.isnan(b)
+        bits = np.where(a_nan, a.view(np.uint32) | _F32_QUIET,
+                        np.where(b_nan, b.view(np.uint32) | _F32_QUIET, _F32_DEFAULT_NAN))
+        out.view(np.uint32)[nan] = bits[nan]
+    return out
+
+
 def _round(x32: np.ndarray, dtype: _dt.DType) -> np.ndarray:
     return x32.astype(dtype.numpy)
 
@@ -49,7 +73,7 @@ def relu_pack(a: np.ndarray, dtype: _dt.DType, *, square: bool = False, encoding
     p = pack_array(r, dtype, encoding, chunk_log2=chunk_log2, capacity=capacity)
     if square:
         r32 = r.astype(np.float32)
-        y = _round(r32 * r32, dtype)
+        y = _round(mul_f32(r32, r32), dtype)
     else:
         y = r.copy()
     return y, p
@@ -69,7 +93,7 @@ def relu2_backward(grad: np.ndarray, p: PackedTensor) -> np.ndarray:
     """``d relu(a)**2 / da * grad = 2 r grad`` where ``r > 0``, else +0 (NaN r gives +0)."""
     r = unpack_planes(p, p.mask, p.values, p.signs).view(p.dtype.numpy)
     r32 = np.asarray(r, dtype=np.float32)
-    g = _round(grad.astype(np.float32) * (2.0 * r32), p.dtype)
+    g = _round(mul_f32(grad, mul_f32(2.0, r32)), p.dtype)
     return np.where(r32 > 0, g, np.zeros((), dtype=p.dtype.numpy)).astype(p.dtype.numpy)
 
 
@@ -100,6 +124,6 @@ def gated_backward(grad: np.ndarray, p_r: PackedTensor, p_u: PackedTensor):
     u = unpack_planes(p_u, p_u.mask, p_u.values, p_u.signs)
     r32, u32, g32 = (np.asarray(t, dtype=np.float32) for t in (r, u, grad))
     zero = np.zeros((), dtype=dtype.numpy)
-    grad_u = _round(g32 * r32, dtype)
-    grad_g = np.where(r32 > 0, _round(g32 * u32, dtype), zero).astype(dtype.numpy)
+    grad_u = _round(mul_f32(g32, r32), dtype)
+    grad_g = np.where(r32 > 0, _round(mul_f32(g32, u32), dtype), zero).astype(dtype.numpy)
     return grad_g, grad_u

@@ -28,16 +28,18 @@ def choose_encoding(encoding, stored: np.ndarray, dtype: _dt.DType) -> Encoding:
     return encoding
 
 
-def chunk_offsets(nonzero: np.ndarray, chunk_log2: int) -> np.ndarray:
-    """Entry c = number of nonzeros before chunk c; the last entry is nnz."""
-    numel, size = nonzero.size, 1 << chunk_log2
-    n_chunks = -(-numel // size)
-    padded = np.zeros(n_chunks * size, dtype=bool)
-    padded[:numel] = nonzero
-    counts = np.count_nonzero(padded.reshape(n_chunks, size), axis=1)
-    width = _fmt.offset_width(numel)
-    offsets = np.zeros(n_chunks + 1, dtype=np.dtype(f"<u{width}"))
-    np.cumsum(counts, out=offsets[1:])
+def chunk_offsets(mask: np.ndarray, numel: int, chunk_log2: int) -> np.ndarray:
+    """Entry c = number of set bits of the packed ``mask`` before chunk c; the last
+    entry is nnz. Bits past ``numel`` must be zero (V15). A chunk's bits start on a byte
+    boundary (``chunk_log2 >= 3``), so this counts bytes: memory is one count per mask
+    byte plus one per chunk, never a padded whole chunk."""
+    n_chunks = -(-numel >> chunk_log2)
+    offsets = np.zeros(n_chunks + 1, dtype=np.dtype(f"<u{_fmt.offset_width(numel)}"))
+    if n_chunks:
+        mask = np.asarray(mask, dtype=np.uint8)
+        starts = np.arange(0, mask.size, 1 << (chunk_log2 - 3))
+        counts = np.add.reduceat(np.bitwise_count(mask), starts, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
     return offsets
 
 

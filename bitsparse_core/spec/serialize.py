@@ -1,9 +1,12 @@
 """Serialized buffers: ``to_bytes``, ``from_bytes`` and the full validator.
 
-:func:`validate` applies the spec's rules V1-V18 in order and raises the one
-named error of the first rule broken; a buffer it accepts decodes to exactly
-one tensor. Rules are checked cheapest first: the header (V1-V11), the layout
-(V12-V13), the checksum (V14), then the payload (V15-V18).
+:func:`validate` applies the spec's rules in the order of docs/format.md §8 and
+raises the one named error of the first rule broken; a buffer it accepts decodes
+to exactly one tensor. The order is the order in which a reader can trust what it
+reads: the fixed header (V1a-V8), the header's own length (V1b), the shape and
+counts (V19, V9-V11), the layout (V12) and with it the buffer's length (V1c,
+V13), the checksum (V14), then the payload (V15-V18). Memory stays a small
+multiple of the buffer's size.
 """
 
 from __future__ import annotations
@@ -66,45 +69,49 @@ def _tail_bits_zero(plane: np.ndarray, used_bits: int) -> bool:
     return True
 
 
-def validate(buf) -> _fmt.Header:
-    """Check every rule of the spec; return the header or raise the rule's error."""
-    mv = memoryview(buf).cast("B")
-    h = _fmt.decode_header(mv)                                                  # V1-V11
+def check_structure(mv: memoryview):
+    """Rules V1a-V13 (the header, the layout, the buffer's length): ``(header, layout)``."""
+    h = _fmt.decode_header(mv)                                     # V1a, V2-V8, V1b, V19, V9-V11
     lay = _fmt.layout(h.shape, h.dtype, h.encoding, h.capacity, h.chunk_log2)
     expected = (lay.mask, lay.offsets, lay.values, lay.signs)
-    for name, got, want in zip(_NAMES, h.sections, expected):                   # V12
+    for name, got, want in zip(_NAMES, h.sections, expected):      # V12
         if tuple(got) != tuple(want):
             raise SectionLayoutError(f"{name} section at (offset, length)={tuple(got)}; "
                                      f"the size formula gives {tuple(want)}")
     if h.total_size != lay.total_size:
         raise SectionLayoutError(f"total_size={h.total_size}; the size formula gives {lay.total_size}")
-    if len(mv) < h.total_size:                                                  # V1
+    if len(mv) < h.total_size:                                     # V1c
         raise TruncatedBufferError(f"buffer holds {len(mv)} of its {h.total_size} bytes")
-    if len(mv) > h.total_size:                                                  # V13
+    if len(mv) > h.total_size:                                     # V13
         raise TrailingBytesError(f"{len(mv) - h.total_size} bytes follow the {h.total_size}-byte buffer")
-    if _fmt.crc32(mv) != h.checksum:                                            # V14
+    return h, lay
+
+
+def validate(buf) -> _fmt.Header:
+    """Check every rule of the spec; return the header or raise the rule's error."""
+    return _validate(memoryview(buf).cast("B"))[0]
+
+
+def _validate(mv: memoryview):
+    h, lay = check_structure(mv)                                   # V1-V13, V19
+    if _fmt.crc32(mv) != h.checksum:                               # V14
         raise ChecksumError(f"stored CRC-32 {h.checksum:#010x}, computed {_fmt.crc32(mv):#010x}")
     raw = np.frombuffer(mv, dtype=np.uint8)
-    _check_padding(raw, h, lay)                                                 # V15
-    mask = raw[slice(lay.mask[0], lay.mask[0] + lay.mask[1])]
-    nonzero = np.unpackbits(mask, count=h.numel, bitorder="little").view(bool)
-    count = int(np.count_nonzero(nonzero))
-    if count != h.nnz:                                                          # V16
+    _check_padding(raw, h, lay)                                    # V15
+    planes = _planes(raw, lay)
+    want = chunk_offsets(planes["mask"], h.numel, h.chunk_log2)
+    count = int(want[-1])
+    if count != h.nnz:                                             # V16
         raise MaskCountError(f"mask has {count} set bits, header says nnz={h.nnz}")
-    offsets = raw[lay.offsets[0]:lay.offsets[0] + lay.offsets[1]].view(f"<u{lay.offset_width}")
-    want = chunk_offsets(nonzero, h.chunk_log2)
-    if not np.array_equal(offsets, want):                                       # V17
+    offsets = planes["offsets"]
+    if not np.array_equal(offsets, want):                          # V17
         bad = int(np.flatnonzero(offsets != want)[0])
         raise ChunkOffsetsError(f"chunk offset {bad} is {int(offsets[bad])}, mask gives {int(want[bad])}")
-    planes = _planes(raw, lay)
     stored = decode_values(h, planes["values"], planes["signs"], h.nnz)
     zeros = np.flatnonzero(stored == 0)
-    if zeros.size:                                                              # V18
+    if zeros.size:                                                 # V18
         raise ZeroValueError(f"stored value {int(zeros[0])} has the all-zero bit pattern")
-    return h
-
-
-_validate_buffer = validate  # from_bytes' keyword argument shadows the name
+    return h, lay
 
 
 def _check_padding(raw: np.ndarray, h: _fmt.Header, lay: _fmt.Layout) -> None:
@@ -129,16 +136,19 @@ def _planes(raw: np.ndarray, lay: _fmt.Layout) -> dict:
     return planes
 
 
-def decode(buf, *, validate: bool = True):
-    """``(header, layout, planes)`` of a serialized buffer; the planes view ``buf``
-    (zero-copy). ``validate=False`` checks only the header and layout; use it only on
-    buffers you produced yourself."""
+def _is_immutable(mv: memoryview) -> bool:
+    """``mv`` exposes a ``bytes`` object read-only: nothing can change its bytes."""
+    return mv.readonly and isinstance(mv.obj, bytes)
+
+
+def decode(buf, *, validate: bool = True, copy: bool | None = None):
+    """``(header, layout, planes)`` of a serialized buffer; the planes are read-only
+    views of ``buf``, or of a private copy of it (see :func:`~.codec.from_bytes` for
+    ``copy``). The copy is taken before any rule is checked, so what was validated is
+    what the planes hold. ``validate=False`` checks rules V1-V13 only."""
     mv = memoryview(buf).cast("B")
-    if validate:
-        h = _validate_buffer(mv)
-    else:
-        h = _fmt.decode_header(mv)
-        if len(mv) < h.total_size:
-            raise TruncatedBufferError(f"buffer holds {len(mv)} of its {h.total_size} bytes")
-    lay = _fmt.layout(h.shape, h.dtype, h.encoding, h.capacity, h.chunk_log2)
+    if copy or (copy is None and not _is_immutable(mv)):
+        mv = memoryview(bytes(mv))
+    mv = mv.toreadonly()
+    h, lay = _validate(mv) if validate else check_structure(mv)
     return h, lay, _planes(np.frombuffer(mv, dtype=np.uint8), lay)
