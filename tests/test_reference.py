@@ -239,3 +239,10 @@ def test_packed_tensor_properties():
     assert p.ratio == pytest.approx(p.dense_nbytes / p.nbytes)
     assert set(p.planes) == {"mask", "offsets", "values", "signs"}
     assert "nnz=1024" in repr(p)
+
+
+def test_masked_pack_auto_is_signplane():
+    x = np.maximum(np.linspace(-1, 1, 64, dtype=np.float32), 0)
+    u = np.linspace(-2, 2, 64, dtype=np.float32)
+    q = bc.masked_pack(u, bc.pack(x), encoding="auto")
+    assert q.encoding == bc.Encoding.SIGNPLANE

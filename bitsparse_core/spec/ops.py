@@ -97,15 +97,23 @@ def relu2_backward(grad: np.ndarray, p: PackedTensor) -> np.ndarray:
     return np.where(r32 > 0, g, np.zeros((), dtype=p.dtype.numpy)).astype(p.dtype.numpy)
 
 
+def masked_encoding(encoding) -> _fmt.Encoding:
+    """A masked pack's encoding; ``"auto"`` is signplane (the companion is signed)."""
+    if isinstance(encoding, str) and encoding.lower() == "auto":
+        return _fmt.Encoding.SIGNPLANE
+    return _fmt.Encoding.parse(encoding)
+
+
 def masked_pack(u: np.ndarray, dtype: _dt.DType, p_mask: PackedTensor, *,
                 encoding="signplane") -> PackedTensor:
     """``u``'s bit patterns at the positions set in ``p_mask``'s mask (zeros included),
     sharing that mask and its chunk offsets: the gated-ReLU companion plane.
 
     The result is an in-memory tensor only (a stored value may be zero, which a
-    standalone format-v1 buffer forbids); ``to_bytes`` refuses it.
+    standalone format-v1 buffer forbids); ``to_bytes`` refuses it. ``"auto"`` means
+    signplane: the companion ``u`` is signed (as in the torch and JAX adapters).
     """
-    encoding = _fmt.Encoding.parse(encoding)
+    encoding = masked_encoding(encoding)
     bits = u.reshape(-1).view(dtype.uint)
     stored = bits[mask_of(p_mask).reshape(-1)]
     if encoding == _fmt.Encoding.NOSIGN and np.any(stored >> (dtype.bits - 1)):

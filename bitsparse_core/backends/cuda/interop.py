@@ -120,13 +120,8 @@ def stream_wait(consumer: int, producer: int, device: int) -> None:
 
 
 def check_capacity(capacity, numel: int) -> int:
-    """A fixed capacity as an int in [0, numel], or a named error."""
-    from ...errors import CapacityError
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
-        raise CapacityError(f"capacity={capacity!r} must be an int (or None for an exact pack)")
-    if not 0 <= int(capacity) <= numel:
-        raise CapacityError(f"capacity={capacity} must lie in [0, numel={numel}]")
-    return int(capacity)
+    """A fixed capacity as an int in [0, numel], or a named error (the spec's rule)."""
+    return _fmt.check_capacity(capacity, numel)
 
 
 # --------------------------------------------------------------------------- #

@@ -23,6 +23,7 @@ from typing import Protocol
 from ...errors import EncodingError, OutputMismatchError, UnsupportedDeviceError
 from ...spec import format as _fmt
 from ...spec.format import Encoding
+from ...spec.ops import masked_encoding  # noqa: F401  (the backends' masked_pack rule)
 from . import abi
 from .host import PackPlan, pack_plan
 from .interop import check_capacity

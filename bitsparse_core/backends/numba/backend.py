@@ -464,7 +464,7 @@ class NumbaBackend:
         st = P.stream(stream)
         buf, shape, dt = P.import_dense(u, dtype, st)
         protocol.check_like("u", shape, dt, p_mask)
-        enc = Encoding.parse(encoding)
+        enc = protocol.masked_encoding(encoding)
         P.order_after(p_mask, st)
         nnz = p_mask.nnz  # the companion stores every masked position (sync if pending)
         plan = pack_plan(tuple(shape), dt, enc, nnz, p_mask.chunk_log2, Mode.MASKED)
