@@ -181,6 +181,7 @@ def _encoding_id(encoding: str) -> int:
 
 
 _FUNCTIONAL_POLICIES: dict = {}
+_MAX_FUNCTIONAL_POLICIES = 256   # shapes vary with sequence length: keep the newest
 
 
 def _policy(policy, density, shape, dtype, square):
@@ -191,6 +192,8 @@ def _policy(policy, density, shape, dtype, square):
     key = (tuple(shape), dtype, square, density)
     pol = _FUNCTIONAL_POLICIES.get(key)
     if pol is None:
+        if len(_FUNCTIONAL_POLICIES) >= _MAX_FUNCTIONAL_POLICIES:
+            _FUNCTIONAL_POLICIES.pop(next(iter(_FUNCTIONAL_POLICIES)))
         pol = _FUNCTIONAL_POLICIES[key] = CapacityPolicy(density)
     return pol
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .. import dtypes as _dt
 from ..backends import get_backend
 from ..backends.cuda import abi, driver, host
-from ..errors import CapacityOverflowError, EncodingError
+from ..errors import CapacityOverflowError, EncodingError, UnsupportedTransformError
 from ..packed import PackedTensor
 from ..spec import ops as reference_ops
 from ..spec.format import Encoding
@@ -161,7 +161,7 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
 # --------------------------------------------------------------------------- #
 # Registered through the low-level Library API: a Python kernel straight in the
 # dispatcher. torch.library.custom_op wraps each call in its autograd and
-# dynamo-disable layers, measured at ~60 us per call here (bench/NOTES.md); the
+# dynamo-disable layers, ~100 us per call on the development CPU (bench/NOTES.md); the
 # autograd formula lives in ReLULinearFunction (functional.py) instead.
 _LIB = torch.library.Library("bitsparse", "DEF")
 _LIB.define("relu_linear(Tensor a, Tensor weight, Tensor? bias, Tensor? x, Tensor? w1, "
@@ -286,6 +286,11 @@ def _wait(block, ticket, plan):
     """The pack's state, waiting for it on the host (only for a relu_linear without a
     recompute source whose count has not come back)."""
     if block.device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            raise UnsupportedTransformError(
+                "a relu_linear without a recompute source cannot be captured in a CUDA graph "
+                "(its backward would have to wait for the pack's count); pass "
+                "recompute=(x, w1, b1) or use relu_ffn")
         torch.cuda.current_stream(block.device).synchronize()
     state = _state(block, ticket, plan)
     if state is None:   # no slot was taken (graph capture): read the block itself
