@@ -371,3 +371,26 @@ def test_packed_sizes_shrink_with_sparsity():
                  (torch.uint8, torch.uint32))
     dense = a.numel() * 4
     assert planes < dense * 0.3
+
+
+def test_hooks_unpack_once_while_the_dense_tensor_is_alive():
+    """A tensor saved twice by one node is unpacked once: one dense copy, as in plain PyTorch."""
+    class SavesTwice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            r = torch.relu(a)
+            ctx.save_for_backward(r, r.view(-1))
+            return r * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            r, flat = ctx.saved_tensors
+            assert r.data_ptr() == flat.data_ptr()      # the same dense tensor
+            return g * 2 * (r > 0)
+
+    a = (torch.randn(64, 64) - 0.5).requires_grad_()
+    with compress_saved_tensors(min_numel=256) as c:
+        out = SavesTwice.apply(a)
+    out.sum().backward()
+    assert c.stats.packed == 1 and c.stats.unpacked == 1 and c.stats.reused == 1
+    assert torch.equal(a.grad, 2 * (torch.relu(a.detach()) > 0))

@@ -9,12 +9,16 @@ times (``retain_graph``, several nodes saving the same tensor).
 A tensor saved by several nodes (ReLU saves its output, the next matmul saves
 the same tensor or a reshaped view of it) is packed once: packs are shared by
 the base tensor they were made from while that tensor is alive and unmodified.
+Unpacks are shared the same way: while one unpacked tensor is alive, every other
+unpack of the same pack returns it (or a view), so no two dense copies of one
+saved tensor exist at once where plain PyTorch holds one.
 Deciding "worth packing" counts the nonzeros, one host sync per candidate.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -32,6 +36,7 @@ class SavedStats:
     passed: int = 0
     shared: int = 0
     unpacked: int = 0
+    reused: int = 0          # unpacks answered by a dense tensor still alive
     dense_bytes: int = 0
     packed_bytes: int = 0
 
@@ -39,11 +44,12 @@ class SavedStats:
 class _Packed:
     """A packed saved tensor: the PackedTensor, its plane tensors, and how to view it back."""
 
-    __slots__ = ("p", "planes", "dtype", "device", "shape", "stream", "backend")
+    __slots__ = ("p", "planes", "dtype", "device", "shape", "stream", "backend", "dense")
 
     def __init__(self, p, planes, dtype, device, shape, stream, backend):
         self.p, self.planes, self.dtype = p, planes, dtype
         self.device, self.shape, self.stream, self.backend = device, shape, stream, backend
+        self.dense = None    # weak reference to the last unpacked tensor
 
 
 class _View:
@@ -157,8 +163,14 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             return self._unpack(obj.base).view(obj.shape)
         if not isinstance(obj, _Packed):
             return obj
+        alive = obj.dense() if obj.dense is not None else None
+        if alive is not None:
+            self.stats.reused += 1
+            return alive
         call = B.Call(obj.device, obj.backend)
         B.keep_alive_on_stream(obj.planes, call, obj.stream)
         arr = call.backend.unpack(obj.p, **call.kwargs)
         self.stats.unpacked += 1
-        return B.as_torch(arr, obj.dtype, obj.shape, call.owners())
+        t = B.as_torch(arr, obj.dtype, obj.shape, call.owners())
+        obj.dense = weakref.ref(t)
+        return t
