@@ -2,7 +2,7 @@
 
     python3 bench/numba_pack_variants.py "" pack_blocks=6 lb_early=1 lb_windows=4,lb_early=1
 
-Each argument is one variant: ``DtypeKernels`` keywords (``pack_rounds``,
+Each argument is one variant: ``PackVariant`` fields (``pack_rounds``,
 ``pack_blocks``, ``lb_windows``, ``lb_early``; see numba_kernels), "" for the
 committed kernels. bf16 and fp8 e4m3fn at sparsity 0.5 and 0.9, 2^27 elements,
 encoding nosign, median of 10 CUDA-event timings as in bench_codecs.py (so the
@@ -22,8 +22,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import cupy  # noqa: E402
 import torch  # noqa: E402
 
-import bitsparse_core as bc  # noqa: E402
 from bitsparse_core.backends.numba import kernels as NK  # noqa: E402
+from bitsparse_core.backends.numba.backend import NumbaBackend  # noqa: E402
 from bench_codecs import Timer, relu_like  # noqa: E402
 
 PLANES = ("mask", "offsets", "values", "signs")
@@ -31,7 +31,6 @@ PLANES = ("mask", "offsets", "values", "signs")
 
 def main() -> None:
     variants = sys.argv[1:] or [""]
-    committed = NK.kernels_for
     stream = torch.cuda.Stream()
     timer = Timer(torch, stream, 10)
     for dname, tdtype in (("bfloat16", torch.bfloat16), ("float8_e4m3fn", torch.float8_e4m3fn)):
@@ -39,23 +38,18 @@ def main() -> None:
             x = relu_like(torch, 1 << 27, sp, tdtype, seed=int(sp * 1000))
             nnz = int(torch.count_nonzero(x.view(torch.uint8 if x.element_size() == 1 else torch.int16)))
 
-            def pack():
-                return bc.pack(x, encoding="nosign", capacity=nnz, backend="numba", stream=stream)
+            def pack(be):
+                return be.pack(x, encoding="nosign", capacity=nnz, stream=stream)
 
-            NK.kernels_for = committed
-            ref = pack()
+            ref = pack(NumbaBackend())
             stream.synchronize()
             for v in variants:
                 kw = {k: int(val) for k, val in (item.split("=") for item in v.split(",") if item)}
-                kern = NK.DtypeKernels(dname, **kw) if kw else committed(dname)
-                NK.kernels_for = lambda name, kern=kern: kern
-                try:
-                    p = pack()
-                    stream.synchronize()
-                    same = all(bool(cupy.array_equal(getattr(p, n), getattr(ref, n))) for n in PLANES)
-                    ms = timer(pack)
-                finally:
-                    NK.kernels_for = committed
+                be = NumbaBackend(NK.PackVariant(**kw))
+                p = pack(be)
+                stream.synchronize()
+                same = all(bool(cupy.array_equal(getattr(p, n), getattr(ref, n))) for n in PLANES)
+                ms = timer(lambda: pack(be))
                 print(f"{v or '(committed)':32s} {dname:14s} s={sp} pack fixed {ms * 1e3:7.1f} us"
                       f"  same={same}", flush=True)
 

@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--all", action="store_true",
                     help="every op / mode and encoding of unpack and pack, not only nosign")
     ap.add_argument("--variant", default="",
-                    help="pack variant, DtypeKernels keywords: e.g. pack_blocks=6,lb_early=1")
+                    help="pack variant, PackVariant fields: e.g. pack_blocks=6,lb_early=1")
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     import numba.cuda.dispatcher as disp
@@ -57,7 +57,7 @@ def main() -> None:
     from bitsparse_core.backends.numba import kernels as K
 
     kw = {key: int(val) for key, val in (item.split("=") for item in a.variant.split(",") if item)}
-    k = K.DtypeKernels(a.dtype, **kw) if kw else K.kernels_for(a.dtype)
+    k = K.kernels_for(a.dtype, K.PackVariant(**kw))
     arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
     et = {8: types.uint8, 16: types.uint16, 32: types.uint32}[k.bits]
     u8, u32, u64, el, i64, b = arr(types.uint8), arr(types.uint32), arr(types.uint64), arr(et), types.int64, types.boolean

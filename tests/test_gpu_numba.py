@@ -33,6 +33,7 @@ import bitsparse_core as bc  # noqa: E402
 from bitsparse_core.backends.cuda import interop as ci  # noqa: E402
 from bitsparse_core import dtypes as _dt  # noqa: E402
 from bitsparse_core.backends.numba import kernels as NK  # noqa: E402
+from bitsparse_core.backends.numba.backend import NumbaBackend  # noqa: E402
 from bitsparse_core.spec import codec as reference, ops as reference_ops  # noqa: E402
 from bitsparse_core.errors import (CapacityOverflowError, EncodingError,  # noqa: E402
                                    OutputMismatchError)
@@ -116,18 +117,18 @@ def test_fixed_capacity_no_sync_and_overflow(rng, dt):
 
 
 @pytest.mark.parametrize("dt", DT_PARAMS)
-def test_lookback_walks_many_windows(rng, dt, monkeypatch):
+def test_lookback_walks_many_windows(rng, dt):
     """Only every 700th tile publishes its inclusive count, so look-backs walk over
     many 32-tile windows of concurrent predecessors, past the 8 windows one round
     trip reads (NK.LB_WINDOWS); sparse and empty tiles share stream words."""
-    monkeypatch.setattr(BE, "incl_every", 700)
+    be = NumbaBackend(NK.PackVariant(incl_every=700))
     T = NK.kernels_for(dt.name).ptile            # the pack's tile
     n = 1500 * T + 123
     x = random_bits(rng, (n,), dt, 0.999)
     x.view(dt.uint)[5 * T:9 * T] = 0
     for enc in ("nosign", "signplane"):
         xx = x if enc != "nosign" else _unsigned(x, dt)
-        p = BE.pack(dev(xx), dtype=dt.name, encoding=enc, chunk_log2=9)
+        p = be.pack(dev(xx), dtype=dt.name, encoding=enc, chunk_log2=9)
         assert_same(p, reference.pack_array(xx, dt, enc, chunk_log2=9), f"walk {enc}")
 
 
@@ -158,21 +159,21 @@ def test_stitch_tiles_sharing_words(rng, dt):
 
 
 @pytest.mark.parametrize("dt", [_group(_dt.BFLOAT16), _group(_dt.FLOAT8_E4M3FN)])
-def test_nosign_flag_travels_the_look_back(rng, dt, monkeypatch):
+def test_nosign_flag_travels_the_look_back(rng, dt):
     """A sign bit in an early tile of many: the flag reaches the status word through
     the look-back descriptors (inclusive ones, or aggregates when most tiles
     publish none)."""
     T = NK.kernels_for(dt.name).ptile
     x = random_bits(rng, (300 * T + 5,), dt, 0.9, signs=False)
     for incl_every in (1, 7):
-        monkeypatch.setattr(BE, "incl_every", incl_every)
+        be = NumbaBackend(NK.PackVariant(incl_every=incl_every))
         for where in (3 * T + 11, 150 * T):
             xx = x.copy()
             xx.view(dt.uint)[where] = dt.sign_mask | 1
-            p = BE.pack(dev(xx), dtype=dt.name, encoding="nosign", capacity=xx.size)
+            p = be.pack(dev(xx), dtype=dt.name, encoding="nosign", capacity=xx.size)
             with pytest.raises(EncodingError):
                 p.check()
-        p = BE.pack(dev(x), dtype=dt.name, encoding="nosign", capacity=x.size)
+        p = be.pack(dev(x), dtype=dt.name, encoding="nosign", capacity=x.size)
         p.check()
 
 

@@ -165,12 +165,12 @@ else:
         assert info[0] == want[-1] and info[1] == 0
 
     @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT32, D.FLOAT8_E4M3FN], ids=IDS)
-    def test_lookback_walks_aggregates(dtype, monkeypatch):
+    def test_lookback_walks_aggregates(dtype):
         """Tiles that publish only their own count make later tiles' look-back walk
         back over several predecessors, summing their counts (in the simulator
         blocks run in order, so otherwise the nearest one is always done). Some
         tiles hold fewer than 32 stream bits, so several tiles share a stream word."""
-        monkeypatch.setattr(BE, "incl_every", 3)
+        be = NumbaBackend(NK.PackVariant(incl_every=3))
         rng = _rng("walk", dtype.name)
         T = NK.kernels_for(dtype.name).ptile         # the pack's tile
         x = random_tensor(rng, (5 * T + 7,), dtype, 0.5)
@@ -180,22 +180,22 @@ else:
         xb[3 * T:4 * T - 2] = 0                      # two in this one
         for enc in ("raw", "signplane"):
             for cap in (None, int(np.count_nonzero(xb)) - 3):
-                p = BE.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
+                p = be.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
                 _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
 
     @pytest.mark.parametrize("dtype,encodings,variant", [
         (D.FLOAT8_E4M3FN, ("nosign", "signplane"), {}),
         (D.BFLOAT16, ("raw", "nosign"), {"lb_early": True, "ticket": False})], ids=str)
-    def test_pack_gpu_rounds(dtype, encodings, variant, monkeypatch):
+    def test_pack_gpu_rounds(dtype, encodings, variant):
         """The pack with the GPU's groups per thread (fp8: 8, a 64-bit packed scan;
         bf16: 4) instead of the simulator's 2, over a few of its larger tiles:
         a sparse and an empty tile, then one whose first warp holds only nonzeros
         (every round's 8-bit count field full, the top one wrapping), exact and
         fixed capacity. bf16 also runs two variants of the A/B knobs (the count
         published before staging, tiles by block index)."""
-        kern = NK.DtypeKernels(dtype.name, NK.pack_rounds_for(dtype.bits, sim=False), **variant)
-        monkeypatch.setattr(NK, "kernels_for", lambda name: kern)
-        T = kern.ptile
+        v = NK.PackVariant(pack_rounds=NK.pack_rounds_for(dtype.bits, sim=False), **variant)
+        be = NumbaBackend(v)
+        T = NK.kernels_for(dtype.name, v).ptile
         rng = _rng("gpurounds", dtype.name)
         x = random_tensor(rng, (2 * T + 3 * T // 4 + 5,), dtype, 0.9, signed=False)
         xb = x.view(dtype.uint)
@@ -204,7 +204,7 @@ else:
         for i, enc in enumerate(encodings):
             nnz = int(np.count_nonzero(xb))
             cap = None if i == 0 else nnz - 50
-            p = BE.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
+            p = be.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
             _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
 
     def test_stitch_tiles_sharing_words():
@@ -227,19 +227,19 @@ else:
             _assert_planes(p, R.pack_array(x, dtype, "signplane", chunk_log2=9, capacity=cap))
 
     @pytest.mark.parametrize("incl_every", [1, 2])
-    def test_nosign_flag_travels_the_look_back(incl_every, monkeypatch):
+    def test_nosign_flag_travels_the_look_back(incl_every):
         """A sign bit in the first of three tiles: the flag reaches the status word
         through the descriptors (the first tile's inclusive one, or the second's
         aggregate when it publishes no inclusive count)."""
-        monkeypatch.setattr(BE, "incl_every", incl_every)
+        be = NumbaBackend(NK.PackVariant(incl_every=incl_every))
         dtype = D.BFLOAT16
         T = NK.kernels_for(dtype.name).ptile
         x = random_tensor(_rng("negflag"), (2 * T + 100,), dtype, 0.7, signed=False)
         x.view(dtype.uint)[17] = dtype.sign_mask | 5
-        p = BE.pack(x, encoding="nosign", chunk_log2=9, capacity=x.size)
-        assert BE.read_status(p) & 1
+        p = be.pack(x, encoding="nosign", chunk_log2=9, capacity=x.size)
+        assert be.read_status(p) & 1
         with pytest.raises(EncodingError):
             p.check()
         x.view(dtype.uint)[17] = 5
-        p = BE.pack(x, encoding="nosign", chunk_log2=9, capacity=x.size)
-        assert BE.read_status(p) == 0
+        p = be.pack(x, encoding="nosign", chunk_log2=9, capacity=x.size)
+        assert be.read_status(p) == 0

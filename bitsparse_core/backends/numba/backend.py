@@ -294,7 +294,9 @@ class NumbaBackend:
 
     name = "numba"
     device_type = "cuda"
-    incl_every = 1      # look-back publication period (tests raise it; see k_pack)
+
+    def __init__(self, variant: K.PackVariant = K.COMMITTED):
+        self.variant = variant      # tests and A/B timings pass others (kernels.PackVariant)
 
     def is_available(self) -> bool:
         if K.SIM:
@@ -387,7 +389,7 @@ class NumbaBackend:
             P.memset0(al.buf, 0, al.status_offset + STATUS_BYTES, st)
             return None
         enc = lay.encoding
-        kern = K.kernels_for(dt.name)
+        kern = K.kernels_for(dt.name, self.variant)   # the pack's variant
         n_tiles = _ceil_div(numel, kern.ptile)      # the pack's own tile size
         # Scratch: ticket, unused, a descriptor per tile (zeroed); each tile's start
         # and the total; 16 bytes of stream edges per tile (for k_finish).
@@ -413,7 +415,7 @@ class NumbaBackend:
             msrc = P.view(P.import_plane(p_mask.mask), 0, lay.mask[1], np.uint8)
             mask, offsets = msrc, P.view(scratch, 0, 0, np.uint32)
         P.launch(kern.pack[(mode, int(enc))], n_tiles, K.NT, st, xe, x64, use64, numel, ye, y64,
-                 yfast, msrc, lay.capacity, int(self.incl_every), mask, offsets, lay.chunk_log2, vt,
+                 yfast, msrc, lay.capacity, int(self.variant.incl_every), mask, offsets, lay.chunk_log2, vt,
                  vw, sw, desc, starts, edges, stat)
         # The stream words shared by tiles (value streams), and at fixed capacity
         # the zeros past the stored values: one small kernel.

@@ -20,6 +20,7 @@ names the backend, tests and bench scripts use.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from .common import (FULL_MASK, G, GPT, LANE_N, MODE_MASKED, MODE_PACK, MODE_RELU, MODE_RELU2,
@@ -34,32 +35,51 @@ from .scan import COUNT_MASK, FLAG_SHIFT, k_mask_count, k_scan
 from .unpack import UNPACK_JIT, UNPACK_ROWS, make_unpack_kernels
 
 __all__ = [  # what the backend, tests and bench scripts read from this module
-    "COUNT_MASK", "DtypeKernels", "FLAG_SHIFT", "FULL_MASK", "G", "GPT", "LANE_N", "LB_AGG",
+    "COMMITTED", "COUNT_MASK", "DtypeKernels", "PackVariant", "FLAG_SHIFT", "FULL_MASK", "G", "GPT", "LANE_N", "LB_AGG",
     "LB_COUNT", "LB_INCL", "LB_NEG", "LB_SHIFT", "LB_WINDOWS", "MODE_MASKED", "MODE_PACK",
     "MODE_RELU", "MODE_RELU2", "NOSIGN", "NT", "NW", "PACK_JIT", "RAW", "SCAN_NT", "SCAN_PER",
     "SCRATCH_HEAD", "SIGNPLANE", "SIM", "TILE", "TILE_LOG2", "ULANE_N", "UNPACK_JIT",
     "UNPACK_ROWS", "UNT", "UNW", "k_mask_count", "k_scan", "kernels_for", "pack_rounds_for"]
 
 
+@dataclasses.dataclass(frozen=True)
+class PackVariant:
+    """A variant of the pack kernels, for tests and A/B timings; the defaults are the
+    committed choices, which the registered backend uses.
+
+    ``pack_rounds``: groups of 8 elements per pack thread instead of the target's (the
+    simulator tests run the GPU's this way); ``pack_blocks``: the blocks per SM the plain
+    and masked pack's launch bounds ask for (default 5); ``lb_windows``: the look-back's
+    windows per round trip; ``lb_early``: publish the count and issue the look-back's
+    reads before staging, not after; ``ticket=False``: a block's tile is its block index
+    (no atomic ticket and no barrier before the loads; forward progress then rests on
+    blocks being dispatched in index order, as CUB's scans assume); ``incl_every``: a
+    tile publishes its inclusive count only every this many tiles (a launch argument:
+    tests raise it to make look-backs walk)."""
+    pack_rounds: int | None = None
+    pack_blocks: int | None = None
+    lb_windows: int = LB_WINDOWS
+    lb_early: bool = False
+    ticket: bool = True
+    incl_every: int = 1
+
+    def compiled(self) -> "PackVariant":
+        """The part that selects compiled kernels (``incl_every`` is passed at launch)."""
+        return dataclasses.replace(self, incl_every=1)
+
+
+COMMITTED = PackVariant()
+
+
 class DtypeKernels:
     """The kernels of one element type, compiled on first launch."""
 
-    def __init__(self, name: str, pack_rounds: int | None = None, pack_blocks: int | None = None,
-                 lb_windows: int = LB_WINDOWS, lb_early: bool = False, ticket: bool = True):
-        """Pack variants (for tests and A/B timings; the defaults are the committed
-        choices): ``pack_rounds`` groups of 8 elements per pack thread instead of
-        the target's (the simulator tests run the GPU's this way); ``pack_blocks``
-        the blocks per SM the plain and masked pack's launch bounds ask for
-        (default 5); ``lb_windows`` the look-back's windows per round trip;
-        ``lb_early``: publish the count and issue the look-back's reads before
-        staging, not after; ``ticket=False``: a block's tile is its block index
-        (no atomic ticket and no barrier before the loads; forward progress then
-        rests on blocks being dispatched in index order, as CUB's scans assume)."""
+    def __init__(self, name: str, variant: PackVariant = COMMITTED):
         el = elem(name)
-        self.name = name
+        self.name, self.variant = name, variant
         self.bits = el.BITS
-        geo, self.pack = make_pack_kernels(el, pack_rounds, pack_blocks, lb_windows,
-                                           lb_early, ticket)
+        geo, self.pack = make_pack_kernels(el, variant.pack_rounds, variant.pack_blocks,
+                                           variant.lb_windows, variant.lb_early, variant.ticket)
         self.ptile, self.ptile_log2 = geo.PTILE, geo.PTILE_LOG2
         self.finish = make_finish(el.W)
         self.utile_log2, self.unpack = make_unpack_kernels(el)
@@ -68,5 +88,10 @@ class DtypeKernels:
 
 
 @functools.lru_cache(maxsize=None)
-def kernels_for(name: str) -> DtypeKernels:
-    return DtypeKernels(name)
+def _kernels(name: str, variant: PackVariant) -> DtypeKernels:
+    return DtypeKernels(name, variant)
+
+
+def kernels_for(name: str, variant: PackVariant = COMMITTED) -> DtypeKernels:
+    """The kernels of one dtype and pack variant, built once."""
+    return _kernels(name, variant.compiled())
