@@ -141,12 +141,27 @@ def test_opt(act, kind):
     report = _convert_checked(model)
     assert report.replaced == [(f"model.decoder.layers.{i}", "opt", kind) for i in range(2)]
     layer = model.model.decoder.layers[0]
-    assert type(layer) is type(ref.model.decoder.layers[0])
+    assert isinstance(layer, type(ref.model.decoder.layers[0]))   # same object, a subclass
     assert isinstance(layer.fc1, nn.Linear)          # outside forward: the original modules
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
     _train_same(ref, model, _lm_loss(ids))
     stats = layer.__dict__["_bitsparse_packed"].stats()
     assert stats["packs"] >= 2
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")   # gradient_checkpointing_enable
+def test_opt_gradient_checkpointing_and_hidden_states():
+    model = _opt()
+    ref = copy.deepcopy(model)
+    convert(model)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4))
+    _train_same(ref, model, _lm_loss(ids))
+    a, b = (m(input_ids=ids, output_hidden_states=True).hidden_states for m in (model, ref))
+    assert len(a) == len(b) == 3 and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert model.model.decoder.layers[0].__dict__["_bitsparse_packed"].stats()["packs"] >= 2
 
 
 def test_opt_gelu_is_skipped_with_reason():

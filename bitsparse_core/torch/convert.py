@@ -9,9 +9,9 @@ original ``nn.Linear`` objects under their original attribute names.
   its parent by a :class:`PackedBlock`, which registers the block's own children under
   the block's own names and runs them through the packed FFN;
 * a *layer* whose FFN is inline in a bigger forward (``OPTDecoderLayer``:
-  ``fc2(activation_fn(fc1 h))`` between attention and residual) stays the same object
-  and class; only its ``forward`` is wrapped so that the ``fc1 → activation_fn → fc2``
-  calls of the original forward go through the packed FFN (:func:`_inline_forward`).
+  ``fc2(activation_fn(fc1 h))`` between attention and residual) stays the same object;
+  its class becomes a subclass whose ``forward`` runs the original forward with the
+  ``fc1 → activation_fn → fc2`` calls going through the packed FFN (:func:`_inline_class`).
 
 Rules are tried in order, the user's (:func:`register_rule`) before the built-in ones.
 A rule is ``(name, predicate, builder)``: ``predicate(module)`` says the rule is about
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import types
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -181,7 +180,8 @@ def _build_t5(m, **kwargs):
 
 
 def _is_opt_layer(m) -> bool:
-    return type(m).__name__ == "OPTDecoderLayer" and type(m).__module__.startswith("transformers.")
+    return any(c.__name__ == "OPTDecoderLayer" and c.__module__.startswith("transformers.")
+               for c in type(m).__mro__)
 
 
 _INLINE = re.compile(r"(\w+) = self\.fc1\((\w+)\)\s*\n\s*\1 = self\.activation_fn\(\1\)\s*\n"
@@ -197,13 +197,22 @@ class _Pending:
         self.x, self.activated = x, False
 
 
-def _inline_forward(layer):
-    """Wrap ``layer.forward`` (bound to this instance) so that, during the call only, ``fc1``,
-    ``activation_fn`` and ``fc2`` are shadowed by instance attributes: ``fc1(h)`` returns a
-    :class:`_Pending` holding ``h``, ``activation_fn`` marks it, ``fc2`` computes the packed
-    FFN of ``h``. Registered modules (``_modules``) are untouched, so ``state_dict``,
-    ``.to()``, ``parameters()`` see the original linears throughout."""
-    original = type(layer).forward
+_SUBCLASSES: dict = {}
+
+
+def _inline_class(cls):
+    """A subclass of ``cls`` (cached) whose ``forward`` runs ``cls.forward`` with ``fc1``,
+    ``activation_fn`` and ``fc2`` shadowed, during the call only, by instance attributes:
+    ``fc1(h)`` returns a :class:`_Pending` holding ``h``, ``activation_fn`` marks it,
+    ``fc2`` computes the packed FFN of ``h``. The registered modules (``_modules``) are
+    untouched, so ``state_dict``, ``.to()``, ``parameters()`` and ``layer.fc1`` outside the
+    forward see the original linears. A subclass rather than an instance attribute so
+    that a checkpointing wrapper of the layer's class (transformers'
+    ``GradientCheckpointingLayer`` wraps every subclass's ``forward``) recomputes through
+    the same packed path."""
+    if cls in _SUBCLASSES:
+        return _SUBCLASSES[cls]
+    original = cls.forward
 
     def forward(self, *args, **kwargs):
         packed = self.__dict__["_bitsparse_packed"]
@@ -230,18 +239,23 @@ def _inline_forward(layer):
             return packed(p.x)
 
         shadows = {"fc1": fc1, "activation_fn": act, "fc2": fc2}
+        saved = {k: self.__dict__[k] for k in shadows if k in self.__dict__}   # re-entrancy
         self.__dict__.update(shadows)
         try:
             out = original(self, *args, **kwargs)
         finally:
             for k in shadows:
                 self.__dict__.pop(k, None)
+            self.__dict__.update(saved)
         if state["calls"]:
             raise RuntimeError("bitsparse convert: fc1 ran without fc2")
         return out
 
-    object.__setattr__(layer, "_bitsparse_packed", None)
-    layer.__dict__["forward"] = types.MethodType(forward, layer)
+    forward.__doc__ = original.__doc__
+    sub = type(f"Packed{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__,
+                                                 "__qualname__": f"Packed{cls.__name__}"})
+    _SUBCLASSES[cls] = sub
+    return sub
 
 
 def _build_opt(m, **kwargs):
@@ -255,8 +269,8 @@ def _build_opt(m, **kwargs):
                "forward does not call fc1 → activation_fn → fc2 back to back")
         raise Skip(f"this transformers version's {type(m).__name__}.forward {why}")
     _check_linears(m.fc1, m.fc2)
-    _inline_forward(m)
     m.__dict__["_bitsparse_packed"] = _packed(kind, m.fc1, m.fc2, kwargs)
+    m.__class__ = _inline_class(type(m))
     return m
 
 
