@@ -58,7 +58,11 @@ def _convert_checked(model, **kw):
 
 # ---------------------------------------------------------------- nn.Sequential rule
 
-@pytest.mark.parametrize("act,kind", [(nn.ReLU, "PackedReLUFFN")])
+def _relu2():
+    return pytest.importorskip("transformers.activations").ReLUSquaredActivation()
+
+
+@pytest.mark.parametrize("act,kind", [(nn.ReLU, "PackedReLUFFN"), (_relu2, "PackedReLU2FFN")])
 def test_sequential_rule(act, kind):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 32), act(), nn.Linear(32, 16)),
@@ -199,7 +203,22 @@ def test_t5_dropout_and_gated_are_skipped():
     assert report.replaced == [] and len(report.skipped) == 4
     assert "dropout p=0.1" in report.skipped[0][2]
     report = convert(_t5(proj="gated-gelu"))
-    assert report.replaced == [] and "gated" in report.skipped[0][2]
+    assert report.replaced == [] and "not ReLU" in report.skipped[0][2]
+
+
+def test_t5_gated_relu_is_reglu():
+    model = _t5(proj="gated-relu")
+    model.train()
+    ref = copy.deepcopy(model)
+    report = _convert_checked(model, encoding="nosign")
+    assert len(report.replaced) == 4 and {k for *_, k in report.replaced} == {"PackedReGLUFFN"}
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(6))
+    _train_same(ref, model, lambda m, s: m(input_ids=ids, labels=ids).loss * (1 + s))
+
+
+def test_unknown_kwarg_raises():
+    with pytest.raises(TypeError, match="encodng"):
+        convert(nn.Linear(2, 2), encodng="raw")
 
 
 def test_t5_dropout_switched_on_later_falls_back_to_dense():

@@ -35,11 +35,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .modules import PackedReLU2FFN, PackedReLUFFN
+from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN
 
 __all__ = ["convert", "register_rule", "unregister_rule", "Rule", "Skip", "ConvertReport", "PackedBlock", "RULES"]
 
 _PACKED_KW = ("encoding", "density", "margin", "backend")
+_GATED_KW = ("encoding", "u_encoding", "backend")   # PackedReGLUFFN sizes its packs exactly
 
 
 class Skip(Exception):
@@ -98,7 +99,12 @@ def _check_linears(fc1, fc2) -> None:
         raise Skip("the linears' shapes do not chain")
 
 
-def _packed(kind: str, fc1, fc2, kwargs):
+def _packed(kind: str, fc1, fc2, kwargs, up=None):
+    if kind == "reglu":
+        return PackedReGLUFFN.from_dense(fc1, up, fc2, **{k: v for k, v in kwargs.items()
+                                                          if k in _GATED_KW})
+    if kind not in ("relu", "relu2"):
+        raise ValueError(f"kind={kind!r}; use 'relu', 'relu2' or 'reglu'")
     cls = PackedReLU2FFN if kind == "relu2" else PackedReLUFFN
     return cls.from_dense(fc1, fc2, **{k: v for k, v in kwargs.items() if k in _PACKED_KW})
 
@@ -110,27 +116,31 @@ def _active(dropout) -> bool:
 class PackedBlock(nn.Module):
     """A converted FFN block: the original block's children under their original names
     (so its ``state_dict`` keys are the block's), computed by a packed FFN that shares the
-    two linears. Where the packed path would not be bit-identical at call time (dropout
+    two linears (``kind`` ``"relu"`` / ``"relu2"``: ``fc2(act(fc1 x))``; ``"reglu"``:
+    ``fc2(relu(fc1 x) * up x)``, ``up=`` naming the third linear). Where the packed path would not be bit-identical at call time (dropout
     switched on after conversion, dtypes changed), it falls back to the original class's
     forward on the same children (dense, exact)."""
 
     def __init__(self, original: nn.Module, fc1: str, fc2: str, kind: str, *,
-                 dropout: str | None = None, rule: str = "", **kwargs):
+                 dropout: str | None = None, up: str | None = None, rule: str = "",
+                 **kwargs):
         super().__init__()
         for name, child in original.named_children():
             self.add_module(name, child)
         self.original_class = type(original)
         self.rule, self.kind = rule, kind
-        self._names = (fc1, fc2, dropout)
-        # Not registered as a submodule: its fc1 / fc2 are the children above, and a second
+        if (kind == "reglu") != (up is not None):
+            raise ValueError("up= names the third linear of kind 'reglu' (only)")
+        self._names = (fc1, fc2, dropout, up)
+        # Not registered as a submodule: its linears are the children above, and a second
         # path to them would add state_dict keys.
         object.__setattr__(self, "packed", _packed(kind, getattr(self, fc1), getattr(self, fc2),
-                                                   kwargs))
+                                                   kwargs, None if up is None else getattr(self, up)))
 
     def _dense(self) -> bool:
-        fc1, fc2, dropout = (None if n is None else getattr(self, n) for n in self._names)
+        fc1, fc2, dropout, up = (None if n is None else getattr(self, n) for n in self._names)
         return ((dropout is not None and _active(dropout))
-                or fc1.weight.dtype != fc2.weight.dtype)
+                or len({lin.weight.dtype for lin in (fc1, fc2, up) if lin is not None}) > 1)
 
     def forward(self, x):
         if self._dense():
@@ -167,14 +177,20 @@ def _is_t5_dense(m) -> bool:
 
 def _build_t5(m, **kwargs):
     # forward: wo(dropout(act(wi h)).to(wo.weight.dtype))
-    if "Gated" in type(m).__name__:
-        raise Skip("gated FFN (wi_0 / wi_1): not converted (no rule for it yet)")
+    # gated: wo(dropout(act(wi_0 h) * wi_1 h).to(wo.weight.dtype))
+    gated = "Gated" in type(m).__name__
     kind = _activation_kind(m.act)
-    if kind is None:
-        raise Skip(f"activation is {type(m.act).__name__}, not ReLU / ReLU²")
+    if kind is None or (gated and kind != "relu"):
+        raise Skip(f"activation is {type(m.act).__name__}, not ReLU"
+                   + ("" if gated else " / ReLU²"))
     if m.dropout.p > 0:
         raise Skip(f"dropout p={m.dropout.p} between activation and wo (dropout_rate=0 "
                    "converts)")
+    if gated:
+        _check_linears(m.wi_0, m.wo)
+        _check_linears(m.wi_1, m.wo)
+        return PackedBlock(m, "wi_0", "wo", "reglu", up="wi_1", dropout="dropout", rule="t5",
+                           **kwargs)
     _check_linears(m.wi, m.wo)   # also rules out the int8 / fp32-kept `wo` cases
     return PackedBlock(m, "wi", "wo", kind, dropout="dropout", rule="t5", **kwargs)
 
@@ -317,6 +333,10 @@ def convert(model: nn.Module, *, rules=None, **kwargs) -> ConvertReport:
     modules. ``rules`` replaces the rule list (default: registered rules, then
     :data:`RULES`). Returns a :class:`ConvertReport`; calling it again converts nothing
     new. A module that replaced its parent's child is not searched further."""
+    unknown = sorted(set(kwargs) - set(_PACKED_KW) - set(_GATED_KW))
+    if unknown:
+        raise TypeError(f"convert() got unexpected keyword arguments {unknown}; the packed "
+                        f"modules take {sorted(set(_PACKED_KW) | set(_GATED_KW))}")
     rules = list(_USER_RULES) + list(RULES) if rules is None else list(rules)
     report = ConvertReport()
 
