@@ -13,6 +13,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
                       "or torch>=2.4); the rest of bitsparse_core works without it") from exc
 
 from .capacity import CapacityPolicy
+from .convert import ConvertReport, convert
 from .functional import (ENCODINGS, GatedReLULinearFunction, ReLULinearFunction,
                          gated_relu_ffn, gated_relu_linear, relu_ffn, relu_linear)
 from .hooks import SavedStats, compress_saved_tensors
@@ -20,4 +21,5 @@ from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN
 
 __all__ = ["CapacityPolicy", "relu_linear", "gated_relu_linear", "relu_ffn", "gated_relu_ffn",
            "ReLULinearFunction", "GatedReLULinearFunction", "PackedReLUFFN", "PackedReLU2FFN",
-           "PackedReGLUFFN", "compress_saved_tensors", "SavedStats", "ENCODINGS"]
+           "PackedReGLUFFN", "compress_saved_tensors", "SavedStats", "ENCODINGS",
+           "convert", "ConvertReport"]

@@ -1,0 +1,244 @@
+"""bitsparse_core.torch.convert: state_dict unchanged, training bit-identical, report."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from bitsparse_core.torch import convert  # noqa: E402
+from bitsparse_core.torch.convert import (PackedBlock, Skip, register_rule,  # noqa: E402
+                                          unregister_rule)
+
+
+def _same_state(a: nn.Module, b: nn.Module, shared: bool):
+    sa, sb = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
+    assert list(sa) == list(sb)
+    for k in sa:
+        if shared:
+            assert sa[k] is sb[k], k
+        else:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def _train_same(ref, conv, loss_fn, steps=2):
+    """Forward outputs, gradients and parameters equal bit for bit over a few SGD steps."""
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(conv.parameters(), lr=0.1)
+    for step in range(steps):
+        lr_, lc = loss_fn(ref, step), loss_fn(conv, step)
+        assert torch.equal(lr_, lc), step
+        opt_r.zero_grad()
+        opt_c.zero_grad()
+        lr_.backward()
+        lc.backward()
+        for (n, p), (_, q) in zip(ref.named_parameters(), conv.named_parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), (step, n)
+        opt_r.step()
+        opt_c.step()
+    _same_state(ref, conv, shared=False)
+
+
+def _convert_checked(model, **kw):
+    before = model.state_dict(keep_vars=True)
+    report = convert(model, **kw)
+    after = model.state_dict(keep_vars=True)
+    assert list(before) == list(after)
+    assert all(before[k] is after[k] for k in before)
+    again = convert(model, **kw)
+    assert again.replaced == [] and sorted(again.already) == sorted(p for p, *_ in report.replaced)
+    assert list(model.state_dict()) == list(before)
+    return report
+
+
+# ---------------------------------------------------------------- nn.Sequential rule
+
+def _relu2():
+    return pytest.importorskip("transformers.activations").ReLUSquaredActivation()
+
+
+@pytest.mark.parametrize("act,kind", [(nn.ReLU, "PackedReLUFFN"), (_relu2, "PackedReLU2FFN")])
+def test_sequential_rule(act, kind):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 32), act(), nn.Linear(32, 16)),
+                          nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)),
+                          nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    report = _convert_checked(model, encoding="raw")
+    assert report.replaced == [("1", "sequential", kind)]
+    assert report.skipped == [("2", "sequential", "activation is GELU, not ReLU / ReLU²")]
+    assert isinstance(model[1], PackedBlock) and model[1].packed.encoding == "raw"
+    x = torch.randn(2, 5, 8)
+    _train_same(ref, model, lambda m, s: m(x + s).square().mean())
+
+
+def test_root_block_is_reported_not_replaced():
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    report = convert(m)
+    assert report.replaced == [] and report.skipped[0][0] == ""
+
+
+def test_user_rule_and_unrecognised():
+    class MyFFN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.act, self.down = nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 8)
+
+        def forward(self, x):
+            return self.down(self.act(self.up(x)))
+
+    class Other(MyFFN):
+        pass
+
+    model = nn.ModuleDict({"a": MyFFN(), "b": Other()})
+    ref = copy.deepcopy(model)
+    rule = register_rule("myffn", lambda m: type(m) is MyFFN,
+                         lambda m, **kw: PackedBlock(m, "up", "down", "relu", **kw))
+    try:
+        report = _convert_checked(model, density=1.0)
+    finally:
+        unregister_rule(rule)
+    assert report.replaced == [("a", "myffn", "PackedReLUFFN")]
+    assert report.unrecognised == [("b", "Other")]
+    x = torch.randn(6, 8)
+    _train_same(ref, model, lambda m, s: (m["a"](x) * (s + 1)).sum())
+
+
+def test_skip_from_user_rule_is_reported():
+    def builder(m, **kw):
+        raise Skip("not today")
+    rule = register_rule("never", lambda m: isinstance(m, nn.Sequential), builder)
+    try:
+        report = convert(nn.ModuleList([nn.Sequential(nn.Linear(2, 2))]))
+    finally:
+        unregister_rule(rule)
+    assert report.skipped == [("0", "never", "not today")]
+
+
+# ---------------------------------------------------------------- transformers
+
+def _opt(act="relu", **kw):
+    tf = pytest.importorskip("transformers")
+    cfg = tf.OPTConfig(hidden_size=16, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
+                       vocab_size=50, max_position_embeddings=32, word_embed_proj_dim=16,
+                       activation_function=act, dropout=0.0, attention_dropout=0.0, **kw)
+    torch.manual_seed(0)
+    return tf.OPTForCausalLM(cfg).float()
+
+
+def _lm_loss(ids):
+    def loss(m, step):
+        return m(input_ids=ids, labels=ids).loss * (1 + step)
+    return loss
+
+
+@pytest.mark.parametrize("act,kind", [("relu", "PackedReLUFFN"), ("relu2", "PackedReLU2FFN")])
+def test_opt(act, kind):
+    model = _opt(act)
+    model.train()
+    ref = copy.deepcopy(model)
+    report = _convert_checked(model)
+    assert report.replaced == [(f"model.decoder.layers.{i}", "opt", kind) for i in range(2)]
+    layer = model.model.decoder.layers[0]
+    assert isinstance(layer, type(ref.model.decoder.layers[0]))   # same object, a subclass
+    assert isinstance(layer.fc1, nn.Linear)          # outside forward: the original modules
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    _train_same(ref, model, _lm_loss(ids))
+    stats = layer.__dict__["_bitsparse_packed"].stats()
+    assert stats["packs"] >= 2
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")   # gradient_checkpointing_enable
+def test_opt_gradient_checkpointing_and_hidden_states():
+    model = _opt()
+    ref = copy.deepcopy(model)
+    convert(model)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4))
+    _train_same(ref, model, _lm_loss(ids))
+    a, b = (m(input_ids=ids, output_hidden_states=True).hidden_states for m in (model, ref))
+    assert len(a) == len(b) == 3 and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert model.model.decoder.layers[0].__dict__["_bitsparse_packed"].stats()["packs"] >= 2
+
+
+def test_opt_gelu_is_skipped_with_reason():
+    model = _opt("gelu")
+    report = convert(model)
+    assert report.replaced == []
+    assert [(p, r) for p, r, _ in report.skipped] == [(f"model.decoder.layers.{i}", "opt")
+                                                     for i in range(2)]
+    assert "GELUActivation" in report.skipped[0][2]
+
+
+def _t5(proj="relu", dropout=0.0):
+    tf = pytest.importorskip("transformers")
+    cfg = tf.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=64, num_layers=2, num_heads=2,
+                      feed_forward_proj=proj, dropout_rate=dropout, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    return tf.T5ForConditionalGeneration(cfg).float()
+
+
+def test_t5():
+    model = _t5()
+    model.train()
+    ref = copy.deepcopy(model)
+    report = _convert_checked(model)
+    paths = [p for p, _, _ in report.replaced]
+    assert len(paths) == 4 and all(p.endswith("layer.1.DenseReluDense")
+                                   or p.endswith("layer.2.DenseReluDense") for p in paths)
+    assert {r for _, r, _ in report.replaced} == {"t5"}
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(2))
+    _train_same(ref, model, lambda m, s: m(input_ids=ids, labels=ids).loss * (1 + s))
+
+
+def test_t5_dropout_and_gated_are_skipped():
+    report = convert(_t5(dropout=0.1))
+    assert report.replaced == [] and len(report.skipped) == 4
+    assert "dropout p=0.1" in report.skipped[0][2]
+    report = convert(_t5(proj="gated-gelu"))
+    assert report.replaced == [] and "not ReLU" in report.skipped[0][2]
+
+
+def test_t5_gated_relu_is_reglu():
+    model = _t5(proj="gated-relu")
+    model.train()
+    ref = copy.deepcopy(model)
+    report = _convert_checked(model, encoding="nosign")
+    assert len(report.replaced) == 4 and {k for *_, k in report.replaced} == {"PackedReGLUFFN"}
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(6))
+    _train_same(ref, model, lambda m, s: m(input_ids=ids, labels=ids).loss * (1 + s))
+
+
+def test_unknown_kwarg_raises():
+    with pytest.raises(TypeError, match="encodng"):
+        convert(nn.Linear(2, 2), encodng="raw")
+
+
+def test_t5_dropout_switched_on_later_falls_back_to_dense():
+    model = _t5()
+    ref = copy.deepcopy(model)
+    convert(model)
+    for m in (model, ref):
+        for mod in m.modules():
+            if isinstance(mod, nn.Dropout):
+                mod.p = 0.2
+    model.train()
+    ref.train()
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(5)
+    a = model(input_ids=ids, labels=ids).loss
+    torch.manual_seed(5)
+    b = ref(input_ids=ids, labels=ids).loss
+    assert torch.equal(a, b)
+
+
+def test_report_str():
+    report = convert(_opt("gelu"))
+    assert "skipped" in str(report) and "GELUActivation" in str(report)
