@@ -153,7 +153,6 @@ def run(args):
     copy_bw, fill_bw = copy_bandwidth(torch, timer)
     print(f"device {props.name}, copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write), "
           f"fill {fill_bw / 1e9:.0f} GB/s", flush=True)
-    from bitsparse_core.backends.cupy import backend as cb
     res = {"device": props.name, "sm_count": props.multi_processor_count,
            "copy_bandwidth_Bps": copy_bw, "fill_bandwidth_Bps": fill_bw, "rounds": {"pack": abi.PACK_ROUNDS, "unpack": abi.UNPACK_ROUNDS, "fused": abi.FUSED_ROUNDS}, "numel": args.numel, "reps": args.reps,
            "encoding": "nosign", "python": platform.python_version(), "torch": torch.__version__,

@@ -83,7 +83,6 @@ def device_bits(arr: np.ndarray):
 
 def plane_bytes(p, name: str) -> np.ndarray:
     """Plane ``name`` of ``p`` (from any backend) as host bytes."""
-    from bitsparse_core.backends import get_backend
     plane = p.backend.to_numpy(getattr(p, name))
     return np.asarray(plane).view(np.uint8).reshape(-1)
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
-from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 

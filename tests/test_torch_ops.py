@@ -106,7 +106,6 @@ def test_relu_linear_without_recompute_source_raises_on_overflow():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    from bitsparse_core.torch import ops
     torch.manual_seed(0)
     a = torch.randn(4, 96, device=device, dtype=torch.bfloat16) - 0.5
     x = torch.randn(4, 48, device=device, dtype=torch.bfloat16)

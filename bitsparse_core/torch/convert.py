@@ -32,7 +32,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 from torch import nn
 
 from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN
