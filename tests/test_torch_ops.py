@@ -28,7 +28,8 @@ def _grads(fn, m, x, steps=2):
     for _ in range(steps):
         out = fn(x)
         out.float().square().sum().backward()
-    return out.detach(), [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
+    return out.detach(), [p.grad.clone() for p in m.parameters() if p.grad is not None] + [
+        x.grad.clone()]
 
 
 def _model(cls, device, density=None, d=32, f=128, dtype=torch.bfloat16):
@@ -186,3 +187,15 @@ def test_torch_func_grad_matches_dense_and_vmap_raises_named_error():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(UnsupportedTransformError):
         torch.func.vmap(lambda t: bst.relu_ffn(t, w1, None, w2, None))(x.view(2, 3, 16))
+
+
+@pytest.mark.parametrize("frozen", ["fc1", "fc2"])
+def test_only_the_gradients_asked_for_are_computed(frozen):
+    m = _model(bst.PackedReLU2FFN, "cpu")
+    getattr(m, frozen).requires_grad_(False)
+    x = torch.randn(2, 24, 32, dtype=torch.bfloat16, requires_grad=True)
+    out, grads = _grads(m, m, x, steps=1)
+    ref, ref_grads = _grads(lambda t: _dense(m, t), m, x, steps=1)
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert all(p.grad is None for p in getattr(m, frozen).parameters())

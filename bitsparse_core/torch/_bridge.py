@@ -38,6 +38,11 @@ for _name, _d in (("float8_e4m3fn", _dt.FLOAT8_E4M3FN), ("float8_e5m2", _dt.FLOA
     if hasattr(torch, _name):
         TORCH_TO_BS[getattr(torch, _name)] = _d
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the signed integers of its width (its bit patterns)."""
+    return t.view(_INT_OF_WIDTH[t.element_size()])
 _NP_TO_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint32): torch.uint32,
                 np.dtype(np.uint64): torch.uint64, np.dtype(np.int32): torch.int32}
 

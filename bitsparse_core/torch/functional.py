@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _bridge as B
-from . import ops as _ops  # noqa: F401  (registers torch.ops.bitsparse)
+from . import ops as _ops   # also registers torch.ops.bitsparse
 from ..spec.format import DEFAULT_CHUNK_LOG2, Encoding
 from ..errors import UnsupportedTransformError
 from .capacity import CapacityPolicy
@@ -256,10 +256,12 @@ class ReLULinearFunction(torch.autograd.Function):
         block, ticket, weight, x, w1, b1 = ctx.saved_tensors
         a_shape, a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = \
             ctx.meta
+        need = ctx.needs_input_grad
+        needs = ((_ops.NEED_A if need[0] else 0) | (_ops.NEED_W if need[1] else 0)
+                 | (_ops.NEED_B if has_bias and need[2] else 0))
         grad_a, grad_w, grad_b = torch.ops.bitsparse.relu_linear_backward(
             grad_out.contiguous(), block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias,
-            capacity, square, encoding, chunk_log2, mm_dtype, policy)
-        need = ctx.needs_input_grad
+            capacity, square, encoding, chunk_log2, mm_dtype, policy, needs)
         return (grad_a if need[0] else None, grad_w if need[1] else None,
                 grad_b if has_bias and need[2] else None) + (None,) * 9
 

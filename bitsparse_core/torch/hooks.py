@@ -26,8 +26,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..spec import format as _fmt
 from . import _bridge as B
 
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-
 
 @dataclasses.dataclass
 class SavedStats:
@@ -125,7 +123,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     def _pack_dense(self, t):
         """Pack ``t`` if it is worth it, else None."""
         d = B.bs_dtype(t.dtype)
-        bits = t.view(_INT_VIEW[d.itemsize])
+        bits = B.bits_view(t)
         counts = torch.stack([torch.count_nonzero(bits), torch.count_nonzero(bits < 0)])
         nnz, negative = (int(v) for v in counts.tolist())
         numel = t.numel()

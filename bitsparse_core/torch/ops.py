@@ -30,18 +30,14 @@ import torch.nn.functional as F
 from .. import dtypes as _dt
 from ..backends import get_backend
 from ..backends.cuda import abi, driver, host
+from ..backends.cuda.interop import torch_stream
 from ..errors import CapacityOverflowError, EncodingError, UnsupportedTransformError
 from ..packed import PackedTensor
 from ..spec import ops as reference_ops
 from ..spec.format import Encoding
+from . import _bridge as B
 from . import capacity as C
 
-_TORCH_TO_BS = {torch.bfloat16: _dt.BFLOAT16, torch.float16: _dt.FLOAT16,
-                torch.float32: _dt.FLOAT32}
-for _n, _d in (("float8_e4m3fn", _dt.FLOAT8_E4M3FN), ("float8_e5m2", _dt.FLOAT8_E5M2)):
-    if hasattr(torch, _n):
-        _TORCH_TO_BS[getattr(torch, _n)] = _d
-_OFFSET_DTYPES = {4: torch.int32, 8: torch.int64}
 
 
 _PLANS: dict = {}
@@ -54,15 +50,14 @@ def _plan(a_shape, dtype: torch.dtype, capacity: int, square: bool, encoding: in
     plan = _PLANS.get(key)
     if plan is None:
         mode = abi.Mode.RELU2 if square else abi.Mode.RELU
-        plan = _PLANS[key] = host.pack_plan(tuple(int(s) for s in a_shape), _TORCH_TO_BS[dtype],
+        plan = _PLANS[key] = host.pack_plan(tuple(int(s) for s in a_shape), B.TORCH_TO_BS[dtype],
                                             Encoding(encoding), int(capacity), int(chunk_log2),
                                             mode)
     return plan
 
 
 def _stream(device: torch.device) -> int:
-    """The raw handle of torch's current stream on ``device`` (no Stream object made)."""
-    return torch._C._cuda_getCurrentRawStream(device.index)
+    return torch_stream(device.index)
 
 
 # --------------------------------------------------------------------------- #
@@ -86,8 +81,7 @@ def _host_status(block: torch.Tensor, plan: host.PackPlan):
 
 def _pack_cpu(a: torch.Tensor, plan: host.PackPlan, square: bool):
     lay = plan.lay
-    bits = a.detach().contiguous().view(_int_view(a.dtype)).numpy()
-    y, p = reference_ops.relu_pack(bits.view(lay.dtype.numpy), lay.dtype, square=square,
+    y, p = reference_ops.relu_pack(_to_numpy(a, lay.dtype), lay.dtype, square=square,
                                    encoding=lay.encoding, chunk_log2=lay.chunk_log2,
                                    capacity=lay.capacity)
     block = torch.zeros(plan.nbytes, dtype=torch.uint8)
@@ -97,16 +91,19 @@ def _pack_cpu(a: torch.Tensor, plan: host.PackPlan, square: bool):
     status = abi.STATUS_OVERFLOW if p.nnz > lay.capacity else 0
     raw[plan.status_offset:plan.status_offset + 4] = np.array([status], np.uint32).view(np.uint8)
     raw[plan.status_offset + 8:plan.status_offset + 16] = np.array([p.nnz], np.uint64).view(np.uint8)
-    yt = torch.from_numpy(np.ascontiguousarray(y).view(_int_view_np(a.dtype))).view(a.dtype)
-    return yt.view(a.shape), block
+    return _from_numpy(y, a.dtype, a.shape), block
 
 
-def _int_view(dtype: torch.dtype) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
+def _to_numpy(t: torch.Tensor, dtype: _dt.DType) -> np.ndarray:
+    """A CPU tensor's bits as a NumPy array of the format dtype (no copy)."""
+    return B.bits_view(t.detach().contiguous()).numpy().view(dtype.numpy)
 
 
-def _int_view_np(dtype: torch.dtype):
-    return {1: np.uint8, 2: np.int16, 4: np.int32}[torch.empty((), dtype=dtype).element_size()]
+def _from_numpy(arr, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A NumPy result as a torch tensor of ``dtype`` (through its bits: NumPy has no
+    bf16 / fp8 torch can take)."""
+    bits = np.ascontiguousarray(arr).view(f"i{dtype.itemsize}")
+    return torch.from_numpy(bits).view(dtype).view(shape)
 
 
 # --------------------------------------------------------------------------- #
@@ -170,7 +167,9 @@ _LIB.define("relu_linear(Tensor a, Tensor weight, Tensor? bias, Tensor? x, Tenso
 _LIB.define("relu_linear_backward(Tensor grad_out, Tensor block, Tensor ticket, Tensor weight, "
             "Tensor? x, Tensor? w1, Tensor? b1, int[] a_shape, ScalarType a_dtype, "
             "bool has_bias, int capacity, bool square, int encoding, int chunk_log2, "
-            "ScalarType? mm_dtype, int policy) -> (Tensor, Tensor, Tensor)")
+            "ScalarType? mm_dtype, int policy, int needs) -> (Tensor, Tensor, Tensor)")
+# ``needs`` of relu_linear_backward: which gradients autograd asks for.
+NEED_A, NEED_W, NEED_B = 1, 2, 4
 
 
 def _register(name: str):
@@ -226,10 +225,11 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
                          w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
                          a_shape: List[int], a_dtype: torch.dtype, has_bias: bool,
                          capacity: int, square: bool, encoding: int, chunk_log2: int,
-                         mm_dtype: Optional[torch.dtype], policy: int
+                         mm_dtype: Optional[torch.dtype], policy: int, needs: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(grad_a, grad_W, grad_b)`` of :func:`relu_linear` (grad_b empty without bias),
-    repeating PyTorch's own ``linear`` backward on the 2-D views."""
+    """``(grad_a, grad_W, grad_b)`` of :func:`relu_linear`, repeating PyTorch's own
+    ``linear`` backward on the 2-D views; a gradient not in ``needs`` (or grad_b
+    without a bias) comes back empty and is not computed."""
     plan = _plan(a_shape, a_dtype, capacity, square, encoding, chunk_log2)
     state = _state(block, ticket, plan)
     clean = state is not None and state[0] == 0
@@ -250,35 +250,43 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
             clean = True
         elif pol is not None:
             pol.recomputes += 1
-    if clean:
-        r = _unpack(block, plan, a_shape, a_dtype)
-    else:
-        with torch.autocast(grad_out.device.type, enabled=False):
-            r = torch.relu(F.linear(x, w1, b1))
-    h = r * r if square else r
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
-    hm = h if mm_dtype is None else h.to(mm_dtype)
-    grad_w = g2.t().mm(hm.reshape(-1, hm.shape[-1]))
-    del h, hm
-    grad_b = g2.sum([0], keepdim=True).view(g2.shape[-1]) if has_bias else g2.new_empty((0,))
-    grad_h = g2.mm(weight).view(a_shape)
-    if grad_h.dtype != a_dtype:
-        grad_h = grad_h.to(a_dtype)
-    if clean:
-        grad_a = _activation_grad(grad_h, block, plan, square)
-    elif square:
-        grad_a = torch.ops.aten.threshold_backward(grad_h * (2 * r), r, 0)
-    else:
-        grad_a = torch.ops.aten.threshold_backward(grad_h, r, 0)
+    grad_a = grad_out.new_empty((0,), dtype=a_dtype)
+    grad_w = weight.new_empty((0,))
+    grad_b = (g2.sum([0], keepdim=True).view(g2.shape[-1]) if has_bias and needs & NEED_B
+              else weight.new_empty((0,)))
+    if needs & (NEED_A | NEED_W):
+        if clean:
+            r = _unpack(block, plan, a_shape, a_dtype)
+        else:
+            with torch.autocast(grad_out.device.type, enabled=False):
+                r = torch.relu(F.linear(x, w1, b1))
+    if needs & NEED_W:
+        # the forward's relu(a)**2, rounded the same single way; in place where r is
+        # not needed again (the fused gradient reads the packed block)
+        h = (r.mul_(r) if clean else r * r) if square else r
+        hm = h if mm_dtype is None else h.to(mm_dtype)
+        grad_w = g2.t().mm(hm.reshape(-1, hm.shape[-1]))
+        del h, hm
+    if needs & NEED_A:
+        grad_h = g2.mm(weight).view(a_shape)
+        if grad_h.dtype != a_dtype:
+            grad_h = grad_h.to(a_dtype)
+        if clean:
+            grad_a = _activation_grad(grad_h, block, plan, square)
+        elif square:
+            grad_a = torch.ops.aten.threshold_backward(grad_h * (2 * r), r, 0)
+        else:
+            grad_a = torch.ops.aten.threshold_backward(grad_h, r, 0)
     return grad_a, grad_w, grad_b
 
 
 @torch.library.register_fake("bitsparse::relu_linear_backward")
 def _(grad_out, block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias, capacity, square,
-      encoding, chunk_log2, mm_dtype, policy):
-    grad_a = grad_out.new_empty(a_shape, dtype=a_dtype)
-    grad_w = weight.new_empty(weight.shape)
-    grad_b = weight.new_empty((weight.shape[0],) if has_bias else (0,))
+      encoding, chunk_log2, mm_dtype, policy, needs):
+    grad_a = grad_out.new_empty(a_shape if needs & NEED_A else (0,), dtype=a_dtype)
+    grad_w = weight.new_empty(weight.shape if needs & NEED_W else (0,))
+    grad_b = weight.new_empty((weight.shape[0],) if has_bias and needs & NEED_B else (0,))
     return grad_a, grad_w, grad_b
 
 
@@ -301,8 +309,7 @@ def _wait(block, ticket, plan):
 def _unpack(block, plan, a_shape, a_dtype) -> torch.Tensor:
     if block.device.type != "cuda":
         p = block_view(block, plan)
-        arr = np.asarray(get_backend("numpy").unpack(p)).view(_int_view_np(a_dtype))
-        return torch.from_numpy(arr).view(a_dtype).view(a_shape)
+        return _from_numpy(get_backend("numpy").unpack(p), a_dtype, a_shape)
     out = torch.empty(a_shape, dtype=a_dtype, device=block.device)
     _unpack_cuda(block, plan, abi.Op.UNPACK, out)
     return out
@@ -312,10 +319,8 @@ def _activation_grad(grad_h, block, plan, square) -> torch.Tensor:
     """relu's (mask only) or relu²'s (2 r grad) input gradient from the packed block."""
     if block.device.type != "cuda":
         p = block_view(block, plan)
-        g = grad_h.contiguous().view(_int_view(grad_h.dtype)).numpy().view(plan.lay.dtype.numpy)
         fn = reference_ops.relu2_backward if square else reference_ops.relu_backward
-        res = np.ascontiguousarray(fn(g, p)).view(_int_view_np(grad_h.dtype))
-        return torch.from_numpy(res).view(grad_h.dtype).view(grad_h.shape)
+        return _from_numpy(fn(_to_numpy(grad_h, plan.lay.dtype), p), grad_h.dtype, grad_h.shape)
     grad_h = grad_h.contiguous()
     out = torch.empty_like(grad_h)
     if square:
@@ -347,5 +352,5 @@ def BENCH_CASES(shape, dtype, device):
         "relu_linear": lambda: op(a, w, None, None, None, None, cap, True, enc, 12, None, 0),
         "relu_linear_backward": lambda: op_backward(
             g, block, ticket, w, None, None, None, list(a.shape), a.dtype, False, cap, True,
-            enc, 12, None, 0),
+            enc, 12, None, 0, NEED_A | NEED_W),
     }

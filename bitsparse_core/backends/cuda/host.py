@@ -64,11 +64,11 @@ class PackPlan:
     smem: int
     width: int            # bits per stored value in the value stream
 
-    def planes(self, block: int, mask: int = 0, offsets: int = 0) -> Planes:
-        """The planes of a block made by this plan (``mask`` / ``offsets`` given for a
-        masked pack, whose planes live in the mask tensor's block)."""
-        (mo, ml), (oo, ol), (vo, vl), (so, sl) = self.spans
-        return Planes(mask or block + mo, ml, offsets or block + oo, int(self.lay.offset_width == 8),
+    def planes(self, block: int) -> Planes:
+        """The planes of a block made by this plan (not a masked one: its mask and
+        offsets live in the mask tensor's block)."""
+        (mo, ml), (oo, _), (vo, vl), (so, sl) = self.spans
+        return Planes(block + mo, ml, block + oo, int(self.lay.offset_width == 8),
                       block + vo, vl, block + so, sl)
 
     def status(self, block: int) -> int:
@@ -86,7 +86,7 @@ def pack_plan(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int,
         length = lay.sections[name][1]
         spans[name] = (pos, length)
         pos += _fmt.align(length)
-    for name in ("mask", "offsets"):
+    for name in ("mask", "offsets"):   # a masked pack's: lengths only (another block's)
         spans.setdefault(name, (0, lay.sections[name][1]))
     rounds = abi.pack_rounds(mode)
     n_tiles = -(-lay.numel // abi.tile_elems(dtype, rounds))
@@ -108,22 +108,11 @@ def _record(cls):
     return rec
 
 
-class Kernels:
-    """The CUfunction handles of one device (CuPy-compiled kernels/*.cu)."""
-
-    def __init__(self, device: int):
-        from ..cupy import kernels
-        self.device = device
-        self._fn = functools.lru_cache(maxsize=None)(
-            lambda *key: kernels.function(device, *key))
-
-    def __call__(self, *key) -> int:
-        return self._fn(*key)
-
-
 @functools.lru_cache(maxsize=None)
-def kernels_for(device: int) -> Kernels:
-    return Kernels(device)
+def kernel(device: int, *key) -> int:
+    """The ``CUfunction`` of a kernel on ``device`` (CuPy compiles kernels/*.cu)."""
+    from ..cupy import kernels
+    return kernels.function(device, *key)
 
 
 # --------------------------------------------------------------------------- #
@@ -134,14 +123,14 @@ class _PackLaunch:
     plan already in the argument records: a call then sets only the pointers."""
 
     def __init__(self, plan: PackPlan, device: int):
-        lay, k = plan.lay, kernels_for(device)
+        lay = plan.lay
         enc = lay.encoding
         fused = plan.mode in (Mode.RELU, Mode.RELU2)
         fmt = abi.FMT_OF[lay.dtype.name] if fused else abi.BITS_FMT[lay.dtype.bits]
-        self.pack = k("pack", fmt, int(enc), int(plan.mode), plan.rounds)
+        self.pack = kernel(device, "pack", fmt, int(enc), int(plan.mode), plan.rounds)
         self.grid = min(plan.n_tiles, driver.resident_blocks(self.pack, abi.THREADS, plan.smem,
                                                              device))
-        self.stitch = k("stitch")
+        self.stitch = kernel(device, "stitch")
         self.stitch_grid = -(-(plan.n_tiles + 1) // abi.THREADS)
         signplane = enc == Encoding.SIGNPLANE
         self.args = abi.PackArgs().set(numel=lay.numel, mask_len=plan.spans[0][1],
@@ -152,7 +141,7 @@ class _PackLaunch:
         vwords, swords = -(-plan.spans[2][1] // 4), -(-plan.spans[3][1] // 4)
         self.zero_tail = None
         if plan.mode != Mode.MASKED and max(vwords, swords):
-            self.zero_tail = k("zero_tail")
+            self.zero_tail = kernel(device, "zero_tail")
             self.zero_grid = min(-(-max(vwords, swords) // abi.THREADS), 4096)
             self.zero_args = abi.ZeroTailArgs().set(cap=lay.capacity, width=plan.width,
                                                     values_words=vwords, has_signs=signplane,
@@ -242,7 +231,6 @@ def enqueue_unpack(lay: _fmt.Layout, p: Planes, op: Op, device: int, stream: int
     """
     if lay.numel == 0:
         return
-    k = kernels_for(device)
     rounds = abi.unpack_rounds(lay.dtype, op)
     tile = abi.tile_elems(lay.dtype, rounds)
     n_tiles = -(-lay.numel // tile)
@@ -252,7 +240,7 @@ def enqueue_unpack(lay: _fmt.Layout, p: Planes, op: Op, device: int, stream: int
         tc = _record(abi.TileCountsArgs)
         tc.mask, tc.mask_len, tc.numel, tc.counts = p.mask, p.mask_len, lay.numel, prefix + 8
         driver.memset0(prefix, 8, stream)
-        driver.launch(k("tile_counts", abi.BITS_FMT[lay.dtype.bits], rounds), n_tiles,
+        driver.launch(kernel(device, "tile_counts", abi.BITS_FMT[lay.dtype.bits], rounds), n_tiles,
                       abi.THREADS, 0, stream, tc)
         prefix_scan(prefix + 8, n_tiles)
         mode = 2
@@ -266,7 +254,7 @@ def enqueue_unpack(lay: _fmt.Layout, p: Planes, op: Op, device: int, stream: int
     r.g, r.g_aligned, r.ud, r.ud_aligned = grad, grad % 16 == 0, udense, udense % 16 == 0
     r.out, r.out_aligned, r.out2, r.out2_aligned = out, out % 16 == 0, out2, out2 % 16 == 0
     uenc = int(u_encoding) if pu is not None else 0
-    func = k("unpack", fmt, int(op), rounds, int(lay.encoding), uenc)
+    func = kernel(device, "unpack", fmt, int(op), rounds, int(lay.encoding), uenc)
     driver.launch(func, n_tiles, abi.THREADS, 0, stream, r)
 
 
@@ -281,5 +269,5 @@ def enqueue_relu_backward(lay: _fmt.Layout, p: Planes, device: int, stream: int,
     r = _record(abi.MaskSelectArgs)
     r.g, r.g_aligned, r.mask, r.mask_len = grad, grad % 16 == 0, p.mask, p.mask_len
     r.numel, r.out, r.out_aligned = lay.numel, out, out % 16 == 0
-    driver.launch(kernels_for(device)("mask_select", abi.BITS_FMT[lay.dtype.bits]), grid,
+    driver.launch(kernel(device, "mask_select", abi.BITS_FMT[lay.dtype.bits]), grid,
                   abi.THREADS, 0, stream, r)

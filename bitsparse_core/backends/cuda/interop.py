@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ...spec import format as _fmt
+from . import driver
 from ... import dtypes as _dt
 from ...dlpack import KDL_CUDA, KDL_CUDA_MANAGED, import_capsule, make_capsule, resolve_dtype
 from ...errors import NonContiguousError, OutputMismatchError, UnsupportedDeviceError, UnsupportedDTypeError
@@ -113,15 +114,8 @@ def same_stream(a: int, b: int) -> bool:
 
 def stream_wait(consumer: int, producer: int, device: int) -> None:
     """Make ``consumer`` wait for the work queued so far on ``producer``."""
-    if same_stream(consumer, producer):
-        return
-    from . import driver
-    driver.stream_wait(consumer, producer)
-
-
-def check_capacity(capacity, numel: int) -> int:
-    """A fixed capacity as an int in [0, numel], or a named error (the spec's rule)."""
-    return _fmt.check_capacity(capacity, numel)
+    if not same_stream(consumer, producer):
+        driver.stream_wait(consumer, producer)
 
 
 # --------------------------------------------------------------------------- #
@@ -204,7 +198,6 @@ def _torch_tensor(x):
 def _from_torch(t, dtype, stream: int) -> CudaTensor:
     """A torch CUDA tensor by pointer: no DLPack capsule on the hot path. Ordered
     after torch's current stream, as the DLPack stream rule would order it."""
-    import torch
     if t.device.type != "cuda":
         raise UnsupportedDeviceError(f"tensor lives on {t.device}, not CUDA")
     if t.numel() and not t.is_contiguous():
@@ -215,8 +208,14 @@ def _from_torch(t, dtype, stream: int) -> CudaTensor:
         code = 2 if t.dtype.is_floating_point else (0 if t.dtype.is_signed else 1)
         dt = resolve_dtype(code, 8 * t.element_size(), 1, dtype)
     dev = t.device.index
-    stream_wait(stream, torch.cuda.current_stream(dev).cuda_stream, dev)
+    stream_wait(stream, torch_stream(dev), dev)
     return CudaTensor(t.data_ptr(), tuple(t.shape), dt, dev, t)
+
+
+def torch_stream(device: int) -> int:
+    """The raw handle of torch's current stream on ``device`` (no Stream object made)."""
+    import torch
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def import_cuda(x, dtype=None, stream: int = 0) -> CudaTensor:

@@ -22,11 +22,9 @@ from typing import Protocol
 
 from ...errors import EncodingError, OutputMismatchError, UnsupportedDeviceError
 from ...spec import format as _fmt
-from ...spec.format import Encoding
-from ...spec.ops import masked_encoding  # noqa: F401  (the backends' masked_pack rule)
+from ...spec.format import Encoding, check_capacity
 from . import abi
 from .host import PackPlan, pack_plan
-from .interop import check_capacity
 
 NOSIGN_MESSAGE = ("nosign encoding: a stored value has its sign bit set; use encoding='signplane' "
                   "or 'raw'")

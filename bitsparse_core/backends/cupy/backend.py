@@ -18,6 +18,7 @@ import numpy as np
 from ...errors import OutputMismatchError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
+from ...spec.ops import masked_encoding
 from ..cuda import driver, host, protocol
 from ..cuda import interop as ci
 from ..cuda.abi import Mode, Op
@@ -200,7 +201,7 @@ class CupyBackend:
         protocol.check_like("u", t.shape, t.dtype, p_mask)
         if t.device != p_mask.device[1]:
             raise OutputMismatchError(f"u lives on cuda:{t.device}, the mask on cuda:{p_mask.device[1]}")
-        enc = protocol.masked_encoding(encoding)
+        enc = masked_encoding(encoding)
         mp = self._ready(p_mask, s, values=False)
         nnz = p_mask.nnz                    # known after an exact pack; else one sync
         plan = host.pack_plan(tuple(t.shape), t.dtype, enc, nnz, p_mask.chunk_log2, Mode.MASKED)

@@ -29,6 +29,7 @@ import numpy as np
 from ...errors import OutputMismatchError, UnsupportedDeviceError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
+from ...spec.ops import masked_encoding
 from ..cuda import abi
 from ..cuda.abi import Mode
 from ..cuda import protocol
@@ -466,7 +467,7 @@ class NumbaBackend:
         st = P.stream(stream)
         buf, shape, dt = P.import_dense(u, dtype, st)
         protocol.check_like("u", shape, dt, p_mask)
-        enc = protocol.masked_encoding(encoding)
+        enc = masked_encoding(encoding)
         P.order_after(p_mask, st)
         nnz = p_mask.nnz  # the companion stores every masked position (sync if pending)
         plan = pack_plan(tuple(shape), dt, enc, nnz, p_mask.chunk_log2, Mode.MASKED)

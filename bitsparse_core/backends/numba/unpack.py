@@ -114,7 +114,7 @@ def scan_pair(acc, ba, bb, two, tot_needed, lane, t, sh_lane):
 
 def make_word_expand(el, ug):
     """(spread_signs, expand_word) of element type ``el``."""
-    BITS, GE, SEL16 = el.BITS, el.GE, ug.SEL16
+    BITS, SEL16 = el.BITS, ug.SEL16
 
     @cuda.jit(device=True)
     def spread_signs(s):
