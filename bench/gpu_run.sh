@@ -13,7 +13,7 @@ t0=$(date +%s)
 } >"$OUT/setup.log" 2>&1
 echo "setup $(( $(date +%s) - t0 )) s"; tail -n 3 "$OUT/setup.log"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -x ${PYTEST_ARGS:-} \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:--x} \
       ${TESTS:-tests/test_torch_ops.py tests/test_gpu_cupy.py tests/test_torch_gpu.py} >"$OUT/pytest.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 30 "$OUT/pytest.log" | cut -c1-400
 fi

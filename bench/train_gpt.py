@@ -74,6 +74,8 @@ class Shape:
 PRESETS = {
     "gpt6": Shape(layers=6, d=768, heads=6, d_ff=3072, seq=512, batch=32),
     "gpt12": Shape(layers=12, d=1024, heads=16, d_ff=4096, seq=1024, batch=8),
+    # GPU-bound on the H200 (the host issues a step faster than the GPU runs it)
+    "gpt16": Shape(layers=16, d=2048, heads=16, d_ff=8192, seq=2048, batch=8),
 }
 SMALL = Shape(layers=2, d=64, heads=2, d_ff=256, seq=64, batch=4)
 
@@ -272,19 +274,25 @@ def build(bench: Bench, name: str):
         model = GPT(bench.shape, variant, bench.args.ours_kwargs)
     load_init(model, bench.init_state)
     model.to(dtype=torch.bfloat16)
+    # AdamW's default implementation on CUDA (foreach), as users run it
     opt = torch.optim.AdamW(model.parameters(), lr=bench.args.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0, foreach=False)
+                            weight_decay=0.0)
     call = model
     if variant.compiled:
         call = torch.compile(model, fullgraph=bench.args.compile_fullgraph)
     return model, call, opt
 
 
-def train_step(model, opt, x, y) -> torch.Tensor:
-    """One whole step: forward, backward, optimizer. Returns the loss, left on the device."""
+def train_step(model, opt, x, y, marks: list | None = None) -> torch.Tensor:
+    """One whole step: forward, backward, optimizer. Returns the loss, left on the device.
+    ``marks``: gets the host clock after the forward and after the backward."""
     loss = model(x, y)
+    if marks is not None:
+        marks.append(time.perf_counter())
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if marks is not None:
+        marks.append(time.perf_counter())
     opt.step()
     return loss.detach()
 
@@ -312,18 +320,19 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
         torch.cuda.reset_peak_memory_stats(device)
     model, call, opt = build(bench, name)
     probe = name == "dense" and args.sparsity_every > 0 and not args.budget
-    losses, times, host, sparsity, first_step_s = [], [], [], [], None
+    losses, times, host, phases, sparsity, first_step_s = [], [], [], [], [], None
 
-    def step(x, y):
-        return train_step(call, opt, x, y)
+    def step(x, y, marks=None):
+        return train_step(call, opt, x, y, marks)
 
     with attention_backend(args.attn):
         for i, (x, y) in enumerate(batches[:plan.warmup + plan.timed]):
             bench.check_time(f"{name} at step {i}")
             x, y = x.to(device), y.to(device)
             sync(device)
+            marks = []
             t0 = time.perf_counter()
-            losses.append(step(x, y))
+            losses.append(step(x, y, marks))
             t1 = time.perf_counter()
             sync(device)
             t2 = time.perf_counter()
@@ -331,6 +340,7 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
             if i >= plan.warmup:
                 times.append(t2 - t0)
                 host.append(t1 - t0)
+                phases.append((marks[0] - t0, marks[1] - marks[0], t1 - marks[1]))
             if probe and i % args.sparsity_every == 0:
                 sparsity.append((i, probe_sparsity(model, x, y)))
         syncs = None
@@ -345,14 +355,51 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
         "batch": batches[0][0].shape[0],
         "median_step_ms": 1e3 * statistics.median(times) if times else None,
         "median_host_ms": 1e3 * statistics.median(host) if host else None,
+        # host time to issue the forward, the backward and the optimizer step
+        "median_host_phase_ms": [1e3 * statistics.median(p) for p in zip(*phases)] if phases
+        else None,
         "first_step_s": first_step_s,
         "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         "losses": torch.stack(losses).float().cpu().tolist(),
         "syncs": syncs,
         "sparsity": sparsity,
     }
+    if args.cprofile_steps and device.type == "cuda":
+        res["cprofile"] = cprofile_steps(step, batches[:args.cprofile_steps], device)
+    res["capacity"] = capacity_stats(model, plan.total + (args.cprofile_steps or 0))
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return res, params
+
+
+def cprofile_steps(step, batches, device: torch.device, top: int = 45) -> str:
+    """The Python functions that take the host's time in a few steps (cProfile,
+    sorted by own time), with no sync between the steps."""
+    import cProfile
+    import io
+    import pstats
+    on_device = [(x.to(device), y.to(device)) for x, y in batches]
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for x, y in on_device:
+        step(x, y)
+    prof.disable()
+    sync(device)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return f"{len(on_device)} steps\n" + buf.getvalue()
+
+
+def capacity_stats(model: nn.Module, steps: int) -> dict | None:
+    """The packed modules' counters summed over layers, per step: backwards that
+    recomputed (``unknown``: the count had not come back yet) and overflows."""
+    stats = [m.stats() for m in model.modules() if isinstance(m, bst.PackedReLUFFN)]
+    if not stats:
+        return None
+    total = {k: sum(st[k] for st in stats) for k in ("recomputes", "unknown", "overflows")}
+    out = {f"{k}_per_step": v / steps for k, v in total.items()}
+    out["max_density"] = max(st["max_density"] for st in stats)
+    return out
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -558,21 +605,36 @@ def markdown_variants(summary: dict) -> str:
                    f"{_yes(v.get('params_bit_identical'))} | {_f(v.get('max_abs_loss_diff'), '.2e')} |")
     out += ["", "Reference: dense, and dense-compiled for ours-compiled. Host = CPU time to "
             "issue a step (from its start to before the closing synchronize)."]
+    phases = [(n, v["median_host_phase_ms"]) for n, v in summary["variants"].items()
+              if v.get("median_host_phase_ms")]
+    if phases:
+        out += ["", "Host time per phase (median ms): " + "; ".join(
+            f"{n} {f:.1f} / {b:.1f} / {o:.1f}" for n, (f, b, o) in phases)
+            + " (forward / backward / optimizer)."]
     if summary["config"]["attn"] == "auto":
         out += ["", "attention=auto lets SDPA pick a fused backend whose backward need not be "
                 "deterministic, so losses can differ from the reference in the last bits "
                 "(checkpoint too); bit-identity is checked with --bitident-steps (math attention)."]
     if failed:
         out += ["", "Not run to the end:", ""] + failed
+    cap = {n: v["capacity"] for n, v in summary["variants"].items() if v.get("capacity")}
+    if cap:
+        out += ["", "## Packed modules' backward, per step (all layers)", "",
+                "| variant | recomputes | of which the count was not back yet | overflows | "
+                "max density |", "| --- | --- | --- | --- | --- |"]
+        out += [f"| {n} | {c['recomputes_per_step']:.2f} | {c['unknown_per_step']:.2f} | "
+                f"{c['overflows_per_step']:.2f} | {c['max_density']:.3f} |" for n, c in cap.items()]
     profiled = {n: v["syncs"] for n, v in summary["variants"].items() if v.get("syncs")}
     if profiled:
         keys = list(next(iter(profiled.values()))["per_step"])
         out += ["", "## Host syncs per step (torch.profiler, no per-step sync of the benchmark)", "",
-                "| variant | " + " | ".join(keys) + " | host ms/step (profiled) |",
-                "| --- " * (len(keys) + 2) + "|"]
+                "| variant | " + " | ".join(keys) + " | host ms/step (profiled) | "
+                "GPU busy ms/step |",
+                "| --- " * (len(keys) + 3) + "|"]
         for name, sy in profiled.items():
             out.append(f"| {name} | " + " | ".join(_f(sy["per_step"][k], "g") for k in keys)
-                       + f" | {sy['host_ms_per_step']:.1f} |")
+                       + f" | {sy['host_ms_per_step']:.1f} | "
+                       f"{_f(sy.get('gpu_busy_ms_per_step'))} |")
         rows = [(n, r) for n, sy in profiled.items() for r in sy["own_ops"]]
         if rows:
             out += ["", "## Library ops, CPU time per step (key_averages rows naming "
@@ -654,11 +716,23 @@ def plot_budget(summary: dict, path: Path, plt) -> None:
     plt.close(fig)
 
 
+def write_cprofiles(summary: dict, out: Path, stem: str) -> None:
+    texts = [f"## {n}\n{v['cprofile']}" for n, v in summary.get("variants", {}).items()
+             if v.get("cprofile")]
+    if texts:
+        (out / f"{stem}_cprofile.txt").write_text("\n\n".join(texts))
+
+
 def write_reports(summary: dict, out: Path, stem: str) -> None:
     """``stem``.json, .md and (where matplotlib is installed) .png under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     summary["elapsed_s"] = time.monotonic() - START
-    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=str))
+    write_cprofiles(summary, out, stem)
+    slim = dict(summary)
+    if "variants" in slim:
+        slim["variants"] = {n: {k: x for k, x in v.items() if k != "cprofile"}
+                            for n, v in slim["variants"].items()}
+    (out / f"{stem}.json").write_text(json.dumps(slim, indent=1, default=str))
     budget_mode = summary["mode"] == "budget"
     (out / f"{stem}.md").write_text(markdown_budget(summary) if budget_mode
                                     else markdown_variants(summary))
@@ -681,6 +755,8 @@ def parse_args(argv):
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--cprofile-steps", type=int, default=0,
+                    help="CUDA: also run this many steps under cProfile (train_gpt_cprofile.txt)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sparsity-every", type=int, default=10, help="0: no sparsity probe")

@@ -127,7 +127,9 @@ class CapacityPolicy:
         self.bucket = len(LADDER) - 1
         self._recent = collections.deque(maxlen=window)
         self._pending = collections.deque(maxlen=4 * window)
-        self.packs = self.overflows = self.recomputes = 0
+        # recomputes: backwards that recomputed, for an overflow or because the count
+        # had not come back yet (``unknown``, the host running ahead of the GPU)
+        self.packs = self.overflows = self.recomputes = self.unknown = 0
         self.max_density = 0.0
 
     def capacity(self, numel: int) -> int:
@@ -166,6 +168,7 @@ class CapacityPolicy:
 
     def stats(self) -> dict:
         return {"packs": self.packs, "overflows": self.overflows, "recomputes": self.recomputes,
+                "unknown": self.unknown,
                 "max_density": self.max_density,
                 "capacity_density": self.density if self.density is not None
                 else LADDER[self.bucket]}

@@ -250,6 +250,7 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
             clean = True
         elif pol is not None:
             pol.recomputes += 1
+            pol.unknown += state is None
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     grad_a = grad_out.new_empty((0,), dtype=a_dtype)
     grad_w = weight.new_empty((0,))

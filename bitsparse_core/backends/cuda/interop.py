@@ -350,7 +350,7 @@ class CudaArray:
         ``stream``: the consumer's (None = legacy default, -1 = no ordering); our
         pending work is ordered before it. ``copy=True`` copies on that stream (on
         ours for -1) and sets the is-copied flag. ``dl_device=(kDLCPU, 0)`` exports
-        a host copy (stream must be None; ``copy=False`` raises CopyRefusedError);
+        a host copy, complete on return (``copy=False`` raises CopyRefusedError);
         any other device but ours raises BufferError."""
         from ...dlpack import KDL_CPU, CopyRefusedError, export_host, export_request
         versioned, target, copy = export_request(max_version, dl_device, copy)
@@ -358,9 +358,8 @@ class CudaArray:
             if copy is False:
                 raise CopyRefusedError(f"exporting cuda:{self.device} data to the CPU needs a "
                                        "device-to-host copy, and copy=False forbids it")
-            if stream is not None:
-                raise BufferError(f"stream={stream!r} given with dl_device=(kDLCPU, 0); "
-                                  "DLPack takes stream=None there")
+            # A consumer may pass its stream on our device (torch does); the host copy
+            # is complete when this returns, so it needs no ordering on that stream.
             return export_host(self.get(), self.dtype, max_version=max_version, copied=True)
         if target is not None and target != (KDL_CUDA, self.device):
             raise BufferError(f"cannot export a cuda:{self.device} array to DLPack device "

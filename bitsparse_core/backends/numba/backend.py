@@ -264,6 +264,9 @@ class _GpuPlatform:
                 rt.streamSynchronize(st[0])
         return out
 
+    def device_sync(self):
+        self.cuda.synchronize()
+
     def _on_dev(self):
         import cupy
         return cupy.cuda.Device(self._dev())
@@ -593,6 +596,9 @@ class NumbaBackend:
     def to_numpy(self, array) -> np.ndarray:
         if K.SIM:
             return np.asarray(array).copy()
+        # After all queued work, on every stream (as the CuPy backend's): a plane made
+        # on a caller's non-blocking stream is read whole.
+        _platform().device_sync()
         if hasattr(array, "get") and not hasattr(array, "copy_to_host"):
             return np.asarray(array.get())          # CuPy arrays, CudaArray
         return array.copy_to_host()
