@@ -8,7 +8,8 @@ same batches, it trains
 * ``dense``          -- plain PyTorch (the reference),
 * ``checkpoint``     -- torch.utils.checkpoint around every MLP,
 * ``ours-raw``, ``ours-nosign`` -- the MLP is ``bitsparse_core.torch.PackedReLU2FFN``
-  (activation stored packed, raw or sign-dropped values),
+  (activation stored packed, raw or sign-dropped values); ``ours-recompute`` is
+  ours-nosign recomputing, rather than waiting for, a count not back yet,
 * ``dense-compiled``, ``ours-compiled`` -- ``torch.compile`` of the dense and the
   ``ours-nosign`` model (compared with each other).
 
@@ -86,6 +87,7 @@ class Variant:
     reference: str            # the variant whose losses/params this one must equal
     checkpoint: bool = False
     compiled: bool = False
+    options: tuple = ()       # (name, value) pairs for the Packed module, beside --ours-kwargs
 
 
 VARIANTS = {
@@ -93,6 +95,8 @@ VARIANTS = {
     "checkpoint": Variant("dense", "dense", checkpoint=True),
     "ours-raw": Variant("raw", "dense"),
     "ours-nosign": Variant("nosign", "dense"),
+    # a pending count recomputes instead of being waited for (CapacityPolicy.pending)
+    "ours-recompute": Variant("nosign", "dense", options=(("pending", "recompute"),)),
     "dense-compiled": Variant("dense", "dense-compiled", compiled=True),
     "ours-compiled": Variant("nosign", "dense-compiled", compiled=True),
 }
@@ -196,7 +200,8 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(256, shape.d)
         self.pos = nn.Embedding(shape.seq, shape.d)
         self.blocks = nn.ModuleList(
-            Block(shape, make_mlp(variant.mlp, shape.d, shape.d_ff, ours_kwargs), variant.checkpoint)
+            Block(shape, make_mlp(variant.mlp, shape.d, shape.d_ff,
+                                  {**ours_kwargs, **dict(variant.options)}), variant.checkpoint)
             for _ in range(shape.layers))
         self.norm = nn.RMSNorm(shape.d)
         self.head = nn.Linear(shape.d, 256, bias=False)
@@ -396,7 +401,8 @@ def capacity_stats(model: nn.Module, steps: int) -> dict | None:
     stats = [m.stats() for m in model.modules() if isinstance(m, bst.PackedReLUFFN)]
     if not stats:
         return None
-    total = {k: sum(st[k] for st in stats) for k in ("recomputes", "unknown", "overflows")}
+    total = {k: sum(st[k] for st in stats)
+             for k in ("recomputes", "unknown", "overflows", "waits", "wait_s")}
     out = {f"{k}_per_step": v / steps for k, v in total.items()}
     out["max_density"] = max(st["max_density"] for st in stats)
     return out
@@ -621,9 +627,15 @@ def markdown_variants(summary: dict) -> str:
     if cap:
         out += ["", "## Packed modules' backward, per step (all layers)", "",
                 "| variant | recomputes | of which the count was not back yet | overflows | "
-                "max density |", "| --- | --- | --- | --- | --- |"]
+                "waits for a count | host ms waiting | max density |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
         out += [f"| {n} | {c['recomputes_per_step']:.2f} | {c['unknown_per_step']:.2f} | "
-                f"{c['overflows_per_step']:.2f} | {c['max_density']:.3f} |" for n, c in cap.items()]
+                f"{c['overflows_per_step']:.2f} | {c['waits_per_step']:.2f} | "
+                f"{1e3 * c['wait_s_per_step']:.2f} | {c['max_density']:.3f} |"
+                for n, c in cap.items()]
+        out += ["", "A wait watches the pinned slot of a pack the GPU has not reached yet, while "
+                "the GPU runs the work queued after it (no CUDA call); `ours-recompute` "
+                "recomputes instead."]
     profiled = {n: v["syncs"] for n, v in summary["variants"].items() if v.get("syncs")}
     if profiled:
         keys = list(next(iter(profiled.values()))["per_step"])

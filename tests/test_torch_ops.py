@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -94,6 +96,41 @@ def test_flag_slab_tickets_read_unknown_until_landed_and_after_reuse():
     _, t3 = slab.acquire()                       # the ring came round to t1's slot
     assert int(t3[0]) == i and slab.read(t1) is None
     assert slab.read(torch.tensor([C.NO_SLOT, 0])) is None
+
+
+def test_flag_slab_wait_sees_a_late_copy_and_gives_up_on_none():
+    """A backward that finds its count pending watches the slot: a copy landing later
+    (here from another thread, as the GPU's would) is returned; a slot that never
+    lands gives None after the timeout; a ticket with no slot gives None at once."""
+    import threading
+    slab = C.FlagSlab(slots=4)
+    _, ticket = slab.acquire()
+    status, nnz = slab._arrays()
+    i = int(ticket[0])
+
+    def land():
+        time.sleep(0.05)
+        nnz[2 * i + 1] = 123
+        status[4 * i] = 0
+
+    th = threading.Thread(target=land)
+    th.start()
+    assert slab.wait(ticket, timeout_s=30) == (0, 123)
+    th.join()
+    _, never = slab.acquire()
+    t0 = time.perf_counter()
+    assert slab.wait(never, timeout_s=0.05) is None and time.perf_counter() - t0 >= 0.05
+    assert slab.wait(torch.tensor([C.NO_SLOT, 0])) is None
+
+
+def test_policy_pending_modes():
+    assert C.CapacityPolicy().pending == "wait"
+    pol = C.CapacityPolicy(pending="recompute")
+    assert pol.wait(torch.tensor([0, 1])) is None and pol.waits == 0
+    with pytest.raises(ValueError, match="pending"):
+        C.CapacityPolicy(pending="sometimes")
+    m = bst.PackedReLU2FFN(8, 32, pending="recompute")
+    assert m.capacity_policy.pending == "recompute"
 
 
 def test_relu_linear_without_recompute_source_raises_on_overflow():

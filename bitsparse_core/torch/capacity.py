@@ -20,6 +20,7 @@ import logging
 import math
 import threading
 import itertools
+import time
 import weakref
 
 import numpy as np
@@ -29,6 +30,7 @@ log = logging.getLogger("bitsparse_core.torch")
 
 SENTINEL = 0xFFFFFFFF          # no status word the kernel writes (bits 0-1 only)
 SENTINEL64 = (1 << 64) - 1     # no count a pack can have
+WAIT_TIMEOUT_S = 60.0          # a pack's count that never lands (a stuck stream): recompute
 NO_SLOT = -1                   # no copy queued (CUDA graph capture): state unknown
 HOST_FINAL = -2                # CPU pack: the block's own status area is final
 
@@ -93,10 +95,26 @@ class FlagSlab:
             return None
         return s, n
 
+    def wait(self, ticket: torch.Tensor, timeout_s: float = WAIT_TIMEOUT_S):
+        """``(status, nnz)`` of a ticket's pack, watching its slot until the copy lands (no
+        CUDA call: the GPU runs on while the host waits), or None for a ticket with no
+        slot, a stale one, or after ``timeout_s``."""
+        i, gen = (int(v) for v in ticket.numpy())
+        if i < 0:
+            return None
+        deadline = time.perf_counter() + timeout_s
+        while (state := self.read(ticket)) is None:
+            if self._gen[i] != gen or time.perf_counter() > deadline:
+                return None
+            time.sleep(0)   # let other threads run (the GIL) between looks
+        return state
+
 
 SLAB = FlagSlab()
 POLICIES: "weakref.WeakValueDictionary[int, CapacityPolicy]" = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
+
+PENDING = ("wait", "recompute")
 
 # Densities a capacity may take: 1/64 times powers of 2^(1/3), up to 1.
 LADDER = tuple(min(1.0, 2 ** (k / 3) / 64) for k in range(19))
@@ -113,15 +131,27 @@ class CapacityPolicy:
     recompiles (at most once per bucket) when the capacity moves. It moves only in
     :meth:`poll`, which the backward calls: a forward and its recompute under
     activation checkpointing always see the same capacity.
+
+    ``pending``: what a backward does when its pack's count has not come back yet,
+    which happens when the host runs ahead of the GPU (a GPU-bound step): ``"wait"``
+    watches the pinned slot until it lands (the GPU is then still busy with the work
+    queued after that pack, so it does not idle; no CUDA call is made); ``"recompute"``
+    recomputes the activation from the FFN input at once (never waits, costs the
+    first GEMM again). Inside a CUDA graph capture the count cannot be known, and
+    both recompute.
     """
 
-    def __init__(self, density: float | None = None, margin: float = 0.1, window: int = 64):
+    def __init__(self, density: float | None = None, margin: float = 0.1, window: int = 64,
+                 pending: str = "wait"):
         self.id = next(_IDS)
         POLICIES[self.id] = self
         if density is not None and not 0.0 <= float(density) <= 1.0:
             raise ValueError(f"density={density!r} must lie in [0, 1]")
         if margin < 0:
             raise ValueError(f"margin={margin!r} must be >= 0")
+        if pending not in PENDING:
+            raise ValueError(f"pending={pending!r}; use one of {', '.join(PENDING)}")
+        self.pending = pending
         self.density = None if density is None else float(density)
         self.margin = float(margin)
         self.bucket = len(LADDER) - 1
@@ -129,7 +159,8 @@ class CapacityPolicy:
         self._pending = collections.deque(maxlen=4 * window)
         # recomputes: backwards that recomputed, for an overflow or because the count
         # had not come back yet (``unknown``, the host running ahead of the GPU)
-        self.packs = self.overflows = self.recomputes = self.unknown = 0
+        self.packs = self.overflows = self.recomputes = self.unknown = self.waits = 0
+        self.wait_s = 0.0
         self.max_density = 0.0
 
     def capacity(self, numel: int) -> int:
@@ -156,6 +187,17 @@ class CapacityPolicy:
             want = max(self._recent) * (1 + self.margin)
             self.bucket = next((k for k, v in enumerate(LADDER) if v >= want), len(LADDER) - 1)
 
+    def wait(self, ticket: torch.Tensor):
+        """The pack's ``(status, nnz)``, waiting for it under ``pending="wait"`` (None
+        under "recompute", in a graph capture, or past the timeout)."""
+        if self.pending != "wait" or torch.cuda.is_current_stream_capturing():
+            return None
+        t0 = time.perf_counter()
+        state = SLAB.wait(ticket)
+        self.waits += 1
+        self.wait_s += time.perf_counter() - t0
+        return state
+
     def _observe(self, nnz: int, numel: int, capacity: int) -> None:
         d = nnz / numel if numel else 0.0
         self._recent.append(d)
@@ -168,7 +210,7 @@ class CapacityPolicy:
 
     def stats(self) -> dict:
         return {"packs": self.packs, "overflows": self.overflows, "recomputes": self.recomputes,
-                "unknown": self.unknown,
+                "unknown": self.unknown, "waits": self.waits, "wait_s": self.wait_s,
                 "max_density": self.max_density,
                 "capacity_density": self.density if self.density is not None
                 else LADDER[self.bucket]}

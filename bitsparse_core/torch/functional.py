@@ -224,9 +224,15 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     x, w1, b1 = recompute if recompute is not None else (None, None, None)
     a = a.contiguous()
     pol = _policy(policy, density, a.shape, a.dtype, bool(square))
-    out, _, _ = ReLULinearFunction.apply(a, weight, bias, x, w1, b1, pol.capacity(a.numel()),
-                                         bool(square), _encoding_id(encoding),
-                                         DEFAULT_CHUNK_LOG2, mm_dtype, pol.id)
+    args = (a, weight, bias, x, w1, b1, pol.capacity(a.numel()), bool(square),
+            _encoding_id(encoding), DEFAULT_CHUNK_LOG2, mm_dtype, pol.id)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        out, _, _ = ReLULinearFunction.apply(*args)
+    else:
+        # Function.apply binds the arguments to forward's signature (inspect.signature,
+        # tens of microseconds per call) before the C++ apply; all twelve are positional
+        # and have no default, so binding changes nothing and is skipped in eager.
+        out, _, _ = _RELU_LINEAR_APPLY(*args)
     return out
 
 
@@ -270,6 +276,10 @@ class ReLULinearFunction(torch.autograd.Function):
         raise UnsupportedTransformError(
             "bitsparse's packed ReLU ops have no batching rule (the packed block's size is "
             "fixed per call); apply torch.func.vmap outside them or use the dense FFN")
+
+
+# The C++ apply under Function.apply, bound to ReLULinearFunction.
+_RELU_LINEAR_APPLY = super(torch.autograd.Function, ReLULinearFunction).apply
 
 
 def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",

@@ -15,11 +15,11 @@ from .functional import _check_encoding, gated_relu_linear, relu_ffn
 
 
 class _PackedFFN(nn.Module):
-    def __init__(self, encoding, backend, density=None, margin=0.1):
+    def __init__(self, encoding, backend, density=None, margin=0.1, pending="wait"):
         super().__init__()
         self.encoding = _check_encoding(encoding)
         self.backend = backend
-        self.capacity_policy = CapacityPolicy(density, margin)
+        self.capacity_policy = CapacityPolicy(density, margin, pending=pending)
 
     def stats(self) -> dict:
         """Packs made, overflows seen (each recomputed exactly), the densities."""
@@ -35,9 +35,9 @@ class PackedReLUFFN(_PackedFFN):
     square = False
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, *, encoding: str = "nosign",
-                 density: float | None = None, margin: float = 0.1, backend: str = "auto",
-                 device=None, dtype=None):
-        super().__init__(encoding, backend, density, margin)
+                 density: float | None = None, margin: float = 0.1, pending: str = "wait",
+                 backend: str = "auto", device=None, dtype=None):
+        super().__init__(encoding, backend, density, margin, pending)
         self.fc1 = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
 
@@ -48,10 +48,11 @@ class PackedReLUFFN(_PackedFFN):
 
     @classmethod
     def from_dense(cls, fc1: nn.Linear, fc2: nn.Linear, *, encoding: str = "nosign",
-                   density: float | None = None, margin: float = 0.1, backend: str = "auto"):
+                   density: float | None = None, margin: float = 0.1, pending: str = "wait",
+                   backend: str = "auto"):
         """A packed FFN sharing the parameters of two existing ``nn.Linear``s."""
         m = cls.__new__(cls)
-        _PackedFFN.__init__(m, encoding, backend, density, margin)
+        _PackedFFN.__init__(m, encoding, backend, density, margin, pending)
         m.fc1, m.fc2 = fc1, fc2
         return m
 

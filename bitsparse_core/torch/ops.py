@@ -6,10 +6,11 @@ capacity as ONE uint8 block (the layout of :func:`..backends.cuda.host.pack_plan
 and a *ticket* for its device-side counters (:mod:`.capacity`).
 ``bitsparse::relu_linear_backward`` takes them back: where the ticket shows the
 pack clean, it unpacks (and runs the fused activation gradient); where it shows
-an overflow, or cannot tell yet (the copy has not landed, or a CUDA graph is being
-captured), it recomputes the activation from the FFN input with the same GEMM as
-the forward, so the gradients are bit-identical in every case and the host never
-waits for the GPU.
+an overflow, it recomputes the activation from the FFN input with the same GEMM as
+the forward, so the gradients are bit-identical in every case. Where the count has
+not come back yet (the host is ahead of the GPU), the call site's policy either
+watches the pinned slot until it lands or recomputes (``CapacityPolicy.pending``);
+inside a CUDA graph capture it always recomputes. No CUDA synchronize is made.
 
 Each op has a fake (meta) implementation, shapes from the format's layout at the
 given capacity, so ``torch.compile`` traces them without a graph break; the
@@ -232,8 +233,10 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     without a bias) comes back empty and is not computed."""
     plan = _plan(a_shape, a_dtype, capacity, square, encoding, chunk_log2)
     state = _state(block, ticket, plan)
-    clean = state is not None and state[0] == 0
     pol = C.POLICIES.get(policy)
+    if state is None and x is not None and pol is not None:
+        state = pol.wait(ticket)
+    clean = state is not None and state[0] == 0
     if pol is not None:
         pol.poll()
     if not clean:
