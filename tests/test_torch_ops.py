@@ -19,8 +19,13 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _dense(m, x):
+    if isinstance(m, bst.PackedReGLUFFN):
+        return m.down_proj(torch.relu(m.gate_proj(x)) * m.up_proj(x))
     h = torch.relu(m.fc1(x))
     return m.fc2(h * h if m.square else h)
+
+
+FFNS = [bst.PackedReLUFFN, bst.PackedReLU2FFN, bst.PackedReGLUFFN]
 
 
 def _grads(fn, m, x, steps=2):
@@ -47,7 +52,7 @@ def _quiet():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cls", [bst.PackedReLUFFN, bst.PackedReLU2FFN])
+@pytest.mark.parametrize("cls", FFNS)
 @pytest.mark.parametrize("density", [None, 0.9, 0.01])
 def test_bit_identical_to_dense_with_and_without_overflow(device, cls, density):
     m = _model(cls, device, density)
@@ -155,14 +160,19 @@ def test_opcheck(device):
     utils = ("test_schema", "test_faketensor") + (("test_aot_dispatch_static",)
                                                   if device == "cpu" else ())
     torch.library.opcheck(torch.ops.bitsparse.relu_linear.default, args, test_utils=utils)
+    u = torch.randn(4, 96, device=device, dtype=torch.bfloat16)
+    gated = (a, u, w, None, x, w1, None, w1, None, 200, 1, 2, 12, None, 0)
+    torch.library.opcheck(torch.ops.bitsparse.gated_relu_linear.default, gated,
+                          test_utils=utils)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.gpu)])
-def test_compile_fullgraph_bit_identical_to_compiled_dense(device, backend):
+@pytest.mark.parametrize("cls", [bst.PackedReLU2FFN, bst.PackedReGLUFFN])
+def test_compile_fullgraph_bit_identical_to_compiled_dense(device, backend, cls):
     if backend == "inductor" and device == "cpu":
         pytest.skip("inductor is checked on the GPU")
-    m = _model(bst.PackedReLU2FFN, device)
+    m = _model(cls, device)
     x = torch.randn(2, 24, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
     out, grads = _grads(torch.compile(m, backend=backend, fullgraph=True), m, x)
     dense = torch.compile(lambda t: _dense(m, t), backend=backend, fullgraph=True)
@@ -173,9 +183,10 @@ def test_compile_fullgraph_bit_identical_to_compiled_dense(device, backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("density", [None, 0.01])
-def test_cuda_graph_training_step_replays_bit_identically(density):
-    m = _model(bst.PackedReLU2FFN, "cuda", density)
-    ref_m = _model(bst.PackedReLU2FFN, "cuda", density)
+@pytest.mark.parametrize("cls", [bst.PackedReLU2FFN, bst.PackedReGLUFFN])
+def test_cuda_graph_training_step_replays_bit_identically(density, cls):
+    m = _model(cls, "cuda", density)
+    ref_m = _model(cls, "cuda", density)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref_m.parameters(), lr=0.1)
     xs = [torch.randn(4, 64, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3)]

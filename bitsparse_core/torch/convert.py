@@ -39,7 +39,7 @@ from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN
 __all__ = ["convert", "register_rule", "unregister_rule", "Rule", "Skip", "ConvertReport", "PackedBlock", "RULES"]
 
 _PACKED_KW = ("encoding", "density", "margin", "pending", "backend")
-_GATED_KW = ("encoding", "u_encoding", "backend")   # PackedReGLUFFN sizes its packs exactly
+_GATED_KW = ("encoding", "u_encoding", "density", "margin", "pending", "backend")
 
 
 class Skip(Exception):

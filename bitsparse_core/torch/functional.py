@@ -55,6 +55,14 @@ def _check_input(t: torch.Tensor, name: str) -> None:
         raise B.UnsupportedDeviceError(f"{name}: only strided (dense) tensors can be packed")
 
 
+def _check_backend(backend: str, device: torch.device) -> None:
+    allowed = ("auto", "cupy") if device.type == "cuda" else ("auto", "numpy")
+    if backend not in allowed:
+        raise B.UnsupportedDeviceError(f"backend={backend!r} for a {device.type} tensor: the "
+                                       "torch ops run the CuPy-compiled kernels on CUDA and the "
+                                       "NumPy reference on CPU")
+
+
 def _autocast_dtype(device: torch.device):
     """The dtype autocast would run ``linear`` in on this device, or None."""
     if torch.is_autocast_enabled(device.type):
@@ -68,105 +76,6 @@ def _autocast(t, dtype):
     if t is None or dtype is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
         return t
     return t.to(dtype)
-
-
-class _Saved:
-    """Packed tensors <-> ``ctx.save_for_backward``: plane tensors go through autograd's
-    saved-tensor machinery (so checkpointing and saved-tensor hooks see them), the
-    metadata stays on ``ctx``."""
-
-    @staticmethod
-    def planes(call: B.Call, p, owners):
-        return B.planes_as_torch(p, owners), B.skeleton(p)
-
-    @staticmethod
-    def restore(ctx, planes, skel, call: B.Call):
-        B.keep_alive_on_stream(planes, call, ctx.pack_stream)
-        return B.rebuild(skel, planes)
-
-
-def _unpack(call: B.Call, p, dtype, shape) -> torch.Tensor:
-    arr = call.backend.unpack(p, **call.kwargs)
-    return B.as_torch(arr, dtype, shape, call.owners())
-
-
-def _linear_backward(ctx, grad_out, weight, h_fn):
-    """PyTorch's ``addmm``/``mm`` backward for ``out = h @ W.T + b`` on the 2-D views.
-
-    ``h_fn()`` makes the dense input (only when ``grad_W`` is needed); returns
-    ``(grad_h, grad_W, grad_b)`` with ``grad_h`` still 2-D.
-    """
-    g2 = grad_out.reshape(-1, grad_out.shape[-1])
-    grad_h = grad_w = grad_b = None
-    if ctx.needs_input_grad[ctx.weight_index]:
-        h = h_fn()
-        grad_w = g2.t().mm(h.reshape(-1, h.shape[-1]))
-        del h
-    if ctx.has_bias and ctx.needs_input_grad[ctx.weight_index + 1]:
-        grad_b = g2.sum([0], keepdim=True).view(g2.shape[-1])
-    if any(ctx.needs_input_grad[:ctx.weight_index]):
-        grad_h = g2.mm(weight)
-    return grad_h, grad_w, grad_b
-
-
-class GatedReLULinearFunction(torch.autograd.Function):
-    """``out = F.linear(relu(g) * u, W, b)``, saving ``pack(relu(g))`` and ``u`` where
-    ``relu(g) != 0``, the two sharing one bitmask."""
-
-    @staticmethod
-    def forward(ctx, g, u, weight, bias, encoding, u_encoding, backend, mm_dtype):
-        if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device:
-            raise ValueError(f"gate and up must match: {g.dtype}{tuple(g.shape)} on {g.device} "
-                             f"vs {u.dtype}{tuple(u.shape)} on {u.device}")
-        call = B.Call(g.device, backend)
-        g, u = g.contiguous(), u.contiguous()
-        obj, dt = B.export(g)
-        r_arr, p_r = call.backend.relu_pack(obj, square=False, dtype=dt, encoding=encoding,
-                                            **call.kwargs)
-        owners = call.owners()
-        r = B.as_torch(r_arr, g.dtype, g.shape, owners)
-        h = torch.mul(r, u)  # exactly the dense relu(g) * u
-        del r
-        obj, dt = B.export(u)
-        p_u = call.backend.masked_pack(obj, p_r, dtype=dt, encoding=u_encoding, **call.kwargs)
-        owners += call.owners()
-        planes_r, skel_r = _Saved.planes(call, p_r, owners)
-        planes_u, skel_u = _Saved.planes(call, p_u, owners)
-        with torch.autocast(g.device.type, enabled=False):
-            out = F.linear(h if mm_dtype is None else h.to(mm_dtype), weight, bias)
-        del h
-        # p_u shares p_r's mask and offsets: save only its values and signs.
-        ctx.save_for_backward(weight, *planes_r, planes_u[2], planes_u[3])
-        ctx.skel_r, ctx.skel_u, ctx.pack_stream, ctx.backend = skel_r, skel_u, call.stream, backend
-        ctx.has_bias, ctx.weight_index = bias is not None, 2
-        ctx.a_dtype, ctx.a_shape, ctx.mm_dtype = g.dtype, tuple(g.shape), mm_dtype
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        weight, mask, offsets, values_r, signs_r, values_u, signs_u = ctx.saved_tensors
-        call = B.Call(grad_out.device, ctx.backend)
-        p_r = _Saved.restore(ctx, (mask, offsets, values_r, signs_r), ctx.skel_r, call)
-        p_u = _Saved.restore(ctx, (mask, offsets, values_u, signs_u), ctx.skel_u, call)
-        p_u.mask, p_u.offsets = p_r.mask, p_r.offsets
-
-        def h_fn():
-            h = _unpack(call, p_r, ctx.a_dtype, ctx.a_shape)
-            h.mul_(_unpack(call, p_u, ctx.a_dtype, ctx.a_shape))
-            return h if ctx.mm_dtype is None else h.to(ctx.mm_dtype)
-
-        grad_h, grad_w, grad_b = _linear_backward(ctx, grad_out, weight, h_fn)
-        grad_g = grad_u = None
-        if grad_h is not None:
-            grad_h = grad_h.view(ctx.a_shape)
-            if grad_h.dtype != ctx.a_dtype:
-                grad_h = grad_h.to(ctx.a_dtype)
-            gg, gu = call.backend.gated_backward(grad_h, p_r, p_u, **call.kwargs)
-            owners = call.owners()
-            grad_g = B.as_torch(gg, ctx.a_dtype, ctx.a_shape, owners)
-            grad_u = B.as_torch(gu, ctx.a_dtype, ctx.a_shape, owners)
-        return grad_g, grad_u, grad_w, grad_b, None, None, None, None
 
 
 # --------------------------------------------------------------------------- #
@@ -213,11 +122,7 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     """
     _check_input(a, "a")
     encoding = _check_encoding(encoding)
-    allowed = ("auto", "cupy") if a.device.type == "cuda" else ("auto", "numpy")
-    if backend not in allowed:
-        raise B.UnsupportedDeviceError(f"backend={backend!r} for a {a.device.type} tensor: the "
-                                       "torch ops run the CuPy-compiled kernels on CUDA and the "
-                                       "NumPy reference on CPU")
+    _check_backend(backend, a.device)
     mm = _autocast_dtype(a.device)
     weight, bias = _autocast(weight, mm), _autocast(bias, mm)
     mm_dtype = mm if mm is not None and a.dtype != mm else None
@@ -282,24 +187,98 @@ class ReLULinearFunction(torch.autograd.Function):
 _RELU_LINEAR_APPLY = super(torch.autograd.Function, ReLULinearFunction).apply
 
 
-def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
-                      u_encoding: str | None = None, backend: str = "auto"):
-    """``F.linear(torch.relu(g) * u, weight, bias)`` (ReGLU), storing relu(g) packed and
-    ``u`` only where ``g > 0`` (``u_encoding`` defaults to ``signplane``, or ``raw``
-    when ``encoding='raw'``)."""
-    _check_input(g, "g")
-    _check_input(u, "u")
-    encoding = _check_encoding(encoding)
+class GatedReLULinearFunction(torch.autograd.Function):
+    """Autograd of ``bitsparse::gated_relu_linear``: saves the two packed blocks (relu(g),
+    and u where g > 0), their ticket, the weight and the recompute source; the backward
+    is ``bitsparse::gated_relu_linear_backward``."""
+
+    @staticmethod
+    def forward(g, u, weight, bias, x, wg, bg, wu, bu, capacity, encoding, u_encoding,
+                chunk_log2, mm_dtype, policy):
+        return torch.ops.bitsparse.gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu,
+                                                     capacity, encoding, u_encoding, chunk_log2,
+                                                     mm_dtype, policy)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (g, u, weight, bias, x, wg, bg, wu, bu, capacity, encoding, u_encoding, chunk_log2,
+         mm_dtype, policy) = inputs
+        _, block_r, block_u, ticket = output
+        ctx.save_for_backward(block_r, block_u, ticket, weight, x, wg, bg, wu, bu)
+        ctx.mark_non_differentiable(block_r, block_u, ticket)
+        ctx.meta = (list(g.shape), g.dtype, bias is not None, capacity, encoding, u_encoding,
+                    chunk_log2, mm_dtype, policy)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_r, _grad_u, _grad_ticket):
+        block_r, block_u, ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
+        a_shape, a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, \
+            policy = ctx.meta
+        need = ctx.needs_input_grad
+        needs = ((_ops.NEED_A if need[0] or need[1] else 0) | (_ops.NEED_W if need[2] else 0)
+                 | (_ops.NEED_B if has_bias and need[3] else 0))
+        grad_g, grad_u, grad_w, grad_b = torch.ops.bitsparse.gated_relu_linear_backward(
+            grad_out.contiguous(), block_r, block_u, ticket, weight, x, wg, bg, wu, bu, a_shape,
+            a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, policy,
+            needs)
+        return (grad_g if need[0] else None, grad_u if need[1] else None,
+                grad_w if need[2] else None, grad_b if has_bias and need[3] else None) \
+            + (None,) * 11
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        ReLULinearFunction.vmap(info, in_dims, *args)
+
+
+_GATED_APPLY = super(torch.autograd.Function, GatedReLULinearFunction).apply
+
+
+def _u_encoding_id(encoding: str, u_encoding: str | None) -> int:
+    """u's encoding: signplane by default (u is signed), raw beside a raw relu(g)."""
     if u_encoding is None:
         u_encoding = "raw" if encoding == "raw" else "signplane"
     u_encoding = _check_encoding(u_encoding, "u_encoding")
-    if u_encoding == "auto":
-        u_encoding = "signplane"  # u is signed: "auto" would need a scan of u first
+    if u_encoding == "nosign":
+        raise ValueError("u_encoding='nosign' would drop the signs of u, which is signed; use "
+                         "'signplane' (the default) or 'raw'")
+    return int(Encoding.SIGNPLANE if u_encoding == "auto" else Encoding.parse(u_encoding))
+
+
+def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
+                      u_encoding: str | None = None, density: float | None = None,
+                      policy: CapacityPolicy | None = None, recompute=None,
+                      backend: str = "auto"):
+    """``F.linear(torch.relu(g) * u, weight, bias)`` (ReGLU), storing relu(g) packed and
+    ``u`` only where ``g > 0`` (``u_encoding`` defaults to ``signplane``, or ``raw``
+    when ``encoding='raw'``), at a fixed capacity, with no host sync.
+
+    ``recompute=(x, w_gate, b_gate, w_up, b_up)``, what made ``g`` and ``u``, lets a
+    batch that overflows the capacity recompute both exactly in backward; without it
+    such a backward waits for the pack's count and raises on overflow
+    (:func:`gated_relu_ffn` and :class:`PackedReGLUFFN` always pass it).
+    """
+    _check_input(g, "g")
+    _check_input(u, "u")
+    if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device:
+        raise ValueError(f"gate and up must match: {g.dtype}{tuple(g.shape)} on {g.device} "
+                         f"vs {u.dtype}{tuple(u.shape)} on {u.device}")
+    encoding = _check_encoding(encoding)
+    u_enc = _u_encoding_id(encoding, u_encoding)
+    _check_backend(backend, g.device)
     mm = _autocast_dtype(g.device)
     weight, bias = _autocast(weight, mm), _autocast(bias, mm)
     mm_dtype = mm if mm is not None and g.dtype != mm else None
-    return GatedReLULinearFunction.apply(g, u, weight, bias, encoding, u_encoding, backend,
-                                         mm_dtype)
+    x, wg, bg, wu, bu = recompute if recompute is not None else (None,) * 5
+    g, u = g.contiguous(), u.contiguous()
+    pol = _policy(policy, density, g.shape, g.dtype, "gated")
+    args = (g, u, weight, bias, x, wg, bg, wu, bu, pol.capacity(g.numel()),
+            _encoding_id(encoding), u_enc, DEFAULT_CHUNK_LOG2, mm_dtype, pol.id)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        out, _, _, _ = GatedReLULinearFunction.apply(*args)
+    else:   # see relu_linear
+        out, _, _, _ = _GATED_APPLY(*args)
+    return out
 
 
 def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign",
@@ -320,7 +299,21 @@ def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign
 
 
 def gated_relu_ffn(x, w_gate, b_gate, w_up, b_up, w2, b2, *, encoding: str = "nosign",
-                   u_encoding: str | None = None, backend: str = "auto"):
-    """``(relu(x Wgᵀ + bg) * (x Wuᵀ + bu)) W2ᵀ + b2`` with both activations stored packed."""
-    return gated_relu_linear(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), w2, b2,
-                             encoding=encoding, u_encoding=u_encoding, backend=backend)
+                   u_encoding: str | None = None, density: float | None = None,
+                   policy: CapacityPolicy | None = None, backend: str = "auto"):
+    """``(relu(x Wgᵀ + bg) * (x Wuᵀ + bu)) W2ᵀ + b2`` with both activations stored packed:
+    no host sync, exact on every batch (an overflowing one recomputes both from ``x``
+    in backward with the forward's own GEMMs)."""
+    mm = _autocast_dtype(x.device)
+    xg = xu = x
+    if mm is not None:
+        # One cast of x per GEMM, as autocast makes them: x's two gradients then meet in
+        # x's own dtype, as in the dense FFN. The casts hold the same bits, so the
+        # recompute needs only one of them.
+        xg, xu = _autocast(x, mm), _autocast(x, mm)
+        w_gate, b_gate, w_up, b_up = (_autocast(t, mm) for t in (w_gate, b_gate, w_up, b_up))
+    with torch.autocast(x.device.type, enabled=False):
+        g, u = F.linear(xg, w_gate, b_gate), F.linear(xu, w_up, b_up)
+    return gated_relu_linear(g, u, w2, b2, encoding=encoding, u_encoding=u_encoding,
+                             density=density, policy=policy,
+                             recompute=(xg, w_gate, b_gate, w_up, b_up), backend=backend)

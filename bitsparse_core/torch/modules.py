@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .capacity import CapacityPolicy
-from .functional import _check_encoding, gated_relu_linear, relu_ffn
+from .functional import _check_encoding, gated_relu_ffn, relu_ffn
 
 
 class _PackedFFN(nn.Module):
@@ -66,27 +66,31 @@ class PackedReLU2FFN(PackedReLUFFN):
 
 class PackedReGLUFFN(_PackedFFN):
     """``down_proj(relu(gate_proj(x)) * up_proj(x))`` storing ``relu(gate)`` packed and
-    ``up`` only where ``gate > 0``, both behind one bitmask."""
+    ``up`` only where ``gate > 0``, both behind one bitmask, at one capacity."""
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, *, encoding: str = "nosign",
-                 u_encoding: str | None = None, backend: str = "auto", device=None, dtype=None):
-        super().__init__(encoding, backend)
+                 u_encoding: str | None = None, density: float | None = None,
+                 margin: float = 0.1, pending: str = "wait", backend: str = "auto", device=None,
+                 dtype=None):
+        super().__init__(encoding, backend, density, margin, pending)
         self.u_encoding = u_encoding
         self.gate_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_relu_linear(self.gate_proj(x), self.up_proj(x), self.down_proj.weight,
-                                 self.down_proj.bias, encoding=self.encoding,
-                                 u_encoding=self.u_encoding, backend=self.backend)
+        return gated_relu_ffn(x, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
+                              self.up_proj.bias, self.down_proj.weight, self.down_proj.bias,
+                              encoding=self.encoding, u_encoding=self.u_encoding,
+                              policy=self.capacity_policy, backend=self.backend)
 
     @classmethod
     def from_dense(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, *,
                    encoding: str = "nosign", u_encoding: str | None = None,
+                   density: float | None = None, margin: float = 0.1, pending: str = "wait",
                    backend: str = "auto"):
         m = cls.__new__(cls)
-        _PackedFFN.__init__(m, encoding, backend)
+        _PackedFFN.__init__(m, encoding, backend, density, margin, pending)
         m.u_encoding = u_encoding
         m.gate_proj, m.up_proj, m.down_proj = gate_proj, up_proj, down_proj
         return m

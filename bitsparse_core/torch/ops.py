@@ -134,13 +134,17 @@ def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
 
 
 def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torch.Tensor,
-                 grad: Optional[torch.Tensor] = None) -> None:
+                 grad: Optional[torch.Tensor] = None, planes: Optional[host.Planes] = None,
+                 **gated) -> None:
+    """Queue an unpack-family kernel over ``block`` (``planes``: its planes where they
+    are not the plan's own, a masked companion's; ``gated``: out2 / pu / u_encoding)."""
     dev, stream = block.device.index, _stream(block.device)
     lay = plan.lay
+    planes = planes or plan.planes(block.data_ptr())
     nprefix = host.prefix_scratch_bytes(lay, op)
     if not nprefix:
-        host.enqueue_unpack(lay, plan.planes(block.data_ptr()), op, dev, stream, out.data_ptr(),
-                            grad=grad.data_ptr() if grad is not None else 0)
+        host.enqueue_unpack(lay, planes, op, dev, stream, out.data_ptr(),
+                            grad=grad.data_ptr() if grad is not None else 0, **gated)
         return
     # Chunks larger than a tile: per-tile counts, summed by torch on the same stream.
     prefix = torch.empty(nprefix // 8, dtype=torch.int64, device=block.device)
@@ -149,9 +153,9 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
         counts = prefix[1:n + 1]
         counts.copy_(torch.cumsum(counts, 0))
 
-    host.enqueue_unpack(lay, plan.planes(block.data_ptr()), op, dev, stream, out.data_ptr(),
+    host.enqueue_unpack(lay, planes, op, dev, stream, out.data_ptr(),
                         grad=grad.data_ptr() if grad is not None else 0,
-                        prefix=prefix.data_ptr(), prefix_scan=scan)
+                        prefix=prefix.data_ptr(), prefix_scan=scan, **gated)
 
 
 # --------------------------------------------------------------------------- #
@@ -232,28 +236,8 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     ``linear`` backward on the 2-D views; a gradient not in ``needs`` (or grad_b
     without a bias) comes back empty and is not computed."""
     plan = _plan(a_shape, a_dtype, capacity, square, encoding, chunk_log2)
-    state = _state(block, ticket, plan)
-    pol = C.POLICIES.get(policy)
-    if state is None and x is not None and pol is not None:
-        state = pol.wait(ticket)
-    clean = state is not None and state[0] == 0
-    if pol is not None:
-        pol.poll()
-    if not clean:
-        if x is None:
-            state = _wait(block, ticket, plan)
-            if state[0] & abi.STATUS_NOSIGN_VIOLATION:
-                raise EncodingError("nosign encoding: relu kept a negative NaN, whose sign bit "
-                                    "nosign cannot store; use encoding='signplane' or 'raw', or "
-                                    "pass recompute=(x, w1, b1)")
-            if state[0] != 0:
-                raise CapacityOverflowError(
-                    f"{state[1]} nonzeros overflowed the capacity {capacity} of a relu_linear "
-                    "that has no recompute source; pass recompute=(x, w1, b1) or use relu_ffn")
-            clean = True
-        elif pol is not None:
-            pol.recomputes += 1
-            pol.unknown += state is None
+    clean = _clean_state(block, ticket, plan, C.POLICIES.get(policy), x is not None,
+                         "relu_linear")
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     grad_a = grad_out.new_empty((0,), dtype=a_dtype)
     grad_w = weight.new_empty((0,))
@@ -334,6 +318,217 @@ def _activation_grad(grad_h, block, plan, square) -> torch.Tensor:
                                    _stream(block.device),
                                    grad_h.data_ptr(), out.data_ptr())
     return out
+
+
+# --------------------------------------------------------------------------- #
+# Gated (ReGLU): relu(g) packed, u where g > 0 behind the same mask           #
+# --------------------------------------------------------------------------- #
+_LIB.define("gated_relu_linear(Tensor g, Tensor u, Tensor weight, Tensor? bias, Tensor? x, "
+            "Tensor? wg, Tensor? bg, Tensor? wu, Tensor? bu, int capacity, int encoding, "
+            "int u_encoding, int chunk_log2, ScalarType? mm_dtype, int policy) "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("gated_relu_linear_backward(Tensor grad_out, Tensor block_r, Tensor block_u, "
+            "Tensor ticket, Tensor weight, Tensor? x, Tensor? wg, Tensor? bg, Tensor? wu, "
+            "Tensor? bu, int[] a_shape, ScalarType a_dtype, bool has_bias, int capacity, "
+            "int encoding, int u_encoding, int chunk_log2, ScalarType? mm_dtype, int policy, "
+            "int needs) -> (Tensor, Tensor, Tensor, Tensor)")
+# ``needs`` of gated_relu_linear_backward: NEED_A covers both grad_g and grad_u.
+
+
+def _u_plan(a_shape, dtype: torch.dtype, capacity: int, u_encoding: int,
+            chunk_log2: int) -> host.PackPlan:
+    key = ("masked", tuple(a_shape), dtype, capacity, u_encoding, chunk_log2)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = host.pack_plan(tuple(int(v) for v in a_shape), B.TORCH_TO_BS[dtype],
+                                            Encoding(u_encoding), int(capacity), int(chunk_log2),
+                                            abi.Mode.MASKED)
+    return plan
+
+
+def _companion_planes(plan_r, block_r, plan_u, block_u) -> host.Planes:
+    """u's planes: r's mask and offsets, u's own values and signs."""
+    pr, pu = plan_r.planes(block_r.data_ptr()), plan_u.planes(block_u.data_ptr())
+    return pr._replace(values=pu.values, values_len=pu.values_len, signs=pu.signs,
+                       signs_len=pu.signs_len)
+
+
+def _masked_pack_cpu(u: torch.Tensor, block_r: torch.Tensor, plan_r, plan_u) -> torch.Tensor:
+    lay = plan_u.lay
+    p = reference_ops.masked_pack(_to_numpy(u, lay.dtype), lay.dtype, block_view(block_r, plan_r),
+                                  encoding=lay.encoding)
+    block = torch.zeros(plan_u.nbytes, dtype=torch.uint8)
+    raw = block.numpy()
+    for (off, n), plane in zip(plan_u.spans[2:], (p.values, p.signs)):
+        src = np.asarray(plane).view(np.uint8).reshape(-1)[:n]   # the first `capacity` values
+        raw[off:off + src.size] = src
+    return block
+
+
+@_register("gated_relu_linear")
+def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, encoding: int,
+                      u_encoding: int, chunk_log2: int, mm_dtype: Optional[torch.dtype],
+                      policy: int):
+    """``(F.linear(relu(g) * u, W, b), block of relu(g), block of u where g > 0, ticket)``;
+    ``x, wg, bg, wu, bu`` (what made ``g`` and ``u``) are kept only for the exact
+    recompute of an overflowed pack. One capacity serves both: u stores a value exactly
+    where relu(g) does."""
+    plan_r = _plan(g.shape, g.dtype, capacity, False, encoding, chunk_log2)
+    plan_u = _u_plan(g.shape, g.dtype, capacity, u_encoding, chunk_log2)
+    pol = C.POLICIES.get(policy)
+    if g.device.type == "cuda":
+        r, block_r, ticket = _pack_cuda(g, plan_r)
+        block_u = torch.empty(plan_u.nbytes, dtype=torch.uint8, device=g.device)
+        scratch = torch.empty(max(plan_u.scratch_bytes, 1), dtype=torch.uint8, device=g.device)
+        host.enqueue_pack(plan_u, g.device.index, _stream(g.device), u.data_ptr(),
+                          block_u.data_ptr(), scratch.data_ptr(),
+                          in_planes=plan_r.planes(block_r.data_ptr()), zero_tail=False)
+        known = None
+    else:
+        r, block_r = _pack_cpu(g, plan_r, False)
+        block_u = _masked_pack_cpu(u, block_r, plan_r, plan_u)
+        ticket = torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64)
+        known = _host_status(block_r, plan_r)
+    if pol is not None:
+        pol.track(ticket, g.numel(), int(capacity), known)
+    h = torch.mul(r, u)          # exactly the dense relu(g) * u
+    del r
+    with torch.autocast(g.device.type, enabled=False):
+        out = F.linear(h if mm_dtype is None else h.to(mm_dtype), weight, bias)
+    return out, block_r, block_u, ticket
+
+
+@torch.library.register_fake("bitsparse::gated_relu_linear")
+def _(g, u, weight, bias, x, wg, bg, wu, bu, capacity, encoding, u_encoding, chunk_log2,
+      mm_dtype, policy):
+    plan_r = _plan(g.shape, g.dtype, capacity, False, encoding, chunk_log2)
+    plan_u = _u_plan(g.shape, g.dtype, capacity, u_encoding, chunk_log2)
+    out = g.new_empty((*g.shape[:-1], weight.shape[0]), dtype=mm_dtype or g.dtype)
+    return (out, g.new_empty((plan_r.nbytes,), dtype=torch.uint8),
+            g.new_empty((plan_u.nbytes,), dtype=torch.uint8),
+            torch.empty((2,), dtype=torch.int64))
+
+
+def _clean_state(block, ticket, plan, pol, recompute_source: bool, what: str) -> bool:
+    """Whether a backward may read the packed values: the pack's count when it is back
+    (else waited for or treated as unknown, per the policy); without a recompute source
+    the host waits and an overflow raises."""
+    state = _state(block, ticket, plan)
+    if state is None and recompute_source and pol is not None:
+        state = pol.wait(ticket)
+    clean = state is not None and state[0] == 0
+    if pol is not None:
+        pol.poll()
+    if clean:
+        return True
+    if not recompute_source:
+        state = _wait(block, ticket, plan)
+        if state[0] & abi.STATUS_NOSIGN_VIOLATION:
+            raise EncodingError("nosign encoding: relu kept a negative NaN, whose sign bit "
+                                "nosign cannot store; use encoding='signplane' or 'raw', or "
+                                "pass recompute= (the FFN input and weights)")
+        if state[0] != 0:
+            raise CapacityOverflowError(
+                f"{state[1]} nonzeros overflowed the capacity {plan.lay.capacity} of a {what} "
+                "that has no recompute source; pass recompute= (the FFN input and weights) or "
+                "use the FFN function (relu_ffn, gated_relu_ffn)")
+        return True
+    if pol is not None:
+        pol.recomputes += 1
+        pol.unknown += state is None
+    return False
+
+
+@_register("gated_relu_linear_backward")
+def gated_relu_linear_backward(grad_out, block_r, block_u, ticket, weight, x, wg, bg, wu, bu,
+                               a_shape: List[int], a_dtype: torch.dtype, has_bias: bool,
+                               capacity: int, encoding: int, u_encoding: int, chunk_log2: int,
+                               mm_dtype: Optional[torch.dtype], policy: int, needs: int):
+    """``(grad_g, grad_u, grad_W, grad_b)`` of :func:`gated_relu_linear`: from the packed
+    blocks where the pack is clean, else from ``g`` and ``u`` recomputed with the
+    forward's GEMMs; PyTorch's own ``linear`` backward on the 2-D views."""
+    plan_r = _plan(a_shape, a_dtype, capacity, False, encoding, chunk_log2)
+    plan_u = _u_plan(a_shape, a_dtype, capacity, u_encoding, chunk_log2)
+    pol = C.POLICIES.get(policy)
+    clean = _clean_state(block_r, ticket, plan_r, pol, x is not None, "gated_relu_linear")
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    empty = grad_out.new_empty((0,), dtype=a_dtype)
+    grad_g = grad_u = empty
+    grad_w = weight.new_empty((0,))
+    grad_b = (g2.sum([0], keepdim=True).view(g2.shape[-1]) if has_bias and needs & NEED_B
+              else weight.new_empty((0,)))
+    if not needs & (NEED_A | NEED_W):
+        return grad_g, grad_u, grad_w, grad_b
+    if clean:
+        r = _unpack(block_r, plan_r, a_shape, a_dtype)
+        u = _unpack_companion(block_r, plan_r, block_u, plan_u, a_shape, a_dtype)
+    else:
+        with torch.autocast(grad_out.device.type, enabled=False):
+            r = torch.relu(F.linear(x, wg, bg))
+            u = F.linear(x, wu, bu)
+    if needs & NEED_W:
+        h = r * u
+        hm = h if mm_dtype is None else h.to(mm_dtype)
+        grad_w = g2.t().mm(hm.reshape(-1, hm.shape[-1]))
+        del h, hm
+    if needs & NEED_A:
+        grad_h = g2.mm(weight).view(a_shape)
+        if grad_h.dtype != a_dtype:
+            grad_h = grad_h.to(a_dtype)
+        if clean:
+            grad_g, grad_u = _gated_grad(grad_h, block_r, plan_r, block_u, plan_u)
+        else:   # what autograd does for relu(g) * u
+            grad_g = torch.ops.aten.threshold_backward(grad_h * u, r, 0)
+            grad_u = grad_h * r
+    return grad_g, grad_u, grad_w, grad_b
+
+
+@torch.library.register_fake("bitsparse::gated_relu_linear_backward")
+def _(grad_out, block_r, block_u, ticket, weight, x, wg, bg, wu, bu, a_shape, a_dtype, has_bias,
+      capacity, encoding, u_encoding, chunk_log2, mm_dtype, policy, needs):
+    shape = a_shape if needs & NEED_A else (0,)
+    grad_w = weight.new_empty(weight.shape if needs & NEED_W else (0,))
+    grad_b = weight.new_empty((weight.shape[0],) if has_bias and needs & NEED_B else (0,))
+    return (grad_out.new_empty(shape, dtype=a_dtype), grad_out.new_empty(shape, dtype=a_dtype),
+            grad_w, grad_b)
+
+
+def _unpack_companion(block_r, plan_r, block_u, plan_u, a_shape, a_dtype) -> torch.Tensor:
+    """u where relu(g) > 0, zeros elsewhere."""
+    if block_r.device.type != "cuda":
+        pu = _companion_view(block_r, plan_r, block_u, plan_u)
+        return _from_numpy(get_backend("numpy").unpack(pu), a_dtype, a_shape)
+    out = torch.empty(a_shape, dtype=a_dtype, device=block_r.device)
+    _unpack_cuda(block_u, plan_u, abi.Op.UNPACK, out,
+                 planes=_companion_planes(plan_r, block_r, plan_u, block_u))
+    return out
+
+
+def _companion_view(block_r, plan_r, block_u, plan_u) -> PackedTensor:
+    """A numpy-backend PackedTensor of u's CPU block, sharing r's mask and offsets."""
+    p_r = block_view(block_r, plan_r)
+    raw = block_u.numpy()
+    (vo, vn), (so, sn) = plan_u.spans[2:]
+    lay = plan_u.lay
+    return PackedTensor(lay.shape, lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
+                        p_r.mask, p_r.offsets, raw[vo:vo + vn], raw[so:so + sn],
+                        backend=get_backend("numpy"), device=("cpu", 0), _nnz=p_r.nnz,
+                        extra={"shares_mask": True})
+
+
+def _gated_grad(grad_h, block_r, plan_r, block_u, plan_u):
+    if block_r.device.type != "cuda":
+        p_r = block_view(block_r, plan_r)
+        p_u = _companion_view(block_r, plan_r, block_u, plan_u)
+        gg, gu = reference_ops.gated_backward(_to_numpy(grad_h, plan_r.lay.dtype), p_r, p_u)
+        return (_from_numpy(gg, grad_h.dtype, grad_h.shape),
+                _from_numpy(gu, grad_h.dtype, grad_h.shape))
+    grad_h = grad_h.contiguous()
+    gg, gu = torch.empty_like(grad_h), torch.empty_like(grad_h)
+    _unpack_cuda(block_r, plan_r, abi.Op.GATED, gg, grad=grad_h, out2=gu.data_ptr(),
+                 pu=_companion_planes(plan_r, block_r, plan_u, block_u),
+                 u_encoding=plan_u.lay.encoding)
+    return gg, gu
 
 
 def BENCH_CASES(shape, dtype, device):
