@@ -104,7 +104,7 @@ def test_saved_bytes_are_the_packed_size(kind, encoding):
         saved_tensors_of(lambda: blk(x))[0].float().sum().backward()
     blk.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    cap = blk.capacity_policy.capacity(n * f) if kind != "reglu" else None
+    cap = blk.capacity_policy.capacity(n * f)
     before = _requested_bytes()
     out, saved = saved_tensors_of(lambda: blk(x))
     grown = _requested_bytes() - before
@@ -120,35 +120,26 @@ def test_saved_bytes_are_the_packed_size(kind, encoding):
     first = blk.gate_proj if kind == "reglu" else blk.fc1
     a = first(x).detach()
     _, p = bc.relu_pack(a, encoding=encoding, stream=torch.cuda.current_stream().cuda_stream)
-    if kind != "reglu":
-        # The sync-free ops save one block at the module's capacity: the planes of
-        # the exact pack at their spans (values up to nnz), then the status area.
-        from bitsparse_core.torch.ops import _plan
-        plan = _plan(a.shape, a.dtype, cap, kind == "relu2", int(p.encoding), p.chunk_log2)
-        assert [t.numel() for t in planes] == [plan.nbytes]
-        block = planes[0].cpu().numpy()
-        import cupy
-        for (off, _), exp in zip(plan.spans, (p.mask, p.offsets, p.values, p.signs)):
-            e = cupy.asnumpy(exp).view("u1")
-            assert block[off:off + e.size].tobytes() == e.tobytes()
-        assert grown < n * f * 2 * (1 if kind == "relu" else 2) / 2
-        return
-    lay = p.layout
-    want = lay.mask[1] + lay.offsets[1] + lay.values[1] + lay.signs[1]
+    # The sync-free ops save one block at the module's capacity (the planes of the exact
+    # pack at their spans, values up to nnz, then the status area) and, for ReGLU, a
+    # second one with u's values and signs behind the same mask.
+    import cupy
+    from bitsparse_core.torch.ops import _plan, _u_plan
+    plan = _plan(a.shape, a.dtype, cap, kind == "relu2", int(p.encoding), p.chunk_log2)
+    want = [(plan, (p.mask, p.offsets, p.values, p.signs))]
     if kind == "reglu":
         u = blk.up_proj(x).detach()
-        pu = bc.masked_pack(u, p, encoding="raw" if encoding == "raw" else "signplane",
-                            stream=torch.cuda.current_stream().cuda_stream)
-        want += pu.layout.values[1] + pu.layout.signs[1]
-    assert sum(t.numel() * t.element_size() for t in planes) == want
-    # ... and byte for byte the planes of the backend's own exact pack
-    import cupy
-    ref = [p.mask, p.offsets, p.values, p.signs]
-    if kind == "reglu":
-        ref += [pu.values, pu.signs]
-    assert len(planes) == len(ref)
-    for got, exp in zip(planes, ref):
-        assert got.cpu().numpy().tobytes() == cupy.asnumpy(exp).tobytes()
+        u_enc = "raw" if encoding == "raw" else "signplane"
+        pu = bc.masked_pack(u, p, encoding=u_enc, stream=torch.cuda.current_stream().cuda_stream)
+        want.append((_u_plan(a.shape, a.dtype, cap, int(pu.encoding), p.chunk_log2),
+                     (None, None, pu.values, pu.signs)))
+    assert [t.numel() for t in planes] == [pl.nbytes for pl, _ in want]
+    for t, (pl, exp_planes) in zip(planes, want):
+        block = t.cpu().numpy()
+        for (off, _), exp in zip(pl.spans, exp_planes):
+            if exp is not None:
+                e = cupy.asnumpy(exp).view("u1")
+                assert block[off:off + e.size].tobytes() == e.tobytes()
     dense_bytes = n * f * 2 * (1 if kind == "relu" else 2)
     assert grown < dense_bytes / 2
 
