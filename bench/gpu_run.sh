@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One device call: warm the kernel cache, GPU tests, host-overhead bench, the GPT bench.
 # Usage (device machine, repo root): bash bench/gpu_run.sh   (parts: SKIP_TESTS / SKIP_HOST / SKIP_GPT=1)
-#   TESTS (pytest paths), GPT_ARGS (extra train_gpt.py flags); logs and results go to $OUT.
+#   TESTS (pytest paths; default: every gpu test), PYTEST_ARGS, GPT_ARGS (train_gpt.py flags);
+#   logs and results go to $OUT.
 set -u
 OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# JAX must not take 75 % of the GPU up front: pytest-xdist workers share the device
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 t0=$(date +%s)
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
@@ -13,8 +16,9 @@ t0=$(date +%s)
 } >"$OUT/setup.log" 2>&1
 echo "setup $(( $(date +%s) - t0 )) s"; tail -n 3 "$OUT/setup.log"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:--x} \
-      ${TESTS:-tests/test_torch_ops.py tests/test_gpu_cupy.py tests/test_torch_gpu.py} >"$OUT/pytest.log" 2>&1
+  # pytest-xdist (on the device image): the Numba tests compile for minutes on one core
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:--n 12 --maxfail=40} \
+      ${TESTS:-tests} >"$OUT/pytest.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 30 "$OUT/pytest.log" | cut -c1-400
 fi
 if [ -z "${SKIP_HOST:-}" ]; then

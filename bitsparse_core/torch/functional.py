@@ -281,6 +281,15 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
     return out
 
 
+def _linear_outside_autocast(x, w, b, mm):
+    """``F.linear`` on arguments already cast the way autocast would (``mm``: its dtype,
+    None where autocast is off: the context manager then costs more than the call)."""
+    if mm is None:
+        return F.linear(x, w, b)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x, w, b)
+
+
 def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign",
              density: float | None = None, policy: CapacityPolicy | None = None,
              backend: str = "auto"):
@@ -292,8 +301,7 @@ def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign
         # The casts autocast's linear would make, made explicitly so the recompute
         # sees exactly the tensors the first GEMM used (and saves nothing new).
         x, w1, b1 = _autocast(x, mm), _autocast(w1, mm), _autocast(b1, mm)
-    with torch.autocast(x.device.type, enabled=False):
-        a = F.linear(x, w1, b1)
+    a = _linear_outside_autocast(x, w1, b1, mm)
     return relu_linear(a, w2, b2, square=square, encoding=encoding, density=density,
                        policy=policy, recompute=(x, w1, b1), backend=backend)
 
@@ -312,8 +320,8 @@ def gated_relu_ffn(x, w_gate, b_gate, w_up, b_up, w2, b2, *, encoding: str = "no
         # recompute needs only one of them.
         xg, xu = _autocast(x, mm), _autocast(x, mm)
         w_gate, b_gate, w_up, b_up = (_autocast(t, mm) for t in (w_gate, b_gate, w_up, b_up))
-    with torch.autocast(x.device.type, enabled=False):
-        g, u = F.linear(xg, w_gate, b_gate), F.linear(xu, w_up, b_up)
+    g = _linear_outside_autocast(xg, w_gate, b_gate, mm)
+    u = _linear_outside_autocast(xu, w_up, b_up, mm)
     return gated_relu_linear(g, u, w2, b2, encoding=encoding, u_encoding=u_encoding,
                              density=density, policy=policy,
                              recompute=(xg, w_gate, b_gate, w_up, b_up), backend=backend)

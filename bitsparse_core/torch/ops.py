@@ -122,7 +122,10 @@ def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
     ystore = torch.empty(yelems + -(-plan.scratch_bytes // item), dtype=a.dtype, device=device)
     block = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
     yptr, bptr = ystore.data_ptr(), block.data_ptr()
-    host.enqueue_pack(plan, device.index, stream, a.data_ptr(), bptr, yptr + yelems * item, yptr)
+    # zero_tail=False: nothing reads a block's value slots past its count (the block is
+    # never serialized), so the fixed-capacity zeroing of the public pack is skipped.
+    host.enqueue_pack(plan, device.index, stream, a.data_ptr(), bptr, yptr + yelems * item, yptr,
+                      zero_tail=False)
     y = ystore.as_strided(a.shape, a.stride())
     if torch.cuda.is_current_stream_capturing():
         ticket = torch.tensor([C.NO_SLOT, 0], dtype=torch.int64)
