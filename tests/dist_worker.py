@@ -3,8 +3,8 @@
 
 Each case trains two copies of one model, wrapped the same way (DDP, or FSDP2
 ``fully_shard`` per block and on the root): the dense model, and either its
-packed twin (the packed FFN modules) or the dense model under
-``compress_saved_tensors``. Same init, same per-rank data (different on each
+packed twin (the packed FFN modules), the dense model under
+``compress_saved_tensors``, or a transformers OPT decoder and its ``convert()``-ed twin. Same init, same per-rank data (different on each
 rank, so the gradient reduction matters), a few AdamW steps; every rank checks
 that its losses, its (local shards of the) gradients and parameters are
 bit-identical, and writes ``{case: {"ok": ..., "error": ...}}`` to
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import traceback
@@ -23,15 +24,20 @@ D, F, STEPS = 16, 64, 3
 ENCODING = {"relu": "nosign", "relu2": "raw", "reglu": "nosign"}
 
 
+# "converted": a transformers OPT decoder stack, and its twin after bitsparse_core.torch.convert
+KINDS = ("relu", "relu2", "reglu", "hooks") + (
+    ("converted",) if importlib.util.find_spec("transformers") else ())
+
+
 def _cases():
     """name -> (wrapper, kind, reshard_after_forward, mixed precision)."""
     cases = {}
-    for kind in ("relu", "relu2", "reglu", "hooks"):
+    for kind in KINDS:
         cases[f"ddp-{kind}"] = ("ddp", kind, None, False)
     for raf in (True, False):
-        for kind in ("relu", "relu2", "reglu", "hooks"):
+        for kind in KINDS:
             cases[f"fsdp-{kind}-reshard{int(raf)}"] = ("fsdp", kind, raf, False)
-    for kind in ("relu", "relu2", "reglu", "hooks"):
+    for kind in KINDS:
         cases[f"fsdp-{kind}-bf16mp"] = ("fsdp", kind, True, True)
     return cases
 
@@ -67,6 +73,40 @@ def _train(model, x, target, hooks=None):
     return record, out_dtypes
 
 
+def _opt_stack(seed: int = 0):
+    """A tiny OPT decoder (ReLU FFN) returning its last hidden state."""
+    import torch
+    import transformers as tf
+
+    class OPTStack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            cfg = tf.OPTConfig(hidden_size=D, ffn_dim=F, num_hidden_layers=2,
+                               num_attention_heads=2, vocab_size=50, max_position_embeddings=32,
+                               word_embed_proj_dim=D, activation_function="relu", dropout=0.0,
+                               attention_dropout=0.0, attn_implementation="eager")
+            torch.manual_seed(seed)
+            self.opt = tf.OPTModel(cfg)
+            self.blocks = self.opt.decoder.layers
+
+        def forward(self, ids):
+            return self.opt(input_ids=ids).last_hidden_state
+
+    return OPTStack()
+
+
+def _packed_ffns(model) -> list:
+    """The packed FFN modules inside a model: the modules themselves, or what convert()
+    attached to the blocks it converted (not registered as submodules)."""
+    from bitsparse_core.torch.modules import _PackedFFN
+    found = []
+    for m in model.modules():
+        for cand in (m, m.__dict__.get("_bitsparse_packed"), m.__dict__.get("packed")):
+            if isinstance(cand, _PackedFFN) and all(cand is not f for f in found):
+                found.append(cand)
+    return found
+
+
 def _blocks(model):
     """The sub-modules that get their own ``fully_shard``."""
     from torch import nn
@@ -99,18 +139,26 @@ def run_case(name, rank, world):
 
     wrapper, kind, raf, mixed = CASES[name]
     hooks = None
+    g = torch.Generator().manual_seed(1000 + rank)  # per-rank data
     if kind == "hooks":
         dense, ours = relu_mlp(d=D, f=F), relu_mlp(d=D, f=F)  # same seed: same init
         hooks = compress_saved_tensors(min_numel=256, min_sparsity=0.5)
         shape = (32,)
+    elif kind == "converted":
+        from bitsparse_core.torch import convert
+        dense, ours = _opt_stack(), _opt_stack()
+        report = convert(ours)
+        assert len(report.replaced) == 2, report
+        shape = (2, 8)
     else:
         dense, ours = make_pair(kind, ENCODING[kind], d=D, f=F, layers=2)
         shape = (2, 8)
     assert all(torch.equal(a, b) for a, b in zip(dense.state_dict().values(),
                                                  ours.state_dict().values()))
-    packed_blocks = [] if kind in ("hooks", "reglu") else list(ours.blocks)
-    g = torch.Generator().manual_seed(1000 + rank)  # per-rank data
-    x = torch.randn(*shape, D, generator=g)
+    packed_blocks = _packed_ffns(ours)
+    assert len(packed_blocks) == (0 if kind == "hooks" else 2), packed_blocks
+    x = (torch.randint(0, 50, shape, generator=g) if kind == "converted"
+         else torch.randn(*shape, D, generator=g))
     target = torch.randn(*shape, D, generator=g)
 
     dense = _wrap(dense, wrapper, raf, mixed)
