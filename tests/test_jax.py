@@ -242,6 +242,57 @@ def test_residuals_are_packed():
         assert act["packed"] < 0.4 * per_act      # density 0.3: ~1/16 mask + 0.3 values
 
 
+def _saved_residuals(fn, *args) -> list:
+    """``jax.ad_checkpoint.print_saved_residuals``'s lines: what the backward keeps."""
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        jax.ad_checkpoint.print_saved_residuals(fn, *args)
+    return buf.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("kind", ["relu", "relu2", "gated"])
+def test_packed_residuals_are_named_for_remat_policies(kind):
+    """Under jax.checkpoint, a policy naming PACKED_NAME keeps the packed planes and
+    nothing activation-sized; without the name (nothing saveable) they are recomputed.
+    Gradients stay bit-identical to dense either way."""
+    from bitsparse_core.jax import PACKED_NAME
+    layers, x = _setup(kind)
+    cfg = ffn.PackConfig(density=0.3, chunk_log2=9)
+    block = lambda ls, x: _loss(ls, x, kind, "packed", cfg)   # noqa: E731
+    cp = jax.checkpoint_policies
+    named = _saved_residuals(jax.checkpoint(block, policy=cp.save_only_these_names(PACKED_NAME)),
+                             layers, x)
+    assert sum(f"named '{PACKED_NAME}'" in line for line in named) >= 5 * len(layers)
+    assert not any(f"[{T},{F}]" in line for line in named)
+    none = _saved_residuals(jax.checkpoint(block, policy=cp.nothing_saveable), layers, x)
+    assert not any(PACKED_NAME in line for line in none)
+    ref = jax.jit(jax.grad(lambda ls: _loss(ls, x, kind, "dense", cfg)))(layers)
+    for policy in (cp.save_only_these_names(PACKED_NAME), cp.nothing_saveable):
+        got = jax.jit(jax.grad(jax.checkpoint(lambda ls: block(ls, x), policy=policy)))(layers)
+        assert trees_bit_identical(ref, got)
+
+
+def test_packed_residuals_offload_to_pinned_host_by_name():
+    """JAX's own offload policy moves the named packed planes to host memory (where the
+    platform has a pinned_host memory kind), and the gradients stay bit-identical."""
+    from bitsparse_core.jax import PACKED_NAME
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if "pinned_host" not in kinds:
+        pytest.skip(f"no pinned_host memory kind on {jax.devices()[0]} ({sorted(kinds)})")
+    layers, x = _setup("relu2")
+    cfg = ffn.PackConfig(density=0.3, chunk_log2=9)
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[PACKED_NAME],
+        offload_src="device", offload_dst="pinned_host")
+    block = jax.checkpoint(lambda ls: _loss(ls, x, "relu2", "packed", cfg), policy=policy)
+    saved = _saved_residuals(block, layers)
+    assert any("<host>" in line for line in saved), saved
+    ref = jax.jit(jax.grad(lambda ls: _loss(ls, x, "relu2", "dense", cfg)))(layers)
+    assert trees_bit_identical(ref, jax.jit(jax.grad(block))(layers))
+
+
 @pytest.mark.parametrize("density", [0.5, 0.05], ids=["fits", "overflows"])
 def test_backward_reads_the_packed_values(density):
     """Corrupting the saved values changes the gradient unless the batch overflowed

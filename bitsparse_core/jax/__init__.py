@@ -14,10 +14,10 @@ except ImportError as exc:  # exercised by a test that hides jax
 
 from .codec import (JaxPacked, capacity_for, from_packed_tensor, mask_of, masked_pack, pack,
                     relu_bits, relu_pack_planes, unpack, unpack_masked)
-from .ffn import (PackConfig, apply_stack, dense_block, gated_ffn, init_stack, packed_block,
-                  relu2_ffn, relu_ffn)
+from .ffn import (PACKED_NAME, PackConfig, apply_stack, dense_block, gated_ffn, init_stack,
+                  packed_block, relu2_ffn, relu_ffn)
 
 __all__ = ["JaxPacked", "capacity_for", "from_packed_tensor", "mask_of", "masked_pack", "pack",
-           "relu_bits", "relu_pack_planes", "unpack", "unpack_masked", "PackConfig",
+           "relu_bits", "relu_pack_planes", "unpack", "unpack_masked", "PACKED_NAME", "PackConfig",
            "apply_stack", "dense_block", "gated_ffn", "init_stack", "packed_block", "relu2_ffn",
            "relu_ffn"]

@@ -28,6 +28,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from ..errors import ChunkSizeError
 from ..spec import format as _fmt
@@ -89,9 +90,17 @@ def _vjp(fn, *primals):
     return lambda ct: _vjp_apply(fn, ct, *primals)
 
 
+# The name every packed residual carries (``jax.ad_checkpoint.checkpoint_name``): under
+# ``jax.checkpoint`` a policy can save or offload them by it, e.g.
+# ``save_and_offload_only_these_names(names_which_can_be_saved=[],
+# names_which_can_be_offloaded=[PACKED_NAME], offload_src="device", offload_dst="pinned_host")``.
+PACKED_NAME = "bitsparse_packed"
+
+
 def _pack(a, cfg: PackConfig, u=None):
-    return codec.relu_pack_planes(a, capacity=cfg.capacity(a.shape), encoding=cfg.encoding,
-                                  chunk_log2=cfg.chunk_log2, u=u, u_encoding=cfg.u_encoding)
+    packed = codec.relu_pack_planes(a, capacity=cfg.capacity(a.shape), encoding=cfg.encoding,
+                                    chunk_log2=cfg.chunk_log2, u=u, u_encoding=cfg.u_encoding)
+    return jax.tree_util.tree_map(lambda t: checkpoint_name(t, PACKED_NAME), packed)
 
 
 # --------------------------------------------------------------------------- #
