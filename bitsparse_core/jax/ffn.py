@@ -48,6 +48,11 @@ class PackConfig:
     encoding: str = "nosign"       # ReLU outputs never carry a sign bit
     u_encoding: str = "signplane"  # gated companion values are signed
     chunk_log2: int = _fmt.DEFAULT_CHUNK_LOG2
+    # Independent packs of equal blocks along the leading axis (each at its own capacity):
+    # a multiple of the data-parallel shard count keeps packing local to each shard under
+    # jit with sharded inputs (the pack's scans then never cross a block, so XLA's SPMD
+    # partitioner splits them without gathering the activation).
+    shards: int = 1
 
     def __post_init__(self):
         set_ = partial(object.__setattr__, self)
@@ -57,9 +62,20 @@ class PackConfig:
         if isinstance(self.chunk_log2, bool) or not isinstance(self.chunk_log2, int):
             raise ChunkSizeError(f"chunk_log2={self.chunk_log2!r} must be an int")
         _fmt.check_chunk_log2(self.chunk_log2)
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise ValueError(f"shards={self.shards!r} must be an int >= 1")
 
     def capacity(self, shape) -> int:
         return codec.capacity_for(_fmt.numel_of(shape), self.density)
+
+    def blocks(self, shape) -> tuple:
+        """The shape of one block of an activation of ``shape`` (its leading axis split)."""
+        if self.shards == 1:
+            return tuple(shape)
+        if not shape or shape[0] % self.shards:
+            raise ValueError(f"shards={self.shards} must divide the leading axis of the "
+                             f"activation, whose shape is {tuple(shape)}")
+        return (shape[0] // self.shards, *shape[1:])
 
 
 def _up(x, w, b):
@@ -98,9 +114,36 @@ PACKED_NAME = "bitsparse_packed"
 
 
 def _pack(a, cfg: PackConfig, u=None):
-    packed = codec.relu_pack_planes(a, capacity=cfg.capacity(a.shape), encoding=cfg.encoding,
-                                    chunk_log2=cfg.chunk_log2, u=u, u_encoding=cfg.u_encoding)
+    """``pack(relu(a))`` (and u's companion), one pack per block of ``cfg.shards``."""
+    block = cfg.blocks(a.shape)
+
+    def one(a, u):
+        return codec.relu_pack_planes(a, capacity=cfg.capacity(block), encoding=cfg.encoding,
+                                      chunk_log2=cfg.chunk_log2, u=u,
+                                      u_encoding=cfg.u_encoding)
+    if cfg.shards == 1:
+        packed = one(a, u)
+    else:
+        split = lambda t: None if t is None else t.reshape(cfg.shards, *block)   # noqa: E731
+        packed = jax.vmap(one)(split(a), split(u))
     return jax.tree_util.tree_map(lambda t: checkpoint_name(t, PACKED_NAME), packed)
+
+
+def _per_block(fn, p, cfg: PackConfig):
+    """``fn`` of a packed residual, block by block where ``cfg.shards`` split it."""
+    return fn(p) if cfg.shards == 1 else jax.vmap(fn)(p)
+
+
+def _overflowed(p, cfg: PackConfig):
+    return _per_block(lambda q: q.overflowed, p, cfg).any()
+
+
+def _dense(p, cfg: PackConfig, shape):
+    return _per_block(codec.decode_dense, p, cfg).reshape(shape)
+
+
+def _mask(p, cfg: PackConfig, shape):
+    return _per_block(codec.mask_of, p, cfg).reshape(shape)
 
 
 # --------------------------------------------------------------------------- #
@@ -123,9 +166,10 @@ def _relu_ffn_fwd(x, w1, b1, w2, cfg, square):
 
 def _relu_ffn_bwd(cfg, square, res, g):
     x, w1, b1, w2, p = res
+    shape = (*x.shape[:-1], w1.shape[-1])
     # r = relu(a), from the packed values, or recomputed if the batch overflowed.
-    r = lax.cond(p.overflowed, lambda: jax.nn.relu(_recompute_up(x, w1, b1)),
-                 lambda: codec.decode_dense(p))
+    r = lax.cond(_overflowed(p, cfg), lambda: jax.nn.relu(_recompute_up(x, w1, b1)),
+                 lambda: _dense(p, cfg, shape))
     y = _act(r, square)
     dy, dw2 = _vjp(jnp.dot, y, w2)(g)
     if square:
@@ -133,7 +177,7 @@ def _relu_ffn_bwd(cfg, square, res, g):
         da = jnp.where(r > 0, dr, jnp.zeros((), dr.dtype))
     else:
         # The mask alone decides (complete even after an overflow).
-        da = jnp.where(codec.mask_of(p), dy, jnp.zeros((), dy.dtype))
+        da = jnp.where(_mask(p, cfg, shape), dy, jnp.zeros((), dy.dtype))
     dx, dw1, db1 = _vjp(_up, x, w1, b1)(da)
     return dx, dw1, db1, dw2
 
@@ -174,10 +218,11 @@ def _gated_ffn_fwd(x_u, x_g, wg, bg, wu, bu, w2, cfg):
 
 def _gated_ffn_bwd(cfg, res, g):
     x_u, x_g, wg, bg, wu, bu, w2, p_r, p_u = res
-    r, u = lax.cond(p_r.overflowed,
+    shape = (*x_g.shape[:-1], wg.shape[-1])
+    r, u = lax.cond(_overflowed(p_r, cfg),
                     lambda: (jax.nn.relu(_recompute_up(x_g, wg, bg)),
                              _recompute_up(x_u, wu, bu)),
-                    lambda: (codec.decode_dense(p_r), codec.decode_dense(p_u)))
+                    lambda: (_dense(p_r, cfg, shape), _dense(p_u, cfg, shape)))
     h = r * u
     dh, dw2 = _vjp(jnp.dot, h, w2)(g)
     dr, du = _vjp(jnp.multiply, r, u)(dh)
