@@ -513,6 +513,10 @@ def test_clear_errors():
         gated_relu_linear(torch.randn(3, 8), torch.randn(3, 7), w)
     with pytest.raises(ValueError):
         compress_saved_tensors(min_sparsity=2)
+    with pytest.raises(ValueError, match="margin"):
+        compress_saved_tensors(margin=-0.1)
+    with pytest.raises(bc.UnsupportedDeviceError, match="backend"):
+        compress_saved_tensors(backend="numba")   # the hooks queue the CuPy-built kernels
 
 
 def test_nosign_refuses_negative_nan():

@@ -63,7 +63,8 @@ class SavedStats:
                  ``pending_at_unpack`` (backward came before the count).
     throttled:   saves passed through because the blocks in flight would have held more
                  than the clean packs save.
-    passed:      saves returned as they are (not candidates, or not worth packing).
+    passed:      saves returned as they are (not candidates, not worth packing at their
+                 site, throttled, or a host pack found unusable at once).
     shared:      saves answered by an earlier pack of the same base tensor.
     unpacked:    packed blocks unpacked; ``reused``: unpacks answered by a dense tensor
                  still alive.
@@ -153,7 +154,6 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self.encoding = _check_encoding(encoding)
         self.margin = float(margin)
         self.devices = tuple(devices)
-        self.backend = backend
         self.stats = SavedStats()
         self._by_base = WeakIdKeyDictionary()  # base tensor -> (version, _Packed or None)
         self._sites = Sites(self.encoding)
