@@ -448,6 +448,28 @@ def test_hooks_in_place_change_after_the_save(monkeypatch):
     counts.release()
 
 
+def test_hooks_a_lost_count_keeps_the_dense(monkeypatch):
+    """A count that can never be read (its slot taken again) is treated as not clean."""
+    from bitsparse_core.torch import hooks as hooks_module
+    monkeypatch.setattr(hooks_module, "_landed", lambda ticket, known: hooks_module.LOST)
+    hooks = compress_saved_tensors(min_numel=256)
+    t = _with_density(0.1)
+    assert _save(hooks, t) is t
+    assert hooks.stats.kept_dense == 1 and hooks.stats.packed == 0 and not hooks._flights
+
+
+def test_hooks_a_dense_site_passes_through_then_is_tried_again():
+    from bitsparse_core.torch.sites import RETRY_AFTER
+    hooks = compress_saved_tensors(min_numel=256)
+    assert _save(hooks, _with_density(0.9)) is not None and hooks.stats.tried == 1
+    for _ in range(RETRY_AFTER):
+        _save(hooks, _with_density(0.9))
+    assert hooks.stats.tried == 1                              # passed through meanwhile
+    t = _with_density(0.1)
+    p = _save(hooks, t)
+    assert hooks.stats.tried == 2 and torch.equal(hooks._unpack(p), t)
+
+
 @pytest.mark.parametrize("looks", [None, 0, 1, 3], ids=["never", "at-once", "1", "3"])
 def test_hooks_training_bit_identical_whenever_counts_land(monkeypatch, looks):
     _Counts(monkeypatch, looks)

@@ -45,15 +45,14 @@ class SaveSite:
         ``limit``: the largest density worth packing."""
         if self.skip:
             self.skip -= 1
-            if not self.skip:
-                self.recent.clear()     # try again from the largest capacity
             return None
         top = math.ceil(limit * numel)
         if not self.recent:
             return min(numel, top)
         seen = max(self.recent)
         if seen > limit:
-            self.skip = RETRY_AFTER
+            self.skip = RETRY_AFTER - 1     # this save is the first passed through
+            self.recent.clear()             # then tried again from the largest capacity
             return None
         return min(numel, top, math.ceil(LADDER[bucket_of(seen * (1 + margin))] * numel))
 
