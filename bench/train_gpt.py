@@ -11,7 +11,9 @@ same batches, it trains
   (activation stored packed, raw or sign-dropped values); ``ours-recompute`` is
   ours-nosign recomputing, rather than waiting for, a count not back yet,
 * ``dense-compiled``, ``ours-compiled`` -- ``torch.compile`` of the dense and the
-  ``ours-nosign`` model (compared with each other).
+  ``ours-nosign`` model (compared with each other),
+* ``dense-hooks`` -- the dense model under ``compress_saved_tensors`` (every saved
+  tensor, not just the MLP's; packed without a host sync).
 
 Three modes, each writing JSON + Markdown + PNG under ``--out``:
 
@@ -88,6 +90,7 @@ class Variant:
     checkpoint: bool = False
     compiled: bool = False
     options: tuple = ()       # (name, value) pairs for the Packed module, beside --ours-kwargs
+    hooks: bool = False       # the forward under compress_saved_tensors
 
 
 VARIANTS = {
@@ -99,6 +102,7 @@ VARIANTS = {
     "ours-recompute": Variant("nosign", "dense", options=(("pending", "recompute"),)),
     "dense-compiled": Variant("dense", "dense-compiled", compiled=True),
     "ours-compiled": Variant("nosign", "dense-compiled", compiled=True),
+    "dense-hooks": Variant("dense", "dense", hooks=True),
 }
 BITIDENT_VARIANTS = ("dense", "ours-raw", "ours-nosign")
 BUDGET_VARIANTS = ("dense", "checkpoint", "ours-nosign")
@@ -205,13 +209,16 @@ class GPT(nn.Module):
             for _ in range(shape.layers))
         self.norm = nn.RMSNorm(shape.d)
         self.head = nn.Linear(shape.d, 256, bias=False)
+        # one hooks object for every step, entered once per forward: its save sites learn
+        self.saved_hooks = bst.compress_saved_tensors() if variant.hooks else None
 
     def forward(self, idx, targets):
-        x = self.embed(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x)).float()
-        return F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
+        with self.saved_hooks if self.saved_hooks is not None else contextlib.nullcontext():
+            x = self.embed(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            for blk in self.blocks:
+                x = blk(x)
+            logits = self.head(self.norm(x)).float()
+            return F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
 
 
 def initial_state(shape: Shape, seed: int) -> dict:

@@ -144,6 +144,11 @@ class OutputMismatchError(InputError, ValueError):
     """An ``out=`` array has the wrong shape, dtype, device or layout."""
 
 
+class SavedTensorModifiedError(InputError, RuntimeError):
+    """A tensor saved for backward was modified in place before backward read it, and no
+    exact copy of it was kept (as PyTorch refuses such a backward)."""
+
+
 class UnsupportedTransformError(InputError, NotImplementedError):
     """A function transform (e.g. ``torch.func.vmap``) the packed ops cannot run under."""
 

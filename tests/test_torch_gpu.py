@@ -155,23 +155,77 @@ def test_hooks_bit_identical_cuda():
     got = [(l, {k[6:]: v for k, v in g.items()}, {k[6:]: v for k, v in p.items()})
            for l, g, p in got]
     assert_same_training(ref, got)
-    assert hooks.stats.packed == 6 and hooks.stats.packed_bytes < hooks.stats.dense_bytes / 2
+    # How many packs are clean, kept dense or throttled depends on how far the host runs
+    # ahead of the GPU (no sync decides it); every one of them is exact.
+    s = hooks.stats
+    assert s.tried >= 1 and s.packed + s.kept_dense <= s.tried
+    assert s.packed == 0 or s.packed_bytes < s.dense_bytes
 
 
 def test_hooks_unpack_on_another_stream():
     hooks = compress_saved_tensors(min_numel=1)
     t = torch.relu(torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16) - 1)
+    want = t.view(torch.int16).clone()
     packed = hooks._pack(t)
     assert packed is not t
+    torch.cuda.synchronize()   # the count lands; the next hook call takes it in
+    hooks._poll()
+    assert packed.state == "clean" and packed.held is None
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         back = hooks._unpack(packed)
-        del packed  # planes freed while the unpack may still run on s: record_stream guards
+        # the block freed while the unpack may still run on s: record_stream guards
+        del packed, t
         junk = torch.empty(1 << 22, device="cuda", dtype=torch.uint8).fill_(0xFF)
     torch.cuda.current_stream().wait_stream(s)
-    assert torch.equal(back.view(torch.int16), t.view(torch.int16))
+    assert torch.equal(back.view(torch.int16), want)
     del junk
+
+
+def test_hooks_make_no_sync_cuda():
+    """Forward and backward under the hooks never synchronize with the GPU."""
+    def mlp():
+        return relu_mlp(0, 64, 512, shift=0.6).cuda().bfloat16()
+
+    hooks = compress_saved_tensors(min_numel=4096)
+    x, target = _data((8, 64), 64, torch.bfloat16)
+    ref, ours = mlp(), Hooked(mlp(), hooks)
+    train(ours, x, target, steps=1)    # warm-up: kernels compiled, pinned slots allocated
+    train(ref, x, target, steps=1)
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for m in (ref, ours):
+            for _ in range(3):
+                m.zero_grad(set_to_none=True)
+                (m(x).float() - target).pow(2).mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert hooks.stats.tried >= 1
+
+
+def test_hooks_learn_the_capacity_cuda():
+    import math
+    from bitsparse_core.torch.capacity import LADDER, bucket_of
+    hooks = compress_saved_tensors(min_numel=1, margin=0.1)
+    n = 1 << 20
+    got = []
+    for _ in range(2):
+        t = torch.relu(torch.randn(n, device="cuda", dtype=torch.bfloat16) - 1.5)
+        with hooks:
+            p = hooks._pack(t)
+        torch.cuda.synchronize()
+        hooks._poll()
+        got.append((t, p))
+    (t1, p1), (t2, p2) = got
+    assert p1.plan.lay.capacity == math.ceil(0.5 * n)
+    density = int(torch.count_nonzero(t1)) / n
+    assert p2.plan.lay.capacity == math.ceil(LADDER[bucket_of(density * 1.1)] * n)
+    assert p2.state == "clean" and p2.held is None
+    assert torch.equal(hooks._unpack(p2).view(torch.int16), t2.view(torch.int16))
 
 
 def test_errors_cuda():

@@ -108,6 +108,12 @@ class FlagSlab:
             return None
         return s, n
 
+    def lost(self, ticket: torch.Tensor) -> bool:
+        """Whether a ticket's count can never be read: no slot was taken, or the ring came
+        round and the slot was taken again."""
+        i, gen = (int(v) for v in ticket.numpy())
+        return i < 0 or self._gen[i] != gen
+
     def wait(self, ticket: torch.Tensor, timeout_s: float = WAIT_TIMEOUT_S):
         """``(status, nnz)`` of a ticket's pack, watching its slot until the copy lands (no
         CUDA call: the GPU runs on while the host waits), or None for a ticket with no
@@ -131,6 +137,11 @@ PENDING = ("wait", "recompute")
 
 # Densities a capacity may take: 1/64 times powers of 2^(1/3), up to 1.
 LADDER = tuple(min(1.0, 2 ** (k / 3) / 64) for k in range(19))
+
+
+def bucket_of(density: float) -> int:
+    """Index of the smallest ladder density at or above ``density`` (the top one above 1)."""
+    return next((k for k, v in enumerate(LADDER) if v >= density), len(LADDER) - 1)
 
 
 class CapacityPolicy:
@@ -197,8 +208,7 @@ class CapacityPolicy:
             self._pending.popleft()
             self._observe(state[1], numel, capacity)
         if self.density is None and self._recent:
-            want = max(self._recent) * (1 + self.margin)
-            self.bucket = next((k for k, v in enumerate(LADDER) if v >= want), len(LADDER) - 1)
+            self.bucket = bucket_of(max(self._recent) * (1 + self.margin))
 
     def wait(self, ticket: torch.Tensor):
         """The pack's ``(status, nnz)``, waiting for it under ``pending="wait"`` (None

@@ -1,10 +1,26 @@
-"""compress_saved_tensors: pack what autograd saves, for any eager model.
+"""compress_saved_tensors: pack what autograd saves, for any eager model, without
+waiting for the GPU.
 
 A ``torch.autograd.graph.saved_tensors_hooks`` pair: every tensor autograd
-saves for backward passes through ``pack``; a float tensor that is large and
-sparse enough is replaced by its packed form, anything else is returned as is.
-``unpack`` rebuilds the exact tensor (bit for bit) and may run any number of
-times (``retain_graph``, several nodes saving the same tensor).
+saves for backward passes through ``pack``; a float tensor that is large enough
+is packed at a fixed capacity, anything else is returned as is. ``unpack``
+rebuilds the exact tensor (bit for bit) and may run any number of times
+(``retain_graph``, several nodes saving the same tensor).
+
+No decision waits for the GPU. A pack is queued at a capacity the save site
+(:mod:`.sites`) chose from what earlier steps saw there, and its status word and
+nonzero count come back asynchronously into a pinned slot (:mod:`.capacity`).
+Until they have, the hooks hold both the dense tensor and the packed block; the
+first hook call that finds the count landed (each ``pack`` and ``unpack`` looks,
+no CUDA call) keeps one: the packed block when it is clean, the dense tensor when
+the pack overflowed or broke ``nosign``. A backward that unpacks a tensor whose
+count has not come back uses the dense tensor still held. Every answer is exact.
+
+A pack in flight holds its block on top of the dense tensor, so a new one is
+queued only while the blocks in flight fit in what the clean packs alive already
+save (or none is in flight): the hooks never hold more than plain PyTorch plus one
+block. Where the host runs far ahead of the GPU, saves pass through instead
+(``stats.throttled``).
 
 A tensor saved by several nodes (ReLU saves its output, the next matmul saves
 the same tensor or a reshaped view of it) is packed once: packs are shared by
@@ -12,42 +28,75 @@ the base tensor they were made from while that tensor is alive and unmodified.
 Unpacks are shared the same way: while one unpacked tensor is alive, every other
 unpack of the same pack returns it (or a view), so no two dense copies of one
 saved tensor exist at once where plain PyTorch holds one.
-Deciding "worth packing" counts the nonzeros, one host sync per candidate.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..spec import format as _fmt
+from ..backends.cuda import abi
+from ..errors import SavedTensorModifiedError
 from . import _bridge as B
+from . import capacity as C
+from . import ops as O
+from .sites import Sites
+
+PENDING, CLEAN, DENSE = "pending", "clean", "dense"   # _Packed.state
+LOST = (None, None)    # a count that can never be read (its slot was taken again)
 
 
 @dataclasses.dataclass
 class SavedStats:
-    """What the hooks did so far: counts and bytes (dense = bytes the packed tensors replace)."""
+    """What the hooks did so far: counts and bytes.
+
+    tried:       packs queued at a fixed capacity (each held beside its dense tensor
+                 until its count came back).
+    packed:      tried packs found clean: the saved tensor is held packed, its dense
+                 tensor dropped (``dense_bytes`` / ``packed_bytes`` count these).
+    kept_dense:  tried packs dropped for the dense tensor: ``overflowed`` (more nonzeros
+                 than the capacity), ``violations`` (a sign bit under nosign), or
+                 ``pending_at_unpack`` (backward came before the count).
+    throttled:   saves passed through because the blocks in flight would have held more
+                 than the clean packs save.
+    passed:      saves returned as they are (not candidates, not worth packing at their
+                 site, throttled, or a host pack found unusable at once).
+    shared:      saves answered by an earlier pack of the same base tensor.
+    unpacked:    packed blocks unpacked; ``reused``: unpacks answered by a dense tensor
+                 still alive.
+    """
+    tried: int = 0
     packed: int = 0
+    kept_dense: int = 0
+    overflowed: int = 0
+    violations: int = 0
+    pending_at_unpack: int = 0
+    throttled: int = 0
     passed: int = 0
     shared: int = 0
     unpacked: int = 0
-    reused: int = 0          # unpacks answered by a dense tensor still alive
+    reused: int = 0
     dense_bytes: int = 0
     packed_bytes: int = 0
 
 
 class _Packed:
-    """A packed saved tensor: the PackedTensor, its plane tensors, and how to view it back."""
+    """A saved tensor packed at a capacity: the block and its plan, the dense tensor while
+    the count is on its way (or for good when the pack was not usable)."""
 
-    __slots__ = ("p", "planes", "dtype", "device", "shape", "stream", "backend", "dense")
+    __slots__ = ("block", "plan", "ticket", "known", "held", "version", "dtype", "shape",
+                 "stream", "state", "unpacked", "__weakref__")
 
-    def __init__(self, p, planes, dtype, device, shape, stream, backend):
-        self.p, self.planes, self.dtype = p, planes, dtype
-        self.device, self.shape, self.stream, self.backend = device, shape, stream, backend
-        self.dense = None    # weak reference to the last unpacked tensor
+    def __init__(self, block, plan, ticket, known, dense: torch.Tensor, stream):
+        self.block, self.plan, self.ticket, self.known = block, plan, ticket, known
+        self.held, self.version = dense, dense._version
+        self.dtype, self.shape, self.stream = dense.dtype, tuple(dense.shape), stream
+        self.state = PENDING
+        self.unpacked = None    # weak reference to the last unpacked tensor
 
 
 class _View:
@@ -59,37 +108,65 @@ class _View:
         self.base, self.shape = base, shape
 
 
+def _landed(ticket: torch.Tensor, known):
+    """A pack's ``(status, nnz)`` once it is on the host, None while on its way, LOST if it
+    never can be. ``known``: the state of a pack made on the host."""
+    if known is not None:
+        return known
+    state = C.SLAB.read(ticket)
+    if state is None and C.SLAB.lost(ticket):
+        return LOST
+    return state
+
+
 class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     """Context manager packing saved activations of any eager model.
 
-    min_sparsity: pack only if at least this fraction of the elements are zero bit patterns.
+    min_sparsity: pack only where at least this fraction of the elements are zero bit
+                  patterns: the first pack at a save site has room for the rest, later
+                  ones are sized from the counts seen there.
     min_numel:    pack only tensors with at least this many elements.
-    encoding:     ``"auto"`` (nosign when no stored value has its sign bit set, else raw),
-                  ``"raw"``, ``"nosign"`` (falls back to ``signplane`` for signed data) or
-                  ``"signplane"``.
+    encoding:     ``"auto"`` (nosign until a site saves a value with its sign bit set,
+                  then raw there), ``"raw"``, ``"nosign"`` (signplane after such a value)
+                  or ``"signplane"``.
+    margin:       room above the densest recent count of a site when sizing its packs.
     devices:      device types to pack on (CPU uses the slow NumPy reference codec).
-    backend:      bitsparse_core backend for CUDA tensors (``"auto"``: the first available).
+    backend:      codec for CUDA tensors: ``"auto"`` or ``"cupy"`` (the kernels the
+                  torch ops queue by pointer).
 
     ``stats`` (a :class:`SavedStats`) counts what was packed; ``with
     compress_saved_tensors() as c:`` binds the hooks object itself, so ``c.stats``
-    can be read inside the block and after it.
+    can be read inside the block and after it. Save sites are counted from each
+    ``with``: enter the hooks once per forward for them to learn across steps.
     """
 
     def __init__(self, *, min_sparsity: float = 0.5, min_numel: int = 1 << 16,
-                 encoding: str = "auto", devices=("cuda", "cpu"), backend: str = "auto"):
-        from .functional import _check_encoding
+                 encoding: str = "auto", margin: float = 0.1, devices=("cuda", "cpu"),
+                 backend: str = "auto"):
+        from .functional import _check_backend, _check_encoding
         if not 0.0 <= float(min_sparsity) <= 1.0:
             raise ValueError(f"min_sparsity={min_sparsity} must lie in [0, 1]")
+        if not float(margin) >= 0.0:
+            raise ValueError(f"margin={margin!r} must be >= 0")
+        _check_backend(backend, torch.device("cuda"))
         self.min_sparsity = float(min_sparsity)
         self.min_numel = max(1, int(min_numel))
         self.encoding = _check_encoding(encoding)
+        self.margin = float(margin)
         self.devices = tuple(devices)
-        self.backend = backend
         self.stats = SavedStats()
-        self._by_base = WeakIdKeyDictionary()  # base tensor -> (version, _Packed)
+        self._by_base = WeakIdKeyDictionary()  # base tensor -> (version, _Packed or None)
+        self._sites = Sites(self.encoding)
+        self._ordinal = 0
+        # (ticket, known, site, numel, block bytes, weak _Packed) of each pack whose count
+        # the hooks have not taken in yet, in queue order
+        self._flights = collections.deque()
+        self._in_flight = 0   # bytes of the blocks in self._flights
+        self._credit = 0      # bytes the clean packs still alive save
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> "compress_saved_tensors":
+        self._ordinal = 0
         super().__enter__()  # torch's returns None
         return self
 
@@ -102,6 +179,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
                 and type(t) in (torch.Tensor, torch.nn.Parameter))
 
     def _pack(self, t):
+        self._poll()
         if not self._candidate(t):
             self.stats.passed += 1
             return t
@@ -111,49 +189,85 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             base = t  # a proper part of its base: pack just this view
         hit = self._by_base.get(base)
         if hit is not None and hit[0] == base._version:
+            if hit[1] is None or hit[1].state == DENSE:
+                self.stats.passed += 1
+                return t
             self.stats.shared += 1
             return hit[1] if base is t else _View(hit[1], tuple(t.shape))
-        packed = self._pack_dense(base.detach())
+        packed = self._pack_new(base.detach())
+        self._by_base[base] = (base._version, packed)
         if packed is None:
             self.stats.passed += 1
             return t
-        self._by_base[base] = (base._version, packed)
         return packed if base is t else _View(packed, tuple(t.shape))
 
-    def _pack_dense(self, t):
-        """Pack ``t`` if it is worth it, else None."""
-        d = B.bs_dtype(t.dtype)
-        bits = B.bits_view(t)
-        counts = torch.stack([torch.count_nonzero(bits), torch.count_nonzero(bits < 0)])
-        nnz, negative = (int(v) for v in counts.tolist())
+    def _pack_new(self, t: torch.Tensor):
+        """Queue the pack of ``t`` at its site's capacity: a pending ``_Packed``, or None
+        where ``t`` is better kept as it is (as far as the host knows now)."""
+        self._ordinal += 1
+        site = self._sites.get((self._ordinal, tuple(t.shape), t.dtype))
         numel = t.numel()
-        if numel - nnz < self.min_sparsity * numel:
+        capacity = site.capacity(numel, 1.0 - self.min_sparsity, self.margin)
+        if capacity is None:
             return None
-        enc = self.encoding
-        if enc in ("auto", "nosign") and negative:
-            enc = "raw" if enc == "auto" else "signplane"
-        elif enc == "auto":
-            enc = "nosign"
-        size = _fmt.packed_size(t.shape, d, enc, nnz)
-        if size >= numel * d.itemsize:
+        plan = O.plain_plan(t.shape, t.dtype, capacity, int(site.encoding))
+        if plan.nbytes >= numel * t.element_size():
             return None
-        call = B.Call(t.device, self.backend)
-        obj, dt = B.export(t)
-        p = call.backend.pack(obj, dtype=dt, encoding=enc, capacity=nnz,
-                              chunk_log2=_fmt.DEFAULT_CHUNK_LOG2, **call.kwargs)
-        owners = call.owners()
-        planes = B.planes_as_torch(p, owners)
-        skel = B.skeleton(p)
-        # Packed at capacity = the nnz counted above, with nosign only where no value has its
-        # sign bit set: neither overflow nor a nosign violation can occur, so the pending
-        # device counters need not be read back (that would sync at every unpack).
-        skel._nnz, skel.status = nnz, None
-        p = B.rebuild(skel, planes)  # the planes now own nothing but torch memory
-        self.stats.packed += 1
-        self.stats.dense_bytes += numel * d.itemsize
-        self.stats.packed_bytes += sum(x.numel() * x.element_size() for x in planes)
-        return _Packed(p, planes, t.dtype, t.device, tuple(t.shape), call.stream,
-                       call.backend.name)
+        if self._in_flight and self._in_flight + plan.nbytes > self._credit:
+            self.stats.throttled += 1
+            return None
+        cuda = t.device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return None   # a graph's count cannot be read without a sync
+        block, ticket, known = O.pack_plain(t, plan)
+        if known is None and C.SLAB.lost(ticket):
+            return None   # every slot of the ring is in flight
+        packed = _Packed(block, plan, ticket, known, t, O._stream(t.device) if cuda else None)
+        self._flights.append((ticket, known, site, numel, plan.nbytes, weakref.ref(packed)))
+        self._in_flight += plan.nbytes
+        self.stats.tried += 1
+        self._poll()   # a host pack's count is known at once
+        return None if packed.state == DENSE else packed
+
+    def _poll(self) -> None:
+        """Take in every count that has landed, in queue order (no CUDA call)."""
+        while self._flights:
+            ticket, known, site, numel, nbytes, ref = self._flights[0]
+            state = _landed(ticket, known)
+            if state is None:
+                return
+            self._flights.popleft()
+            self._in_flight -= nbytes
+            if state is not LOST:
+                site.observe(state[0], state[1], numel)
+            packed = ref()
+            if packed is not None and packed.state == PENDING:
+                self._settle(packed, state)
+
+    def _settle(self, packed: _Packed, state) -> None:
+        """Keep the packed block of a clean pack, else the dense tensor."""
+        status = state[0]
+        if status == 0:
+            dense = packed.held.numel() * packed.held.element_size()
+            saving = dense - packed.plan.nbytes
+            packed.held, packed.state = None, CLEAN
+            self._credit += saving
+            weakref.finalize(packed, self._release, saving)
+            self.stats.packed += 1
+            self.stats.dense_bytes += dense
+            self.stats.packed_bytes += packed.plan.nbytes
+            return
+        self._keep_dense(packed)
+        if status is not None:
+            self.stats.overflowed += bool(status & abi.STATUS_OVERFLOW)
+            self.stats.violations += bool(status & abi.STATUS_NOSIGN_VIOLATION)
+
+    def _keep_dense(self, packed: _Packed) -> None:
+        packed.block, packed.state = None, DENSE
+        self.stats.kept_dense += 1
+
+    def _release(self, saving: int) -> None:
+        self._credit -= saving
 
     # ---------------------------------------------------------------- unpack
     def _unpack(self, obj):
@@ -161,14 +275,35 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             return self._unpack(obj.base).view(obj.shape)
         if not isinstance(obj, _Packed):
             return obj
-        alive = obj.dense() if obj.dense is not None else None
+        self._poll()
+        if obj.state == PENDING:
+            self._unpack_pending(obj)
+        if obj.state == DENSE:
+            if obj.held._version != obj.version:
+                raise SavedTensorModifiedError(
+                    f"a {obj.dtype} tensor of shape {obj.shape} saved for backward was "
+                    "modified in place after it was saved (and its packed copy overflowed)")
+            return obj.held
+        alive = obj.unpacked() if obj.unpacked is not None else None
         if alive is not None:
             self.stats.reused += 1
             return alive
-        call = B.Call(obj.device, obj.backend)
-        B.keep_alive_on_stream(obj.planes, call, obj.stream)
-        arr = call.backend.unpack(obj.p, **call.kwargs)
+        block = obj.block
+        if obj.stream is not None and obj.stream != O._stream(block.device):
+            # read on another stream than it was made on: not reused before this read
+            block.record_stream(torch.cuda.current_stream(block.device))
+        t = O._unpack(block, obj.plan, obj.shape, obj.dtype)
         self.stats.unpacked += 1
-        t = B.as_torch(arr, obj.dtype, obj.shape, call.owners())
-        obj.dense = weakref.ref(t)
+        obj.unpacked = weakref.ref(t)
         return t
+
+    def _unpack_pending(self, obj: _Packed) -> None:
+        """Backward came before the count: use the dense tensor held (its count still
+        teaches the site when it lands); only when that was modified in place since is
+        the count waited for on the host (no CUDA call), the packed copy being exact."""
+        if obj.held._version == obj.version:
+            self.stats.pending_at_unpack += 1
+            self._keep_dense(obj)
+            return
+        state = obj.known or C.SLAB.wait(obj.ticket)
+        self._settle(obj, LOST if state is None else state)

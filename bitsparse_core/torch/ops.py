@@ -35,7 +35,8 @@ from ..backends.cuda.interop import torch_stream
 from ..errors import CapacityOverflowError, EncodingError, UnsupportedTransformError
 from ..packed import PackedTensor
 from ..spec import ops as reference_ops
-from ..spec.format import Encoding
+from ..spec.codec import pack_array
+from ..spec.format import DEFAULT_CHUNK_LOG2, Encoding
 from . import _bridge as B
 from . import capacity as C
 
@@ -44,17 +45,27 @@ from . import capacity as C
 _PLANS: dict = {}
 
 
-def _plan(a_shape, dtype: torch.dtype, capacity: int, square: bool, encoding: int,
-          chunk_log2: int) -> host.PackPlan:
+def _plan_of(mode: abi.Mode, a_shape, dtype: torch.dtype, capacity: int, encoding: int,
+             chunk_log2: int) -> host.PackPlan:
     """The pack plan of a call, looked up by a key that is cheap to hash."""
-    key = (tuple(a_shape), dtype, capacity, square, encoding, chunk_log2)
+    key = (mode, tuple(a_shape), dtype, capacity, encoding, chunk_log2)
     plan = _PLANS.get(key)
     if plan is None:
-        mode = abi.Mode.RELU2 if square else abi.Mode.RELU
         plan = _PLANS[key] = host.pack_plan(tuple(int(s) for s in a_shape), B.TORCH_TO_BS[dtype],
                                             Encoding(encoding), int(capacity), int(chunk_log2),
                                             mode)
     return plan
+
+
+def _plan(a_shape, dtype: torch.dtype, capacity: int, square: bool, encoding: int,
+          chunk_log2: int) -> host.PackPlan:
+    mode = abi.Mode.RELU2 if square else abi.Mode.RELU
+    return _plan_of(mode, a_shape, dtype, capacity, encoding, chunk_log2)
+
+
+def plain_plan(shape, dtype: torch.dtype, capacity: int, encoding: int) -> host.PackPlan:
+    """The plan of a plain pack (no activation fused) at a fixed capacity."""
+    return _plan_of(abi.Mode.PACK, shape, dtype, capacity, encoding, DEFAULT_CHUNK_LOG2)
 
 
 def _stream(device: torch.device) -> int:
@@ -85,14 +96,37 @@ def _pack_cpu(a: torch.Tensor, plan: host.PackPlan, square: bool):
     y, p = reference_ops.relu_pack(_to_numpy(a, lay.dtype), lay.dtype, square=square,
                                    encoding=lay.encoding, chunk_log2=lay.chunk_log2,
                                    capacity=lay.capacity)
+    status = abi.STATUS_OVERFLOW if p.nnz > lay.capacity else 0
+    return _from_numpy(y, a.dtype, a.shape), _host_block(plan, p, status, p.nnz)
+
+
+def _host_block(plan: host.PackPlan, p: Optional[PackedTensor], status: int,
+                nnz: int) -> torch.Tensor:
+    """A CPU block laid out by ``plan`` holding ``p``'s planes (none: its data is unusable,
+    only the status area says why) and the status area the kernel would write."""
     block = torch.zeros(plan.nbytes, dtype=torch.uint8)
     raw = block.numpy()
-    for (off, n), plane in zip(plan.spans, (p.mask, p.offsets, p.values, p.signs)):
-        raw[off:off + n] = np.asarray(plane).view(np.uint8).reshape(-1)[:n]
-    status = abi.STATUS_OVERFLOW if p.nnz > lay.capacity else 0
+    if p is not None:
+        for (off, n), plane in zip(plan.spans, (p.mask, p.offsets, p.values, p.signs)):
+            raw[off:off + n] = np.asarray(plane).view(np.uint8).reshape(-1)[:n]
     raw[plan.status_offset:plan.status_offset + 4] = np.array([status], np.uint32).view(np.uint8)
-    raw[plan.status_offset + 8:plan.status_offset + 16] = np.array([p.nnz], np.uint64).view(np.uint8)
-    return _from_numpy(y, a.dtype, a.shape), block
+    raw[plan.status_offset + 8:plan.status_offset + 16] = np.array([nnz], np.uint64).view(np.uint8)
+    return block
+
+
+def _plain_pack_cpu(a: torch.Tensor, plan: host.PackPlan) -> torch.Tensor:
+    """The block the plain pack kernel makes, from the NumPy reference: a value with its
+    sign bit set under nosign is a violation (status bit, data unusable), as on the GPU."""
+    lay = plan.lay
+    arr = _to_numpy(a, lay.dtype)
+    bits = arr.reshape(-1).view(lay.dtype.uint)
+    nnz = int(np.count_nonzero(bits))
+    status = abi.STATUS_OVERFLOW if nnz > lay.capacity else 0
+    if lay.encoding == Encoding.NOSIGN and np.any(bits >> (lay.dtype.bits - 1)):
+        return _host_block(plan, None, status | abi.STATUS_NOSIGN_VIOLATION, nnz)
+    p = pack_array(arr, lay.dtype, lay.encoding, chunk_log2=lay.chunk_log2,
+                   capacity=lay.capacity)
+    return _host_block(plan, p, status, nnz)
 
 
 def _to_numpy(t: torch.Tensor, dtype: _dt.DType) -> np.ndarray:
@@ -121,19 +155,42 @@ def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
     # kernels have run, and y is freed right after the second GEMM.
     ystore = torch.empty(yelems + -(-plan.scratch_bytes // item), dtype=a.dtype, device=device)
     block = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
-    yptr, bptr = ystore.data_ptr(), block.data_ptr()
+    yptr = ystore.data_ptr()
+    ticket = _enqueue_pack(a, plan, block, stream, yptr + yelems * item, yptr)
+    return ystore.as_strided(a.shape, a.stride()), block, ticket
+
+
+def _enqueue_pack(a: torch.Tensor, plan: host.PackPlan, block: torch.Tensor, stream: int,
+                  scratch: int, y: int = 0) -> torch.Tensor:
+    """Queue the pack of ``a`` into ``block`` on ``stream`` and the copy of its status and
+    count into a pinned slot behind it; returns the slot's ticket (no slot while a graph
+    is captured: the count then cannot be read without a sync)."""
+    bptr = block.data_ptr()
     # zero_tail=False: nothing reads a block's value slots past its count (the block is
     # never serialized), so the fixed-capacity zeroing of the public pack is skipped.
-    host.enqueue_pack(plan, device.index, stream, a.data_ptr(), bptr, yptr + yelems * item, yptr,
+    host.enqueue_pack(plan, a.device.index, stream, a.data_ptr(), bptr, scratch, y,
                       zero_tail=False)
-    y = ystore.as_strided(a.shape, a.stride())
     if torch.cuda.is_current_stream_capturing():
-        ticket = torch.tensor([C.NO_SLOT, 0], dtype=torch.int64)
-    else:
-        slot, ticket = C.SLAB.acquire()
-        if slot:   # status word and count in one copy; the slot reads pending until both land
-            driver.copy_to_host(slot, plan.status(bptr), 16, stream)
-    return y, block, ticket
+        return torch.tensor([C.NO_SLOT, 0], dtype=torch.int64)
+    slot, ticket = C.SLAB.acquire()
+    if slot:   # status word and count in one copy; the slot reads pending until both land
+        driver.copy_to_host(slot, plan.status(bptr), 16, stream)
+    return ticket
+
+
+def pack_plain(a: torch.Tensor, plan: host.PackPlan):
+    """``(block, ticket, known)``: ``a`` packed by ``plan`` (mode PACK) without a sync. On
+    CUDA ``known`` is None and the ticket's slot receives the status and count; on CPU the
+    NumPy reference packs at once and ``known`` is its ``(status, nnz)``."""
+    if a.device.type != "cuda":
+        block = _plain_pack_cpu(a, plan)
+        return block, torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64), \
+            _host_status(block, plan)
+    block = torch.empty(plan.nbytes, dtype=torch.uint8, device=a.device)
+    # scratch is dead once the kernels ran; the caching allocator orders its reuse after
+    # them (same stream)
+    scratch = torch.empty(max(plan.scratch_bytes, 1), dtype=torch.uint8, device=a.device)
+    return block, _enqueue_pack(a, plan, block, _stream(a.device), scratch.data_ptr()), None
 
 
 def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torch.Tensor,
@@ -340,13 +397,7 @@ _LIB.define("gated_relu_linear_backward(Tensor grad_out, Tensor block_r, Tensor 
 
 def _u_plan(a_shape, dtype: torch.dtype, capacity: int, u_encoding: int,
             chunk_log2: int) -> host.PackPlan:
-    key = ("masked", tuple(a_shape), dtype, capacity, u_encoding, chunk_log2)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = host.pack_plan(tuple(int(v) for v in a_shape), B.TORCH_TO_BS[dtype],
-                                            Encoding(u_encoding), int(capacity), int(chunk_log2),
-                                            abi.Mode.MASKED)
-    return plan
+    return _plan_of(abi.Mode.MASKED, a_shape, dtype, capacity, u_encoding, chunk_log2)
 
 
 def _companion_planes(plan_r, block_r, plan_u, block_u) -> host.Planes:
