@@ -51,3 +51,24 @@ def test_bench_hf_small_on_cpu(tmp_path):
     except ImportError:
         return
     assert (tmp_path / "bench_hf.png").stat().st_size > 0
+
+
+def test_targets_from_cuda_numbers():
+    """The targets' arithmetic, which only a CUDA run reaches, on made-up figures."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_hf
+    plain = {"median_step_ms": 100.0, "peak_mib": 1000.0, "saved_mib": 500.0}
+    hooks = {"losses_bit_identical": True, "step_ratio_vs_plain": 1.05, "peak_mib": 860.0,
+             "syncs": {"blocking_per_step": 0}, "packed": {"packed_away_mib_per_step": 200.0}}
+    assert bench_hf.targets(hooks, plain, cuda=True) == {
+        "losses_bit_identical": True, "step_time_le_plus_10pct": True,
+        "peak_le_plain_minus_70pct_packed_away": True, "zero_blocking_syncs": True}
+    hooks.update(peak_mib=861.0, syncs={"blocking_per_step": 24})
+    got = bench_hf.targets(hooks, plain, cuda=True)
+    assert not got["peak_le_plain_minus_70pct_packed_away"] and not got["zero_blocking_syncs"]
+    converted = {"losses_bit_identical": True, "step_ratio_vs_plain": 1.04, "saved_mib": 410.0,
+                 "packed": {"ffn_dense_mib_per_step": 192.0, "ffn_packed_mib_per_step": 92.0}}
+    assert bench_hf.targets(converted, plain, cuda=True) == {
+        "losses_bit_identical": True, "step_time_le_plus_3pct": False,
+        "ffn_memory_replaced_by_packed": True}     # 90 MiB less kept: 90 % of 100
+    assert converted["saved_reduction_mib"] == 90.0 and converted["expected_reduction_mib"] == 100.0
