@@ -806,9 +806,9 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    base = SMALL if args.small else PRESETS[args.preset]
+def shape_and_device(args, base: Shape):
+    """``base`` with the command line's shape overrides, and the device; sets the
+    determinism every bit-for-bit comparison here relies on (bench_hf.py shares it)."""
     shape = dataclasses.replace(base, **{k: v for k in ("layers", "d", "heads", "d_ff", "seq", "batch")
                                          if (v := getattr(args, k)) is not None})
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -817,6 +817,12 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # memory calls want an index
+    return shape, device
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shape, device = shape_and_device(args, SMALL if args.small else PRESETS[args.preset])
     bench = Bench(args, shape, stdlib_bytes(limit=64 << 20), initial_state(shape, args.seed),
                   device)
     out = Path(args.out)

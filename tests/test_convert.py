@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from bitsparse_core.torch import convert  # noqa: E402
-from bitsparse_core.torch.convert import (PackedBlock, Skip, register_rule,  # noqa: E402
-                                          unregister_rule)
+from bitsparse_core.torch.convert import (PackedBlock, Skip, packed_modules,  # noqa: E402
+                                          register_rule, unregister_rule)
 
 
 def _same_state(a: nn.Module, b: nn.Module, shared: bool):
@@ -144,6 +144,7 @@ def test_opt(act, kind):
     ref = copy.deepcopy(model)
     report = _convert_checked(model)
     assert report.replaced == [(f"model.decoder.layers.{i}", "opt", kind) for i in range(2)]
+    assert list(packed_modules(model)) == [p for p, *_ in report.replaced]
     layer = model.model.decoder.layers[0]
     assert isinstance(layer, type(ref.model.decoder.layers[0]))   # same object, a subclass
     assert isinstance(layer.fc1, nn.Linear)          # outside forward: the original modules
@@ -242,3 +243,154 @@ def test_t5_dropout_switched_on_later_falls_back_to_dense():
 def test_report_str():
     report = convert(_opt("gelu"))
     assert "skipped" in str(report) and "GELUActivation" in str(report)
+
+
+# ---------------------------------------------------------------- copies, module API, compile
+
+def _packed_of(model):
+    return list(packed_modules(model).values())
+
+
+def _saved_and_loaded(model, tmp_path, monkeypatch):
+    """torch.save + torch.load as in a fresh process: the runtime subclasses are made again."""
+    import importlib
+    convert_module = importlib.import_module("bitsparse_core.torch.convert")  # not the function
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    monkeypatch.setattr(convert_module, "_SUBCLASSES", {})
+    return torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("make", ["opt", "t5", "sequential"])
+def test_converted_model_copies(make, tmp_path, monkeypatch):
+    """deepcopy and torch.save/torch.load of a converted model: same state_dict, still
+    converted, trains bit-identically to the unconverted model, and each copy counts its
+    own packs (the policies are found by id: a copy must not share the original's)."""
+    from bitsparse_core.torch import capacity
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(8))
+    if make == "opt":
+        model, loss = _opt(), _lm_loss(ids)
+    elif make == "t5":
+        model, loss = _t5(), _lm_loss(ids[:, :6].contiguous())
+    else:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 32), nn.ReLU(),
+                                                              nn.Linear(32, 16)))
+        x = torch.randn(3, 8)
+        loss = lambda m, s: m(x + s).square().mean()  # noqa: E731
+    model.train()
+    ref = copy.deepcopy(model)
+    assert convert(model).replaced
+    copies = [copy.deepcopy(model), _saved_and_loaded(model, tmp_path, monkeypatch)]
+    for c in copies:
+        _same_state(model, c, shared=False)
+        assert type(c) is type(model) or make == "opt"
+        assert [type(p) for p in _packed_of(c)] == [type(p) for p in _packed_of(model)]
+        assert convert(c).replaced == []            # already converted
+        for p, q in zip(_packed_of(c), _packed_of(model)):
+            assert p.capacity_policy.id != q.capacity_policy.id
+            assert capacity.POLICIES[p.capacity_policy.id] is p.capacity_policy
+            # the copy's packed FFN computes with the copy's own linears
+            assert all(a is not b for a, b in zip(p.parameters(), q.parameters()))
+        before = [p.stats()["packs"] for p in _packed_of(model)]
+        _train_same(copy.deepcopy(ref), c, loss)
+        assert all(p.stats()["packs"] > 0 for p in _packed_of(c))
+        assert [p.stats()["packs"] for p in _packed_of(model)] == before
+
+
+def test_opt_layer_class_pickles_by_the_original_class():
+    import pickle
+    model = _opt()
+    convert(model)
+    layer = model.model.decoder.layers[0]
+    blob = pickle.dumps(layer)
+    assert b"PackedOPTDecoderLayer" not in blob       # named through the original class
+    again = pickle.loads(blob)
+    assert type(again) is type(layer) and "_bitsparse_packed" in again.__dict__
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")   # gradient_checkpointing_enable
+def test_opt_module_api_after_convert():
+    """The converted OPT layer's instance dict shadows fc1 / activation_fn / fc2 only
+    during its forward; train/eval, state_dict / load_state_dict, to(dtype) and gradient
+    checkpointing on and off behave as on the unconverted model."""
+    model, ids = _opt(), torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(9))
+    ref = copy.deepcopy(model)
+    convert(model)
+    layer = model.model.decoder.layers[0]
+    plain_keys = set(ref.model.decoder.layers[0].__dict__) | {"_bitsparse_packed"}
+    packs = lambda: _packed_of(model)[0].stats()["packs"]  # noqa: E731
+
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        getattr(ref, mode)()
+        assert all(m.training == (mode == "train") for m in model.modules())
+        a, b = (m(input_ids=ids, labels=ids).loss for m in (model, ref))
+        assert torch.equal(a, b)
+        assert set(layer.__dict__) == plain_keys      # no shadow left behind
+    def fail(*_):
+        raise KeyError("midway")
+    hook = layer.self_attn.register_forward_hook(fail)   # fails inside the shadowed forward
+    with pytest.raises(KeyError, match="midway"):
+        model(input_ids=ids)
+    hook.remove()
+    assert set(layer.__dict__) == plain_keys
+
+    # load_state_dict into the converted model: the packed path uses the new values
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    model.load_state_dict(ref.state_dict())
+    n = packs()
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
+    assert packs() == n + 1
+
+    # to(dtype): packed in bf16; float64 (not packed) runs the original forward; back again
+    for dtype, packed in ((torch.bfloat16, True), (torch.float64, False), (torch.float32, True)):
+        model.to(dtype)
+        ref.to(dtype)
+        n = packs()
+        _train_same(ref, model, _lm_loss(ids), steps=1)
+        assert (packs() > n) == packed, dtype
+
+    # gradient checkpointing on, then off again
+    for on in (True, False):
+        for m in (model, ref):
+            if on:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                m.gradient_checkpointing_disable()
+        assert layer.gradient_checkpointing == on
+        n = packs()
+        _train_same(ref, model, _lm_loss(ids), steps=1)
+        assert packs() == n + (2 if on else 1)        # checkpointing: forward + recompute
+
+
+def test_float64_is_skipped_with_reason():
+    report = convert(_opt().double())
+    assert report.replaced == [] and "torch.float64" in report.skipped[0][2]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_opt_compiled_matches_compiled_unconverted():
+    """torch.compile(backend="aot_eager") of a converted OPT: one graph, no break, the
+    packed custom ops inside it, losses and gradients bit-identical to the same model
+    compiled unconverted."""
+    import torch._dynamo as dynamo
+    model, ids = _opt(), torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(10))
+    model.train()
+    ref = copy.deepcopy(model)
+    convert(model)
+    for m, ops in ((ref, 0), (model, 2)):
+        dynamo.reset()
+        explain = dynamo.explain(m)(input_ids=ids, labels=ids)
+        assert (explain.graph_count, explain.graph_break_count) == (1, 0), explain.break_reasons
+        # the packed FFN's autograd.Function (its body calls bitsparse::relu_linear), per layer
+        targets = [str(n.target) for g in explain.graphs for n in g.graph.nodes]
+        assert targets.count("autograd_function_apply") == ops
+    dynamo.reset()
+    compiled = [torch.compile(m, backend="aot_eager") for m in (ref, model)]
+    n = _packed_of(model)[0].stats()["packs"]
+    _train_same(*compiled, _lm_loss(ids), steps=2)
+    assert _packed_of(model)[0].stats()["packs"] == n + 2
+    dynamo.reset()

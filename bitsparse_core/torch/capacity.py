@@ -187,6 +187,21 @@ class CapacityPolicy:
         self.wait_s = 0.0
         self.max_density = 0.0
 
+    def __getstate__(self) -> dict:
+        # The counts on their way back are this process's slab slots: a copy (deepcopy,
+        # torch.save of a model) starts without them.
+        state = dict(self.__dict__)
+        state["_pending"] = collections.deque(maxlen=self._pending.maxlen)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        # A copy gets its own id: the ops find their policy by id, and an id taken over
+        # from the original would feed the copy's packs to the original (or, loaded in
+        # another process, to whichever policy has that number there).
+        self.__dict__.update(state)
+        self.id = next(_IDS)
+        POLICIES[self.id] = self
+
     def capacity(self, numel: int) -> int:
         d = self.density if self.density is not None else LADDER[self.bucket]
         return min(numel, math.ceil(d * numel))

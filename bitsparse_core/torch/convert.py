@@ -11,7 +11,8 @@ original ``nn.Linear`` objects under their original attribute names.
 * a *layer* whose FFN is inline in a bigger forward (``OPTDecoderLayer``:
   ``fc2(activation_fn(fc1 h))`` between attention and residual) stays the same object;
   its class becomes a subclass whose ``forward`` runs the original forward with the
-  ``fc1 → activation_fn → fc2`` calls going through the packed FFN (:func:`_inline_class`).
+  ``fc1 → activation_fn → fc2`` calls going through the packed FFN (:func:`_inline_class`);
+  pickle and ``copy.deepcopy`` rebuild that subclass from the original class.
 
 Rules are tried in order, the user's (:func:`register_rule`) before the built-in ones.
 A rule is ``(name, predicate, builder)``: ``predicate(module)`` says the rule is about
@@ -34,9 +35,11 @@ from typing import Callable
 
 from torch import nn
 
+from ._bridge import TORCH_TO_BS
 from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN
 
-__all__ = ["convert", "register_rule", "unregister_rule", "Rule", "Skip", "ConvertReport", "PackedBlock", "RULES"]
+__all__ = ["convert", "register_rule", "unregister_rule", "Rule", "Skip", "ConvertReport", "PackedBlock",
+           "RULES", "packed_modules"]
 
 _PACKED_KW = ("encoding", "density", "margin", "pending", "backend")
 _GATED_KW = ("encoding", "u_encoding", "density", "margin", "pending", "backend")
@@ -96,6 +99,15 @@ def _check_linears(fc1, fc2) -> None:
                    f"{fc2.weight.dtype})")
     if fc1.out_features != fc2.in_features:
         raise Skip("the linears' shapes do not chain")
+    if fc1.weight.dtype not in TORCH_TO_BS:
+        raise Skip(f"dtype {fc1.weight.dtype} is not one the packed path stores")
+
+
+def _packable(*linears) -> bool:
+    """One dtype the packed path stores: checked at every call, since ``.to(dtype)`` or
+    ``.double()`` after conversion changes it (the dense forward is then run instead)."""
+    dtypes = {lin.weight.dtype for lin in linears if lin is not None}
+    return len(dtypes) == 1 and dtypes <= TORCH_TO_BS.keys()
 
 
 def _packed(kind: str, fc1, fc2, kwargs, up=None):
@@ -138,8 +150,7 @@ class PackedBlock(nn.Module):
 
     def _dense(self) -> bool:
         fc1, fc2, dropout, up = (None if n is None else getattr(self, n) for n in self._names)
-        return ((dropout is not None and _active(dropout))
-                or len({lin.weight.dtype for lin in (fc1, fc2, up) if lin is not None}) > 1)
+        return (dropout is not None and _active(dropout)) or not _packable(fc1, fc2, up)
 
     def forward(self, x):
         if self._dense():
@@ -231,7 +242,7 @@ def _inline_class(cls):
 
     def forward(self, *args, **kwargs):
         packed = self.__dict__["_bitsparse_packed"]
-        if self.fc1.weight.dtype != self.fc2.weight.dtype:
+        if not _packable(self.fc1, self.fc2):
             return original(self, *args, **kwargs)
         state = {"calls": 0}
 
@@ -266,11 +277,24 @@ def _inline_class(cls):
             raise RuntimeError("bitsparse convert: fc1 ran without fc2")
         return out
 
+    def __reduce_ex__(self, protocol):
+        # pickle names a class by module and qualname, and this one is made at run time:
+        # name the original class instead and rebuild the subclass from it on load.
+        return _new_inline, (cls,), self.__getstate__()
+
     forward.__doc__ = original.__doc__
     sub = type(f"Packed{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__,
-                                                 "__qualname__": f"Packed{cls.__name__}"})
+                                                 "__qualname__": f"Packed{cls.__name__}",
+                                                 "__reduce_ex__": __reduce_ex__})
     _SUBCLASSES[cls] = sub
     return sub
+
+
+def _new_inline(cls):
+    """An empty instance of ``_inline_class(cls)``, filled by ``__setstate__``: how pickle
+    and ``copy.deepcopy`` rebuild a converted layer (``torch.load`` included)."""
+    sub = _inline_class(cls)
+    return sub.__new__(sub)
 
 
 def _build_opt(m, **kwargs):
@@ -316,6 +340,13 @@ def unregister_rule(rule: Rule) -> None:
 
 def _converted(m) -> bool:
     return isinstance(m, PackedBlock) or "_bitsparse_packed" in m.__dict__
+
+
+def packed_modules(model: nn.Module) -> dict:
+    """``{path: packed FFN}`` of every converted block or layer of ``model``, for their
+    ``stats()`` (a converted OPT layer's packed FFN is not a registered submodule)."""
+    return {p: m.packed if isinstance(m, PackedBlock) else m.__dict__["_bitsparse_packed"]
+            for p, m in model.named_modules() if _converted(m)}
 
 
 def _looks_like_ffn(m) -> bool:

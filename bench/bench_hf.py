@@ -1,0 +1,414 @@
+"""A Hugging Face transformers model (OPT, ReLU FFN) trained on real text, four ways (issue 16).
+
+The model is ``transformers.OPTForCausalLM`` built from an ``OPTConfig`` (no weights are
+downloaded): ReLU FFN, byte-level vocabulary (256), SDPA attention, no dropout, random
+init from one seed, bf16. The text is the Python standard library's source as bytes
+(``train_gpt.stdlib_bytes``), the same batches for every variant. Variants, each a deep
+copy of one CPU model built once:
+
+* ``plain``          -- the model as transformers runs it (the reference);
+* ``hooks``          -- the forward inside ``bitsparse_core.torch.compress_saved_tensors()``;
+* ``converted``      -- ``bitsparse_core.torch.convert(model)`` (the FFNs store their
+  activation packed);
+* ``checkpointing``  -- ``model.gradient_checkpointing_enable()`` (use_reentrant=False).
+
+Per variant: median step time and host time, peak memory, the memory the forward leaves
+for backward, losses and final parameters bit for bit against plain, host syncs per step
+(torch.profiler), what was packed, and the issue's targets. Writes ``bench_hf.{json,md,png}``
+under ``--out``. Bit-identity needs the deterministic math attention (``--attn math``).
+
+    python bench/bench_hf.py --out OUT                   # 12 layers, d 1024, 8k tokens/step
+    python bench/bench_hf.py --attn math --out OUT       # losses bit for bit
+    python bench/bench_hf.py --device cpu --small --steps 2 --out /tmp/x    # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import bitsparse_core.torch as bst  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from bitsparse_core.spec import format as fmt  # noqa: E402
+from bitsparse_core.torch.convert import packed_modules  # noqa: E402
+from profile_syncs import profile_steps  # noqa: E402
+
+VOCAB = 256
+VARIANTS = ("plain", "hooks", "converted", "checkpointing")
+SIZES = {"opt12": tg.Shape(layers=12, d=1024, heads=16, d_ff=4096, seq=1024, batch=8)}
+SMALL = tg.Shape(layers=2, d=64, heads=2, d_ff=256, seq=64, batch=2)
+# A freshly initialised OPT's FFN activations are about half zero (fc1's bias starts at 0),
+# right at compress_saved_tensors' default threshold of 0.5: below it, some layers would
+# not be packed at all. The CPU check's activations are also smaller than the default
+# min_numel.
+HOOKS = {"min_sparsity": 0.4}
+SMALL_HOOKS = {**HOOKS, "min_numel": 4096}
+# Profiler rows that block the host until the GPU catches up (cudaMemcpyAsync and
+# aten::item are counted apart: most of them read host memory and do not wait).
+BLOCKING = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+            "cudaMemcpy", "item of a device tensor")
+OWN_OPS = ("bitsparse",)
+MIB = 2 ** 20
+
+
+@dataclasses.dataclass
+class HFBench(tg.Bench):
+    base: torch.nn.Module = None   # the one CPU model every variant copies
+
+
+# ---------------------------------------------------------------------------- model
+def opt_model(shape: tg.Shape, seed: int):
+    """OPTForCausalLM from a config, fp32 on the CPU, initialised from ``seed``."""
+    from transformers import OPTConfig, OPTForCausalLM
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=shape.d, word_embed_proj_dim=shape.d,
+                    num_hidden_layers=shape.layers, ffn_dim=shape.d_ff,
+                    num_attention_heads=shape.heads, max_position_embeddings=shape.seq,
+                    activation_function="relu", dropout=0.0, attention_dropout=0.0,
+                    activation_dropout=0.0, layerdrop=0.0, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return OPTForCausalLM(cfg).float()
+
+
+def lm_loss(model, x, y):
+    # make_batches' targets are already shifted: transformers' labels= would shift again
+    logits = model(input_ids=x, use_cache=False).logits
+    return F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
+
+
+def prepare(bench: HFBench, name: str):
+    """The variant's model (bf16 copy of the base), its forward ``(x, y) -> loss``, its
+    optimizer (AdamW, defaults), and what the variant packs with."""
+    model = copy.deepcopy(bench.base).to(device=bench.device, dtype=torch.bfloat16)
+    model.train()
+    extra = {}
+
+    def forward(x, y):
+        return lm_loss(model, x, y)
+    if name == "hooks":
+        hooks = extra["hooks"] = bst.compress_saved_tensors(**bench.args.hooks_kwargs)
+
+        def forward(x, y):   # the hooks variant's forward
+            with hooks:
+                return lm_loss(model, x, y)
+    elif name == "converted":
+        extra["report"] = bst.convert(model, **bench.args.ours_kwargs)
+    elif name == "checkpointing":
+        if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.x's name
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=bench.args.lr)
+    return model, forward, opt, extra
+
+
+# -------------------------------------------------------------------------- running
+def allocated(device: torch.device) -> int:
+    """Bytes the caching allocator hands out now (a host counter: no sync)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def run_variant(bench: HFBench, name: str, batches: list, plan: tg.Plan):
+    """Train one variant on ``batches`` by ``plan``; its results and final parameters."""
+    device, args = bench.device, bench.args
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model, forward, opt, extra = prepare(bench, name)
+    losses, times, host, saved, first = [], [], [], [], None
+    with tg.attention_backend(args.attn):
+        for i, (x, y) in enumerate(batches[:plan.warmup + plan.timed]):
+            bench.check_time(f"{name} at step {i}")
+            x, y = x.to(device), y.to(device)
+            tg.sync(device)
+            before, after = allocated(device), []
+
+            def probed(x, y, after=after):   # called in this iteration only
+                loss = forward(x, y)
+                after.append(allocated(device))   # what the forward keeps for backward
+                return loss
+            t0 = time.perf_counter()
+            losses.append(tg.train_step(probed, opt, x, y))
+            t1 = time.perf_counter()
+            tg.sync(device)
+            first = first or time.perf_counter() - t0
+            if i >= plan.warmup:
+                times.append(time.perf_counter() - t0)
+                host.append(t1 - t0)
+                saved.append(after[0] - before)
+        syncs = None
+        if plan.profiled:
+            bench.check_time(f"{name} before profiling")
+            on_device = [(x.to(device), y.to(device)) for x, y in batches[plan.warmup + plan.timed:]]
+            prof_losses, syncs = profile_steps(lambda x, y: tg.train_step(forward, opt, x, y),
+                                               on_device, device, OWN_OPS)
+            tg.sync(device)
+            losses += prof_losses
+            syncs["blocking_per_step"] = sum(syncs["per_step"][k] for k in BLOCKING)
+    res = {"status": "ok",
+           "median_step_ms": 1e3 * statistics.median(times) if times else None,
+           "median_host_ms": 1e3 * statistics.median(host) if host else None,
+           "first_step_s": first,
+           "peak_mib": torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None,
+           "saved_mib": statistics.median(saved) / MIB if saved and device.type == "cuda" else None,
+           "losses": torch.stack(losses).float().cpu().tolist(),
+           "syncs": syncs,
+           "packed": what_was_packed(extra, model, plan.total, batches[0][0].numel(), bench.shape)}
+    params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return res, params
+
+
+def what_was_packed(extra: dict, model, steps: int, tokens: int, shape: tg.Shape) -> dict | None:
+    """hooks: the ``compress_saved_tensors`` counters per step; converted: the convert
+    report, each packed FFN's ``stats()``, and the FFN activation bytes per step dense and
+    packed (at the capacity in use, by the format's size formula)."""
+    if "hooks" in extra:
+        st = dataclasses.asdict(extra["hooks"].stats)
+        out = {f"{k}_per_step": v / steps for k, v in st.items() if not k.endswith("bytes")}
+        out["dense_mib_per_step"] = st["dense_bytes"] / steps / MIB
+        out["packed_mib_per_step"] = st["packed_bytes"] / steps / MIB
+        out["packed_away_mib_per_step"] = out["dense_mib_per_step"] - out["packed_mib_per_step"]
+        return out
+    if "report" not in extra:
+        return None
+    mods = packed_modules(model)
+    numel = tokens * shape.d_ff
+    dense = packed = 0
+    for m in mods.values():
+        enc = "nosign" if m.encoding == "auto" else m.encoding
+        dense += numel * 2   # bf16
+        packed += fmt.packed_size((tokens, shape.d_ff), "bfloat16", enc,
+                                  m.capacity_policy.capacity(numel))
+    report = extra["report"]
+    return {"report": str(report), "replaced": report.replaced, "skipped": report.skipped,
+            "modules": {p: m.stats() for p, m in mods.items()},
+            "ffn_dense_mib_per_step": dense / MIB, "ffn_packed_mib_per_step": packed / MIB}
+
+
+def guarded(bench: HFBench, name: str, batches: list, plan: tg.Plan):
+    """``run_variant`` with an OOM, any other failure or the time limit as the variant's
+    status instead of the end of the run; memory is freed either way."""
+    try:
+        return run_variant(bench, name, batches, plan)
+    except tg.TimeLimit as exc:
+        return {"status": f"skipped: time limit ({exc})"}, None
+    except Exception as exc:  # noqa: BLE001 - any failure of one variant is its result
+        kind = "oom" if tg.is_oom(exc) else "error"
+        return {"status": f"{kind}: {type(exc).__name__}: {str(exc)[:500]}",
+                "traceback": traceback.format_exc()[-4000:]}, None
+    finally:
+        tg.free_memory(bench.device)
+
+
+def targets(res: dict, plain: dict, cuda: bool) -> dict:
+    """The issue's targets, where this run measured what they need (None: not measured;
+    on the CPU only bit identity is: no peak, no device syncs, no GPU-bound step)."""
+    def le(a, b):
+        return None if a is None or b is None or not cuda else a <= b
+    ratio, syncs, packed = res.get("step_ratio_vs_plain"), res.get("syncs"), res.get("packed") or {}
+    out = {"losses_bit_identical": res.get("losses_bit_identical")}
+    if "packed_away_mib_per_step" in packed:        # hooks
+        out["step_time_le_plus_10pct"] = le(ratio, 1.10)
+        bound = None if plain.get("peak_mib") is None else (
+            plain["peak_mib"] - 0.7 * packed["packed_away_mib_per_step"])
+        out["peak_le_plain_minus_70pct_packed_away"] = le(res.get("peak_mib"), bound)
+        out["zero_blocking_syncs"] = None if not syncs or not cuda else syncs["blocking_per_step"] == 0
+    elif "ffn_dense_mib_per_step" in packed:        # converted
+        out["step_time_le_plus_3pct"] = le(ratio, 1.03)
+        expected = packed["ffn_dense_mib_per_step"] - packed["ffn_packed_mib_per_step"]
+        if res.get("saved_mib") is not None and plain.get("saved_mib") is not None:
+            # the forward keeps the packed FFN activations instead of the dense ones
+            res["saved_reduction_mib"] = plain["saved_mib"] - res["saved_mib"]
+            res["expected_reduction_mib"] = expected
+            out["ffn_memory_replaced_by_packed"] = res["saved_reduction_mib"] >= 0.9 * expected
+        else:
+            out["ffn_memory_replaced_by_packed"] = None
+    return out
+
+
+def run_variants(bench: HFBench, names: list, plan: tg.Plan, report) -> dict:
+    """The variants in order on the same batches, each compared with plain;
+    ``report(results)`` after each, so a cut-off run leaves its results written."""
+    s = bench.shape
+    batches = tg.make_batches(bench.data, plan.total, s.batch, s.seq, bench.args.seed)
+    results, plain_params = {}, None
+    for name in names:
+        t0 = time.monotonic()
+        res, params = guarded(bench, name, batches, plan)
+        res["wall_s"] = time.monotonic() - t0
+        plain = results.get("plain", {})
+        if name == "plain":
+            plain_params = params
+        elif params is not None and plain_params is not None:
+            tg.compare(res, plain, params, plain_params)
+            t, r = res.get("median_step_ms"), plain.get("median_step_ms")
+            res["step_ratio_vs_plain"] = t / r if t and r else None
+            res["targets"] = targets(res, plain, bench.device.type == "cuda")
+        results[name] = res
+        del params
+        print(f"{name:<14} {res['status'][:200]}  step {tg._f(res.get('median_step_ms'))} ms  "
+              f"losses = plain: {tg._yes(res.get('losses_bit_identical'))}", flush=True)
+        report(results)
+    return results
+
+
+# -------------------------------------------------------------------------- reports
+def markdown(summary: dict) -> str:
+    s, c, p = summary["shape"], summary["config"], summary["plan"]
+    out = [f"# transformers OPT (ReLU FFN) on Python stdlib bytes ({summary['device']})", "",
+           f"OPTForCausalLM from a config: {s['layers']} layers, d={s['d']}, {s['heads']} heads, "
+           f"ffn={s['d_ff']}, seq={s['seq']}, batch={s['batch']} ({s['seq'] * s['batch']} tokens "
+           f"per step), bf16, AdamW, attention={c['attn']}; steps: {p['warmup']} warm-up + "
+           f"{p['timed']} timed + {p['profiled']} profiled; transformers {summary['transformers']}, "
+           f"torch {summary['torch']}.", "",
+           "| variant | median step (ms) | host (ms) | × plain | peak (MiB) | kept by forward "
+           "(MiB) | losses = plain | max loss diff | params = plain | blocking syncs/step |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    failed = []
+    for name, v in summary["variants"].items():
+        if v["status"] != "ok":
+            failed.append(f"- {name}: {v['status']}")
+            continue
+        out.append(f"| {name} | {tg._f(v['median_step_ms'])} | {tg._f(v['median_host_ms'])} | "
+                   f"{tg._f(v.get('step_ratio_vs_plain'), '.3f')} | {tg._f(v['peak_mib'], '.0f')} | "
+                   f"{tg._f(v['saved_mib'], '.0f')} | {tg._yes(v.get('losses_bit_identical'))} | "
+                   f"{tg._f(v.get('max_abs_loss_diff'), '.2e')} | "
+                   f"{tg._yes(v.get('params_bit_identical'))} | "
+                   f"{tg._f((v.get('syncs') or {}).get('blocking_per_step'), 'g')} |")
+    out += ["", "Kept by forward: memory allocated after the forward minus before it (what "
+            "backward will read). Blocking syncs: stream/event/device synchronizes, synchronous "
+            "cudaMemcpy and .item() of device tensors, per profiled step."]
+    if failed:
+        out += ["", "Not run to the end:", ""] + failed
+    out += ["", "## Targets (issue 16)", "", "| variant | target | met |", "| --- | --- | --- |"]
+    out += [f"| {n} | {k} | {tg._yes(ok)} |" for n, v in summary["variants"].items()
+            for k, ok in (v.get("targets") or {}).items()]
+    out += ["", "Packed away: the hooks' dense minus packed bytes per step. FFN memory replaced: "
+            "the converted forward keeps at least 90 % of the FFN activations' dense minus "
+            "packed bytes less than plain's. Time targets need a GPU-bound, quiet machine; "
+            "bit identity needs --attn math. -: not measured (on the CPU only bit identity is)."]
+    return "\n".join(out + packed_markdown(summary)) + "\n"
+
+
+def packed_markdown(summary: dict) -> list:
+    out = []
+    for name, v in summary["variants"].items():
+        packed = v.get("packed")
+        if not packed:
+            continue
+        out += ["", f"## What {name} packed", ""]
+        if "report" in packed:
+            out += ["```", packed["report"], "```", "",
+                    f"FFN activations per step: {packed['ffn_dense_mib_per_step']:.4g} MiB dense, "
+                    f"{packed['ffn_packed_mib_per_step']:.4g} MiB packed at the capacity in use; "
+                    f"kept by forward {tg._f(v.get('saved_reduction_mib'))} MiB less than plain "
+                    f"(expected {tg._f(v.get('expected_reduction_mib'))}).", "",
+                    "| module | packs | overflows | recomputes | waits | max density |",
+                    "| --- | --- | --- | --- | --- | --- |"]
+            out += [f"| {p} | {st['packs']} | {st['overflows']} | {st['recomputes']} | "
+                    f"{st['waits']} | {st['max_density']:.3f} |" for p, st in packed["modules"].items()]
+        else:
+            out += ["Per step: " + ", ".join(f"{k.replace('_per_step', '')} {x:.3g}"
+                                             for k, x in packed.items()) + "."]
+    return out
+
+
+def plot(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ok = {n: v for n, v in summary["variants"].items() if v["status"] == "ok"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, v in ok.items():
+        axes[0].plot(v["losses"], label=name, lw=1)
+    axes[0].set(title="training loss", xlabel="step")
+    axes[0].legend()
+    for ax, key, title in ((axes[1], "median_step_ms", "median step (ms)"),
+                           (axes[2], "peak_mib", "peak memory (MiB)")):
+        ax.bar(list(ok), [v[key] or 0 for v in ok.values()], color="tab:blue")
+        ax.set(title=title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(summary: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    summary["elapsed_s"] = time.monotonic() - tg.START
+    (out / "bench_hf.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "bench_hf.md").write_text(markdown(summary))
+    plot(summary, out / "bench_hf.png")
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="opt12")
+    ap.add_argument("--small", action="store_true", help="tiny model for a CPU check")
+    for name in ("layers", "d", "heads", "d-ff", "seq", "batch"):
+        ap.add_argument(f"--{name}", type=int, help="override the size")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps")
+    ap.add_argument("--warmup", type=int, help="untimed steps first (default 5; --small 1)")
+    ap.add_argument("--profile-steps", type=int, help="profiled steps last (default 3; --small 1)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--attn", choices=("auto", "math"), default="auto",
+                    help="math: deterministic attention backward, for bit-identical losses")
+    ap.add_argument("--ours-kwargs", type=json.loads, default={},
+                    help="JSON dict for convert() (encoding, density, margin, pending, backend)")
+    ap.add_argument("--hooks-kwargs", type=json.loads, default=None,
+                    help=f"JSON dict for compress_saved_tensors() (default {json.dumps(HOOKS)}; "
+                    f"--small {json.dumps(SMALL_HOOKS)})")
+    ap.add_argument("--time-limit", type=float, default=540.0, help="seconds; later variants are skipped")
+    ap.add_argument("--out", required=True, help="folder for bench_hf.{json,md,png}")
+    args = ap.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.hooks_kwargs is None:
+        args.hooks_kwargs = dict(SMALL_HOOKS if args.small else HOOKS)
+    for name, default in (("warmup", 5), ("profile_steps", 3)):
+        if getattr(args, name) is None:
+            setattr(args, name, 1 if args.small else default)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import transformers
+    shape, device = tg.shape_and_device(args, SMALL if args.small else SIZES[args.size])
+    plan = tg.Plan(args.warmup, args.steps, args.profile_steps)
+    text = tg.stdlib_bytes(limit=(64 << 20) if not args.small else (4 << 20))
+    bench = HFBench(args, shape, text, {}, device, base=opt_model(shape, args.seed))
+    summary = {"config": {k: v for k, v in vars(args).items() if k != "out"},
+               "shape": dataclasses.asdict(shape), "plan": dataclasses.asdict(plan),
+               "tokens_of_text": int(text.size), "torch": torch.__version__,
+               "transformers": transformers.__version__,
+               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    out = Path(args.out)
+    summary["variants"] = run_variants(bench, args.variants.split(","), plan,
+                                       lambda results: write_reports({**summary, "variants": results}, out))
+    write_reports(summary, out)
+    print(f"wrote {out}/bench_hf.{{json,md,png}} in {time.monotonic() - tg.START:.0f} s")
+    return 0 if all(v["status"] == "ok" for v in summary["variants"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
