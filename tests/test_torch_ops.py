@@ -103,6 +103,18 @@ def test_flag_slab_tickets_read_unknown_until_landed_and_after_reuse():
     assert slab.read(torch.tensor([C.NO_SLOT, 0])) is None
 
 
+def test_flag_slab_tickets_have_the_fake_kernels_metadata():
+    """A ticket is what the ops' fake kernels describe: its own (2,) int64 CPU tensor,
+    contiguous at storage offset 0 (opcheck and compiled graphs rely on it)."""
+    slab = C.FlagSlab(slots=4)
+    fake = torch.empty((2,), dtype=torch.int64)
+    for _ in range(6):
+        _, t = slab.acquire()
+        assert t._base is None and t.storage_offset() == 0 and t.is_contiguous()
+        assert (t.shape, t.stride(), t.dtype, t.device) == (fake.shape, fake.stride(),
+                                                            fake.dtype, fake.device)
+
+
 def test_flag_slab_wait_sees_a_late_copy_and_gives_up_on_none():
     """A backward that finds its count pending watches the slot: a copy landing later
     (here from another thread, as the GPU's would) is returned; a slot that never

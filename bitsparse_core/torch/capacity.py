@@ -31,7 +31,6 @@ log = logging.getLogger("bitsparse_core.torch")
 SENTINEL = 0xFFFFFFFF          # no status word the kernel writes (bits 0-1 only)
 SENTINEL64 = (1 << 64) - 1     # no count a pack can have
 WAIT_TIMEOUT_S = 60.0          # a pack's count that never lands (a stuck stream): recompute
-TICKET_CHUNK = 1024            # tickets made per allocation
 NO_SLOT = -1                   # no copy queued (CUDA graph capture): state unknown
 HOST_FINAL = -2                # CPU pack: the block's own status area is final
 
@@ -53,8 +52,6 @@ class FlagSlab:
         self._next = 0
         self._gen = np.zeros(slots, dtype=np.int64)
         self._lock = threading.Lock()
-        self._tickets = self._ticket_rows = None
-        self._ticket_next = TICKET_CHUNK
 
     def _arrays(self):
         if self._mem is None:
@@ -85,17 +82,11 @@ class FlagSlab:
             ticket = self._new_ticket(i, int(self._gen[i]))
         return self._mem.data_ptr() + 16 * i, ticket
 
-    def _new_ticket(self, i: int, gen: int) -> torch.Tensor:
-        """A row of a chunk of ticket rows, each written once (a holder's ticket never
-        changes); a chunk is one allocation for TICKET_CHUNK packs."""
-        if self._ticket_next == TICKET_CHUNK:
-            self._tickets = torch.empty((TICKET_CHUNK, 2), dtype=torch.int64)
-            self._ticket_rows = self._tickets.numpy()
-            self._ticket_next = 0
-        j = self._ticket_next
-        self._ticket_next += 1
-        self._ticket_rows[j] = (i, gen)
-        return self._tickets[j]
+    @staticmethod
+    def _new_ticket(i: int, gen: int) -> torch.Tensor:
+        """A tensor of its own: contiguous at storage offset 0, the metadata the ops' fake
+        kernels give a ticket (opcheck compares them)."""
+        return torch.from_numpy(np.array((i, gen), dtype=np.int64))
 
     def read(self, ticket: torch.Tensor):
         """``(status, nnz)`` of a ticket's pack once its copy has landed, else None."""
