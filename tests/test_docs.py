@@ -66,10 +66,15 @@ def gpu_session() -> dict:
     text = (RESULTS / "gpu_session.md").read_text()
     latest = text.split("\n## ")[1]             # "## Latest (...)", the first section
     blocks = latest.split("```")[1::2]
+    # the sanitizer's counts: this session's, or, where it did not run, the latest run's
+    sanitized = next(i for i, sec in enumerate(text.split("\n## ")[1:])
+                     if "ERROR SUMMARY" in sec)
+    san = text.split("\n## ")[1 + sanitized]
     return dict(passed=sum(int(n) for n in re.findall(r"(\d+) passed", blocks[0])),
                 failed=sum(int(n) for n in re.findall(r"(\d+) failed", blocks[0])),
-                errors=int(re.search(r"ERROR SUMMARY: (\d+) errors", blocks[1])[1]),
-                hazards=int(re.search(r"(\d+) hazards", blocks[1])[1]))
+                errors=int(re.search(r"ERROR SUMMARY: (\d+) errors", san)[1]),
+                hazards=int(re.search(r"(\d+) hazards", san)[1]),
+                sanitizer_session=None if sanitized == 0 else san.split("(")[1].split(")")[0])
 
 
 def torch_ffn():
@@ -129,7 +134,8 @@ def readme() -> list:
     return [
         f"| GPU test suite (CuPy, Numba, PyTorch, JAX paths) | {g['passed']} passed"
         f"{'' if not g['failed'] else ', ' + str(g['failed']) + ' failed'}; compute-sanitizer "
-        f"memcheck {g['errors']} errors, racecheck {g['hazards']} hazards "
+        f"memcheck {g['errors']} errors, racecheck {g['hazards']} hazards"
+        f"{'' if not g['sanitizer_session'] else ' (run of ' + g['sanitizer_session'] + ')'} "
         "| `bench/results/gpu_session.md` |",
 
         f"| {sh['layers']}-layer ReLU² GPT, d={sh['d']}, bf16, {tokens} tokens/step, "
@@ -410,8 +416,14 @@ def test_the_stale_numba_run_is_labelled():
 
 
 def test_gpu_session_log_parses():
+    """The latest GPU run parses; a failure it recorded must be named and said fixed (the
+    README quotes the counts as they are)."""
     g = gpu_session()
-    assert g["passed"] > 0 and g["failed"] == 0
+    assert g["passed"] > 0
+    if g["failed"]:
+        latest = (RESULTS / "gpu_session.md").read_text().split("\n## ")[1]
+        named = re.findall(r"`(tests/[\w/.]+::[\w\[\]-]+)`", latest)
+        assert len(named) >= g["failed"] and "Fixed after the run" in latest, latest
 
 
 @pytest.mark.parametrize("doc", DOCS)
