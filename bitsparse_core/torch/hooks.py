@@ -40,6 +40,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..backends.cuda import abi
+from ..backends.cuda.interop import stream_wait
 from ..errors import SavedTensorModifiedError
 from . import _bridge as B
 from . import capacity as C
@@ -290,7 +291,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             return alive
         block = obj.block
         if obj.stream is not None and obj.stream != O._stream(block.device):
-            # read on another stream than it was made on: not reused before this read
+            # read on another stream than it was made on: after the pack's kernels, and
+            # not reused by the allocator before this read
+            stream_wait(O._stream(block.device), obj.stream, block.device.index)
             block.record_stream(torch.cuda.current_stream(block.device))
         t = O._unpack(block, obj.plan, obj.shape, obj.dtype)
         self.stats.unpacked += 1

@@ -43,6 +43,7 @@ from . import capacity as C
 
 
 _PLANS: dict = {}
+_MAX_PLANS = 4096
 
 
 def _plan_of(mode: abi.Mode, a_shape, dtype: torch.dtype, capacity: int, encoding: int,
@@ -51,6 +52,8 @@ def _plan_of(mode: abi.Mode, a_shape, dtype: torch.dtype, capacity: int, encodin
     key = (mode, tuple(a_shape), dtype, capacity, encoding, chunk_log2)
     plan = _PLANS.get(key)
     if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:   # shapes that vary step by step: start afresh
+            _PLANS.clear()
         plan = _PLANS[key] = host.pack_plan(tuple(int(s) for s in a_shape), B.TORCH_TO_BS[dtype],
                                             Encoding(encoding), int(capacity), int(chunk_log2),
                                             mode)
