@@ -212,6 +212,60 @@ def test_hooks_training_is_bit_identical_and_packs_relu_outputs():
     assert 0 < s.packed_bytes < s.dense_bytes
 
 
+class _Recording(torch.nn.Module):
+    """Runs ``inner`` under an enclosing saved-tensor hook pair that records what it is
+    given (and copies it, as an offloading hook would), with our hooks inside."""
+
+    def __init__(self, inner, hooks):
+        super().__init__()
+        self.inner, self.hooks, self.seen = inner, hooks, []
+
+    def forward(self, x):
+        def pack(t):
+            self.seen.append((t.dtype, t.numel()))
+            return ("outer", t.clone())
+
+        def unpack(obj):
+            assert obj[0] == "outer"
+            return obj[1]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), self.hooks:
+            return self.inner(x)
+
+
+@pytest.mark.parametrize("outer", ["recording", "save_on_cpu"])
+def test_hooks_compose_with_enclosing_hooks(outer):
+    """Hooks entered inside other saved-tensor hooks hand those what they keep: the
+    packed blocks and the tensors they pass through, never a dense tensor they packed;
+    training stays bit-identical."""
+    dense, inner = relu_mlp(), relu_mlp()
+    hooks = compress_saved_tensors(min_numel=256, min_sparsity=0.5)
+    if outer == "recording":
+        ours = _Recording(inner, hooks)
+    else:
+        class OnCpu(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x):
+                with torch.autograd.graph.save_on_cpu(pin_memory=False), hooks:
+                    return self.inner(x)
+        ours = OnCpu()
+    x, target = _data((4, 16), 32, torch.float32)
+    rec_dense, rec_ours = train(dense, x, target), train(ours, x, target)
+    rec_ours = [(l, {k[len("inner."):]: v for k, v in g.items()},
+                 {k[len("inner."):]: v for k, v in p.items()}) for l, g, p in rec_ours]
+    assert_same_training(rec_dense, rec_ours)
+    assert hooks.stats.packed == 2 * 3
+    if outer == "recording":
+        blocks = [n for dt, n in ours.seen if dt == torch.uint8]
+        assert len(blocks) == hooks.stats.packed            # each clean block once
+        relu_out = 4 * 16 * 128                              # what the hooks packed
+        assert not any(dt == torch.float32 and n == relu_out for dt, n in ours.seen)
+        assert any(dt == torch.float32 for dt, _ in ours.seen)   # and what they passed on
+
+
 def test_hooks_unpack_many_times_retain_graph():
     m = relu_mlp()
     x, _ = _data((64,), 32, torch.float32)

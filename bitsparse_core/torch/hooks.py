@@ -22,6 +22,13 @@ save (or none is in flight): the hooks never hold more than plain PyTorch plus o
 block. Where the host runs far ahead of the GPU, saves pass through instead
 (``stats.throttled``).
 
+Hooks entered inside other saved-tensor hooks (``save_on_cpu``, an offloading pair)
+compose with them: PyTorch calls only the innermost pair, so ours hand the enclosing
+pair what they keep, a packed block once its pack is known clean, or a tensor they pass
+through or keep dense, and take it back from that pair in backward. Hooks entered
+inside ours (``torch.utils.checkpoint`` inside a hooked forward, say) take precedence
+over ours for what they save, as PyTorch defines.
+
 A tensor saved by several nodes (ReLU saves its output, the next matmul saves
 the same tensor or a reshaped view of it) is packed once: packs are shared by
 the base tensor they were made from while that tensor is alive and unmodified.
@@ -100,6 +107,15 @@ class _Packed:
         self.unpacked = None    # weak reference to the last unpacked tensor
 
 
+class _Outer:
+    """What the saved-tensor hooks enclosing ours made of a tensor (their ``pack``'s result)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
 class _View:
     """A saved view of a packed base tensor: unpack the base, view it as the saved shape."""
 
@@ -164,12 +180,22 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self._flights = collections.deque()
         self._in_flight = 0   # bytes of the blocks in self._flights
         self._credit = 0      # bytes the clean packs still alive save
+        self._outer = None
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> "compress_saved_tensors":
         self._ordinal = 0
+        # The hooks active outside ours: what we keep for backward (a packed block, or a
+        # tensor we pass through) goes on to them, as if they had been given it.
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         super().__enter__()  # torch's returns None
         return self
+
+    def _to_outer(self, t):
+        return t if self._outer is None else _Outer(self._outer[0](t))
+
+    def _from_outer(self, x):
+        return self._outer[1](x.obj) if isinstance(x, _Outer) else x
 
     # ------------------------------------------------------------------ pack
     def _candidate(self, t) -> bool:
@@ -183,7 +209,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self._poll()
         if not self._candidate(t):
             self.stats.passed += 1
-            return t
+            return self._to_outer(t)
         base = t._base if t._base is not None else t
         if base is not t and not (base.is_contiguous() and base.numel() == t.numel()
                                   and t.storage_offset() == base.storage_offset()):
@@ -192,14 +218,14 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if hit is not None and hit[0] == base._version:
             if hit[1] is None or hit[1].state == DENSE:
                 self.stats.passed += 1
-                return t
+                return self._to_outer(t)
             self.stats.shared += 1
             return hit[1] if base is t else _View(hit[1], tuple(t.shape))
         packed = self._pack_new(base.detach())
         self._by_base[base] = (base._version, packed)
         if packed is None:
             self.stats.passed += 1
-            return t
+            return self._to_outer(t)
         return packed if base is t else _View(packed, tuple(t.shape))
 
     def _pack_new(self, t: torch.Tensor):
@@ -252,19 +278,24 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             dense = packed.held.numel() * packed.held.element_size()
             saving = dense - packed.plan.nbytes
             packed.held, packed.state = None, CLEAN
+            packed.block = self._to_outer(packed.block)
             self._credit += saving
             weakref.finalize(packed, self._release, saving)
             self.stats.packed += 1
             self.stats.dense_bytes += dense
             self.stats.packed_bytes += packed.plan.nbytes
             return
-        self._keep_dense(packed)
+        self._keep_dense(packed, offer=True)
         if status is not None:
             self.stats.overflowed += bool(status & abi.STATUS_OVERFLOW)
             self.stats.violations += bool(status & abi.STATUS_NOSIGN_VIOLATION)
 
-    def _keep_dense(self, packed: _Packed) -> None:
+    def _keep_dense(self, packed: _Packed, offer: bool = False) -> None:
+        """Drop the block; ``offer``: hand the dense tensor on to the enclosing hooks
+        (unless it was modified in place since it was saved: unpack then raises)."""
         packed.block, packed.state = None, DENSE
+        if offer and packed.held._version == packed.version:
+            packed.held = self._to_outer(packed.held)
         self.stats.kept_dense += 1
 
     def _release(self, saving: int) -> None:
@@ -275,11 +306,13 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if isinstance(obj, _View):
             return self._unpack(obj.base).view(obj.shape)
         if not isinstance(obj, _Packed):
-            return obj
+            return self._from_outer(obj)
         self._poll()
         if obj.state == PENDING:
             self._unpack_pending(obj)
         if obj.state == DENSE:
+            if isinstance(obj.held, _Outer):
+                return self._from_outer(obj.held)
             if obj.held._version != obj.version:
                 raise SavedTensorModifiedError(
                     f"a {obj.dtype} tensor of shape {obj.shape} saved for backward was "
@@ -289,7 +322,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if alive is not None:
             self.stats.reused += 1
             return alive
-        block = obj.block
+        block = self._from_outer(obj.block)
         if obj.stream is not None and obj.stream != O._stream(block.device):
             # read on another stream than it was made on: after the pack's kernels, and
             # not reused by the allocator before this read
