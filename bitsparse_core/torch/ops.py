@@ -287,6 +287,27 @@ def _state(block: torch.Tensor, ticket: torch.Tensor, plan: host.PackPlan):
     return C.SLAB.read(ticket)
 
 
+def _linear_bias_grad(grad_out, weight, has_bias: bool, needs: int):
+    """``(g2, grad_b)``: the 2-D view of ``grad_out`` and PyTorch's ``linear`` bias
+    gradient (empty where no bias or not asked for)."""
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_b = (g2.sum([0], keepdim=True).view(g2.shape[-1]) if has_bias and needs & NEED_B
+              else weight.new_empty((0,)))
+    return g2, grad_b
+
+
+def _linear_weight_grad(g2, h, mm_dtype) -> torch.Tensor:
+    """``grad_W = g2ᵀ h`` on the 2-D views, ``h`` cast as the forward's GEMM had it."""
+    hm = h if mm_dtype is None else h.to(mm_dtype)
+    return g2.t().mm(hm.reshape(-1, hm.shape[-1]))
+
+
+def _linear_input_grad(g2, weight, a_shape, a_dtype) -> torch.Tensor:
+    """``grad_h = g2 W`` back in the activation's shape and dtype."""
+    grad_h = g2.mm(weight).view(a_shape)
+    return grad_h if grad_h.dtype == a_dtype else grad_h.to(a_dtype)
+
+
 @_register("relu_linear_backward")
 def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: torch.Tensor,
                          weight: torch.Tensor, x: Optional[torch.Tensor],
@@ -301,11 +322,9 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     plan = _plan(a_shape, a_dtype, capacity, square, encoding, chunk_log2)
     clean = _clean_state(block, ticket, plan, C.POLICIES.get(policy), x is not None,
                          "relu_linear")
-    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    g2, grad_b = _linear_bias_grad(grad_out, weight, has_bias, needs)
     grad_a = grad_out.new_empty((0,), dtype=a_dtype)
     grad_w = weight.new_empty((0,))
-    grad_b = (g2.sum([0], keepdim=True).view(g2.shape[-1]) if has_bias and needs & NEED_B
-              else weight.new_empty((0,)))
     if needs & (NEED_A | NEED_W):
         if clean:
             r = _unpack(block, plan, a_shape, a_dtype)
@@ -315,14 +334,12 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     if needs & NEED_W:
         # the forward's relu(a)**2, rounded the same single way; in place where r is
         # not needed again (the fused gradient reads the packed block)
-        h = (r.mul_(r) if clean else r * r) if square else r
-        hm = h if mm_dtype is None else h.to(mm_dtype)
-        grad_w = g2.t().mm(hm.reshape(-1, hm.shape[-1]))
-        del h, hm
+        # the forward's relu(a)**2, rounded the same single way; in place where r is
+        # not needed again (the fused gradient reads the packed block)
+        grad_w = _linear_weight_grad(g2, (r.mul_(r) if clean else r * r) if square else r,
+                                     mm_dtype)
     if needs & NEED_A:
-        grad_h = g2.mm(weight).view(a_shape)
-        if grad_h.dtype != a_dtype:
-            grad_h = grad_h.to(a_dtype)
+        grad_h = _linear_input_grad(g2, weight, a_shape, a_dtype)
         if clean:
             grad_a = _activation_grad(grad_h, block, plan, square)
         elif square:
@@ -508,12 +525,9 @@ def gated_relu_linear_backward(grad_out, block_r, block_u, ticket, weight, x, wg
     plan_u = _u_plan(a_shape, a_dtype, capacity, u_encoding, chunk_log2)
     pol = C.POLICIES.get(policy)
     clean = _clean_state(block_r, ticket, plan_r, pol, x is not None, "gated_relu_linear")
-    g2 = grad_out.reshape(-1, grad_out.shape[-1])
-    empty = grad_out.new_empty((0,), dtype=a_dtype)
-    grad_g = grad_u = empty
+    g2, grad_b = _linear_bias_grad(grad_out, weight, has_bias, needs)
+    grad_g = grad_u = grad_out.new_empty((0,), dtype=a_dtype)
     grad_w = weight.new_empty((0,))
-    grad_b = (g2.sum([0], keepdim=True).view(g2.shape[-1]) if has_bias and needs & NEED_B
-              else weight.new_empty((0,)))
     if not needs & (NEED_A | NEED_W):
         return grad_g, grad_u, grad_w, grad_b
     if clean:
@@ -524,14 +538,9 @@ def gated_relu_linear_backward(grad_out, block_r, block_u, ticket, weight, x, wg
             r = torch.relu(F.linear(x, wg, bg))
             u = F.linear(x, wu, bu)
     if needs & NEED_W:
-        h = r * u
-        hm = h if mm_dtype is None else h.to(mm_dtype)
-        grad_w = g2.t().mm(hm.reshape(-1, hm.shape[-1]))
-        del h, hm
+        grad_w = _linear_weight_grad(g2, r * u, mm_dtype)
     if needs & NEED_A:
-        grad_h = g2.mm(weight).view(a_shape)
-        if grad_h.dtype != a_dtype:
-            grad_h = grad_h.to(a_dtype)
+        grad_h = _linear_input_grad(g2, weight, a_shape, a_dtype)
         if clean:
             grad_g, grad_u = _gated_grad(grad_h, block_r, plan_r, block_u, plan_u)
         else:   # what autograd does for relu(g) * u
