@@ -223,6 +223,9 @@ def device_of(x) -> tuple:
     """``(device_name, index)`` of an array-like, without touching its data."""
     if isinstance(x, np.ndarray):
         return ("cpu", 0)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor) and x.device.type in ("cpu", "cuda"):
+        return (x.device.type, x.device.index or 0)      # torch's __dlpack_device__ is Python
     if hasattr(x, "__dlpack_device__"):
         dev_type, dev_id = x.__dlpack_device__()
         return (DEVICE_NAMES.get(int(dev_type), f"dlpack-device-{int(dev_type)}"), int(dev_id))

@@ -29,6 +29,9 @@ class DType:
     bits: int          # element width in bits (8, 16 or 32)
     numpy: np.dtype    # NumPy dtype of the CPU reference (ml_dtypes for bf16/fp8)
 
+    def __hash__(self) -> int:     # equal DTypes share a name; hot-path caches key on it
+        return hash(self.name)
+
     @property
     def itemsize(self) -> int:
         return self.bits // 8

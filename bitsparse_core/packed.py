@@ -56,7 +56,12 @@ class PackedTensor:
 
     @property
     def layout(self) -> _fmt.Layout:
-        return _fmt.layout(self.shape, self.dtype, self.encoding, self.capacity, self.chunk_log2)
+        # Every op asks for it: computed once, again only if a field it follows from changed.
+        key = (self.shape, self.dtype, self.encoding, self.capacity, self.chunk_log2)
+        known = self.__dict__.get("_layout")
+        if known is None or known[0] != key:
+            known = self.__dict__["_layout"] = (key, _fmt.cached_layout(*key))
+        return known[1]
 
     @property
     def nnz(self) -> int:

@@ -1,6 +1,7 @@
 // Packing: one pass over the dense input writes the mask, the chunk offsets
-// and the value stream (and the sign plane) of format v1; a small second
-// kernel (bitsparse_stitch) fills the stream words shared by two tiles.
+// and the value stream (and the sign plane) of format v1; once every tile is
+// done (a grid barrier) the same kernel fills the stream words shared by two
+// tiles and, at a fixed capacity, zeros the value slots past the stored ones.
 //
 // A tile is 8 warps x R rounds x 32 lanes x one 16-byte vector (R = 4,
 // cupy_backend.ROUNDS: 4096 fp32 / 8192 16-bit / 16384 fp8 elements). The
@@ -8,20 +9,20 @@
 // taking tiles in order from a counter, one tile ahead of the one it works on,
 // so that it can load its next tile while it waits for the current one's
 // offset. A tile only ever waits for lower tiles, and those are held by blocks
-// that run, so progress does not depend on every block being resident (the
-// launch is cooperative all the same, so that none waits for a slot). The
-// phases of a tile are listed above the kernel; the global value offset comes
-// from a decoupled look-back over tile descriptors.
+// that run. The phases of a tile are listed above the kernel; the global value
+// offset comes from a decoupled look-back over tile descriptors. The launch is
+// cooperative (every block resident at once), which the closing grid barrier
+// needs: the shared words and the tail are written after it, by all blocks.
 //
 // Value streams are written as whole 32-bit words with plain stores. A tile
 // writes the words that lie wholly inside its bit range; a word that holds
 // bits of several tiles (or the stream's last, partly filled word) is written
-// once by bitsparse_stitch from the first and last 32 bits that every tile
-// leaves in scratch. So no tile waits for another tile's values, no atomics
-// touch the output and padding bits come out zero.
+// once after the barrier (bs_stitch_word) from the first and last 32 bits that
+// every tile leaves in scratch. So no tile waits for another tile's values, no
+// atomics touch the output and padding bits come out zero.
 //
-// Scratch (zeroed before launch): the tile counter (8 bytes) and 8 unused
-// bytes; one 8-byte count
+// Scratch (zeroed before launch): the tile counter (8 bytes) and the barrier's
+// count of arrived blocks (8 bytes); one 8-byte count
 // descriptor per tile (padded to an even number) {2-bit state | nosign-
 // violation bit | 61-bit count}, state AGG (this tile alone, published right
 // after the tile's popcount scan) then INCL (the whole prefix up to and
@@ -130,7 +131,7 @@ __device__ __forceinline__ void bs_copy_inner(u32* out, const u32* A, u64 a, u64
 }
 
 // The first and last 32 bits of the L stored bits of A (zero past L; the
-// last ones top-aligned), for bitsparse_stitch.
+// last ones top-aligned), for bs_stitch_word.
 __device__ __forceinline__ uint2 bs_stream_edges(const u32* A, u32 L) {
     if (L == 0u) return make_uint2(0u, 0u);
     if (L < 32u) return make_uint2(A[0] & ((1u << L) - 1u), A[0] << (32u - L));
@@ -142,6 +143,84 @@ template <int BITS> __device__ __forceinline__ u32 bs_vec_nonzero(const uint4& v
     const int G = 32 / BITS;
     return bs_word_nonzero<BITS>(v.x) | (bs_word_nonzero<BITS>(v.y) << G)
          | (bs_word_nonzero<BITS>(v.z) << (2 * G)) | (bs_word_nonzero<BITS>(v.w) << (3 * G));
+}
+
+// The stream words the tiles leave out: those holding bits of several tiles,
+// and the stored stream's last word when it is partly filled. Index t
+// (0 <= t <= n_tiles; t = n_tiles stands for the stored end) writes the word
+// holding tile t's first bit when that bit is not word-aligned and no earlier
+// tile starts inside the same word. Tile t - 1 then covers the word's start
+// (its last bits come from its edge record), and tiles t, t+1, ... that start
+// inside the word add their first bits. Runs after the grid barrier: the
+// descriptors and edges of other blocks are read from L2 (__ldcg), never from
+// a stale L1 line.
+__device__ __forceinline__ void bs_stitch_word(u64 scratch_ptr, u64 n_tiles, u64 cap, u32 w,
+                                               u64 values_ptr, bool has_signs, u64 signs_ptr,
+                                               u64 t) {
+    const u64* cdesc = bs_count_desc(scratch_ptr);
+    const uint4* edges = bs_edges(scratch_ptr, n_tiles);
+    // First stored value of tile i (clipped to the capacity); i = n_tiles: the end.
+    auto first = [&](u64 i) -> u64 {
+        const u64 p = i == 0 ? 0ull : (__ldcg(&cdesc[i - 1]) & BS_COUNT);
+        return p < cap ? p : cap;
+    };
+    const u64 s = first(t), sp = t > 0 ? first(t - 1) : 0ull, end = first(n_tiles);
+    for (int plane = 0; plane < 1 + (has_signs ? 1 : 0); ++plane) {
+        const u64 W = plane == 0 ? (u64)w : 1ull;
+        const u64 b0 = s * W;
+        const u64 lo = b0 & ~31ull;
+        if ((b0 & 31u) == 0u || sp * W > lo) continue;
+        const uint4 pe = __ldcg(&edges[t - 1]);     // t >= 1: b0 > 0
+        u32 word = (plane == 0 ? pe.y : pe.w) >> (32u - (u32)(b0 - lo));
+        // Tiles from the stored end on hold nothing; a run of empty tiles
+        // inside one word is walked through (rare: a tile has 4096+ elements).
+        for (u64 i = t; i < n_tiles; ++i) {
+            const u64 bi = first(i) * W;
+            if (bi >= lo + 32u || first(i) >= end) break;
+            const uint4 ei = __ldcg(&edges[i]);
+            word |= (plane == 0 ? ei.x : ei.z) << (u32)(bi - lo);
+        }
+        reinterpret_cast<u32*>(plane == 0 ? values_ptr : signs_ptr)[b0 >> 5] = word;
+    }
+}
+
+// Wait until every block of the grid has arrived (all are resident: the launch
+// is cooperative). A block's writes before it arrives are visible to every
+// block after the wait.
+__device__ __forceinline__ void bs_grid_barrier(u64 scratch_ptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64* arrived = reinterpret_cast<u64*>(scratch_ptr + 8);
+        __threadfence();
+        atomicAdd(reinterpret_cast<unsigned long long*>(arrived), 1ull);
+        while (bs_ld_u64(arrived) < (u64)gridDim.x) __nanosleep(64);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// After the barrier, over the whole grid: the shared stream words, then (a
+// fixed capacity: values_words > 0) zeros in the value / sign words past the
+// stored stream. The two sets of words are disjoint: a stitched word lies below
+// ceil(stored * w / 32). Not inlined: the tile loop's register allocation stays
+// as it was (inlined, an fp8 pack spilled 8 bytes).
+__device__ __noinline__ void bs_pack_epilogue(u64 scratch_ptr, u64 n_tiles, u64 cap, u32 w,
+                                                 u64 values_ptr, bool has_signs, u64 signs_ptr,
+                                                 u64 status_ptr, u64 values_words,
+                                                 u64 signs_words) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u64 first = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    for (u64 t = first; t <= n_tiles; t += stride)
+        bs_stitch_word(scratch_ptr, n_tiles, cap, w, values_ptr, has_signs, signs_ptr, t);
+    const u64 n = values_words > signs_words ? values_words : signs_words;
+    if (n == 0ull) return;
+    const u64 nnz = __ldcg(reinterpret_cast<const u64*>(status_ptr) + 1);
+    const u64 stored = nnz < cap ? nnz : cap;
+    const u64 v0 = (stored * (u64)w + 31ull) >> 5, s0 = (stored + 31ull) >> 5;
+    for (u64 i = first; i < n; i += stride) {
+        if (i >= v0 && i < values_words) reinterpret_cast<u32*>(values_ptr)[i] = 0u;
+        if (has_signs && i >= s0 && i < signs_words) reinterpret_cast<u32*>(signs_ptr)[i] = 0u;
+    }
 }
 
 // Shared memory of bitsparse_pack (dynamic, sized by the host with the same
@@ -178,7 +257,7 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 //         B3; the block adds them up to the nearest inclusive count and
 //         publishes t's; chunk offsets, the stream words inside t's range
 //         shifted into place (bs_copy_inner), the edge record for
-//         bitsparse_stitch.
+//         bs_stitch_word.
 // Iteration k issues the look-back loads of t_{k-1}, runs B(t_k), C(t_{k-1})
 // and A(t_{k+1}): a count is published about an iteration before its
 // successors load it (fewer spins on unpublished counts: issuing the loads one
@@ -191,7 +270,8 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                u64 offsets_ptr, int off64, int chunk_log2,
                u64 values_ptr, u64 signs_ptr, u64 cap,
                u64 y_ptr, int y_aligned,
-               u64 scratch_ptr, u64 status_ptr, u64 n_tiles) {
+               u64 scratch_ptr, u64 status_ptr, u64 n_tiles,
+               u64 zero_values_words, u64 zero_signs_words) {
     typedef typename Fmt<FMT>::T T;
     typedef BsPackBuf<FMT, ENC, R> Buf;
     const int BITS = Fmt<FMT>::BITS;
@@ -441,73 +521,24 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     if (tid == 0) s_first = take();
     __syncthreads();
     u64 tile = s_first, prev = ~0ull;
-    if (tile >= n_tiles) return;
-    load(tile);
-    classify(tile, tid == 0 ? take() : 0ull);
-    u64 next = s_next;
-    // Iteration k: look-back loads of prev, B(tile), C(prev), A(next).
-    for (int k = 0; tile < n_tiles || prev != ~0ull; ++k) {
-        const bool have = tile < n_tiles, more = have && next < n_tiles;
-        const u64 claim = tid == 0 && more ? take() : 0ull;   // its round trip hides behind B and C
-        if (prev != ~0ull && prev > 0) bs_lookback_load(cdesc, (i64)prev - 1 - BS_LB_SPAN * warp, lane, lb);
-        if (have) stage_tile(tile, bufs[k & 1], more ? next : n_tiles);
-        if (prev != ~0ull) finish_tile(prev, bufs[(k - 1) & 1]);
-        if (more) classify(next, claim);
-        prev = have ? tile : ~0ull;
-        tile = more ? next : n_tiles;
-        next = more ? s_next : n_tiles;
-    }
-}
-
-// The stream words that bitsparse_pack leaves out: those holding bits of
-// several tiles, and the stored stream's last word when it is partly filled.
-// Thread t (0 <= t <= n_tiles; t = n_tiles stands for the stored end) writes
-// the word holding tile t's first bit when that bit is not word-aligned and
-// no earlier tile starts inside the same word. Tile t - 1 then covers the
-// word's start (its last bits come from its edge record), and tiles t, t+1,
-// ... that start inside the word add their first bits.
-extern "C" __global__ void bitsparse_stitch(u64 scratch_ptr, u64 n_tiles, u64 cap, int w,
-                                            u64 values_ptr, int has_signs, u64 signs_ptr) {
-    const u64 t = blockIdx.x * (u64)blockDim.x + threadIdx.x;
-    if (t > n_tiles) return;
-    const u64* cdesc = bs_count_desc(scratch_ptr);
-    const uint4* edges = bs_edges(scratch_ptr, n_tiles);
-    // First stored value of tile i (clipped to the capacity); i = n_tiles: the end.
-    auto first = [&](u64 i) -> u64 {
-        const u64 p = i == 0 ? 0ull : (cdesc[i - 1] & BS_COUNT);
-        return p < cap ? p : cap;
-    };
-    const u64 s = first(t), sp = t > 0 ? first(t - 1) : 0ull, end = first(n_tiles);
-    for (int plane = 0; plane < 1 + has_signs; ++plane) {
-        const u64 W = plane == 0 ? (u64)w : 1ull;
-        const u64 b0 = s * W;
-        const u64 lo = b0 & ~31ull;
-        if ((b0 & 31u) == 0u || sp * W > lo) continue;
-        const uint4 pe = edges[t - 1];           // t >= 1: b0 > 0
-        u32 word = (plane == 0 ? pe.y : pe.w) >> (32u - (u32)(b0 - lo));
-        // Tiles from the stored end on hold nothing; a run of empty tiles
-        // inside one word is walked through (rare: a tile has 4096+ elements).
-        for (u64 i = t; i < n_tiles; ++i) {
-            const u64 bi = first(i) * W;
-            if (bi >= lo + 32u || first(i) >= end) break;
-            const uint4 ei = edges[i];
-            word |= (plane == 0 ? ei.x : ei.z) << (u32)(bi - lo);
+    if (tile < n_tiles) {
+        load(tile);
+        classify(tile, tid == 0 ? take() : 0ull);
+        u64 next = s_next;
+        // Iteration k: look-back loads of prev, B(tile), C(prev), A(next).
+        for (int k = 0; tile < n_tiles || prev != ~0ull; ++k) {
+            const bool have = tile < n_tiles, more = have && next < n_tiles;
+            const u64 claim = tid == 0 && more ? take() : 0ull;   // its round trip hides behind B and C
+            if (prev != ~0ull && prev > 0) bs_lookback_load(cdesc, (i64)prev - 1 - BS_LB_SPAN * warp, lane, lb);
+            if (have) stage_tile(tile, bufs[k & 1], more ? next : n_tiles);
+            if (prev != ~0ull) finish_tile(prev, bufs[(k - 1) & 1]);
+            if (more) classify(next, claim);
+            prev = have ? tile : ~0ull;
+            tile = more ? next : n_tiles;
+            next = more ? s_next : n_tiles;
         }
-        reinterpret_cast<u32*>(plane == 0 ? values_ptr : signs_ptr)[b0 >> 5] = word;
     }
-}
-
-// Fixed capacity: zero the value/sign words past the stored stream (the pack
-// kernel writes every word up to and including the stream's last one).
-extern "C" __global__ void bitsparse_zero_tail(u64 status_ptr, u64 cap, int w, u64 values_ptr,
-                                               u64 values_words, int has_signs, u64 signs_ptr,
-                                               u64 signs_words) {
-    const u64 nnz = reinterpret_cast<const u64*>(status_ptr)[1];
-    const u64 stored = nnz < cap ? nnz : cap;
-    const u64 v0 = (stored * (u64)w + 31ull) >> 5, s0 = (stored + 31ull) >> 5;
-    const u64 n = values_words > signs_words ? values_words : signs_words;
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        if (i >= v0 && i < values_words) reinterpret_cast<u32*>(values_ptr)[i] = 0u;
-        if (has_signs && i >= s0 && i < signs_words) reinterpret_cast<u32*>(signs_ptr)[i] = 0u;
-    }
+    bs_grid_barrier(scratch_ptr);
+    bs_pack_epilogue(scratch_ptr, n_tiles, cap, (u32)W, values_ptr, SIGNS, signs_ptr, status_ptr,
+                     zero_values_words, zero_signs_words);
 }

@@ -14,8 +14,6 @@ from bitsparse_core.backends.cuda.sources import kernel_dir, read_source
 
 RECORDS = {
     ("bitsparse_pack.cu", "bitsparse_pack"): abi.PackArgs,
-    ("bitsparse_pack.cu", "bitsparse_stitch"): abi.StitchArgs,
-    ("bitsparse_pack.cu", "bitsparse_zero_tail"): abi.ZeroTailArgs,
     ("bitsparse_unpack.cu", "bitsparse_unpack"): abi.UnpackArgs,
     ("bitsparse_unpack.cu", "bitsparse_mask_select"): abi.MaskSelectArgs,
     ("bitsparse_unpack.cu", "bitsparse_tile_counts"): abi.TileCountsArgs,

@@ -84,3 +84,29 @@ def test_no_function_over_200_lines():
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({n})")
     assert long == []
 
+
+
+def test_backend_protocol_lists_what_every_backend_implements():
+    """The typed contract (registry.Backend) names every method the package calls on a
+    backend, and every registered backend has each of them."""
+    import inspect
+
+    import bitsparse_core as bc
+    from bitsparse_core.backends.registry import Backend
+    methods = {n for n, v in vars(Backend).items()
+               if inspect.isfunction(v) and not n.startswith("_")}
+    called = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            # p.backend.<method>(...) and be.<method>(...) on a looked-up backend
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "backend" and not node.attr.startswith("_")):
+                called.add(node.attr)      # (a backend's own steps call its private parts)
+    assert called - {"name"} <= methods, f"called but not in Backend: {called - methods}"
+    for name in bc.registered_backends():
+        try:
+            be = bc.get_backend(name)
+        except bc.BackendUnavailableError:
+            continue
+        missing = [m for m in sorted(methods) if not callable(getattr(be, m, None))]
+        assert missing == [], f"{name} lacks {missing}"

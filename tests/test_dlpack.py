@@ -19,6 +19,7 @@ import pytest
 import bitsparse_core as bc
 from bitsparse_core import dlpack
 from bitsparse_core import dtypes as D
+from bitsparse_core.spec import codec as reference
 from helpers import ALL_DTYPES, random_tensor, same_bits
 
 NUMPY_NATIVE = (D.FLOAT16, D.FLOAT32)          # numpy has DLPack codes for these two only
@@ -459,7 +460,8 @@ def fake_cuda(monkeypatch):
     from bitsparse_core.backends.cuda import interop
     rt, waits = _FakeRuntime(), []
     monkeypatch.setattr(interop, "_runtime", lambda: rt)
-    monkeypatch.setattr(interop, "cupy_allocator", lambda n, dev, stream: _HostBuffer(n))
+    monkeypatch.setattr(interop, "default_buffer", lambda n, dev, stream: interop.allocate(
+        n, dev, stream, lambda n, d, s: _HostBuffer(n)))
     monkeypatch.setattr(interop, "stream_wait", lambda c, p, d: waits.append((c, p, d)))
 
     def make(dtype, shape=(5, 7)):
@@ -541,6 +543,62 @@ def test_cuda_array_cpu_export_reaches_torch(fake_cuda):
     t = torch.from_dlpack(a.__dlpack__(dl_device=(1, 0), max_version=(1, 0)))
     assert t.device.type == "cpu" and t.dtype == torch.bfloat16
     assert same_bits(_bits(t, D.BFLOAT16), x, D.BFLOAT16)
+
+
+@pytest.mark.parametrize("np_dtype,code", [("u1", 1), ("<u4", 1), ("<u8", 1), ("<i4", 0)])
+def test_device_plane_describes_its_integers(fake_cuda, np_dtype, code):
+    """A packed tensor's plane on a GPU: its dtype is NumPy's, its bytes export through
+    the array interface and DLPack with that dtype's code, and ``get`` copies them."""
+    from bitsparse_core.backends.cuda import interop
+    _, rt, waits = fake_cuda
+    host = np.arange(24, dtype=np.uint8)
+    buf = interop.DeviceBuffer(host.ctypes.data, host.nbytes, 0, host)
+    plane = interop.plane_of(buf, 8, 16, np_dtype, 7)
+    want = host[8:24].view(np_dtype)
+    assert plane.dtype == np.dtype(np_dtype) and len(plane) == plane.shape[0] == want.size
+    assert plane.nbytes == 16 and interop.plane_ptr(plane) == host.ctypes.data + 8
+    assert interop.plane_len(plane) == want.size
+    cai = plane.__cuda_array_interface__
+    assert cai["typestr"] == want.dtype.str and cai["data"][0] == host.ctypes.data + 8
+    assert cai["stream"] == 7
+    got = plane.get()
+    assert type(got) is np.ndarray and got.dtype == want.dtype and np.array_equal(got, want)
+    assert rt.calls[-1] == ("sync", 7)                 # the copy waited for the producer
+    imp = dlpack.import_capsule(plane.__dlpack__(stream=5))
+    assert (imp.code, imp.bits, imp.shape, imp.data) == (code, 8 * want.itemsize,
+                                                         (want.size,), plane.ptr)
+    assert waits[-1] == (5, 7, 0)
+    empty = interop.plane_of(buf, 0, 0, np_dtype, 7)
+    assert interop.plane_ptr(empty) == 0 and interop.plane_len(empty) == 0
+    # a plane packs again only with a dtype= naming the bits it holds
+    if np.dtype(np_dtype).itemsize in (1, 4):
+        with pytest.raises(bc.UnsupportedDTypeError):
+            interop.import_cuda(plane, stream=7)
+        name = "float8_e4m3fn" if np.dtype(np_dtype).itemsize == 1 else "float32"
+        assert interop.import_cuda(plane, dtype=name, stream=7).dtype.name == name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy", "numba"])
+def test_gpu_planes_view_in_cupy_and_torch(backend):
+    """The planes of a GPU pack are views: CuPy and torch read them without a copy, and
+    they hold the reference's bytes."""
+    torch = pytest.importorskip("torch")
+    cp = pytest.importorskip("cupy")
+    if not bc.backend_available(backend):
+        pytest.skip(f"{backend} unavailable")
+    x = random_tensor(np.random.default_rng(5), (3, 1000), D.BFLOAT16, 0.7)
+    d = torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16)
+    p = bc.pack(d, encoding="signplane", backend=backend)
+    ref = reference.pack_array(x, D.BFLOAT16, "signplane")
+    for name in ("mask", "offsets", "values", "signs"):
+        plane, want = getattr(p, name), np.asarray(getattr(ref, name))
+        c = cp.asarray(plane)
+        assert c.data.ptr == plane.ptr and c.dtype == plane.dtype
+        assert np.array_equal(cp.asnumpy(c), want)
+        if plane.dtype == np.uint8:        # torch's uint32 / uint64 support few ops
+            t = torch.from_dlpack(plane)
+            assert t.data_ptr() == plane.ptr and np.array_equal(t.cpu().numpy(), want)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ allocates exactly what the spec says.
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import struct
 import zlib
@@ -189,6 +190,14 @@ def layout(shape, dtype, encoding, capacity=None, chunk_log2: int = DEFAULT_CHUN
         spans.append((pos, n))
         pos += align(n)
     return Layout(dtype, encoding, chunk_log2, shape, numel, capacity, hs, *spans, pos)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_layout(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int,
+                  chunk_log2: int) -> Layout:
+    """:func:`layout` of canonical arguments, computed once (hot paths ask per call; the
+    same arguments then give the same object)."""
+    return layout(shape, dtype, encoding, capacity, chunk_log2)
 
 
 def packed_size(shape, dtype, encoding, nnz: int, chunk_log2: int = DEFAULT_CHUNK_LOG2) -> int:

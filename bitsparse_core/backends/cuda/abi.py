@@ -137,20 +137,8 @@ class PackArgs(_Args):
     _fields_ = [("x", _U64), ("numel", _U64), ("x_aligned", _I32), ("mask", _U64),
                 ("mask_len", _U64), ("offsets", _U64), ("off64", _I32), ("chunk_log2", _I32),
                 ("values", _U64), ("signs", _U64), ("cap", _U64), ("y", _U64), ("y_aligned", _I32),
-                ("scratch", _U64), ("status", _U64), ("n_tiles", _U64)]
-
-
-class StitchArgs(_Args):
-    """``bitsparse_stitch``: the stream words shared by two tiles."""
-    _fields_ = [("scratch", _U64), ("n_tiles", _U64), ("cap", _U64), ("width", _I32),
-                ("values", _U64), ("has_signs", _I32), ("signs", _U64)]
-
-
-class ZeroTailArgs(_Args):
-    """``bitsparse_zero_tail``: zeros past the stored values of a fixed capacity."""
-    _fields_ = [("status", _U64), ("cap", _U64), ("width", _I32), ("values", _U64),
-                ("values_words", _U64), ("has_signs", _I32), ("signs", _U64),
-                ("signs_words", _U64)]
+                ("scratch", _U64), ("status", _U64), ("n_tiles", _U64),
+                ("zero_values_words", _U64), ("zero_signs_words", _U64)]
 
 
 class UnpackArgs(_Args):

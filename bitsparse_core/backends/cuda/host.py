@@ -79,7 +79,7 @@ class PackPlan:
 def pack_plan(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int, chunk_log2: int,
               mode: Mode = Mode.PACK) -> PackPlan:
     """The plan of one pack; ``mode`` MASKED lays out values and signs only."""
-    lay = _fmt.layout(shape, dtype, encoding, capacity, chunk_log2)
+    lay = _fmt.cached_layout(shape, dtype, encoding, capacity, chunk_log2)
     names = ("values", "signs") if mode == Mode.MASKED else ("mask", "offsets", "values", "signs")
     spans, pos = {}, 0
     for name in names:
@@ -91,13 +91,21 @@ def pack_plan(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int,
     rounds = abi.pack_rounds(mode)
     n_tiles = -(-lay.numel // abi.tile_elems(dtype, rounds))
     return PackPlan(lay, Mode(mode), tuple(spans[n] for n in ("mask", "offsets", "values", "signs")),
-                    pos, pos + abi.STATUS_BYTES, rounds, n_tiles, abi.pack_scratch_bytes(n_tiles),
+                    pos, pos + abi.STATUS_BYTES, rounds, n_tiles,
+                    pack_scratch_bytes(lay.numel, dtype, mode),
                     abi.pack_smem_bytes(dtype, encoding, rounds), abi.stream_width(dtype, encoding))
+
+
+def pack_scratch_bytes(numel: int, dtype: _dt.DType, mode: Mode) -> int:
+    """The scratch of any pack of ``numel`` elements in ``mode`` (whatever its capacity:
+    a caller may allocate it before the plan is known)."""
+    return abi.pack_scratch_bytes(-(-numel // abi.tile_elems(dtype, abi.pack_rounds(mode))))
 
 
 # Argument records are built once per thread (a launch copies them, so a record
 # is free for reuse as soon as the call returns).
 _RECORDS = threading.local()
+_LAUNCH_CACHE_SIZE = 4096      # distinct launches (plan or layout, op, device) kept per thread
 
 
 def _record(cls):
@@ -130,34 +138,26 @@ class _PackLaunch:
         self.pack = kernel(device, "pack", fmt, int(enc), int(plan.mode), plan.rounds)
         self.grid = min(plan.n_tiles, driver.resident_blocks(self.pack, abi.THREADS, plan.smem,
                                                              device))
-        self.stitch = kernel(device, "stitch")
-        self.stitch_grid = -(-(plan.n_tiles + 1) // abi.THREADS)
-        signplane = enc == Encoding.SIGNPLANE
         self.args = abi.PackArgs().set(numel=lay.numel, mask_len=plan.spans[0][1],
                                        off64=lay.offset_width == 8, chunk_log2=lay.chunk_log2,
                                        cap=lay.capacity, n_tiles=plan.n_tiles)
-        self.stitch_args = abi.StitchArgs().set(n_tiles=plan.n_tiles, cap=lay.capacity,
-                                                width=plan.width, has_signs=signplane)
-        vwords, swords = -(-plan.spans[2][1] // 4), -(-plan.spans[3][1] // 4)
-        self.zero_tail = None
-        if plan.mode != Mode.MASKED and max(vwords, swords):
-            self.zero_tail = kernel(device, "zero_tail")
-            self.zero_grid = min(-(-max(vwords, swords) // abi.THREADS), 4096)
-            self.zero_args = abi.ZeroTailArgs().set(cap=lay.capacity, width=plan.width,
-                                                    values_words=vwords, has_signs=signplane,
-                                                    signs_words=swords)
+        # The value / sign words the kernel zeros past the stored stream when asked to
+        # (a masked pack's slots are never read past its count).
+        self.tail_words = ((0, 0) if plan.mode == Mode.MASKED
+                           else (-(-plan.spans[2][1] // 4), -(-plan.spans[3][1] // 4)))
 
 
 def _pack_launch(plan: PackPlan, device: int) -> _PackLaunch:
     """This thread's launches of ``plan`` (a launch reads its record while ctypes has
     released the GIL, so threads never share one)."""
     cache = getattr(_RECORDS, "pack", None)
-    if cache is None:
+    if cache is None or len(cache) > _LAUNCH_CACHE_SIZE:
         cache = _RECORDS.pack = {}
-    entry = cache.get(id(plan))
-    if entry is None or entry[0] is not plan or entry[1] != device:
-        entry = cache[id(plan)] = (plan, device, _PackLaunch(plan, device))
-    return entry[2]
+    key = (id(plan), device)
+    entry = cache.get(key)
+    if entry is None or entry[0] is not plan:
+        entry = cache[key] = (plan, _PackLaunch(plan, device))
+    return entry[1]
 
 
 def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, scratch: int,
@@ -184,14 +184,8 @@ def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, s
     else:
         r.mask, r.offsets = block + mo, block + oo
     r.values, r.signs, r.scratch, r.status = values, signs, scratch, status
+    r.zero_values_words, r.zero_signs_words = L.tail_words if zero_tail else (0, 0)
     driver.launch_cooperative(L.pack, L.grid, abi.THREADS, plan.smem, stream, r)
-    st = L.stitch_args
-    st.scratch, st.values, st.signs = scratch, values, signs
-    driver.launch(L.stitch, L.stitch_grid, abi.THREADS, 0, stream, st)
-    if zero_tail and L.zero_tail is not None:
-        zt = L.zero_args
-        zt.status, zt.values, zt.signs = status, values, signs
-        driver.launch(L.zero_tail, L.zero_grid, abi.THREADS, 0, stream, zt)
 
 
 def enqueue_shrink(src: PackPlan, src_block: int, dst: PackPlan, dst_block: int,
@@ -219,6 +213,34 @@ def prefix_scratch_bytes(lay: _fmt.Layout, op: Op) -> int:
     return 8 * (-(-lay.numel // tile) + 1)
 
 
+class _UnpackLaunch:
+    """An unpack-family kernel for one layout, op and device, with the record's fields
+    that follow from them already set: a call then sets the pointers."""
+
+    def __init__(self, lay: _fmt.Layout, op: Op, u_encoding: int, device: int):
+        rounds = abi.unpack_rounds(lay.dtype, op)
+        self.n_tiles = -(-lay.numel // abi.tile_elems(lay.dtype, rounds))
+        self.prefix_bytes = prefix_scratch_bytes(lay, op)
+        fmt = abi.BITS_FMT[lay.dtype.bits] if op == Op.UNPACK else abi.FMT_OF[lay.dtype.name]
+        self.func = kernel(device, "unpack", fmt, int(op), rounds, int(lay.encoding), u_encoding)
+        self.args = abi.UnpackArgs().set(numel=lay.numel, chunk_log2=lay.chunk_log2,
+                                         prefix_mode=2 if self.prefix_bytes else 0)
+        if self.prefix_bytes:
+            self.counts = kernel(device, "tile_counts", abi.BITS_FMT[lay.dtype.bits], rounds)
+            self.counts_args = abi.TileCountsArgs().set(numel=lay.numel)
+
+
+def _unpack_launch(lay: _fmt.Layout, op: Op, u_encoding: int, device: int) -> _UnpackLaunch:
+    cache = getattr(_RECORDS, "unpack", None)
+    if cache is None or len(cache) > _LAUNCH_CACHE_SIZE:
+        cache = _RECORDS.unpack = {}
+    key = (id(lay), op, u_encoding, device)
+    entry = cache.get(key)
+    if entry is None or entry[0] is not lay:   # layouts come from cached_layout: ids repeat
+        entry = cache[key] = (lay, _UnpackLaunch(lay, op, u_encoding, device))
+    return entry[1]
+
+
 def enqueue_unpack(lay: _fmt.Layout, p: Planes, op: Op, device: int, stream: int, out: int,
                    *, grad: int = 0, out2: int = 0, pu: Planes | None = None,
                    u_encoding: Encoding = Encoding.RAW, udense: int = 0, prefix: int = 0,
@@ -231,31 +253,23 @@ def enqueue_unpack(lay: _fmt.Layout, p: Planes, op: Op, device: int, stream: int
     """
     if lay.numel == 0:
         return
-    rounds = abi.unpack_rounds(lay.dtype, op)
-    tile = abi.tile_elems(lay.dtype, rounds)
-    n_tiles = -(-lay.numel // tile)
-    fmt = abi.BITS_FMT[lay.dtype.bits] if op == Op.UNPACK else abi.FMT_OF[lay.dtype.name]
-    mode = 0
-    if prefix_scratch_bytes(lay, op):
-        tc = _record(abi.TileCountsArgs)
-        tc.mask, tc.mask_len, tc.numel, tc.counts = p.mask, p.mask_len, lay.numel, prefix + 8
+    L = _unpack_launch(lay, op, int(u_encoding) if pu is not None else 0, device)
+    if L.prefix_bytes:
+        tc = L.counts_args
+        tc.mask, tc.mask_len, tc.counts = p.mask, p.mask_len, prefix + 8
         driver.memset0(prefix, 8, stream)
-        driver.launch(kernel(device, "tile_counts", abi.BITS_FMT[lay.dtype.bits], rounds), n_tiles,
-                      abi.THREADS, 0, stream, tc)
-        prefix_scan(prefix + 8, n_tiles)
-        mode = 2
-    r = _record(abi.UnpackArgs)
-    r.numel, r.chunk_log2, r.prefix_mode = lay.numel, lay.chunk_log2, mode
-    r.offsets, r.off64, r.prefix = p.offsets, p.off64, prefix if mode else 0
+        driver.launch(L.counts, L.n_tiles, abi.THREADS, 0, stream, tc)
+        prefix_scan(prefix + 8, L.n_tiles)
+    r = L.args
+    r.offsets, r.off64, r.prefix = p.offsets, p.off64, prefix if L.prefix_bytes else 0
     r.mask, r.mask_len = p.mask, p.mask_len
     r.values, r.values_len, r.signs, r.signs_len = p.values, p.values_len, p.signs, p.signs_len
-    q = pu or Planes(0, 0, 0, 0, 0, 0, 0, 0)
-    r.uvalues, r.uvalues_len, r.usigns, r.usigns_len = q.values, q.values_len, q.signs, q.signs_len
+    if op == Op.GATED:                               # u's planes (its own values, our mask)
+        r.uvalues, r.uvalues_len, r.usigns, r.usigns_len = (pu.values, pu.values_len, pu.signs,
+                                                            pu.signs_len)
     r.g, r.g_aligned, r.ud, r.ud_aligned = grad, grad % 16 == 0, udense, udense % 16 == 0
     r.out, r.out_aligned, r.out2, r.out2_aligned = out, out % 16 == 0, out2, out2 % 16 == 0
-    uenc = int(u_encoding) if pu is not None else 0
-    func = kernel(device, "unpack", fmt, int(op), rounds, int(lay.encoding), uenc)
-    driver.launch(func, n_tiles, abi.THREADS, 0, stream, r)
+    driver.launch(L.func, L.n_tiles, abi.THREADS, 0, stream, r)
 
 
 def enqueue_relu_backward(lay: _fmt.Layout, p: Planes, device: int, stream: int, grad: int,

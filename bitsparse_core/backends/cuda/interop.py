@@ -53,7 +53,8 @@ import numpy as np
 from ...spec import format as _fmt
 from . import driver
 from ... import dtypes as _dt
-from ...dlpack import KDL_CUDA, KDL_CUDA_MANAGED, import_capsule, make_capsule, resolve_dtype
+from ...dlpack import (DL_INT, DL_UINT, KDL_CUDA, KDL_CUDA_MANAGED, import_capsule, make_capsule,
+                       resolve_dtype)
 from ...errors import NonContiguousError, OutputMismatchError, UnsupportedDeviceError, UnsupportedDTypeError
 
 _CUDA_DEVICES = (KDL_CUDA, KDL_CUDA_MANAGED)
@@ -61,18 +62,17 @@ _TORCH_DTYPE_NAMES = {"bfloat16": _dt.BFLOAT16, "float16": _dt.FLOAT16, "float32
                       "float8_e4m3fn": _dt.FLOAT8_E4M3FN, "float8_e5m2": _dt.FLOAT8_E5M2}
 
 
-class _TorchDtypes(dict):
-    """torch dtype -> DType, filled on first use (importing this module never imports torch)."""
-
-    def get(self, key, default=None):
-        if not self:
-            import torch
-            self.update({getattr(torch, n): d for n, d in _TORCH_DTYPE_NAMES.items()
-                         if hasattr(torch, n)})
-        return super().get(key, default)
+_TORCH_DTYPES: dict = {}    # torch dtype -> DType; filled on the first torch tensor
 
 
-_TORCH_DTYPES = _TorchDtypes()
+def _format_dtype_of(t):
+    """The format DType of a torch tensor's dtype, or None (importing this module never
+    imports torch: the table is filled on first use)."""
+    if not _TORCH_DTYPES:
+        torch = sys.modules["torch"]
+        _TORCH_DTYPES.update({getattr(torch, n): d for n, d in _TORCH_DTYPE_NAMES.items()
+                              if hasattr(torch, n)})
+    return _TORCH_DTYPES.get(t.dtype)
 
 
 def _runtime():
@@ -198,30 +198,33 @@ def _torch_tensor(x):
 def _from_torch(t, dtype, stream: int) -> CudaTensor:
     """A torch CUDA tensor by pointer: no DLPack capsule on the hot path. Ordered
     after torch's current stream, as the DLPack stream rule would order it."""
-    if t.device.type != "cuda":
+    if not t.is_cuda:
         raise UnsupportedDeviceError(f"tensor lives on {t.device}, not CUDA")
-    if t.numel() and not t.is_contiguous():
+    if not t.is_contiguous() and t.numel():
         raise NonContiguousError(f"tensor with shape {tuple(t.shape)} and strides {t.stride()} "
                                  "is not C-contiguous; call .contiguous() first")
-    dt = _TORCH_DTYPES.get(t.dtype)
+    dt = _format_dtype_of(t)
     if dt is None or dtype is not None:
         code = 2 if t.dtype.is_floating_point else (0 if t.dtype.is_signed else 1)
         dt = resolve_dtype(code, 8 * t.element_size(), 1, dtype)
-    dev = t.device.index
+    dev = t.get_device()
     stream_wait(stream, torch_stream(dev), dev)
     return CudaTensor(t.data_ptr(), tuple(t.shape), dt, dev, t)
 
 
 def torch_stream(device: int) -> int:
     """The raw handle of torch's current stream on ``device`` (no Stream object made)."""
-    import torch
-    return torch._C._cuda_getCurrentRawStream(device)
+    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
 
 
 def import_cuda(x, dtype=None, stream: int = 0) -> CudaTensor:
     """Describe a CUDA tensor (no copy), ordered before work on ``stream``."""
     if _torch_tensor(x) is not None:
         return _from_torch(x, dtype, stream)
+    if isinstance(x, DevicePlane):       # integer bits: packable with a dtype= override
+        dt = resolve_dtype(x._elem.dl_code, x._elem.bits, 1, dtype)
+        stream_wait(stream, x.stream, x.device)
+        return CudaTensor(x.ptr, x.shape, dt, x.device, x)
     if isinstance(x, CudaArray):
         dt = x.dtype
         if dtype is not None:
@@ -277,10 +280,25 @@ class DeviceBuffer:
     owner: Any = field(repr=False)
 
 
+def default_buffer(nbytes: int, device: int, stream: int) -> DeviceBuffer:
+    """``nbytes`` from CuPy's pool (what ``cupy_allocator`` gives, without an array),
+    stream-ordered on ``stream``; no context switch when ``stream`` is already CuPy's
+    current one on ``device`` (a call that named no stream)."""
+    import cupy
+    if (cupy.cuda.get_current_stream().ptr == stream
+            and cupy.cuda.runtime.getDevice() == device):
+        mem = cupy.cuda.alloc(nbytes)
+    else:
+        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream, device):
+            mem = cupy.cuda.alloc(nbytes)
+    return DeviceBuffer(mem.ptr, nbytes, device, mem)
+
+
 def allocate(nbytes: int, device: int, stream: int, allocator: Optional[Allocator] = None) -> DeviceBuffer:
     """``nbytes`` bytes from ``allocator`` (default: CuPy's pool), checked."""
-    alloc = allocator or cupy_allocator
-    obj = alloc(int(nbytes), int(device), int(stream))
+    if allocator is None:
+        return default_buffer(int(nbytes), int(device), int(stream))
+    obj = allocator(int(nbytes), int(device), int(stream))
     if _torch_tensor(obj) is not None:
         ptr, size, owner = obj.data_ptr(), obj.numel() * obj.element_size(), obj
     elif hasattr(obj, "__cuda_array_interface__"):
@@ -303,21 +321,31 @@ def allocate(nbytes: int, device: int, stream: int, allocator: Optional[Allocato
 # Outputs                                                                     #
 # --------------------------------------------------------------------------- #
 def _typestr(dtype: _dt.DType) -> str:
-    if dtype.dl_code == _dt.DL_FLOAT:
-        return f"<f{dtype.itemsize}"
-    return f"<u{dtype.itemsize}" if dtype.itemsize > 1 else "|u1"
+    kind = {_dt.DL_FLOAT: "f", DL_INT: "i"}.get(dtype.dl_code, "u")
+    return f"<{kind}{dtype.itemsize}" if dtype.itemsize > 1 else f"|{kind}1"
+
+
+# The element types of a packed tensor's planes (mask, values and signs bytes, u32 / u64
+# offsets, the i32 status word), described for export as the format dtypes are.
+_PLANE_ELEMS = {np.dtype(n): _dt.DType(np.dtype(n).name, code, 8 * np.dtype(n).itemsize,
+                                       np.dtype(n))
+                for n, code in (("u1", DL_UINT), ("<u4", DL_UINT), ("<u8", DL_UINT),
+                                ("<i4", DL_INT))}
 
 
 class CudaArray:
     """A dense C-contiguous result on a CUDA device, produced on ``stream``."""
 
+    __slots__ = ("ptr", "shape", "dtype", "device", "stream", "_owner", "_elem")
+
     def __init__(self, ptr: int, shape, dtype: _dt.DType, device: int, owner, stream: int):
         self.ptr = int(ptr)
-        self.shape = tuple(int(s) for s in shape)
+        self.shape = shape if type(shape) is tuple else tuple(int(s) for s in shape)
         self.dtype = dtype
         self.device = int(device)
         self.stream = int(stream)
         self._owner = owner
+        self._elem = dtype        # what DLPack and the host copy describe the bits as
 
     @classmethod
     def empty(cls, shape, dtype: _dt.DType, device: int, stream: int, allocator=None) -> "CudaArray":
@@ -335,10 +363,14 @@ class CudaArray:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        return self.size * self._elem.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
 
     def __repr__(self) -> str:
-        return f"CudaArray(shape={self.shape}, dtype={self.dtype.name}, device=cuda:{self.device})"
+        return (f"{type(self).__name__}(shape={self.shape}, dtype={self._elem.name}, "
+                f"device=cuda:{self.device})")
 
     # DLPack producer ---------------------------------------------------------
     def __dlpack_device__(self):
@@ -360,7 +392,7 @@ class CudaArray:
                                        "device-to-host copy, and copy=False forbids it")
             # A consumer may pass its stream on our device (torch does); the host copy
             # is complete when this returns, so it needs no ordering on that stream.
-            return export_host(self.get(), self.dtype, max_version=max_version, copied=True)
+            return export_host(self.get(), self._elem, max_version=max_version, copied=True)
         if target is not None and target != (KDL_CUDA, self.device):
             raise BufferError(f"cannot export a cuda:{self.device} array to DLPack device "
                               f"{target}; it lives on {(KDL_CUDA, self.device)}")
@@ -378,7 +410,7 @@ class CudaArray:
         src = self
         if copy:
             on = self.stream if int(stream) == -1 else int(stream)
-            src = CudaArray.empty(self.shape, self.dtype, self.device, on)
+            src = CudaArray.empty(self.shape, self._elem, self.device, on)
             if self.nbytes:
                 rt = _runtime()
                 prev = rt.getDevice()
@@ -387,19 +419,19 @@ class CudaArray:
                     rt.memcpyAsync(src.ptr, self.ptr, self.nbytes, rt.memcpyDeviceToDevice, on)
                 finally:
                     rt.setDevice(prev)
-        return make_capsule(src.ptr, src.shape, src.dtype, KDL_CUDA, src.device, src,
+        return make_capsule(src.ptr, src.shape, self._elem, KDL_CUDA, src.device, src,
                             versioned=versioned, copied=bool(copy))
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        return {"shape": self.shape, "typestr": _typestr(self.dtype), "strides": None,
+        return {"shape": self.shape, "typestr": _typestr(self._elem), "strides": None,
                 "data": (self.ptr, False), "version": 3,
                 "stream": dlpack_stream_arg(self.stream)}
 
     def get(self) -> np.ndarray:
         """An explicit copy to host memory (a NumPy array of the true dtype)."""
         from ...dlpack import exportable
-        out = np.empty(self.shape, dtype=self.dtype.numpy)
+        out = np.empty(self.shape, dtype=self._elem.numpy)
         if out.nbytes:
             rt = _runtime()
             prev = rt.getDevice()
@@ -411,6 +443,51 @@ class CudaArray:
             finally:
                 rt.setDevice(prev)
         return exportable(out)
+
+
+class DevicePlane(CudaArray):
+    """One plane of a packed tensor on a CUDA device: a 1-D view of ``count`` elements of
+    a NumPy integer ``dtype`` at ``ptr``, kept alive by ``owner`` (the tensor's block).
+
+    A plane is data, not a framework array: it exports through DLPack and
+    ``__cuda_array_interface__`` (``cupy.asarray(p.mask)`` views it without a copy)
+    and copies to the host with :meth:`get`. Making one costs a few attribute writes,
+    where a CuPy array view costs microseconds: a pack makes four or five."""
+
+    __slots__ = ()
+
+    def __init__(self, ptr: int, count: int, dtype: np.dtype, device: int, owner, stream: int):
+        self.ptr, self.shape, self.device, self.stream = ptr, (count,), device, stream
+        self.dtype, self._owner, self._elem = dtype, owner, _PLANE_ELEMS[dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    def get(self) -> np.ndarray:
+        return np.asarray(super().get())
+
+
+def plane_of(buf, offset: int, nbytes: int, dtype, stream: int) -> DevicePlane:
+    """The plane of ``nbytes`` bytes at ``offset`` in the device buffer ``buf``."""
+    dtype = np.dtype(dtype)
+    return DevicePlane(buf.ptr + offset, nbytes // dtype.itemsize, dtype, buf.device, buf, stream)
+
+
+def plane_ptr(plane) -> int:
+    """The device address of a plane (a :class:`DevicePlane`, or any CUDA array) or 0
+    when it is empty."""
+    if isinstance(plane, CudaArray):
+        return plane.ptr if plane.shape[0] else 0
+    cai = plane.__cuda_array_interface__
+    return int(cai["data"][0] or 0) if _fmt.numel_of(cai["shape"]) else 0
+
+
+def plane_len(plane) -> int:
+    """Elements in a plane."""
+    if isinstance(plane, CudaArray):
+        return plane.shape[0]
+    return _fmt.numel_of(plane.__cuda_array_interface__["shape"])
 
 
 def check_out(out: CudaTensor, shape, dtype: _dt.DType, device: int) -> None:

@@ -18,6 +18,7 @@ their values.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 from ...errors import EncodingError, OutputMismatchError, UnsupportedDeviceError
@@ -47,16 +48,28 @@ class PackSteps(Protocol):
         """The PackedTensor of a block (``nnz`` None while it is on the device)."""
 
 
-def pack(steps: PackSteps, shape: tuple, dtype, encoding, chunk_log2, capacity,
-         mode: abi.Mode = abi.Mode.PACK):
-    """Run the protocol above for one pack; returns ``steps.packed(...)``."""
+@functools.lru_cache(maxsize=1024, typed=True)
+def _first_plan(shape: tuple, dtype, encoding, chunk_log2, capacity, mode) -> tuple:
+    """``(plan, auto, exact)`` of a pack call's arguments, checked (bad ones raise and
+    are not kept; ``typed``: ``capacity=True`` is not ``capacity=1``)."""
     chunk_log2 = _fmt.check_chunk_log2(chunk_log2)
     auto = isinstance(encoding, str) and encoding.lower() == "auto"
     enc = Encoding.NOSIGN if auto else Encoding.parse(encoding)
     numel = _fmt.numel_of(shape)
     exact = capacity is None
     cap = numel if exact else check_capacity(capacity, numel)
-    plan = pack_plan(tuple(shape), dtype, enc, cap, chunk_log2, mode)
+    return pack_plan(shape, dtype, enc, cap, chunk_log2, mode), auto, exact
+
+
+def pack(steps: PackSteps, shape: tuple, dtype, encoding, chunk_log2, capacity,
+         mode: abi.Mode = abi.Mode.PACK):
+    """Run the protocol above for one pack; returns ``steps.packed(...)``."""
+    args = (tuple(shape), dtype, encoding, chunk_log2, capacity, mode)
+    try:
+        plan, auto, exact = _first_plan(*args)
+    except TypeError:           # an unhashable argument: checked uncached, named error
+        plan, auto, exact = _first_plan.__wrapped__(*args)
+    enc = plan.lay.encoding
     block = steps.run(plan, not exact)
     if not (exact or auto):
         return steps.packed(plan, block, None, enc == Encoding.NOSIGN)

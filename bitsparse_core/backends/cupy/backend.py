@@ -3,8 +3,9 @@
 CuPy compiles the kernels (:mod:`.kernels`); everything queued goes through the
 CUDA host protocol of :mod:`..cuda.host` on raw pointers, and inputs, outputs,
 streams and allocation through :mod:`..cuda.interop`. Packing is one persistent
-kernel plus a small kernel that writes the stream words shared by two tiles.
-Exact packing (``capacity=None``) packs into a worst-case block, syncs once to
+cooperative kernel (after a grid barrier it writes the stream words shared by two
+tiles and, at a fixed capacity, the zeros past the stored values), into one
+allocation that also carries its scratch. Exact packing (``capacity=None``) packs into a worst-case block, syncs once to
 read nnz (and the nosign status), then copies the sections into a block of the
 exact size. Fixed capacity does not sync: overflow and nosign violations stay on
 the device (``offsets[-1]`` and ``PackedTensor.status``) until
@@ -25,6 +26,7 @@ from ..cuda.abi import Mode, Op
 from .kernels import warm_cache  # noqa: F401  (bench scripts warm the compile cache here)
 
 Encoding = _fmt.Encoding
+_OFFSET_DTYPES = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 def _read_host(ptr: int, nbytes: int, stream: int) -> np.ndarray:
@@ -35,22 +37,19 @@ def _read_host(ptr: int, nbytes: int, stream: int) -> np.ndarray:
     return out
 
 
-def _cupy_view(ptr: int, nbytes: int, dtype, owner, device: int):
-    import cupy
-    itemsize = np.dtype(dtype).itemsize
-    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device)
-    return cupy.ndarray((nbytes // itemsize,), dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
-
-
-def _ptr(arr) -> int:
-    return int(arr.data.ptr) if arr is not None and arr.size else 0
-
-
 def planes_of(p: PackedTensor) -> host.Planes:
-    """Device pointers and lengths of ``p``'s planes (CuPy arrays of any GPU backend)."""
-    return host.Planes(_ptr(p.mask), int(p.mask.size), _ptr(p.offsets),
-                       int(p.offsets.dtype.itemsize == 8), _ptr(p.values), int(p.values.size),
-                       _ptr(p.signs), int(p.signs.size))
+    """Device pointers and lengths of ``p``'s planes (those of any GPU backend); kept
+    with ``p`` while its plane objects stay the same."""
+    known = p.__dict__.get("_device_planes")
+    if (known is not None and known[0] is p.mask and known[1] is p.offsets
+            and known[2] is p.values and known[3] is p.signs):
+        return known[4]
+    ptr, n = ci.plane_ptr, ci.plane_len
+    planes = host.Planes(ptr(p.mask), n(p.mask), ptr(p.offsets),
+                         int(p.offsets.dtype.itemsize == 8), ptr(p.values), n(p.values),
+                         ptr(p.signs), n(p.signs))
+    p.__dict__["_device_planes"] = (p.mask, p.offsets, p.values, p.signs, planes)
+    return planes
 
 
 def _cumsum_into(device: int, stream: int):
@@ -58,7 +57,8 @@ def _cumsum_into(device: int, stream: int):
     def scan(ptr: int, n: int) -> None:
         import cupy
         with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream, device):
-            c = _cupy_view(ptr, 8 * n, np.uint64, None, device)
+            mem = cupy.cuda.UnownedMemory(ptr, 8 * n, None, device)
+            c = cupy.ndarray((n,), dtype=np.uint64, memptr=cupy.cuda.MemoryPointer(mem, 0))
             cupy.cumsum(c, out=c)
     return scan
 
@@ -70,17 +70,22 @@ class _CupySteps:
     """The protocol's steps (:mod:`..cuda.protocol`) for one CuPy pack call."""
 
     def __init__(self, backend, t: ci.CudaTensor, stream: int, allocator, y: int = 0,
-                 in_planes: host.Planes | None = None):
+                 in_planes: host.Planes | None = None, scratch: int = 0):
         self.backend, self.t, self.s, self.allocator = backend, t, stream, allocator
-        self.y, self.in_planes = y, in_planes
+        self.y, self.in_planes, self.scratch = y, in_planes, scratch
 
     def run(self, plan, fixed=True):
         t = self.t
-        block = ci.allocate(plan.nbytes, t.device, self.s, self.allocator)
-        scratch = ci.allocate(plan.scratch_bytes, t.device, self.s, self.allocator)
-        host.enqueue_pack(plan, t.device, self.s, t.ptr, block.ptr, scratch.ptr, self.y,
+        if self.scratch:           # relu_pack's: the tail of y's allocation
+            block = ci.allocate(plan.nbytes, t.device, self.s, self.allocator)
+            scratch = self.scratch
+        else:                      # the tail of the block: one allocation per op
+            block = ci.allocate(plan.nbytes + plan.scratch_bytes, t.device, self.s,
+                                self.allocator)
+            scratch = block.ptr + plan.nbytes
+        host.enqueue_pack(plan, t.device, self.s, t.ptr, block.ptr, scratch, self.y,
                           self.in_planes, zero_tail=fixed)
-        return block       # scratch is freed in stream order, after the queued kernels
+        return block
 
     def read_head(self, plan, block):
         head = _read_host(plan.status(block.ptr), 16, self.s)
@@ -99,12 +104,16 @@ class CupyBackend:
     name = "cupy"
     device_type = "cuda"
 
+    _available = None
+
     def is_available(self) -> bool:
-        try:
-            import cupy
-            return cupy.cuda.runtime.getDeviceCount() > 0
-        except Exception:  # noqa: BLE001 -- no CuPy, no driver, no device: all "unavailable"
-            return False
+        if self._available is None:        # asked on every call: the answer is kept
+            try:
+                import cupy
+                CupyBackend._available = cupy.cuda.runtime.getDeviceCount() > 0
+            except Exception:  # noqa: BLE001 -- no CuPy, no driver, no device: all "unavailable"
+                CupyBackend._available = False
+        return self._available
 
     # ------------------------------------------------------------------ pack
     def pack(self, x, *, dtype=None, encoding="auto", chunk_log2=_fmt.DEFAULT_CHUNK_LOG2,
@@ -114,21 +123,22 @@ class CupyBackend:
         return self._pack(t, encoding, chunk_log2, capacity, s, allocator, Mode.PACK)
 
     def _pack(self, t: ci.CudaTensor, encoding, chunk_log2, capacity, s, allocator, mode,
-              y: ci.CudaArray | None = None) -> PackedTensor:
-        steps = _CupySteps(self, t, s, allocator, y.ptr if y else 0)
-        return protocol.pack(steps, tuple(t.shape), t.dtype, encoding, chunk_log2, capacity, mode)
+              y: int = 0, scratch: int = 0) -> PackedTensor:
+        steps = _CupySteps(self, t, s, allocator, y, scratch=scratch)
+        return protocol.pack(steps, t.shape, t.dtype, encoding, chunk_log2, capacity, mode)
 
     def _packed(self, t, plan, buf, s, *, nnz, status, mask=None, offsets=None, extra=None):
-        lay, dev = plan.lay, buf.device
-        dtypes = (np.uint8, np.dtype(f"<u{lay.offset_width}"), np.uint8, np.uint8)
-        views = [_cupy_view(buf.ptr + off, n, d, buf, dev)
-                 for (off, n), d in zip(plan.spans, dtypes)]
-        ex = {"stream": s, **(extra or {})}
-        return PackedTensor(tuple(t.shape), t.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
-                            views[0] if mask is None else mask,
-                            views[1] if offsets is None else offsets,
-                            views[2], views[3], backend=self, device=("cuda", dev), _nnz=nnz,
-                            status=(_cupy_view(plan.status(buf.ptr), 4, np.int32, buf, dev)
+        lay = plan.lay
+        (mo, ml), (oo, ol), (vo, vl), (so, sl) = plan.spans
+        plane = ci.plane_of
+        ex = {"stream": s, **extra} if extra else {"stream": s}
+        return PackedTensor(t.shape, t.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
+                            plane(buf, mo, ml, np.uint8, s) if mask is None else mask,
+                            plane(buf, oo, ol, _OFFSET_DTYPES[lay.offset_width], s)
+                            if offsets is None else offsets,
+                            plane(buf, vo, vl, np.uint8, s), plane(buf, so, sl, np.uint8, s),
+                            backend=self, device=("cuda", buf.device), _nnz=nnz,
+                            status=(plane(buf, plan.status_offset, 4, np.int32, s)
                                     if status else None),
                             extra=ex)
 
@@ -142,13 +152,14 @@ class CupyBackend:
             p.check()
         return planes_of(p)
 
-    def _unpack_op(self, p, op, s, allocator, out, **kw):
+    def _unpack_op(self, p, op, s, allocator, out, planes=None, **kw):
         lay = p.layout
+        planes = planes or self._ready(p, s)
         scratch = host.prefix_scratch_bytes(lay, op)
-        prefix = ci.allocate(scratch, p.device[1], s, allocator) if scratch else None
-        host.enqueue_unpack(lay, self._ready(p, s), op, p.device[1], s, out,
-                            prefix=prefix.ptr if prefix else 0,
-                            prefix_scan=_cumsum_into(p.device[1], s), **kw)
+        if scratch:       # chunks larger than a tile: per-tile counts, scanned by CuPy
+            prefix = ci.allocate(scratch, p.device[1], s, allocator)
+            kw.update(prefix=prefix.ptr, prefix_scan=_cumsum_into(p.device[1], s))
+        host.enqueue_unpack(lay, planes, op, p.device[1], s, out, **kw)
 
     def unpack(self, p: PackedTensor, *, out=None, stream=None, allocator=None):
         s = ci.stream_handle(stream)
@@ -166,9 +177,14 @@ class CupyBackend:
                   chunk_log2=_fmt.DEFAULT_CHUNK_LOG2, capacity=None, stream=None, allocator=None):
         s = ci.stream_handle(stream)
         t = ci.import_cuda(a, dtype=dtype, stream=s)
-        y = ci.CudaArray.empty(t.shape, t.dtype, t.device, s, allocator)
-        p = self._pack(t, encoding, chunk_log2, capacity, s, allocator,
-                       Mode.RELU2 if square else Mode.RELU, y=y)
+        mode = Mode.RELU2 if square else Mode.RELU
+        # y's allocation carries the pack's scratch behind it (16-byte aligned)
+        ybytes = _fmt.align(t.nbytes, 16)
+        buf = ci.allocate(ybytes + host.pack_scratch_bytes(t.numel, t.dtype, mode), t.device, s,
+                          allocator)
+        y = ci.CudaArray(buf.ptr, t.shape, t.dtype, t.device, buf, s)
+        p = self._pack(t, encoding, chunk_log2, capacity, s, allocator, mode, y=buf.ptr,
+                       scratch=buf.ptr + ybytes)
         return y, p
 
     def _grad(self, grad, p, s):
@@ -215,23 +231,26 @@ class CupyBackend:
         protocol.check_pair(p_r, p_u)
         pu = self._ready(p_u, s)            # every packed input checked for overflow
         dev = g.device
-        gg = ci.CudaArray.empty(p_r.shape, p_r.dtype, dev, s, allocator)
-        gu = ci.CudaArray.empty(p_r.shape, p_r.dtype, dev, s, allocator)
-        pr = planes_of(p_r)
+        pr = self._ready(p_r, s)
+        # both gradients in one allocation (the second 16-byte aligned)
+        half = _fmt.align(g.nbytes, 16)
+        buf = ci.allocate(2 * half, dev, s, allocator)
+        gg = ci.CudaArray(buf.ptr, p_r.shape, p_r.dtype, dev, buf, s)
+        gu = ci.CudaArray(buf.ptr + half, p_r.shape, p_r.dtype, dev, buf, s)
         if (pu.mask, pu.offsets) == (pr.mask, pr.offsets):
-            self._unpack_op(p_r, Op.GATED, s, allocator, gg.ptr, out2=gu.ptr, grad=g.ptr,
-                            pu=pu, u_encoding=p_u.encoding)
+            self._unpack_op(p_r, Op.GATED, s, allocator, gg.ptr, planes=pr, out2=gu.ptr,
+                            grad=g.ptr, pu=pu, u_encoding=p_u.encoding)
         else:
             u = self.unpack(p_u, stream=s, allocator=allocator)
-            self._unpack_op(p_r, Op.GATED_DENSE, s, allocator, gg.ptr, out2=gu.ptr, grad=g.ptr,
-                            udense=u.ptr)
+            self._unpack_op(p_r, Op.GATED_DENSE, s, allocator, gg.ptr, planes=pr, out2=gu.ptr,
+                            grad=g.ptr, udense=u.ptr)
         return gg, gu
 
     # --------------------------------------------------------------- helpers
     def read_nnz(self, p) -> int:
         s = p.extra.get("stream", 0)
         w = p.offsets.dtype.itemsize
-        last = int(p.offsets.data.ptr) + (p.offsets.size - 1) * w
+        last = ci.plane_ptr(p.offsets) + (ci.plane_len(p.offsets) - 1) * w
         return int(_read_host(last, w, s).view(f"<u{w}")[0])
 
     def read_status(self, p) -> int:
@@ -239,12 +258,12 @@ class CupyBackend:
             return 0
         if "status_value" not in p.extra:        # final once the pack has run
             s = p.extra.get("stream", 0)
-            p.extra["status_value"] = int(_read_host(int(p.status.data.ptr), 4, s)
+            p.extra["status_value"] = int(_read_host(ci.plane_ptr(p.status), 4, s)
                                           .view(np.int32)[0])
         return p.extra["status_value"]
 
     def to_numpy(self, array) -> np.ndarray:
-        if isinstance(array, ci.CudaArray):
+        if isinstance(array, ci.CudaArray):      # dense results and planes
             return array.get()
         import cupy
         cupy.cuda.runtime.deviceSynchronize()

@@ -42,10 +42,6 @@ def kernel_spec(kind: str, *args) -> tuple:
         return "bitsparse_unpack.cu", "bitsparse_mask_select<%d>" % args
     if kind == "tile_counts":
         return "bitsparse_unpack.cu", "bitsparse_tile_counts<%d,%d>" % args
-    if kind == "zero_tail":
-        return "bitsparse_pack.cu", "bitsparse_zero_tail"
-    if kind == "stitch":
-        return "bitsparse_pack.cu", "bitsparse_stitch"
     raise KeyError(kind)
 
 
@@ -104,7 +100,6 @@ def all_kernel_keys(sweep_rounds=()) -> list:
         for fmt in (abi.Fmt.BF16, abi.Fmt.E4M3):
             keys += [("pack", fmt, int(Encoding.NOSIGN), abi.Mode.PACK, r),
                      ("unpack", fmt, abi.Op.UNPACK, r, int(Encoding.NOSIGN), 0)]
-    keys += [("zero_tail",), ("stitch",)]
     return list(dict.fromkeys(tuple(int(a) if not isinstance(a, str) else a for a in k)
                               for k in keys))
 

@@ -2,10 +2,10 @@
 
 Same contract and bit-exact results as the NumPy reference (see
 :mod:`bitsparse_core.backends`); the kernels live in
-:mod:`bitsparse_core.numba_kernels`, the shared GPU plumbing (streams, zero-copy
-inputs, the pluggable allocator, DLPack outputs) in
-:mod:`bitsparse_core.cuda_interop`. A packed tensor is one allocation, its
-planes are views into it (CuPy arrays, like the CuPy backend's, so either
+:mod:`.kernels` and its siblings, the shared GPU plumbing (streams, zero-copy
+inputs, the pluggable allocator, DLPack outputs) in :mod:`..cuda.interop`. A
+packed tensor is one allocation, its planes are views into it
+(:class:`..cuda.interop.DevicePlane`, like the CuPy backend's, so either
 backend unpacks the other's tensors).
 
 Exact, fixed-capacity and ``"auto"`` packing follow the host protocol both CUDA
@@ -56,9 +56,9 @@ class _Alloc:
         self.status_offset = plan.status_offset
         self.buf = P.alloc(plan.nbytes, st, allocator)
 
-    def plane(self, P, name, np_dtype):
+    def plane(self, P, name, np_dtype, st):
         off, n = self.spans[name]
-        return P.plane(self.buf, off, n, np_dtype)
+        return P.plane(self.buf, off, n, np_dtype, st)
 
 
 class _NumbaSteps:
@@ -143,7 +143,7 @@ class _SimPlatform:
     def ptr(self, buf):
         return buf.ctypes.data
 
-    def plane(self, buf, off, nbytes, np_dtype):
+    def plane(self, buf, off, nbytes, np_dtype, st):
         return buf[off:off + nbytes].view(np_dtype)
 
     def view(self, buf, off, count, np_dtype):
@@ -222,12 +222,8 @@ class _GpuPlatform:
     def ptr(self, buf):
         return int(buf.ptr)
 
-    def plane(self, buf, off, nbytes, np_dtype):
-        import cupy
-        dt = np.dtype(np_dtype)
-        mem = cupy.cuda.UnownedMemory(int(buf.ptr) + off, nbytes, buf, self._dev())
-        return cupy.ndarray((nbytes // dt.itemsize,), dtype=dt,
-                            memptr=cupy.cuda.MemoryPointer(mem, 0))
+    def plane(self, buf, off, nbytes, np_dtype, st):
+        return self.ci.plane_of(buf, off, nbytes, np_dtype, st[0] if st is not None else 0)
 
     def view(self, buf, off, count, np_dtype):
         dt = np.dtype(np_dtype)
@@ -451,11 +447,11 @@ class NumbaBackend:
                 extra=None):
         odt = np.dtype(f"<u{lay.offset_width}")
         p = PackedTensor(tuple(lay.shape), lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
-                         al.plane(P, "mask", np.uint8) if mask is None else mask,
-                         al.plane(P, "offsets", odt) if offsets is None else offsets,
-                         al.plane(P, "values", np.uint8), al.plane(P, "signs", np.uint8),
+                         al.plane(P, "mask", np.uint8, st) if mask is None else mask,
+                         al.plane(P, "offsets", odt, st) if offsets is None else offsets,
+                         al.plane(P, "values", np.uint8, st), al.plane(P, "signs", np.uint8, st),
                          backend=self, device=P.device(st), _nnz=nnz,
-                         status=(P.plane(al.buf, al.status_offset, 4, np.int32)
+                         status=(P.plane(al.buf, al.status_offset, 4, np.int32, st)
                                  if with_status else None),
                          extra=dict(extra or {}))
         p.extra["stream"] = st[0] if st is not None else 0
