@@ -120,8 +120,12 @@ OPS = (
     ("masked_pack", "masked_pack(u, p)", 20.0),
     ("gated_backward", "gated_backward(g, p, p_u)", 20.0),
 )
+# torch's own calls on the same small tensor, timed first and last: this host's speed
+# (it drifts by tens of per cent within a device call) to read our times against.
+REFERENCE_OPS = (("torch_add", "x + x (torch)"), ("torch_empty", "torch.empty_like(x)"))
+REFERENCE_BACKEND = "torch"
 TARGETS_US = {k: t for k, _, t in OPS}
-LABELS = {k: lbl for k, lbl, _ in OPS}
+LABELS = {k: lbl for k, lbl, _ in OPS} | dict(REFERENCE_OPS)
 RELU_SHIFT = {0.9: 1.2815516}  # Phi^-1(sparsity): randn - shift is <= 0 with that probability
 HOOK_MODULE = "bitsparse_core.torch.ops"
 HOOK_BACKEND, HOOK_MODE = "torch.ops", "torch-ops"
@@ -344,6 +348,11 @@ def public_cases(bc, torch, dev: Device, inp: dict, backend: str, kw: dict):
     return cases, setup
 
 
+def reference_cases(torch, inp: dict) -> dict:
+    x = inp["x"]
+    return {"torch_add": lambda: x + x, "torch_empty": lambda: torch.empty_like(x)}
+
+
 def load_hook():
     """``(BENCH_CASES or None, note)`` from :data:`HOOK_MODULE`, if it is there."""
     import importlib
@@ -491,12 +500,16 @@ def run_shape(bc, torch, dev, shape, size, backends, hook, args, deadline, res):
     base = {"shape": list(shape), "numel": math.prod(shape), "size": size}
     res["inputs"].append({**base, "K": inp["K"], "measured_sparsity": inp["measured_sparsity"]})
     groups = []
+    if size == "small":
+        groups.append((REFERENCE_BACKEND, "first", lambda: (reference_cases(torch, inp), {})))
     for backend in backends:
         for mode in args.modes:
             groups.append((backend, mode, lambda b=backend, m=mode: public_cases(
                 bc, torch, dev, inp, b, call_kwargs(torch, dev, m))))
     if hook is not None:
         groups.append((HOOK_BACKEND, HOOK_MODE, lambda: (hook_cases(hook, torch, dev, shape), {})))
+    if size == "small":
+        groups.append((REFERENCE_BACKEND, "last", lambda: (reference_cases(torch, inp), {})))
     for backend, mode, build in groups:
         if deadline.passed():
             res["notes"].append(f"{shape_name(shape)} {backend}/{mode} skipped: time limit")
@@ -574,14 +587,25 @@ def met_state(row) -> str:
     return "met" if row["host_us"] <= row["target_us"] else "not met"
 
 
+def reference_add_us(res):
+    """torch's ``x + x`` host time on the small tensor, the mean of its first and last
+    measurement (None if neither ran)."""
+    times = [r["host_us"] for r in res["rows"] if r["size"] == "small"
+             and r["op"] == "torch_add" and r.get("host_us") is not None]
+    return statistics.fmean(times) if times else None
+
+
 def summarize(res) -> list:
-    """One entry per (op, backend, mode): small-tensor host time against its target."""
-    out = []
+    """One entry per (op, backend, mode): small-tensor host time against its target, and
+    in units of torch's ``x + x`` on the same host."""
+    out, add = [], reference_add_us(res)
     for r in res["rows"]:
         if r["size"] != "small":
             continue
+        host = r.get("host_us")
         out.append({"op": r["op"], "backend": r["backend"], "mode": r["mode"],
-                    "host_us": r.get("host_us"), "target_us": r.get("target_us"),
+                    "host_us": host, "target_us": r.get("target_us"),
+                    "in_adds": host / add if host is not None and add else None,
                     "state": met_state(r)})
     return out
 
@@ -590,8 +614,9 @@ def print_targets(res):
     print("\nhost-time targets (small tensor, us per call):")
     for s in res["summary"]:
         tgt = "-" if s["target_us"] is None else f"<= {s['target_us']:.0f}"
+        adds = "" if s.get("in_adds") is None else f"  ({s['in_adds']:.1f} x+x)"
         print(f"  {s['backend']:9s} {s['mode']:9s} {s['op']:16s} {_f(s['host_us']):>8s}  "
-              f"{tgt:>6s}  {s['state']}")
+              f"{tgt:>6s}  {s['state']}{adds}")
     counted = [s for s in res["summary"] if s["target_us"] is not None]
     met = sum(s["state"] == "met" for s in counted)
     print(f"  {met} of {len(counted)} targeted measurements met their target")
@@ -647,14 +672,22 @@ def write_markdown(res, path: Path):
              f"call; GPU = CUDA events (host work hidden behind a sleep kernel), mean of "
              f"{cfg['gpu_reps']}.", ""]
     lines += ["Notes: " + "; ".join(res["notes"]), ""] if res["notes"] else []
-    head = (["op", "backend", "mode", f"small {shape_name(small)} host us", "small GPU us"]
+    add = reference_add_us(res)
+    if add:
+        lines += [f"This host's speed: torch's `x + x` on the small tensor took {add:.1f} us "
+                  f"per call (mean of the first and the last measurement of the run); "
+                  f"\"in x+x\" is a call's host time in those units.", ""]
+    head = (["op", "backend", "mode", f"small {shape_name(small)} host us", "in x+x",
+             "small GPU us"]
             + [f"{shape_name(s)} enqueue / wall / GPU us" for s in large] + ["target us", "met"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for op, backend, mode in _ordered_keys(res):
         rs = idx.get((op, backend, mode, small))
         tgt = target_for(op)
         state = met_state(rs)
-        cells = [f"`{LABELS.get(op, op)}`", backend, mode, _cell(rs, ["host_us"]),
+        in_adds = (f"{rs['host_us'] / add:.1f}" if add and rs is not None
+                   and rs.get("host_us") is not None else "-")
+        cells = [f"`{LABELS.get(op, op)}`", backend, mode, _cell(rs, ["host_us"]), in_adds,
                  _cell(rs, ["gpu_us"]) if rs is not None and "host_us" in rs else "-"]
         cells += [_cell(idx.get((op, backend, mode, s)), ["enqueue_us", "wall_us", "gpu_us"])
                   for s in large]
