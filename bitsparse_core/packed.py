@@ -19,7 +19,9 @@ class PackedTensor:
     The four planes are 1-D arrays on the tensor's device: ``mask``, ``values``
     and ``signs`` are uint8 byte arrays, ``offsets`` is uint32 or uint64 (the
     spec's offset width). Their lengths are exactly the section lengths of
-    :func:`bitsparse_core.format.layout` at this tensor's ``capacity``.
+    :func:`bitsparse_core.format.layout` at this tensor's ``capacity``. On the CPU
+    they are NumPy arrays; on a GPU, :class:`~bitsparse_core.backends.cuda.interop.DevicePlane`
+    views of the tensor's one allocation (DLPack / CUDA-array-interface exports).
 
     ``nnz`` may be pending on a GPU (packing into a fixed capacity does not wait
     for the count); reading :attr:`nnz` or calling :meth:`check` fetches it.
