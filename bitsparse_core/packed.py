@@ -62,7 +62,11 @@ class PackedTensor:
         key = (self.shape, self.dtype, self.encoding, self.capacity, self.chunk_log2)
         known = self.__dict__.get("_layout")
         if known is None or known[0] != key:
-            known = self.__dict__["_layout"] = (key, _fmt.cached_layout(*key))
+            try:
+                lay = _fmt.cached_layout(*key)
+            except TypeError:            # a shape given as a list: not a cache key
+                lay = _fmt.layout(*key)
+            known = self.__dict__["_layout"] = (key, lay)
         return known[1]
 
     @property

@@ -5,9 +5,9 @@ CUDA host protocol of :mod:`..cuda.host` on raw pointers, and inputs, outputs,
 streams and allocation through :mod:`..cuda.interop`. Packing is one persistent
 cooperative kernel (after a grid barrier it writes the stream words shared by two
 tiles and, at a fixed capacity, the zeros past the stored values), into one
-allocation that also carries its scratch. Exact packing (``capacity=None``) packs into a worst-case block, syncs once to
-read nnz (and the nosign status), then copies the sections into a block of the
-exact size. Fixed capacity does not sync: overflow and nosign violations stay on
+allocation that also carries its scratch. Exact packing (``capacity=None``) packs
+into a worst-case block, syncs once to read nnz (and the nosign status), then
+copies the sections into a block of the exact size. Fixed capacity does not sync: overflow and nosign violations stay on
 the device (``offsets[-1]`` and ``PackedTensor.status``) until
 :meth:`PackedTensor.check`.
 """
