@@ -446,40 +446,63 @@ def compare(res: dict, ref: dict, params: dict, ref_params: dict) -> None:
 
 
 def add_ratios(results: dict) -> None:
-    """Step time relative to dense, and to the variant's reference where that is another."""
+    """Step time relative to dense, and to the variant's reference where that is another;
+    with several rounds also per round (each ratio between runs close in time), and the
+    median of those."""
     def ratio(name, ref):
         t, r = results[name].get("median_step_ms"), results.get(ref, {}).get("median_step_ms")
         return t / r if t and r else None
+    dense_rounds = results.get("dense", {}).get("round_step_ms") or []
     for name, res in results.items():
         res["step_ratio_vs_dense"] = ratio(name, "dense")
         res["step_ratio_vs_reference"] = ratio(name, VARIANTS[name].reference)
+        rounds = res.get("round_step_ms") or []
+        per = [t / d for t, d in zip(rounds, dense_rounds) if t and d]
+        if len(per) > 1:
+            res["round_ratio_vs_dense"] = per
+            res["median_round_ratio_vs_dense"] = statistics.median(per)
 
 
-def run_variants(bench: Bench, names: list, plan: Plan, report) -> dict:
+def _another_round(res: dict, again: dict) -> None:
+    """Fold a later round's step times into the first round's results."""
+    res.setdefault("round_step_ms", [res.get("median_step_ms")])
+    res["round_step_ms"].append(again.get("median_step_ms") if again.get("status") == "ok"
+                                else None)
+
+
+def run_variants(bench: Bench, names: list, plan: Plan, report, rounds: int = 1) -> dict:
     """Run the variants in order on the same batches, comparing each with its reference;
-    ``report(results)`` is called after each, so a cut-off run leaves its results written."""
+    ``report(results)`` is called after each, so a cut-off run leaves its results written.
+    ``rounds`` > 1 runs the whole sequence again (fresh models, same batches) for timing
+    only: the host's speed drifts over minutes, and a ratio between runs made next to
+    each other shows less of it. Peaks and bit identity are the first round's."""
     s = bench.shape
     batches = make_batches(bench.data, plan.total, s.batch, s.seq, bench.args.seed)
     references = {VARIANTS[n].reference for n in names}
     results, ref_params, longest = {}, {}, 0.0
-    for name in names:
-        if bench.remaining() < longest:
-            results[name] = {"status": "skipped: time limit"}
-        else:
-            t0 = time.monotonic()
-            res, params = guarded(bench, name, batches, plan)
-            res["wall_s"] = time.monotonic() - t0
-            longest = max(longest, res["wall_s"])
-            ref = VARIANTS[name].reference
-            if params is not None and name in references:
-                ref_params[name] = params
-            if params is not None and ref in ref_params and ref != name:
-                compare(res, results[ref], params, ref_params[ref])
-            results[name] = res
+    for rnd in range(rounds):
+        for name in names:
+            if bench.remaining() < longest:
+                res, params = {"status": "skipped: time limit"}, None
+            else:
+                t0 = time.monotonic()
+                res, params = guarded(bench, name, batches, plan if rnd == 0
+                                      else Plan(plan.warmup, plan.timed))
+                res["wall_s"] = time.monotonic() - t0
+                longest = max(longest, res["wall_s"])
+            if rnd > 0:
+                _another_round(results[name], res)
+            else:
+                ref = VARIANTS[name].reference
+                if params is not None and name in references:
+                    ref_params[name] = params
+                if params is not None and ref in ref_params and ref != name:
+                    compare(res, results[ref], params, ref_params[ref])
+                results[name] = res
             del params
-        add_ratios(results)
-        print_variant(name, results[name])
-        report(results)
+            add_ratios(results)
+            print_variant(name, results[name])
+            report(results)
     return results
 
 
@@ -618,6 +641,15 @@ def markdown_variants(summary: dict) -> str:
                    f"{_yes(v.get('params_bit_identical'))} | {_f(v.get('max_abs_loss_diff'), '.2e')} |")
     out += ["", "Reference: dense, and dense-compiled for ours-compiled. Host = CPU time to "
             "issue a step (from its start to before the closing synchronize)."]
+    rounds = [(n, v) for n, v in summary["variants"].items() if v.get("round_step_ms")]
+    if rounds:
+        out += ["", "Rounds (the variant sequence run again for timing; median step ms per "
+                "round, and × dense of the same round): " + "; ".join(
+                    f"{n} " + " / ".join(_f(t) for t in v["round_step_ms"])
+                    + (f" (× dense {' / '.join(f'{r:.2f}' for r in v['round_ratio_vs_dense'])}"
+                       f", median {v['median_round_ratio_vs_dense']:.2f})"
+                       if v.get("round_ratio_vs_dense") else "")
+                    for n, v in rounds) + "."]
     phases = [(n, v["median_host_phase_ms"]) for n, v in summary["variants"].items()
               if v.get("median_host_phase_ms")]
     if phases:
@@ -774,6 +806,8 @@ def parse_args(argv):
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the variant sequence this many times (timing; see run_variants)")
     ap.add_argument("--cprofile-steps", type=int, default=0,
                     help="CUDA: also run this many steps under cProfile (train_gpt_cprofile.txt)")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -843,7 +877,8 @@ def main(argv=None) -> int:
     def report(results):
         write_reports({**summary, "variants": results}, out, stem)
 
-    results = run_variants(bench, args.variants.split(","), plan, report)
+    results = run_variants(bench, args.variants.split(","), plan, report,
+                           rounds=1 if args.bitident_steps else args.rounds)
     summary["variants"] = results
     write_reports(summary, out, stem)
     print(f"wrote {out / stem}.{{json,md,png}} in {time.monotonic() - START:.0f} s")

@@ -1,0 +1,34 @@
+"""bench/train_gpt.py at its CPU size: the variants train bit-identically to dense, and
+``--rounds`` runs the sequence again for timing, with per-round ratios to dense."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_train_gpt_rounds_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "train_gpt.py"), "--small",
+                          "--device", "cpu", "--variants", "dense,ours-nosign", "--steps", "2",
+                          "--warmup", "1", "--profile-steps", "0", "--sparsity-every", "0",
+                          "--rounds", "2", "--out", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    variants = json.loads((tmp_path / "train_gpt.json").read_text())["variants"]
+    ours, dense = variants["ours-nosign"], variants["dense"]
+    assert ours["losses_bit_identical"] and ours["params_bit_identical"]
+    assert len(dense["round_step_ms"]) == len(ours["round_step_ms"]) == 2
+    assert dense["round_step_ms"][0] == dense["median_step_ms"]      # round 1 is the main run
+    want = [o / d for o, d in zip(ours["round_step_ms"], dense["round_step_ms"])]
+    assert ours["round_ratio_vs_dense"] == pytest.approx(want)
+    assert "Rounds (the variant sequence run again" in (tmp_path / "train_gpt.md").read_text()
