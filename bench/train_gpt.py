@@ -13,7 +13,10 @@ same batches, it trains
 * ``dense-compiled``, ``ours-compiled`` -- ``torch.compile`` of the dense and the
   ``ours-nosign`` model (compared with each other),
 * ``dense-hooks`` -- the dense model under ``compress_saved_tensors`` (every saved
-  tensor, not just the MLP's; packed without a host sync).
+  tensor, not just the MLP's; packed without a host sync),
+* ``ours-offload`` -- ours-nosign with the packed blocks in pinned host memory until
+  backward (``offload=True``), ``save-on-cpu`` -- the dense MLP under PyTorch's
+  ``save_on_cpu`` (both not in the default run: ``--variants``).
 
 Three modes, each writing JSON + Markdown + PNG under ``--out``:
 
@@ -91,6 +94,7 @@ class Variant:
     compiled: bool = False
     options: tuple = ()       # (name, value) pairs for the Packed module, beside --ours-kwargs
     hooks: bool = False       # the forward under compress_saved_tensors
+    save_on_cpu: bool = False  # every MLP under torch.autograd.graph.save_on_cpu (pinned)
 
 
 VARIANTS = {
@@ -103,6 +107,10 @@ VARIANTS = {
     "dense-compiled": Variant("dense", "dense-compiled", compiled=True),
     "ours-compiled": Variant("nosign", "dense-compiled", compiled=True),
     "dense-hooks": Variant("dense", "dense", hooks=True),
+    # the packed blocks in pinned host memory between forward and backward (issue 17),
+    # against PyTorch's own offload of the dense MLP's saved tensors
+    "ours-offload": Variant("nosign", "dense", options=(("offload", True),)),
+    "save-on-cpu": Variant("dense", "dense", save_on_cpu=True),
 }
 BITIDENT_VARIANTS = ("dense", "ours-raw", "ours-nosign")
 BUDGET_VARIANTS = ("dense", "checkpoint", "ours-nosign")
@@ -174,7 +182,7 @@ def make_mlp(kind: str, d: int, d_ff: int, ours_kwargs: dict) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, shape: Shape, mlp: nn.Module, checkpoint: bool):
+    def __init__(self, shape: Shape, mlp: nn.Module, checkpoint: bool, save_on_cpu: bool = False):
         super().__init__()
         self.heads = shape.heads
         self.norm1 = nn.RMSNorm(shape.d)
@@ -183,6 +191,7 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(shape.d)
         self.mlp = mlp
         self.checkpoint = checkpoint
+        self.save_on_cpu = save_on_cpu
 
     def attention(self, x):
         b, t, d = x.shape
@@ -195,6 +204,9 @@ class Block(nn.Module):
         h = self.norm2(x)
         if self.checkpoint:
             return x + torch.utils.checkpoint.checkpoint(self.mlp, h, use_reentrant=False)
+        if self.save_on_cpu:
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return x + self.mlp(h)
         return x + self.mlp(h)
 
 
@@ -205,7 +217,8 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(shape.seq, shape.d)
         self.blocks = nn.ModuleList(
             Block(shape, make_mlp(variant.mlp, shape.d, shape.d_ff,
-                                  {**ours_kwargs, **dict(variant.options)}), variant.checkpoint)
+                                  {**ours_kwargs, **dict(variant.options)}), variant.checkpoint,
+                  variant.save_on_cpu)
             for _ in range(shape.layers))
         self.norm = nn.RMSNorm(shape.d)
         self.head = nn.Linear(shape.d, 256, bias=False)
@@ -601,6 +614,25 @@ def header(bench: Bench, mode: str, plan: Plan | None) -> dict:
             "device": torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else "cpu"}
 
 
+def host_link_gbps(device: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> dict:
+    """Pinned host <-> device copy bandwidth (GB/s, best of ``reps``), measured in the run
+    whose offload variants it bounds."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        best = float("inf")
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        out[name] = nbytes / best / 1e9
+    return out
+
+
 def describe(summary: dict) -> str:
     s, c, p = summary["shape"], summary["config"], summary["plan"]
     text = (f"{s['layers']} layers, d={s['d']}, {s['heads']} heads, d_ff={s['d_ff']}, "
@@ -609,6 +641,10 @@ def describe(summary: dict) -> str:
         text += f"; steps: {p['warmup']} warm-up + {p['timed']} timed + {p['profiled']} profiled"
     if c["ours_kwargs"]:
         text += f"; ours kwargs {json.dumps(c['ours_kwargs'])}"
+    if summary.get("host_link_gbps"):
+        link = summary["host_link_gbps"]
+        text += (f"; pinned host link {link['d2h']:.1f} GB/s device-to-host, "
+                 f"{link['h2d']:.1f} GB/s host-to-device")
     return text + "."
 
 
@@ -814,7 +850,8 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sparsity-every", type=int, default=10, help="0: no sparsity probe")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS
+                                                   if v not in ("ours-offload", "save-on-cpu")))
     ap.add_argument("--attn", choices=("auto", "math"), default="auto")
     ap.add_argument("--compile-fullgraph", action="store_true")
     ap.add_argument("--ours-kwargs", type=json.loads, default={},
@@ -873,11 +910,14 @@ def main(argv=None) -> int:
             else Plan(args.warmup, args.steps, args.profile_steps))
     mode, stem = ("bitident", "train_gpt_bitident") if args.bitident_steps else ("train", "train_gpt")
     summary = header(bench, mode, plan)
+    names = args.variants.split(",")
+    if device.type == "cuda" and {"ours-offload", "save-on-cpu"} & set(names):
+        summary["host_link_gbps"] = host_link_gbps(device)
 
     def report(results):
         write_reports({**summary, "variants": results}, out, stem)
 
-    results = run_variants(bench, args.variants.split(","), plan, report,
+    results = run_variants(bench, names, plan, report,
                            rounds=1 if args.bitident_steps else args.rounds)
     summary["variants"] = results
     write_reports(summary, out, stem)

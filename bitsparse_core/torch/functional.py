@@ -37,6 +37,7 @@ from . import _bridge as B
 from . import ops as _ops   # also registers torch.ops.bitsparse
 from ..spec.format import DEFAULT_CHUNK_LOG2, Encoding
 from ..errors import UnsupportedTransformError
+from . import offload as _offload
 from .capacity import CapacityPolicy
 
 ENCODINGS = ("raw", "nosign", "signplane", "auto")
@@ -109,7 +110,7 @@ def _policy(policy, density, shape, dtype, square):
 
 def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "nosign",
                 density: float | None = None, policy: CapacityPolicy | None = None,
-                recompute=None, backend: str = "auto"):
+                recompute=None, backend: str = "auto", offload=None):
     """``F.linear(torch.relu(a), weight, bias)`` (``torch.relu(a)**2`` if ``square``),
     storing the activation packed for backward at a fixed capacity, with no host sync.
 
@@ -119,6 +120,8 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     :class:`~bitsparse_core.errors.CapacityOverflowError` on overflow
     (:func:`relu_ffn` and the modules always pass it). ``density`` bounds the
     nonzero fraction; by default the capacity adapts (:class:`CapacityPolicy`).
+    ``offload``: True or an :class:`~bitsparse_core.torch.offload.Offloader` keeps the
+    packed block in pinned host memory until backward (eager mode only).
     """
     _check_input(a, "a")
     encoding = _check_encoding(encoding)
@@ -129,16 +132,31 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     x, w1, b1 = recompute if recompute is not None else (None, None, None)
     a = a.contiguous()
     pol = _policy(policy, density, a.shape, a.dtype, bool(square))
+    traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    off = _offloader(offload, traced, a.device)
     args = (a, weight, bias, x, w1, b1, pol.capacity(a.numel()), bool(square),
-            _encoding_id(encoding), DEFAULT_CHUNK_LOG2, mm_dtype, pol.id)
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            _encoding_id(encoding), DEFAULT_CHUNK_LOG2, mm_dtype, pol.id, off)
+    if traced:
         out, _, _ = ReLULinearFunction.apply(*args)
     else:
         # Function.apply binds the arguments to forward's signature (inspect.signature,
-        # tens of microseconds per call) before the C++ apply; all twelve are positional
-        # and have no default, so binding changes nothing and is skipped in eager.
+        # tens of microseconds per call) before the C++ apply; all thirteen are
+        # positional and have no default, so binding changes nothing and is skipped in eager.
         out, _, _ = _RELU_LINEAR_APPLY(*args)
     return out
+
+
+def _offloader(offload, traced: bool, device: torch.device):
+    """The call's :class:`~.offload.Offloader`, or None; offloading is eager-only (its
+    copies are ordered by events on a side stream, which neither a trace nor a CUDA
+    graph capture keeps)."""
+    off = _offload.resolve(offload)
+    if off is not None and (traced or (device.type == "cuda"
+                                       and torch.cuda.is_current_stream_capturing())):
+        raise UnsupportedTransformError(
+            "offload= runs in eager mode only: not under torch.compile, torch.func or a CUDA "
+            "graph capture; pass offload=None there")
+    return off
 
 
 class ReLULinearFunction(torch.autograd.Function):
@@ -148,23 +166,33 @@ class ReLULinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype,
-                policy):
+                policy, offload=None):
         return torch.ops.bitsparse.relu_linear(a, weight, bias, x, w1, b1, capacity, square,
                                                encoding, chunk_log2, mm_dtype, policy)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype, policy = inputs
+        (a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype, policy,
+         offload) = inputs
         _, block, ticket = output
-        ctx.save_for_backward(block, ticket, weight, x, w1, b1)
         ctx.mark_non_differentiable(block, ticket)
+        if offload is not None:      # the block goes to the host; backward takes it back
+            ctx.stashed = offload.stash(block)
+            ctx.save_for_backward(ticket, weight, x, w1, b1)
+        else:
+            ctx.stashed = None
+            ctx.save_for_backward(block, ticket, weight, x, w1, b1)
         ctx.meta = (list(a.shape), a.dtype, bias is not None, capacity, square, encoding,
                     chunk_log2, mm_dtype, policy)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, _grad_block, _grad_ticket):
-        block, ticket, weight, x, w1, b1 = ctx.saved_tensors
+        if ctx.stashed is not None:
+            ticket, weight, x, w1, b1 = ctx.saved_tensors
+            block, ctx.stashed = ctx.stashed.take(), None
+        else:
+            block, ticket, weight, x, w1, b1 = ctx.saved_tensors
         a_shape, a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = \
             ctx.meta
         need = ctx.needs_input_grad
@@ -174,7 +202,7 @@ class ReLULinearFunction(torch.autograd.Function):
             grad_out.contiguous(), block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias,
             capacity, square, encoding, chunk_log2, mm_dtype, policy, needs)
         return (grad_a if need[0] else None, grad_w if need[1] else None,
-                grad_b if has_bias and need[2] else None) + (None,) * 9
+                grad_b if has_bias and need[2] else None) + (None,) * 10
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -194,7 +222,7 @@ class GatedReLULinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(g, u, weight, bias, x, wg, bg, wu, bu, capacity, encoding, u_encoding,
-                chunk_log2, mm_dtype, policy):
+                chunk_log2, mm_dtype, policy, offload=None):
         return torch.ops.bitsparse.gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu,
                                                      capacity, encoding, u_encoding, chunk_log2,
                                                      mm_dtype, policy)
@@ -202,17 +230,29 @@ class GatedReLULinearFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         (g, u, weight, bias, x, wg, bg, wu, bu, capacity, encoding, u_encoding, chunk_log2,
-         mm_dtype, policy) = inputs
+         mm_dtype, policy, offload) = inputs
         _, block_r, block_u, ticket = output
-        ctx.save_for_backward(block_r, block_u, ticket, weight, x, wg, bg, wu, bu)
         ctx.mark_non_differentiable(block_r, block_u, ticket)
+        if offload is not None:      # both blocks go to the host; backward takes them back
+            ctx.stashed = (offload.stash(block_r), offload.stash(block_u))
+            ctx.save_for_backward(ticket, weight, x, wg, bg, wu, bu)
+        else:
+            ctx.stashed = None
+            ctx.save_for_backward(block_r, block_u, ticket, weight, x, wg, bg, wu, bu)
         ctx.meta = (list(g.shape), g.dtype, bias is not None, capacity, encoding, u_encoding,
                     chunk_log2, mm_dtype, policy)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, _grad_r, _grad_u, _grad_ticket):
-        block_r, block_u, ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
+        if ctx.stashed is not None:  # taken in the reverse of the order they were stashed
+            ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
+            stash_r, stash_u = ctx.stashed
+            ctx.stashed = None
+            block_u = stash_u.take()
+            block_r = stash_r.take()
+        else:
+            block_r, block_u, ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
         a_shape, a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, \
             policy = ctx.meta
         need = ctx.needs_input_grad
@@ -224,7 +264,7 @@ class GatedReLULinearFunction(torch.autograd.Function):
             needs)
         return (grad_g if need[0] else None, grad_u if need[1] else None,
                 grad_w if need[2] else None, grad_b if has_bias and need[3] else None) \
-            + (None,) * 11
+            + (None,) * 12
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -248,7 +288,7 @@ def _u_encoding_id(encoding: str, u_encoding: str | None) -> int:
 def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
                       u_encoding: str | None = None, density: float | None = None,
                       policy: CapacityPolicy | None = None, recompute=None,
-                      backend: str = "auto"):
+                      backend: str = "auto", offload=None):
     """``F.linear(torch.relu(g) * u, weight, bias)`` (ReGLU), storing relu(g) packed and
     ``u`` only where ``g > 0`` (``u_encoding`` defaults to ``signplane``, or ``raw``
     when ``encoding='raw'``), at a fixed capacity, with no host sync.
@@ -256,7 +296,8 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
     ``recompute=(x, w_gate, b_gate, w_up, b_up)``, what made ``g`` and ``u``, lets a
     batch that overflows the capacity recompute both exactly in backward; without it
     such a backward waits for the pack's count and raises on overflow
-    (:func:`gated_relu_ffn` and :class:`PackedReGLUFFN` always pass it).
+    (:func:`gated_relu_ffn` and :class:`PackedReGLUFFN` always pass it). ``offload``: as
+    for :func:`relu_linear` (both blocks).
     """
     _check_input(g, "g")
     _check_input(u, "u")
@@ -272,9 +313,11 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
     x, wg, bg, wu, bu = recompute if recompute is not None else (None,) * 5
     g, u = g.contiguous(), u.contiguous()
     pol = _policy(policy, density, g.shape, g.dtype, "gated")
+    traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
     args = (g, u, weight, bias, x, wg, bg, wu, bu, pol.capacity(g.numel()),
-            _encoding_id(encoding), u_enc, DEFAULT_CHUNK_LOG2, mm_dtype, pol.id)
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            _encoding_id(encoding), u_enc, DEFAULT_CHUNK_LOG2, mm_dtype, pol.id,
+            _offloader(offload, traced, g.device))
+    if traced:
         out, _, _, _ = GatedReLULinearFunction.apply(*args)
     else:   # see relu_linear
         out, _, _, _ = _GATED_APPLY(*args)
@@ -292,7 +335,7 @@ def _linear_outside_autocast(x, w, b, mm):
 
 def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign",
              density: float | None = None, policy: CapacityPolicy | None = None,
-             backend: str = "auto"):
+             backend: str = "auto", offload=None):
     """``relu(x W1ᵀ + b1) W2ᵀ + b2`` (ReLU² when ``square``) with the activation stored
     packed: no host sync, exact on every batch (an overflowing one recomputes the
     activation from ``x`` in backward with the forward's own GEMM)."""
@@ -303,12 +346,12 @@ def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign
         x, w1, b1 = _autocast(x, mm), _autocast(w1, mm), _autocast(b1, mm)
     a = _linear_outside_autocast(x, w1, b1, mm)
     return relu_linear(a, w2, b2, square=square, encoding=encoding, density=density,
-                       policy=policy, recompute=(x, w1, b1), backend=backend)
+                       policy=policy, recompute=(x, w1, b1), backend=backend, offload=offload)
 
 
 def gated_relu_ffn(x, w_gate, b_gate, w_up, b_up, w2, b2, *, encoding: str = "nosign",
                    u_encoding: str | None = None, density: float | None = None,
-                   policy: CapacityPolicy | None = None, backend: str = "auto"):
+                   policy: CapacityPolicy | None = None, backend: str = "auto", offload=None):
     """``(relu(x Wgᵀ + bg) * (x Wuᵀ + bu)) W2ᵀ + b2`` with both activations stored packed:
     no host sync, exact on every batch (an overflowing one recomputes both from ``x``
     in backward with the forward's own GEMMs)."""
@@ -324,4 +367,5 @@ def gated_relu_ffn(x, w_gate, b_gate, w_up, b_up, w2, b2, *, encoding: str = "no
     u = _linear_outside_autocast(xu, w_up, b_up, mm)
     return gated_relu_linear(g, u, w2, b2, encoding=encoding, u_encoding=u_encoding,
                              density=density, policy=policy,
-                             recompute=(xg, w_gate, b_gate, w_up, b_up), backend=backend)
+                             recompute=(xg, w_gate, b_gate, w_up, b_up), backend=backend,
+                             offload=offload)

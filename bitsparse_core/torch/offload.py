@@ -1,0 +1,235 @@
+"""Compress, then offload: packed blocks in pinned host memory between forward and backward.
+
+An :class:`Offloader` takes each packed block right after its pack, copies it to a
+pinned host buffer on a side stream and lets the device memory go; in backward,
+when a layer asks for its block, the blocks of the next ``ahead`` layers to run
+backward are copied back on the same side stream, so those copies run while the
+GPU computes this layer. Streams are ordered by events (``wait_stream`` /
+``wait_event``), never by the host: nothing here synchronizes.
+
+* The device block is released once its copy is queued: ``record_stream`` keeps the
+  caching allocator from reusing the memory before the side stream has read it.
+* Host buffers come from a :class:`PinnedPool` reused step after step, bounded by
+  ``max_host_bytes``, in size classes an eighth of an octave apart (a block whose
+  adaptive capacity moves a little finds its buffer again); a block that does not
+  fit stays on the device (counted in :meth:`Offloader.stats`), it is never dropped. One side stream carries both
+  directions, so a buffer's next copy in always follows its last copy out.
+* A block is copied whole (its capacity, used or not): bit-identical by
+  construction, and the count it carries is read from its ticket as without
+  offloading.
+* A stashed block whose backward never comes (a forward without backward) gives
+  its buffer back when autograd frees the graph that holds it.
+
+On the CPU a block already lives in host memory; it moves into the pool's buffers
+all the same (plain copies), which is what the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+
+def size_class(nbytes: int) -> int:
+    """The buffer size that serves ``nbytes``: the next eighth of an octave (at most
+    12.5 % more), so blocks whose capacity moves a little reuse one buffer."""
+    if nbytes <= 4096:
+        return 4096
+    step = 1 << max(0, nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
+
+
+class PinnedPool:
+    """Host buffers by size class, pinned where CUDA is, reused; at most ``max_bytes`` held."""
+
+    def __init__(self, max_bytes: Optional[int] = None):
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes={max_bytes} must be >= 0 or None (no bound)")
+        self.max_bytes = max_bytes
+        self.held = 0                    # bytes allocated, free or in use
+        self._free: dict = {}            # nbytes -> [buffer]
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A buffer of at least ``nbytes`` (its size class), or None when the bound leaves
+        no room for one."""
+        nbytes = size_class(nbytes)
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+            if self.max_bytes is not None and self.held + nbytes > self.max_bytes:
+                self._evict(self.held + nbytes - self.max_bytes)
+                if self.held + nbytes > self.max_bytes:
+                    return None
+            self.held += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(buf.numel(), []).append(buf)
+
+    def _evict(self, need: int) -> None:
+        """Drop free buffers (of sizes no longer asked for, say) until ``need`` bytes are gone."""
+        for size in sorted(self._free, reverse=True):
+            bufs = self._free[size]
+            while bufs and need > 0:
+                bufs.pop()
+                self.held -= size
+                need -= size
+            if need <= 0:
+                break
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(size * len(b) for size, b in self._free.items())
+
+
+class Stashed:
+    """One packed block between its forward and its backward: on the host (``host``),
+    on its way back (``back`` and its ``ready`` event), or kept on the device."""
+
+    __slots__ = ("owner", "host", "back", "ready", "device", "nbytes", "__weakref__")
+
+    def __init__(self, owner: "Offloader", device: torch.device, nbytes: int,
+                 host: Optional[torch.Tensor] = None, kept: Optional[torch.Tensor] = None):
+        self.owner, self.device, self.nbytes = owner, device, nbytes
+        self.host, self.back, self.ready = host, kept, None
+
+    def take(self) -> torch.Tensor:
+        """The block on its device, ordered before what the current stream runs next."""
+        return self.owner._take(self)
+
+    def __del__(self):
+        host, self.host = self.host, None
+        if host is not None:
+            self.owner.pool.give(host)
+
+
+class Offloader:
+    """Offload packed blocks between forward and backward (see the module docstring).
+
+    ``ahead``: how many layers' blocks (in backward order) are on their way back
+    while a layer's backward runs. ``max_host_bytes``: the pinned pool's bound (None:
+    none). One offloader serves every layer of a model: it sees the order blocks
+    were stashed in, which is the reverse of the order backward takes them.
+    """
+
+    def __init__(self, ahead: int = 2, max_host_bytes: Optional[int] = None):
+        if ahead < 0:
+            raise ValueError(f"ahead={ahead} must be >= 0")
+        self.ahead = ahead
+        self.pool = PinnedPool(max_host_bytes)
+        self._stashed: list = []        # weakrefs, in stash order
+        self._streams: dict = {}
+        self._lock = threading.Lock()
+        self._stats = {"offloaded": 0, "kept_on_device": 0, "prefetched": 0, "late": 0,
+                       "bytes_offloaded": 0}
+
+    def stats(self) -> dict:
+        """Blocks offloaded, kept on the device (pool full), fetched ahead of their
+        backward or only when asked for (late), and the bytes moved out."""
+        return {**self._stats, "pool_held_bytes": self.pool.held}
+
+    def __repr__(self) -> str:
+        return f"Offloader(ahead={self.ahead}, max_host_bytes={self.pool.max_bytes})"
+
+    # A model's layers share one offloader, a resource like a stream: a deep copy of the
+    # model shares it too, and pickling makes a fresh one with the same settings.
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (Offloader, (self.ahead, self.pool.max_bytes))
+
+    def _side(self, device: torch.device):
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device)
+        return s
+
+    def stash(self, block: torch.Tensor) -> Stashed:
+        """Queue ``block``'s copy out (after the work queued so far on the current
+        stream, which includes its pack); the caller then drops ``block``."""
+        nbytes = block.numel()
+        host = self.pool.take(nbytes)
+        if host is None:
+            self._stats["kept_on_device"] += 1
+            return Stashed(self, block.device, nbytes, kept=block)
+        if block.is_cuda:
+            side = self._side(block.device)
+            side.wait_stream(torch.cuda.current_stream(block.device))
+            with torch.cuda.stream(side):
+                host[:nbytes].copy_(block, non_blocking=True)
+            block.record_stream(side)
+        else:
+            host[:nbytes].copy_(block)
+        h = Stashed(self, block.device, nbytes, host=host)
+        with self._lock:
+            self._stashed = [r for r in self._stashed if r() is not None]
+            self._stashed.append(weakref.ref(h))
+        self._stats["offloaded"] += 1
+        self._stats["bytes_offloaded"] += nbytes
+        return h
+
+    def _fetch(self, h: Stashed) -> None:
+        """Queue ``h``'s copy back (no-op when it is back, on its way, or was kept)."""
+        if h.back is not None or h.host is None:
+            return
+        if h.device.type == "cuda":
+            side = self._side(h.device)
+            with torch.cuda.stream(side):
+                back = torch.empty(h.nbytes, dtype=torch.uint8, device=h.device)
+                back.copy_(h.host[:h.nbytes], non_blocking=True)
+                h.ready = torch.cuda.Event()
+                h.ready.record(side)
+        else:
+            back = h.host[:h.nbytes].clone()
+        h.back = back
+
+    def _take(self, h: Stashed) -> torch.Tensor:
+        late = h.back is None and h.host is not None
+        self._fetch(h)
+        with self._lock:
+            alive = [r() for r in self._stashed]
+            mine = next((i for i, s in enumerate(alive) if s is h), None)
+            nxt = [] if mine is None else [s for s in alive[:mine] if s is not None][::-1]
+            if mine is not None:
+                del self._stashed[mine]
+        for s in nxt[:self.ahead]:       # the layers whose backward comes next
+            if s.back is None and s.host is not None:
+                self._fetch(s)
+                self._stats["prefetched"] += 1
+        self._stats["late"] += int(late)
+        back = h.back
+        if h.ready is not None:
+            cur = torch.cuda.current_stream(h.device)
+            cur.wait_event(h.ready)
+            back.record_stream(cur)      # allocated on the side stream, used on this one
+        host, h.host, h.back, h.ready = h.host, None, None, None
+        if host is not None:             # its next copy in runs after this one (one stream)
+            self.pool.give(host)
+        return back
+
+
+_DEFAULT = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def resolve(offload) -> Optional[Offloader]:
+    """``offload=`` as the ops and modules take it: None / False (off), True (the
+    process's shared default :class:`Offloader`), or an :class:`Offloader`."""
+    global _DEFAULT
+    if offload is None or offload is False:
+        return None
+    if offload is True:
+        with _DEFAULT_LOCK:
+            if _DEFAULT is None:
+                _DEFAULT = Offloader()
+            return _DEFAULT
+    if isinstance(offload, Offloader):
+        return offload
+    raise TypeError(f"offload={offload!r}: use True, False/None or an Offloader")

@@ -1,0 +1,142 @@
+"""Compress, then offload (bitsparse_core.torch.offload) on the CPU: training is
+bit-identical with and without it, blocks come back in backward order with the next
+ones fetched ahead, the pool is reused step after step and bounded, and what cannot
+be offloaded says why. The CUDA side streams and events are exercised on the GPU."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from bitsparse_core.errors import UnsupportedTransformError  # noqa: E402
+from bitsparse_core.torch import relu_linear  # noqa: E402
+from bitsparse_core.torch.offload import Offloader, PinnedPool, resolve, size_class  # noqa: E402
+from torch_models import KINDS, assert_same_training, make_pair, train  # noqa: E402
+
+
+def _data(shape, d, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, d, generator=g), torch.randn(*shape, d, generator=g)
+
+
+def _offloaded(model, off):
+    for blk in model.blocks:
+        blk.offload = off
+    return model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_offloaded_training_is_bit_identical(kind):
+    dense, ours = make_pair(kind, "nosign", layers=3)
+    off = Offloader(ahead=1)
+    _offloaded(ours, off)
+    x, target = _data((3, 16), 32)
+    steps = 3
+    assert_same_training(train(dense, x, target, steps=steps), train(ours, x, target, steps=steps))
+    st = off.stats()
+    per_layer = 2 if kind == "reglu" else 1          # relu(g) and u: two blocks
+    stashed = 3 * per_layer * steps
+    assert st["offloaded"] == stashed and st["kept_on_device"] == 0
+    # each backward starts with the last block, asked for before anything was fetched;
+    # every other block was on its way back when its layer asked for it
+    assert st["late"] == steps and st["prefetched"] == stashed - steps
+    assert off.pool.free_bytes() == off.pool.held    # every buffer back after backward
+
+
+def test_the_pool_is_reused_step_after_step():
+    _, ours = make_pair("relu", "nosign", layers=3)
+    off = Offloader()
+    _offloaded(ours, off)
+    x, target = _data((3, 16), 32)
+    held = []
+    for _ in range(6):
+        ((ours(x) - target) ** 2).mean().backward()
+        held.append(off.pool.held)
+    # the adaptive capacity settles in the first steps; from then on no new buffer
+    assert held[-1] == held[-3] and off.stats()["offloaded"] == 18
+
+
+def test_blocks_come_back_in_backward_order_with_the_next_ones_ahead():
+    off = Offloader(ahead=2)
+    blocks = [torch.full((64,), i, dtype=torch.uint8) for i in range(5)]
+    handles = [off.stash(b) for b in blocks]
+    assert all(h.back is None for h in handles)
+    got = handles[4].take()
+    assert torch.equal(got, blocks[4])
+    assert [h.back is not None for h in handles[:4]] == [False, False, True, True]
+    assert torch.equal(handles[3].take(), blocks[3])
+    assert handles[1].back is not None and handles[0].back is None
+    assert off.stats()["late"] == 1
+    for h in (handles[2], handles[1], handles[0]):
+        assert torch.equal(h.take(), blocks[handles.index(h)])
+    assert off.stats()["late"] == 1 and off.pool.free_bytes() == 5 * size_class(64)
+
+
+def test_a_full_pool_keeps_blocks_on_the_device_and_stays_exact():
+    dense, ours = make_pair("relu2", "nosign", layers=3)
+    probe = Offloader()
+    _offloaded(ours, probe)
+    x, target = _data((3, 16), 32)
+    ours(x).sum().backward()
+    one_block = probe.stats()["bytes_offloaded"] // 3
+    dense, ours = make_pair("relu2", "nosign", layers=3)
+    off = Offloader(max_host_bytes=2 * size_class(one_block))   # room for two of the three
+    _offloaded(ours, off)
+    assert_same_training(train(dense, x, target, steps=2), train(ours, x, target, steps=2))
+    st = off.stats()
+    assert st["kept_on_device"] >= 1 and st["offloaded"] >= 2
+    assert st["kept_on_device"] + st["offloaded"] == 6
+    assert st["pool_held_bytes"] <= off.pool.max_bytes
+
+
+def test_a_forward_without_backward_gives_its_buffers_back():
+    _, ours = make_pair("relu", "nosign", layers=2)
+    off = Offloader()
+    _offloaded(ours, off)
+    x, _ = _data((3, 16), 32)
+    y = ours(x)
+    assert off.pool.free_bytes() == 0 < off.pool.held
+    del y
+    gc.collect()
+    assert off.pool.free_bytes() == off.pool.held
+
+
+def test_pool_reuses_size_classes_and_evicts_free_buffers_for_new_ones():
+    # size classes an eighth of an octave apart: at most 12.5 % more than asked
+    assert [size_class(n) for n in (1, 4096, 4097, 65536, 65537, 70000)] == [
+        4096, 4096, 4608, 65536, 73728, 73728]
+    pool = PinnedPool(max_bytes=140_000)
+    a = pool.take(65537)                             # a 73728-byte buffer
+    assert a.numel() == 73728 and pool.held == 73728
+    assert pool.take(70000) is None                  # a second one would pass the bound
+    pool.give(a)
+    assert pool.take(70000) is a                     # same class: the same buffer again
+    pool.give(a)
+    b = pool.take(120_000)                           # the free buffer is dropped for it
+    assert b is not None and b.numel() == size_class(120_000) == pool.held
+    with pytest.raises(ValueError):
+        PinnedPool(max_bytes=-1)
+
+
+def test_offload_arguments_and_where_it_cannot_run():
+    assert resolve(None) is None and resolve(False) is None
+    assert resolve(True) is resolve(True)            # one process-wide default
+    off = Offloader(ahead=3, max_host_bytes=1 << 20)
+    assert resolve(off) is off
+    with pytest.raises(TypeError):
+        resolve("yes")
+    with pytest.raises(ValueError):
+        Offloader(ahead=-1)
+    # a model's copy shares its offloader; a pickled one gets a fresh one, same settings
+    assert copy.deepcopy(off) is off
+    again = pickle.loads(pickle.dumps(off))
+    assert again is not off and repr(again) == repr(off)
+    a = torch.randn(4, 8) - 0.5
+    w = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(UnsupportedTransformError, match="eager mode only"):
+        torch.func.grad(lambda w: relu_linear(a, w, offload=off).sum())(w)
