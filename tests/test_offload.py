@@ -94,6 +94,15 @@ def test_a_full_pool_keeps_blocks_on_the_device_and_stays_exact():
     assert st["pool_held_bytes"] <= off.pool.max_bytes
 
 
+def test_a_block_kept_on_the_device_still_fetches_the_next_ones():
+    off = Offloader(ahead=1, max_host_bytes=2 * size_class(64))
+    blocks = [torch.full((64,), i, dtype=torch.uint8) for i in range(3)]
+    handles = [off.stash(b) for b in blocks]          # the third does not fit: kept
+    assert off.stats()["kept_on_device"] == 1 and handles[2].host is None
+    assert torch.equal(handles[2].take(), blocks[2])
+    assert handles[1].back is not None                # on its way back all the same
+
+
 def test_a_forward_without_backward_gives_its_buffers_back():
     _, ours = make_pair("relu", "nosign", layers=2)
     off = Offloader()

@@ -158,7 +158,7 @@ class Offloader:
         host = self.pool.take(nbytes)
         if host is None:
             self._stats["kept_on_device"] += 1
-            return Stashed(self, block.device, nbytes, kept=block)
+            return self._track(Stashed(self, block.device, nbytes, kept=block))
         if block.is_cuda:
             side = self._side(block.device)
             side.wait_stream(torch.cuda.current_stream(block.device))
@@ -167,12 +167,16 @@ class Offloader:
             block.record_stream(side)
         else:
             host[:nbytes].copy_(block)
-        h = Stashed(self, block.device, nbytes, host=host)
+        self._stats["offloaded"] += 1
+        self._stats["bytes_offloaded"] += nbytes
+        return self._track(Stashed(self, block.device, nbytes, host=host))
+
+    def _track(self, h: Stashed) -> Stashed:
+        """Remember ``h`` in stash order (kept ones too: a backward that takes one still
+        fetches the next ones ahead)."""
         with self._lock:
             self._stashed = [r for r in self._stashed if r() is not None]
             self._stashed.append(weakref.ref(h))
-        self._stats["offloaded"] += 1
-        self._stats["bytes_offloaded"] += nbytes
         return h
 
     def _fetch(self, h: Stashed) -> None:
