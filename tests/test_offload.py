@@ -103,6 +103,17 @@ def test_a_block_kept_on_the_device_still_fetches_the_next_ones():
     assert handles[1].back is not None                # on its way back all the same
 
 
+@pytest.mark.parametrize("kind", ["relu", "reglu"])
+def test_a_second_backward_through_an_offloaded_block_says_why(kind):
+    _, ours = make_pair(kind, "nosign", layers=1)
+    _offloaded(ours, Offloader())
+    x, _ = _data((3, 16), 32)
+    loss = ours(x).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
 def test_a_forward_without_backward_gives_its_buffers_back():
     _, ours = make_pair("relu", "nosign", layers=2)
     off = Offloader()

@@ -146,6 +146,16 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     return out
 
 
+_TAKEN = object()   # a backward took its offloaded block back (its host buffer is reused)
+
+
+def _take_once(stashed):
+    if stashed is _TAKEN:
+        raise RuntimeError("an offloaded packed block is taken back by one backward only: a "
+                           "second backward through it (retain_graph=True) needs offload=None")
+    return stashed.take()
+
+
 def _offloader(offload, traced: bool, device: torch.device):
     """The call's :class:`~.offload.Offloader`, or None; offloading is eager-only (its
     copies are ordered by events on a side stream, which neither a trace nor a CUDA
@@ -190,7 +200,7 @@ class ReLULinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_block, _grad_ticket):
         if ctx.stashed is not None:
             ticket, weight, x, w1, b1 = ctx.saved_tensors
-            block, ctx.stashed = ctx.stashed.take(), None
+            block, ctx.stashed = _take_once(ctx.stashed), _TAKEN
         else:
             block, ticket, weight, x, w1, b1 = ctx.saved_tensors
         a_shape, a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = \
@@ -247,10 +257,10 @@ class GatedReLULinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_r, _grad_u, _grad_ticket):
         if ctx.stashed is not None:  # taken in the reverse of the order they were stashed
             ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
-            stash_r, stash_u = ctx.stashed
-            ctx.stashed = None
-            block_u = stash_u.take()
-            block_r = stash_r.take()
+            stash_r, stash_u = ctx.stashed if ctx.stashed is not _TAKEN else (_TAKEN, _TAKEN)
+            ctx.stashed = _TAKEN
+            block_u = _take_once(stash_u)
+            block_r = _take_once(stash_r)
         else:
             block_r, block_u, ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
         a_shape, a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, \
