@@ -25,18 +25,22 @@ HOST_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
 GPU_COPIES = ("Memcpy DtoH", "Memcpy HtoD")
 
 
-def profile_steps(step_fn, batches, device: torch.device, own_ops=("bitsparse",), top: int = 8):
+def profile_steps(step_fn, batches, device: torch.device, own_ops=("bitsparse",), top: int = 8,
+                  trace=None):
     """Run ``step_fn(x, y)`` on each batch under the profiler, with no sync between steps.
 
     Returns the step outputs and a summary: sync counts per step, host time per
     step, and the ``top`` host-side rows of ``key_averages()`` whose name contains
-    one of ``own_ops`` (case-insensitive), by CPU self time."""
+    one of ``own_ops`` (case-insensitive), by CPU self time. ``trace``: a path for the
+    Chrome / Perfetto trace of the profiled steps (``.json.gz``: compressed)."""
     _warm_profiler(device.type)
     outputs = []
     with profile(activities=_activities(device.type)) as prof:
         for x, y in batches:
             with record_function(STEP_LABEL):
                 outputs.append(step_fn(x, y))
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     return outputs, summarize(prof, len(batches), own_ops, top)
 
 
@@ -87,6 +91,40 @@ def _busy_ms(events) -> float:
     return busy / 1e3
 
 
+def _union(spans) -> list:
+    """Sorted, disjoint ``(start, end)`` intervals covering ``spans``."""
+    out = []
+    for s, t in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], t))
+        else:
+            out.append((s, t))
+    return out
+
+
+def copy_overlap(events, min_us: float = 5.0):
+    """Of the GPU time spent in host<->device copies of at least ``min_us`` (an offload's
+    blocks, not a 16-byte count), the fraction during which a kernel ran as well:
+    1.0 when every copy hid behind compute. None without such copies."""
+    gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+    copies = [(e.time_range.start, e.time_range.end) for e in gpu
+              if e.name.startswith(GPU_COPIES) and e.time_range.end - e.time_range.start >= min_us]
+    if not copies:
+        return None
+    compute = _union((e.time_range.start, e.time_range.end) for e in gpu
+                     if not e.name.startswith(("Memcpy", "Memset")))
+    total = hidden = 0.0
+    for s, t in copies:
+        total += t - s
+        for a, b in compute:
+            if b <= s:
+                continue
+            if a >= t:
+                break
+            hidden += min(b, t) - max(a, s)
+    return hidden / total
+
+
 def summarize(prof, n_steps: int, own_ops, top: int) -> dict:
     """Per-step counts and times from a finished profile of ``n_steps`` steps."""
     events = prof.events()
@@ -107,6 +145,7 @@ def summarize(prof, n_steps: int, own_ops, top: int) -> dict:
     return {
         "per_step": counts,
         "gpu_busy_ms_per_step": _busy_ms(events) / n_steps,
+        "copy_overlap": copy_overlap(events),
         "gpu_copies_per_step": copies,
         "host_ms_per_step": sum(t - s for s, t in steps) / 1e3 / max(len(steps), 1),
         "own_ops": [{"name": r.key, "calls_per_step": r.count / n_steps,

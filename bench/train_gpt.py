@@ -372,7 +372,11 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
         if plan.profiled:
             bench.check_time(f"{name} before profiling")
             on_device = [(x.to(device), y.to(device)) for x, y in batches[plan.warmup + plan.timed:]]
-            prof_losses, syncs = profile_steps(step, on_device, device, OWN_OPS)
+            trace = (Path(args.out) / f"train_gpt_{name}_trace.json.gz"
+                     if name in args.trace.split(",") else None)
+            if trace is not None:
+                trace.parent.mkdir(parents=True, exist_ok=True)
+            prof_losses, syncs = profile_steps(step, on_device, device, OWN_OPS, trace=trace)
             sync(device)
             losses += prof_losses
     res = {
@@ -722,6 +726,12 @@ def markdown_variants(summary: dict) -> str:
             out.append(f"| {name} | " + " | ".join(_f(sy["per_step"][k], "g") for k in keys)
                        + f" | {sy['host_ms_per_step']:.1f} | "
                        f"{_f(sy.get('gpu_busy_ms_per_step'))} |")
+        hidden = {n: sy["copy_overlap"] for n, sy in profiled.items()
+                  if sy.get("copy_overlap") is not None}
+        if hidden:
+            out += ["", "Host-device copies of 5 µs or more that ran while a kernel ran (the "
+                    "fraction of their GPU time): " + "; ".join(
+                        f"{n} {100 * f:.0f} %" for n, f in hidden.items()) + "."]
         rows = [(n, r) for n, sy in profiled.items() for r in sy["own_ops"]]
         if rows:
             out += ["", "## Library ops, CPU time per step (key_averages rows naming "
@@ -842,6 +852,9 @@ def parse_args(argv):
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--trace", default="",
+                    help="variants whose profiled steps are written as a Chrome / Perfetto trace "
+                         "(OUT/train_gpt_<variant>_trace.json.gz)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the variant sequence this many times (timing; see run_variants)")
     ap.add_argument("--cprofile-steps", type=int, default=0,

@@ -32,3 +32,21 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
     want = [o / d for o, d in zip(ours["round_step_ms"], dense["round_step_ms"])]
     assert ours["round_ratio_vs_dense"] == pytest.approx(want)
     assert "Rounds (the variant sequence run again" in (tmp_path / "train_gpt.md").read_text()
+
+
+def test_copy_overlap_counts_copy_time_under_kernels():
+    import types
+
+    from torch.autograd import DeviceType
+    sys.path.insert(0, str(ROOT / "bench"))
+    from profile_syncs import copy_overlap
+
+    def ev(name, start, end, dev=DeviceType.CUDA):
+        return types.SimpleNamespace(name=name, device_type=dev,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+    events = [ev("gemm", 0, 100), ev("gemm", 150, 200),
+              ev("Memcpy DtoH (Device -> Pinned)", 50, 170),     # 50 + 20 of 120 hidden
+              ev("Memcpy HtoD (Pinned -> Device)", 300, 302),    # too short: a count
+              ev("cudaLaunchKernel", 0, 500, DeviceType.CPU)]
+    assert copy_overlap(events) == pytest.approx(70 / 120)
+    assert copy_overlap(events[:2]) is None
