@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: warm the kernel cache, GPU tests, host-overhead bench, the GPT bench.
 # Usage (device machine, repo root): bash bench/gpu_run.sh
-#   parts: SKIP_TESTS / SKIP_HOST / SKIP_GPT=1, RUN_HF=1; TESTS (pytest paths; default: every
-#   gpu test), PYTEST_ARGS, GPT_ARGS (train_gpt.py flags), HF_ARGS (bench_hf.py flags);
-#   logs and results go to $OUT.
+#   parts: SKIP_TESTS / SKIP_HOST / SKIP_GPT=1, RUN_HF=1, RUN_OFFLOAD=1; TESTS (pytest paths;
+#   default: every gpu test), PYTEST_ARGS, GPT_ARGS (train_gpt.py flags), HF_ARGS (bench_hf.py
+#   flags), OFFLOAD_ARGS; logs and results go to $OUT (only 8 files come back from a device
+#   call: point OUT elsewhere and tar it into the call's $OUT).
 set -u
 OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT"
@@ -29,6 +30,11 @@ fi
 if [ -z "${SKIP_GPT:-}" ]; then
   timeout "${GPT_TIMEOUT:-260}" python3 bench/train_gpt.py ${GPT_ARGS:---preset gpt12 --steps 15 --time-limit 230} --out "$OUT" >"$OUT/gpt.log" 2>&1
   echo "gpt rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 40 "$OUT/gpt.log" | cut -c1-300
+fi
+if [ -n "${RUN_OFFLOAD:-}" ]; then   # opt-in: issue 17's variants, three interleaved rounds
+  mkdir -p "$OUT/offload"
+  timeout "${OFFLOAD_TIMEOUT:-400}" python3 bench/train_gpt.py ${OFFLOAD_ARGS:---preset gpt12 --steps 10 --rounds 3 --variants dense,ours-nosign,ours-offload,save-on-cpu,checkpoint --trace ours-offload --time-limit 370} --out "$OUT/offload" >"$OUT/offload.log" 2>&1
+  echo "offload rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 12 "$OUT/offload.log" | cut -c1-300
 fi
 if [ -n "${RUN_HF:-}" ]; then   # opt-in: the transformers benchmark (needs transformers installed)
   timeout "${HF_TIMEOUT:-300}" python3 bench/bench_hf.py ${HF_ARGS:---time-limit 270} --out "$OUT" >"$OUT/hf.log" 2>&1
