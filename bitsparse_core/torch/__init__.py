@@ -18,8 +18,9 @@ from .functional import (ENCODINGS, GatedReLULinearFunction, ReLULinearFunction,
                          gated_relu_ffn, gated_relu_linear, relu_ffn, relu_linear)
 from .hooks import SavedStats, compress_saved_tensors
 from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN
+from .offload import Offloader
 
 __all__ = ["CapacityPolicy", "relu_linear", "gated_relu_linear", "relu_ffn", "gated_relu_ffn",
            "ReLULinearFunction", "GatedReLULinearFunction", "PackedReLUFFN", "PackedReLU2FFN",
            "PackedReGLUFFN", "compress_saved_tensors", "SavedStats", "ENCODINGS",
-           "convert", "ConvertReport"]
+           "convert", "ConvertReport", "Offloader"]
