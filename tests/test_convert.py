@@ -154,6 +154,22 @@ def test_opt(act, kind):
     assert stats["packs"] >= 2
 
 
+def test_opt_offloaded():
+    """convert(offload=...): every converted layer shares the one Offloader, and training
+    stays bit-identical with the packed blocks moved to its pool."""
+    from bitsparse_core.torch import Offloader
+    model = _opt("relu")
+    model.train()
+    ref = copy.deepcopy(model)
+    off = Offloader(ahead=1)
+    report = _convert_checked(model, offload=off)
+    assert len(report.replaced) == 2
+    assert all(m.offload is off for m in packed_modules(model).values())
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    _train_same(ref, model, _lm_loss(ids))
+    assert off.stats()["offloaded"] == 4 and off.stats()["kept_on_device"] == 0
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")   # gradient_checkpointing_enable
 def test_opt_gradient_checkpointing_and_hidden_states():
     model = _opt()

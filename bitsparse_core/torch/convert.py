@@ -41,8 +41,8 @@ from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN
 __all__ = ["convert", "register_rule", "unregister_rule", "Rule", "Skip", "ConvertReport", "PackedBlock",
            "RULES", "packed_modules"]
 
-_PACKED_KW = ("encoding", "density", "margin", "pending", "backend")
-_GATED_KW = ("encoding", "u_encoding", "density", "margin", "pending", "backend")
+_PACKED_KW = ("encoding", "density", "margin", "pending", "backend", "offload")
+_GATED_KW = ("encoding", "u_encoding", "density", "margin", "pending", "backend", "offload")
 
 
 class Skip(Exception):
@@ -324,7 +324,7 @@ _USER_RULES: list[Rule] = []
 def register_rule(name: str, predicate, builder) -> Rule:
     """Add a rule, tried before the built-in ones. ``builder(module, **kwargs)`` gets the
     keyword arguments of :func:`convert` (``encoding=``, ``density=``, ``margin=``,
-    ``pending=``, ``backend=``); a typical builder checks the activation and dropout, then returns
+    ``pending=``, ``backend=``, ``offload=``); a typical builder checks the activation and dropout, then returns
     ``PackedBlock(module, "fc1_name", "fc2_name", "relu" | "relu2", **kwargs)``."""
     rule = Rule(name, predicate, builder)
     _USER_RULES.insert(0, rule)
@@ -359,7 +359,8 @@ def _looks_like_ffn(m) -> bool:
 def convert(model: nn.Module, *, rules=None, **kwargs) -> ConvertReport:
     """Convert, in place, every FFN of ``model`` a rule recognises to the packed path.
 
-    ``kwargs`` (``encoding=``, ``density=``, ``margin=``, ``pending=``, ``backend=``) go to
+    ``kwargs`` (``encoding=``, ``density=``, ``margin=``, ``pending=``, ``backend=``,
+    ``offload=``: True or one :class:`~.offload.Offloader` all of them share) go to
     the packed modules. ``rules`` replaces the rule list (default: registered rules, then
     :data:`RULES`). Returns a :class:`ConvertReport`; calling it again converts nothing
     new. A module that replaced its parent's child is not searched further."""
