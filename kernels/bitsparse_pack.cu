@@ -499,7 +499,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
             }
         }
         // Value stream (and sign plane) words inside the tile's range, clipped
-        // to the capacity; the edges of what was stored, for bitsparse_stitch.
+        // to the capacity; the edges of what was stored, for bs_stitch_word.
         const u32* A = ENC == 0 ? buf.stage : buf.a;
         const u64 a = P < cap ? P : cap;
         const u64 e = P + tn < cap ? P + tn : cap;

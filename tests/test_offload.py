@@ -127,18 +127,21 @@ def test_a_forward_without_backward_gives_its_buffers_back():
 
 
 def test_pool_reuses_size_classes_and_evicts_free_buffers_for_new_ones():
-    # size classes an eighth of an octave apart: at most 12.5 % more than asked
+    # power-of-two size classes (torch's pinned allocator rounds to them anyway)
     assert [size_class(n) for n in (1, 4096, 4097, 65536, 65537, 70000)] == [
-        4096, 4096, 4608, 65536, 73728, 73728]
-    pool = PinnedPool(max_bytes=140_000)
-    a = pool.take(65537)                             # a 73728-byte buffer
-    assert a.numel() == 73728 and pool.held == 73728
+        4096, 4096, 8192, 65536, 131072, 131072]
+    pool = PinnedPool(max_bytes=200_000)
+    a = pool.take(65537)                             # a 131072-byte buffer
+    assert a.numel() == 131072 and pool.held == 131072
     assert pool.take(70000) is None                  # a second one would pass the bound
-    pool.give(a)
-    assert pool.take(70000) is a                     # same class: the same buffer again
-    pool.give(a)
-    b = pool.take(120_000)                           # the free buffer is dropped for it
-    assert b is not None and b.numel() == size_class(120_000) == pool.held
+    pool.give(a, "dev0")
+    assert pool.take(70000, "dev0") is a             # same class and lane: the same buffer
+    pool.give(a, "dev0")
+    c = pool.take(70000, "dev1")                     # free, but another lane's: not handed out
+    assert c is not a and pool.held == 131072        # (a was dropped to make room for c)
+    pool.give(c, "dev1")
+    b = pool.take(100_000)                           # the free buffer is dropped for it
+    assert b is not None and b.numel() == size_class(100_000) == pool.held
     with pytest.raises(ValueError):
         PinnedPool(max_bytes=-1)
 

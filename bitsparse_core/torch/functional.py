@@ -132,7 +132,7 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     x, w1, b1 = recompute if recompute is not None else (None, None, None)
     a = a.contiguous()
     pol = _policy(policy, density, a.shape, a.dtype, bool(square))
-    traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    traced = _traced()
     off = _offloader(offload, traced, a.device)
     args = (a, weight, bias, x, w1, b1, pol.capacity(a.numel()), bool(square),
             _encoding_id(encoding), DEFAULT_CHUNK_LOG2, mm_dtype, pol.id, off)
@@ -140,20 +140,27 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
         out, _, _ = ReLULinearFunction.apply(*args)
     else:
         # Function.apply binds the arguments to forward's signature (inspect.signature,
-        # tens of microseconds per call) before the C++ apply; all thirteen are
-        # positional and have no default, so binding changes nothing and is skipped in eager.
+        # tens of microseconds per call) before the C++ apply; all thirteen are passed
+        # positionally, so binding changes nothing and is skipped in eager.
         out, _, _ = _RELU_LINEAR_APPLY(*args)
     return out
+
+
+def _traced() -> bool:
+    """Under torch.compile or a torch.func transform (Function.apply's full path)."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
 _TAKEN = object()   # a backward took its offloaded block back (its host buffer is reused)
 
 
 def _take_once(stashed):
+    """What a backward takes back (a Stashed, or the gated op's pair); the second time, a
+    clear error."""
     if stashed is _TAKEN:
         raise RuntimeError("an offloaded packed block is taken back by one backward only: a "
                            "second backward through it (retain_graph=True) needs offload=None")
-    return stashed.take()
+    return stashed
 
 
 def _offloader(offload, traced: bool, device: torch.device):
@@ -200,7 +207,7 @@ class ReLULinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_block, _grad_ticket):
         if ctx.stashed is not None:
             ticket, weight, x, w1, b1 = ctx.saved_tensors
-            block, ctx.stashed = _take_once(ctx.stashed), _TAKEN
+            block, ctx.stashed = _take_once(ctx.stashed).take(), _TAKEN
         else:
             block, ticket, weight, x, w1, b1 = ctx.saved_tensors
         a_shape, a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = \
@@ -257,10 +264,8 @@ class GatedReLULinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_r, _grad_u, _grad_ticket):
         if ctx.stashed is not None:  # taken in the reverse of the order they were stashed
             ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
-            stash_r, stash_u = ctx.stashed if ctx.stashed is not _TAKEN else (_TAKEN, _TAKEN)
-            ctx.stashed = _TAKEN
-            block_u = _take_once(stash_u)
-            block_r = _take_once(stash_r)
+            stashed, ctx.stashed = _take_once(ctx.stashed), _TAKEN
+            block_u, block_r = stashed[1].take(), stashed[0].take()
         else:
             block_r, block_u, ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
         a_shape, a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, \
@@ -323,7 +328,7 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
     x, wg, bg, wu, bu = recompute if recompute is not None else (None,) * 5
     g, u = g.contiguous(), u.contiguous()
     pol = _policy(policy, density, g.shape, g.dtype, "gated")
-    traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    traced = _traced()
     args = (g, u, weight, bias, x, wg, bg, wu, bu, pol.capacity(g.numel()),
             _encoding_id(encoding), u_enc, DEFAULT_CHUNK_LOG2, mm_dtype, pol.id,
             _offloader(offload, traced, g.device))

@@ -10,10 +10,11 @@ GPU computes this layer. Streams are ordered by events (``wait_stream`` /
 * The device block is released once its copy is queued: ``record_stream`` keeps the
   caching allocator from reusing the memory before the side stream has read it.
 * Host buffers come from a :class:`PinnedPool` reused step after step, bounded by
-  ``max_host_bytes``, in size classes an eighth of an octave apart (a block whose
-  adaptive capacity moves a little finds its buffer again); a block that does not
-  fit stays on the device (counted in :meth:`Offloader.stats`), it is never dropped. One side stream carries both
-  directions, so a buffer's next copy in always follows its last copy out.
+  ``max_host_bytes``, in power-of-two size classes (a block whose adaptive capacity
+  moves a little finds its buffer again); a block that does not fit stays on the
+  device (counted in :meth:`Offloader.stats`), it is never dropped. One side stream
+  per device carries both directions, so a buffer's next copy in always follows its
+  last copy out; the pool hands a buffer only to the device whose stream last used it.
 * A block is copied whole (its capacity, used or not): bit-identical by
   construction, and the count it carries is read from its ticket as without
   offloading.
@@ -34,31 +35,37 @@ import torch
 
 
 def size_class(nbytes: int) -> int:
-    """The buffer size that serves ``nbytes``: the next eighth of an octave (at most
-    12.5 % more), so blocks whose capacity moves a little reuse one buffer."""
-    if nbytes <= 4096:
-        return 4096
-    step = 1 << max(0, nbytes.bit_length() - 4)
-    return -(-nbytes // step) * step
+    """The buffer size that serves ``nbytes``: the next power of two (at least 4 KiB), as
+    torch's caching host allocator rounds pinned allocations anyway, so ``held`` counts
+    the pinned bytes really taken, and a block whose capacity moves a little finds its
+    buffer again."""
+    return max(4096, 1 << (nbytes - 1).bit_length())
+
+
+_PRUNE_MIN = 256    # stash entries before dead ones (a forward without backward) are dropped
 
 
 class PinnedPool:
-    """Host buffers by size class, pinned where CUDA is, reused; at most ``max_bytes`` held."""
+    """Host buffers by size class, pinned where CUDA is, reused; at most ``max_bytes`` held.
+
+    A buffer comes back with the ``lane`` its last copy ran on (the side stream of one
+    device) and is handed out again only for that lane: copies on one stream are ordered,
+    copies on two are not."""
 
     def __init__(self, max_bytes: Optional[int] = None):
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes={max_bytes} must be >= 0 or None (no bound)")
         self.max_bytes = max_bytes
         self.held = 0                    # bytes allocated, free or in use
-        self._free: dict = {}            # nbytes -> [buffer]
+        self._free: dict = {}            # (lane, nbytes) -> [buffer]
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> Optional[torch.Tensor]:
-        """A buffer of at least ``nbytes`` (its size class), or None when the bound leaves
-        no room for one."""
+    def take(self, nbytes: int, lane=None) -> Optional[torch.Tensor]:
+        """A buffer of at least ``nbytes`` (its size class) free for ``lane``, or None when
+        the bound leaves no room for one."""
         nbytes = size_class(nbytes)
         with self._lock:
-            free = self._free.get(nbytes)
+            free = self._free.get((lane, nbytes))
             if free:
                 return free.pop()
             if self.max_bytes is not None and self.held + nbytes > self.max_bytes:
@@ -68,24 +75,25 @@ class PinnedPool:
             self.held += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: torch.Tensor, lane=None) -> None:
         with self._lock:
-            self._free.setdefault(buf.numel(), []).append(buf)
+            self._free.setdefault((lane, buf.numel()), []).append(buf)
 
     def _evict(self, need: int) -> None:
-        """Drop free buffers (of sizes no longer asked for, say) until ``need`` bytes are gone."""
-        for size in sorted(self._free, reverse=True):
-            bufs = self._free[size]
+        """Drop free buffers (of sizes no longer asked for, say) until ``need`` bytes are
+        gone (they go back to torch's pinned-memory cache)."""
+        for key in sorted(self._free, key=lambda k: k[1], reverse=True):
+            bufs = self._free[key]
             while bufs and need > 0:
                 bufs.pop()
-                self.held -= size
-                need -= size
+                self.held -= key[1]
+                need -= key[1]
             if need <= 0:
                 break
 
     def free_bytes(self) -> int:
         with self._lock:
-            return sum(size * len(b) for size, b in self._free.items())
+            return sum(key[1] * len(b) for key, b in self._free.items())
 
 
 class Stashed:
@@ -106,7 +114,7 @@ class Stashed:
     def __del__(self):
         host, self.host = self.host, None
         if host is not None:
-            self.owner.pool.give(host)
+            self.owner.pool.give(host, self.device)
 
 
 class Offloader:
@@ -124,6 +132,7 @@ class Offloader:
         self.ahead = ahead
         self.pool = PinnedPool(max_host_bytes)
         self._stashed: list = []        # weakrefs, in stash order
+        self._prune_at = _PRUNE_MIN
         self._streams: dict = {}
         self._lock = threading.Lock()
         self._stats = {"offloaded": 0, "kept_on_device": 0, "prefetched": 0, "late": 0,
@@ -155,7 +164,7 @@ class Offloader:
         """Queue ``block``'s copy out (after the work queued so far on the current
         stream, which includes its pack); the caller then drops ``block``."""
         nbytes = block.numel()
-        host = self.pool.take(nbytes)
+        host = self.pool.take(nbytes, block.device)
         if host is None:
             self._stats["kept_on_device"] += 1
             return self._track(Stashed(self, block.device, nbytes, kept=block))
@@ -175,7 +184,9 @@ class Offloader:
         """Remember ``h`` in stash order (kept ones too: a backward that takes one still
         fetches the next ones ahead)."""
         with self._lock:
-            self._stashed = [r for r in self._stashed if r() is not None]
+            if len(self._stashed) >= self._prune_at:   # forwards whose backward never came
+                self._stashed = [r for r in self._stashed if r() is not None]
+                self._prune_at = max(_PRUNE_MIN, 2 * len(self._stashed))
             self._stashed.append(weakref.ref(h))
         return h
 
@@ -197,13 +208,23 @@ class Offloader:
     def _take(self, h: Stashed) -> torch.Tensor:
         late = h.back is None and h.host is not None
         self._fetch(h)
+        nxt = []
         with self._lock:
-            alive = [r() for r in self._stashed]
-            mine = next((i for i, s in enumerate(alive) if s is h), None)
-            nxt = [] if mine is None else [s for s in alive[:mine] if s is not None][::-1]
+            # Backward takes blocks in the reverse of stash order: ``h`` is (nearly) the
+            # last entry, and the next ones to fetch are just before it.
+            mine = None
+            for i in range(len(self._stashed) - 1, -1, -1):
+                s = self._stashed[i]()
+                if mine is None:
+                    if s is h:
+                        mine = i
+                elif s is not None:
+                    nxt.append(s)
+                    if len(nxt) == self.ahead:
+                        break
             if mine is not None:
                 del self._stashed[mine]
-        for s in nxt[:self.ahead]:       # the layers whose backward comes next
+        for s in nxt:                    # the blocks whose backward comes next
             if s.back is None and s.host is not None:
                 self._fetch(s)
                 self._stats["prefetched"] += 1
@@ -215,7 +236,7 @@ class Offloader:
             back.record_stream(cur)      # allocated on the side stream, used on this one
         host, h.host, h.back, h.ready = h.host, None, None, None
         if host is not None:             # its next copy in runs after this one (one stream)
-            self.pool.give(host)
+            self.pool.give(host, h.device)
         return back
 
 

@@ -334,8 +334,6 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     if needs & NEED_W:
         # the forward's relu(a)**2, rounded the same single way; in place where r is
         # not needed again (the fused gradient reads the packed block)
-        # the forward's relu(a)**2, rounded the same single way; in place where r is
-        # not needed again (the fused gradient reads the packed block)
         grad_w = _linear_weight_grad(g2, (r.mul_(r) if clean else r * r) if square else r,
                                      mm_dtype)
     if needs & NEED_A:

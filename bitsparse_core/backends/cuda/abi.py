@@ -79,8 +79,9 @@ def stream_width(dtype: _dt.DType, enc: Encoding) -> int:
 
 
 def pack_scratch_bytes(n_tiles: int) -> int:
-    """Pack scratch (zeroed before launch): 16-byte tile counter, an 8-byte count
-    descriptor per tile (padded to an even count), a 16-byte edge record per tile."""
+    """Pack scratch (zeroed before launch): the tile counter and the grid barrier's count
+    (8 bytes each), an 8-byte count descriptor per tile (padded to an even count), a
+    16-byte edge record per tile."""
     return 16 + 8 * (n_tiles + n_tiles % 2) + 16 * n_tiles
 
 

@@ -47,8 +47,8 @@ def launch(func: int, grid: int, block: int, smem: int, stream: int, args) -> No
 
 
 def launch_cooperative(func: int, grid: int, block: int, smem: int, stream: int, args) -> None:
-    """A launch whose blocks are all resident at once (a persistent kernel's blocks
-    then never wait for a slot); needs no relocatable device code."""
+    """A launch whose blocks are all resident at once (the pack kernel's closing grid
+    barrier relies on it); needs no relocatable device code."""
     if grid > 0:
         check(lib().cuLaunchCooperativeKernel(func, grid, 1, 1, block, 1, 1, smem, stream,
                                               args.pointers), "cuLaunchCooperativeKernel")

@@ -89,17 +89,21 @@ def pack_plan(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int,
     for name in ("mask", "offsets"):   # a masked pack's: lengths only (another block's)
         spans.setdefault(name, (0, lay.sections[name][1]))
     rounds = abi.pack_rounds(mode)
-    n_tiles = -(-lay.numel // abi.tile_elems(dtype, rounds))
+    n_tiles = pack_tiles(lay.numel, dtype, mode)
     return PackPlan(lay, Mode(mode), tuple(spans[n] for n in ("mask", "offsets", "values", "signs")),
                     pos, pos + abi.STATUS_BYTES, rounds, n_tiles,
                     pack_scratch_bytes(lay.numel, dtype, mode),
                     abi.pack_smem_bytes(dtype, encoding, rounds), abi.stream_width(dtype, encoding))
 
 
+def pack_tiles(numel: int, dtype: _dt.DType, mode: Mode) -> int:
+    return -(-numel // abi.tile_elems(dtype, abi.pack_rounds(mode)))
+
+
 def pack_scratch_bytes(numel: int, dtype: _dt.DType, mode: Mode) -> int:
     """The scratch of any pack of ``numel`` elements in ``mode`` (whatever its capacity:
     a caller may allocate it before the plan is known)."""
-    return abi.pack_scratch_bytes(-(-numel // abi.tile_elems(dtype, abi.pack_rounds(mode))))
+    return abi.pack_scratch_bytes(pack_tiles(numel, dtype, mode))
 
 
 # Argument records are built once per thread (a launch copies them, so a record
@@ -147,17 +151,22 @@ class _PackLaunch:
                            else (-(-plan.spans[2][1] // 4), -(-plan.spans[3][1] // 4)))
 
 
-def _pack_launch(plan: PackPlan, device: int) -> _PackLaunch:
-    """This thread's launches of ``plan`` (a launch reads its record while ctypes has
-    released the GIL, so threads never share one)."""
-    cache = getattr(_RECORDS, "pack", None)
+def _launch(kind: str, key, make, anchor=None):
+    """This thread's launch object for ``key`` (a launch reads its record while ctypes has
+    released the GIL, so threads never share one), made by ``make()`` on a miss.
+    ``anchor``: the object an ``id`` in the key stands for (an id can be reused)."""
+    cache = getattr(_RECORDS, kind, None)
     if cache is None or len(cache) > _LAUNCH_CACHE_SIZE:
-        cache = _RECORDS.pack = {}
-    key = (id(plan), device)
+        cache = {}
+        setattr(_RECORDS, kind, cache)
     entry = cache.get(key)
-    if entry is None or entry[0] is not plan:
-        entry = cache[key] = (plan, _PackLaunch(plan, device))
+    if entry is None or entry[0] is not anchor:
+        entry = cache[key] = (anchor, make())
     return entry[1]
+
+
+def _pack_launch(plan: PackPlan, device: int) -> _PackLaunch:
+    return _launch("pack", (id(plan), device), lambda: _PackLaunch(plan, device), plan)
 
 
 def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, scratch: int,
@@ -231,14 +240,10 @@ class _UnpackLaunch:
 
 
 def _unpack_launch(lay: _fmt.Layout, op: Op, u_encoding: int, device: int) -> _UnpackLaunch:
-    cache = getattr(_RECORDS, "unpack", None)
-    if cache is None or len(cache) > _LAUNCH_CACHE_SIZE:
-        cache = _RECORDS.unpack = {}
-    key = (id(lay), op, u_encoding, device)
-    entry = cache.get(key)
-    if entry is None or entry[0] is not lay:   # layouts come from cached_layout: ids repeat
-        entry = cache[key] = (lay, _UnpackLaunch(lay, op, u_encoding, device))
-    return entry[1]
+    # keyed by what the launch follows from, not the capacity: every exact pack has a
+    # capacity (and so a layout) of its own
+    key = (lay.dtype, lay.encoding, lay.numel, lay.chunk_log2, op, u_encoding, device)
+    return _launch("unpack", key, lambda: _UnpackLaunch(lay, op, u_encoding, device))
 
 
 def enqueue_unpack(lay: _fmt.Layout, p: Planes, op: Op, device: int, stream: int, out: int,

@@ -107,12 +107,12 @@ class CupyBackend:
     _available = None
 
     def is_available(self) -> bool:
-        if self._available is None:        # asked on every call: the answer is kept
+        if not self._available:            # asked on every call: a yes is kept
             try:
                 import cupy
                 CupyBackend._available = cupy.cuda.runtime.getDeviceCount() > 0
             except Exception:  # noqa: BLE001 -- no CuPy, no driver, no device: all "unavailable"
-                CupyBackend._available = False
+                return False
         return self._available
 
     # ------------------------------------------------------------------ pack

@@ -2,7 +2,7 @@
 wholly inside its bit range (``copy_inner``) and records its first and last 32
 stored bits (``stream_edges``); ``k_finish`` then writes each word holding bits
 of several tiles, or the stream's last partly filled word, from those edge
-records (as the CuPy backend's ``bitsparse_stitch``), and at a fixed capacity
+records (as the CuPy pack kernel's ``bs_stitch_word``), and at a fixed capacity
 zeroes what lies past the stored values. So no word is written twice, no
 atomics touch the output and padding bits come out zero.
 """
