@@ -22,12 +22,14 @@ counted once before timing. The ops, with their host-time targets:
 ``p`` is an exact ``pack(x, encoding="nosign")``, as the torch adapter saves it
 (capacity == nnz, nnz known, no status word left to read).
 
-Argument modes (``--modes``): ``torch`` passes
+Argument modes (``--modes``): ``torch`` passes no ``stream=`` / ``allocator=``
+(on torch tensors the library then runs on torch's current stream with memory
+from torch's caching allocator, as a torch user calls it); ``callable`` passes
 ``stream=torch.cuda.current_stream().cuda_stream`` (read once, before timing)
-and ``allocator=`` a function returning ``torch.empty(nbytes, dtype=uint8)``,
-as the torch adapter does; ``default`` passes neither (CuPy's current stream
-and memory pool). ``pack`` / ``relu_pack`` get ``backend=``; the other ops
-dispatch on the packed tensor, which was made by that backend.
+and ``allocator=`` a Python function returning ``torch.empty(nbytes,
+dtype=uint8)`` (what a caller wiring its own allocator pays). ``pack`` /
+``relu_pack`` get ``backend=``; the other ops dispatch on the packed tensor,
+which was made by that backend.
 
 What is measured, and why
 =========================
@@ -149,9 +151,9 @@ def parse_args(argv=None):
                                         "BENCH_CASES hook contract.")
     ap.add_argument("--backends", default="cupy,numba",
                     help="comma-separated (default: cupy,numba)")
-    ap.add_argument("--modes", default="torch,default",
-                    help="torch: stream= and allocator= as the torch adapter passes them; "
-                         "default: neither (default: torch,default)")
+    ap.add_argument("--modes", default="torch,callable",
+                    help="torch: no stream= / allocator= (torch's own, by default); callable: "
+                         "an int stream and a Python allocator function (default: both)")
     ap.add_argument("--small", default="1x4096", help="shape where GPU time is negligible")
     ap.add_argument("--large", default=None,
                     help="comma-separated shapes, '' for none (default: 8192x16384,8192x14336; "
@@ -175,15 +177,15 @@ def parse_args(argv=None):
     args.warmup = max(args.warmup, 20)
     args.backends = [b for b in args.backends.split(",") if b]
     args.modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in args.modes if m not in ("torch", "default")]
+    bad = [m for m in args.modes if m not in ("torch", "callable")]
     if bad:
-        ap.error(f"unknown mode(s) {bad}; use torch and/or default")
+        ap.error(f"unknown mode(s) {bad}; use torch and/or callable")
     args.small = parse_shape(args.small)
     if args.large is None:
         args.large = "16x4096" if args.cpu_smoke else "8192x16384,8192x14336"
     args.large = [parse_shape(s) for s in args.large.split(",") if s]
     if args.cpu_smoke:
-        args.backends, args.modes = ["numpy"], ["default"]
+        args.backends, args.modes = ["numpy"], ["torch"]
     return args
 
 
@@ -298,8 +300,8 @@ def make_inputs(torch, dev: Device, shape, sparsity: float, seed: int) -> dict:
 
 
 def call_kwargs(torch, dev: Device, mode: str) -> dict:
-    """``stream=`` / ``allocator=`` as the torch adapter passes them, or nothing."""
-    if mode == "default" or not dev.cuda:
+    """``stream=`` and an ``allocator=`` function (mode ``callable``), or nothing."""
+    if mode == "torch" or not dev.cuda:
         return {}
     stream = int(torch.cuda.current_stream().cuda_stream)
 
@@ -675,8 +677,9 @@ def write_markdown(res, path: Path):
              f"cupy {meta['cupy']}, numba {meta['numba']}, Python {meta['python']}, "
              f"commit {(meta.get('git_commit') or '?')[:12]}.", "",
              f"bf16 inputs at sparsity {cfg['sparsity']}; K = nnz(x); p = exact nosign pack. "
-             f"Mode `torch`: stream = torch's current stream, allocator = torch uint8 tensors (as "
-             f"the torch adapter); `default`: no stream / allocator arguments.", "",
+             f"Mode `torch`: no stream / allocator arguments (torch's current stream and caching "
+             f"allocator, the library's defaults for torch data); `callable`: an int stream and "
+             f"a Python allocator function returning torch uint8 tensors.", "",
              f"* small [{shape_name(small)}]: host = wall of a {cfg['iters']}-call loop / "
              f"{cfg['iters']} (no sync inside, outputs kept), median of {cfg['repeats']} loops; "
              f"GPU = CUDA events, mean of {cfg['gpu_reps']} calls. The targets are checked on "

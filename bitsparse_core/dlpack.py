@@ -224,8 +224,12 @@ def device_of(x) -> tuple:
     if isinstance(x, np.ndarray):
         return ("cpu", 0)
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor) and x.device.type in ("cpu", "cuda"):
-        return (x.device.type, x.device.index or 0)      # torch's __dlpack_device__ is Python
+    if torch is not None and isinstance(x, torch.Tensor):
+        # torch's __dlpack_device__ is Python, and each .device access makes an object
+        if x.is_cuda:
+            return ("cuda", x.get_device())
+        if x.is_cpu:
+            return ("cpu", 0)
     if hasattr(x, "__dlpack_device__"):
         dev_type, dev_id = x.__dlpack_device__()
         return (DEVICE_NAMES.get(int(dev_type), f"dlpack-device-{int(dev_type)}"), int(dev_id))

@@ -5,8 +5,10 @@ Contract
 ========
 
 Streams.  Every GPU entry point takes ``stream=``: ``None`` (CuPy's current
-stream), a raw ``cudaStream_t`` as an int (1 = legacy default, 2 = per-thread
-default), a ``cupy.cuda.Stream`` (``.ptr``), or any object with ``.cuda_stream``
+stream; the public ``bitsparse_core`` functions pass torch's current stream for
+torch CUDA data instead, :func:`torch_defaults`), a raw ``cudaStream_t`` as an
+int (1 = legacy default, 2 = per-thread default), a ``cupy.cuda.Stream``
+(``.ptr``), or any object with ``.cuda_stream``
 (torch streams) or ``.handle`` (Numba streams). :func:`stream_handle` turns it
 into the raw int every kernel launch uses. Nothing runs on an implicit stream.
 
@@ -24,8 +26,9 @@ Allocation.  An allocator is any callable
 exposes ``__cuda_array_interface__`` or ``__dlpack__`` for a 1-D uint8 buffer of
 at least ``nbytes`` bytes on ``device``, usable in stream order on ``stream``;
 the object is kept alive as long as any view of the memory. The default is
-CuPy's memory pool (stream-ordered on ``stream``); :func:`torch_allocator` uses
-PyTorch's caching allocator so ``torch.cuda.max_memory_allocated`` sees it.
+CuPy's memory pool (stream-ordered on ``stream``); the public functions use
+PyTorch's caching allocator for torch CUDA data (:func:`torch_allocator`, so
+``torch.cuda.max_memory_allocated`` sees it).
 A packed tensor is ONE allocation, laid out by :func:`.host.pack_plan`.
 Torch tensors (inputs, and allocator results) are taken by pointer, without a
 DLPack round trip.
@@ -261,23 +264,49 @@ def cupy_allocator(nbytes: int, device: int, stream: int):
         return cupy.empty(nbytes, dtype=cupy.uint8)
 
 
-def torch_allocator(nbytes: int, device: int, stream: int):
-    """PyTorch's caching allocator (counted by ``torch.cuda.max_memory_allocated``)."""
-    import torch
-    dev = torch.device("cuda", device)
-    if stream in (0, 1, 2):
-        with torch.cuda.device(dev):
-            return torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev)):
-        return torch.empty(nbytes, dtype=torch.uint8, device=dev)
-
-
 @dataclass
 class DeviceBuffer:
     ptr: int
     nbytes: int
     device: int
     owner: Any = field(repr=False)
+
+
+_TORCH_DEVICES: dict = {}      # device index -> torch.device, made once each
+
+
+def torch_buffer(nbytes: int, device: int, stream: int) -> DeviceBuffer:
+    """``nbytes`` from PyTorch's caching allocator, stream-ordered on ``stream``; no
+    stream context when ``stream`` is torch's current one on ``device`` (a call that
+    named no stream), which is what makes it cheap."""
+    torch = sys.modules["torch"]
+    dev = _TORCH_DEVICES.get(device)
+    if dev is None:
+        dev = _TORCH_DEVICES[device] = torch.device("cuda", device)
+    if same_stream(stream, torch_stream(device)):
+        t = torch.empty((nbytes,), dtype=torch.uint8, device=dev)
+    else:
+        on = (torch.cuda.default_stream(dev) if stream in (0, 1)
+              else torch.cuda.ExternalStream(stream, device=dev))
+        with torch.cuda.stream(on):
+            t = torch.empty((nbytes,), dtype=torch.uint8, device=dev)
+    return DeviceBuffer(t.data_ptr(), nbytes, device, t)
+
+
+def torch_allocator(nbytes: int, device: int, stream: int):
+    """PyTorch's caching allocator (counted by ``torch.cuda.max_memory_allocated``): a
+    1-D uint8 tensor. The default for torch CUDA inputs (:func:`torch_defaults`)."""
+    import torch  # noqa: F401 -- torch_buffer finds it in sys.modules
+    return torch_buffer(int(nbytes), int(device), int(stream)).owner
+
+
+def torch_defaults(device: int, stream, allocator):
+    """``(stream, allocator)`` of a call on torch CUDA data on ``device``: where the
+    caller named none, torch's current stream there and its caching allocator, as
+    torch's own ops would use (not CuPy's stream and pool, which torch neither
+    orders after nor counts)."""
+    return (torch_stream(device) if stream is None else stream,
+            torch_allocator if allocator is None else allocator)
 
 
 def default_buffer(nbytes: int, device: int, stream: int) -> DeviceBuffer:
@@ -298,6 +327,8 @@ def allocate(nbytes: int, device: int, stream: int, allocator: Optional[Allocato
     """``nbytes`` bytes from ``allocator`` (default: CuPy's pool), checked."""
     if allocator is None:
         return default_buffer(int(nbytes), int(device), int(stream))
+    if allocator is torch_allocator:          # no tensor round trip through the callable
+        return torch_buffer(int(nbytes), int(device), int(stream))
     obj = allocator(int(nbytes), int(device), int(stream))
     if _torch_tensor(obj) is not None:
         ptr, size, owner = obj.data_ptr(), obj.numel() * obj.element_size(), obj
@@ -457,8 +488,13 @@ class DevicePlane(CudaArray):
     __slots__ = ()
 
     def __init__(self, ptr: int, count: int, dtype: np.dtype, device: int, owner, stream: int):
-        self.ptr, self.shape, self.device, self.stream = ptr, (count,), device, stream
-        self.dtype, self._owner, self._elem = dtype, owner, _PLANE_ELEMS[dtype]
+        self.ptr = ptr
+        self.shape = (count,)
+        self.device = device
+        self.stream = stream
+        self.dtype = dtype
+        self._owner = owner
+        self._elem = _PLANE_ELEMS[dtype]
 
     @property
     def itemsize(self) -> int:
@@ -470,7 +506,8 @@ class DevicePlane(CudaArray):
 
 def plane_of(buf, offset: int, nbytes: int, dtype, stream: int) -> DevicePlane:
     """The plane of ``nbytes`` bytes at ``offset`` in the device buffer ``buf``."""
-    dtype = np.dtype(dtype)
+    if not isinstance(dtype, np.dtype):
+        dtype = np.dtype(dtype)
     return DevicePlane(buf.ptr + offset, nbytes // dtype.itemsize, dtype, buf.device, buf, stream)
 
 

@@ -27,6 +27,7 @@ from .kernels import warm_cache  # noqa: F401  (bench scripts warm the compile c
 
 Encoding = _fmt.Encoding
 _OFFSET_DTYPES = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_U8, _I32 = np.dtype(np.uint8), np.dtype(np.int32)
 
 
 def _read_host(ptr: int, nbytes: int, stream: int) -> np.ndarray:
@@ -133,12 +134,12 @@ class CupyBackend:
         plane = ci.plane_of
         ex = {"stream": s, **extra} if extra else {"stream": s}
         return PackedTensor(t.shape, t.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
-                            plane(buf, mo, ml, np.uint8, s) if mask is None else mask,
+                            plane(buf, mo, ml, _U8, s) if mask is None else mask,
                             plane(buf, oo, ol, _OFFSET_DTYPES[lay.offset_width], s)
                             if offsets is None else offsets,
-                            plane(buf, vo, vl, np.uint8, s), plane(buf, so, sl, np.uint8, s),
+                            plane(buf, vo, vl, _U8, s), plane(buf, so, sl, _U8, s),
                             backend=self, device=("cuda", buf.device), _nnz=nnz,
-                            status=(plane(buf, plan.status_offset, 4, np.int32, s)
+                            status=(plane(buf, plan.status_offset, 4, _I32, s)
                                     if status else None),
                             extra=ex)
 

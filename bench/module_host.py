@@ -1,0 +1,201 @@
+"""Host time of one FFN layer in training, packed against dense, where the GPU time is
+negligible: what the GPU waits for in a host-bound step (bench/train_gpt.py's gpt12).
+
+bench/host_overhead.py times the library's ops one by one; this times what a model
+calls: the module's forward under autograd, and forward plus backward, on a few
+tokens (GPU work of a few µs per kernel), beside the dense ReLU² MLP of the GPT
+bench (``fc2(relu(fc1(x))²)``) and the same MLP under activation checkpointing.
+Every loop is timed without a sync inside, torch's ``x + x`` first and last gives
+this host's speed, and each layer's cost is also given in those units (the host of
+the device machine drifts by up to 2x within minutes: compare within a run).
+
+    python bench/module_host.py [--tokens 128] [--d 1024] [--ff 4096] [--out DIR]
+        [--cprofile]    # also a cProfile of the packed layer's forward + backward
+
+Writes OUT/module_host.{json,md,png} (and module_host_cprofile.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import bitsparse_core.torch as bst  # noqa: E402
+
+
+class DenseReLU2FFN(nn.Module):
+    def __init__(self, d: int, ff: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, ff), nn.Linear(ff, d)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)).square())
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def build(args, device):
+    torch.manual_seed(0)
+    dense = DenseReLU2FFN(args.d, args.ff).to(device, torch.bfloat16)
+    with torch.no_grad():
+        dense.fc1.bias.fill_(-0.02)       # some zeros, as a trained layer has many
+    return {
+        "dense": dense,
+        "checkpoint": Checkpointed(dense),
+        "packed-nosign": bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="nosign"),
+        "packed-raw": bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="raw"),
+    }
+
+
+def loop_us(fn, n: int, repeats: int, sync) -> float:
+    """Median over ``repeats`` loops of the wall time per call (no sync inside a loop)."""
+    out = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+        sync()
+    return statistics.median(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--d", type=int, default=1024)
+    ap.add_argument("--ff", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    models = build(args, device)
+    x = torch.randn(args.tokens, args.d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(args.tokens, args.d, device=device, dtype=torch.bfloat16)
+    small = torch.randn(1, 4096, device=device)
+
+    def forward(m):
+        return lambda: m(x)
+
+    def train(m):
+        return lambda: m(x).backward(g)
+
+    def add():
+        return small + small
+
+    for m in models.values():          # warm-up: kernels, capacity policies, allocator
+        for _ in range(30):
+            train(m)()
+    sync()
+    rows = []
+    ref = [loop_us(add, args.iters, args.repeats, sync)]
+    for name, m in models.items():
+        rows.append({"variant": name,
+                     "forward_us": loop_us(forward(m), args.iters, args.repeats, sync),
+                     "train_us": loop_us(train(m), args.iters, args.repeats, sync)})
+    ref.append(loop_us(add, args.iters, args.repeats, sync))
+    add_us = statistics.mean(ref)
+    dense = rows[0]
+    for r in rows:
+        r["backward_us"] = r["train_us"] - r["forward_us"]
+        r["train_in_adds"] = r["train_us"] / add_us
+        r["train_minus_dense_us"] = r["train_us"] - dense["train_us"]
+        r["train_x_dense"] = r["train_us"] / dense["train_us"]
+    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                 time.gmtime()),
+           "config": {k: getattr(args, k) for k in ("tokens", "d", "ff", "iters", "repeats")},
+           "x_plus_x_us": ref, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.cprofile:
+        prof = cProfile.Profile()
+        fn = train(models["packed-nosign"])
+        prof.enable()
+        for _ in range(args.iters):
+            fn()
+        prof.disable()
+        sync()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        (out / "module_host_cprofile.txt").write_text(text.getvalue())
+    (out / "module_host.json").write_text(json.dumps(res, indent=2))
+    write_md(res, out / "module_host.md")
+    write_plot(res, out / "module_host.png")
+    for r in rows:
+        print(f"{r['variant']:14s} forward {r['forward_us']:7.1f} us  backward "
+              f"{r['backward_us']:7.1f} us  train {r['train_us']:7.1f} us  "
+              f"x dense {r['train_x_dense']:.2f}")
+    print(f"x + x {ref[0]:.1f} / {ref[1]:.1f} us (first / last)")
+    return 0
+
+
+def write_md(res: dict, path: Path) -> None:
+    c = res["config"]
+    lines = [f"# Host time of one FFN layer in training ({res['device']})", "",
+             f"{res['date_utc']}; torch {res['torch']}; bf16, {c['tokens']} tokens, d={c['d']}, "
+             f"d_ff={c['ff']} (GPU time negligible); median of {c['repeats']} loops of "
+             f"{c['iters']} calls, no sync inside a loop. This host: `x + x` "
+             f"{res['x_plus_x_us'][0]:.1f} / {res['x_plus_x_us'][1]:.1f} µs (first / last).", "",
+             "| variant | forward µs | backward µs | forward + backward µs | in x+x | "
+             "− dense µs | × dense |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in res["rows"]:
+        lines.append(f"| {r['variant']} | {r['forward_us']:.1f} | {r['backward_us']:.1f} | "
+                     f"{r['train_us']:.1f} | {r['train_in_adds']:.1f} | "
+                     f"{r['train_minus_dense_us']:+.1f} | {r['train_x_dense']:.2f} |")
+    lines += ["", "Backward = (forward + backward) − forward of separate loops. The dense "
+              "layer is the GPT bench's MLP; `checkpoint` is it under non-reentrant "
+              "checkpointing; `packed-*` are `PackedReLU2FFN.from_dense` of it."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(res: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = res["rows"]
+    names = [r["variant"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fwd = [r["forward_us"] for r in rows]
+    bwd = [r["backward_us"] for r in rows]
+    ax.barh(names, fwd, label="forward")
+    ax.barh(names, bwd, left=fwd, label="backward")
+    ax.set_xlabel("host µs per layer (forward + backward)")
+    ax.invert_yaxis()
+    ax.legend(loc="lower right")
+    ax.set_title("One FFN layer's host time in training")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
