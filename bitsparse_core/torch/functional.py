@@ -151,6 +151,14 @@ def _traced() -> bool:
     return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
+def _no_zero_grads(ctx) -> None:
+    """Eager autograd would hand backward a zero tensor for every non-differentiable output
+    (a fill of the block-sized buffer per layer); None instead. A trace keeps its own
+    rule (tensors), which backward takes as well."""
+    if not _traced():
+        ctx.set_materialize_grads(False)
+
+
 _TAKEN = object()   # a backward took its offloaded block back (its host buffer is reused)
 
 
@@ -193,6 +201,7 @@ class ReLULinearFunction(torch.autograd.Function):
          offload) = inputs
         _, block, ticket = output
         ctx.mark_non_differentiable(block, ticket)
+        _no_zero_grads(ctx)
         if offload is not None:      # the block goes to the host; backward takes it back
             ctx.stashed = offload.stash(block)
             ctx.save_for_backward(ticket, weight, x, w1, b1)
@@ -205,6 +214,8 @@ class ReLULinearFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, _grad_block, _grad_ticket):
+        if grad_out is None:             # the output was not used: nothing flows back
+            return (None,) * 13
         if ctx.stashed is not None:
             ticket, weight, x, w1, b1 = ctx.saved_tensors
             block, ctx.stashed = _take_once(ctx.stashed).take(), _TAKEN
@@ -250,6 +261,7 @@ class GatedReLULinearFunction(torch.autograd.Function):
          mm_dtype, policy, offload) = inputs
         _, block_r, block_u, ticket = output
         ctx.mark_non_differentiable(block_r, block_u, ticket)
+        _no_zero_grads(ctx)
         if offload is not None:      # both blocks go to the host; backward takes them back
             ctx.stashed = (offload.stash(block_r), offload.stash(block_u))
             ctx.save_for_backward(ticket, weight, x, wg, bg, wu, bu)
@@ -262,6 +274,8 @@ class GatedReLULinearFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, _grad_r, _grad_u, _grad_ticket):
+        if grad_out is None:
+            return (None,) * 16
         if ctx.stashed is not None:  # taken in the reverse of the order they were stashed
             ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
             stashed, ctx.stashed = _take_once(ctx.stashed), _TAKEN
