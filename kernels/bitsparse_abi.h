@@ -13,6 +13,8 @@
 #define BS_OP_RELU2 1
 #define BS_OP_GATED 2
 #define BS_OP_GATED_DENSE 3
+#define BS_OP_RELU_AND_R 4
+#define BS_OP_RELU2_AND_SQUARE 5
 #define BS_THREADS 256
 #define BS_WARPS 8
 #define BS_STATUS_NOSIGN_VIOLATION 1

@@ -15,7 +15,7 @@ from gpu_util import (assert_same_bits, assert_same_planes, device_bits, fresh_r
 cp = require_cuda("cupy")
 
 import bitsparse_core as bc  # noqa: E402
-from bitsparse_core.backends.cuda import interop as ci  # noqa: E402
+from bitsparse_core.backends.cuda import abi, interop as ci  # noqa: E402
 from bitsparse_core import dtypes as _dt  # noqa: E402
 from bitsparse_core.spec import codec as reference, ops as reference_ops  # noqa: E402
 from bitsparse_core.errors import (CapacityOverflowError, EncodingError,  # noqa: E402
@@ -372,6 +372,42 @@ def test_torch_allocator_sees_memory(request):
     assert_bits(y, x)
 
 
+def test_torch_data_defaults_to_torch_stream_and_allocator(request):
+    """On torch CUDA tensors, calls that name no stream / allocator run as torch's own
+    ops: on torch's current stream, with memory torch counts; the packed tensor's ops
+    follow it. An explicit allocator still wins."""
+    torch = pytest.importorskip("torch")
+    rng = _rng(request)
+    x = random_bits(rng, (1 << 20,), _dt.BFLOAT16, 0.9)
+    relu_in = random_bits(rng, (1 << 20,), _dt.BFLOAT16, 0.5)
+    tx = torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
+    ta = torch.from_numpy(relu_in.view(np.int16)).cuda().view(torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        before = torch.cuda.memory_allocated()
+        p = bc.pack(tx, capacity=int(np.count_nonzero(x.view(np.uint16))) + 7,
+                    encoding="signplane")
+        assert p.extra["stream"] == side.cuda_stream
+        assert torch.cuda.memory_allocated() - before >= p.nbytes - p.layout.header_size
+        mid = torch.cuda.memory_allocated()
+        y = bc.unpack(p)
+        assert y.stream == side.cuda_stream
+        assert torch.cuda.memory_allocated() - mid >= x.nbytes
+        r, pr = bc.relu_pack(ta, capacity=ta.numel(), encoding="signplane")  # -NaN stays
+        g = bc.relu2_backward(tx, pr)
+        assert (r.stream, pr.extra["stream"], g.stream) == (side.cuda_stream,) * 3
+    torch.cuda.current_stream().wait_stream(side)
+    assert_bits(y, x)
+    assert_bits(r, reference_ops.relu_bits(relu_in, _dt.BFLOAT16))
+    assert_same(p, reference.pack_array(x, _dt.BFLOAT16, "signplane"), "torch defaults")
+    before = torch.cuda.memory_allocated()
+    q = bc.pack(tx, capacity=tx.numel(), encoding="signplane", allocator=ci.cupy_allocator)
+    assert torch.cuda.memory_allocated() == before
+    assert_bits(bc.unpack(q, allocator=ci.cupy_allocator), x)
+    assert torch.cuda.memory_allocated() == before
+
+
 def test_unpack_sparse_and_dense_warps(request):
     """Unpack picks, per warp and round, a scatter of the few stored values or the
     per-word expand: density changing every 64..1024 elements puts both, and the
@@ -400,6 +436,18 @@ def test_unpack_sparse_and_dense_warps(request):
         _, p_ref = reference_ops.relu_pack(a, dt)
         G = _Bits(dev(g), dt)
         assert_bits(bc.relu2_backward(G, p), reference_ops.relu2_backward(g, p_ref), "relu2_bwd")
+        # the torch adapter's one-decode backward ops: the gradient and the activation
+        s = ci.stream_handle(None)
+        gt = ci.import_cuda(G, stream=s)
+        y2_ref, _ = reference_ops.relu_pack(a, dt, square=True)
+        for op, grad_ref, h_ref in (
+                (abi.Op.RELU_AND_R, reference_ops.relu_backward(g, p_ref), bc.unpack(p_ref)),
+                (abi.Op.RELU2_AND_SQUARE, reference_ops.relu2_backward(g, p_ref), y2_ref)):
+            out = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
+            h = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
+            BE._unpack_op(p, op, s, None, out.ptr, grad=gt.ptr, out2=h.ptr)
+            assert_bits(out, grad_ref, f"{op.name} gradient")
+            assert_bits(h, h_ref, f"{op.name} activation")
         pu = bc.masked_pack(_Bits(dev(u), dt), p, encoding="signplane")
         pu_ref = reference_ops.masked_pack(u, dt, p_ref, encoding="signplane")
         gg, gu = bc.gated_backward(G, p, pu)
@@ -440,6 +488,18 @@ def test_fused_ops(request, dt):
         G = _Bits(dev(g), dt)
         assert_bits(bc.relu_backward(G, p), reference_ops.relu_backward(g, p_ref), "relu_bwd")
         assert_bits(bc.relu2_backward(G, p), reference_ops.relu2_backward(g, p_ref), "relu2_bwd")
+        # the torch adapter's one-decode backward ops: the gradient and the activation
+        s = ci.stream_handle(None)
+        gt = ci.import_cuda(G, stream=s)
+        y2_ref, _ = reference_ops.relu_pack(a, dt, square=True)
+        for op, grad_ref, h_ref in (
+                (abi.Op.RELU_AND_R, reference_ops.relu_backward(g, p_ref), bc.unpack(p_ref)),
+                (abi.Op.RELU2_AND_SQUARE, reference_ops.relu2_backward(g, p_ref), y2_ref)):
+            out = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
+            h = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
+            BE._unpack_op(p, op, s, None, out.ptr, grad=gt.ptr, out2=h.ptr)
+            assert_bits(out, grad_ref, f"{op.name} gradient")
+            assert_bits(h, h_ref, f"{op.name} activation")
         for enc in ("signplane", "raw"):
             pu = bc.masked_pack(_Bits(dev(u), dt), p, encoding=enc)
             pu_ref = reference_ops.masked_pack(u, dt, p_ref, encoding=enc)
