@@ -259,3 +259,38 @@ def test_only_the_gradients_asked_for_are_computed(frozen):
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     assert all(p.grad is None for p in getattr(m, frozen).parameters())
+
+
+@pytest.mark.parametrize("cls", FFNS)
+def test_eager_calls_kernels_directly_and_a_dispatch_mode_sees_the_ops(monkeypatch, cls):
+    """In plain eager the Packed modules call the ops' kernels without the dispatcher;
+    under a dispatch mode the same calls go through torch.ops (so the mode sees them),
+    with the same results, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from bitsparse_core.torch import ops as _ops
+    direct = []
+    for name, fn in list(_ops.IMPLS.items()):
+        monkeypatch.setitem(_ops.IMPLS, name,
+                            lambda *a, _n=name, _f=fn: direct.append(_n) or _f(*a))
+    torch.manual_seed(0)
+    m = cls(16, 64, density=1.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    eager = _grads(m, m, x, steps=1)
+    assert sorted(set(direct)) == sorted(n for n in _ops.IMPLS if n.startswith(
+        "gated" if cls is bst.PackedReGLUFFN else "relu"))
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    direct.clear()
+    with Log():
+        logged = _grads(m, m, x, steps=1)
+    assert direct == []
+    assert any(s.startswith("bitsparse.") and "backward" in s for s in seen)
+    assert any(s.startswith("bitsparse.") and "backward" not in s for s in seen)
+    for a, b in zip(eager[1] + [eager[0]], logged[1] + [logged[0]]):
+        assert torch.equal(a, b)

@@ -50,7 +50,8 @@ def _check_encoding(encoding: str, what: str = "encoding") -> str:
 
 
 def _check_input(t: torch.Tensor, name: str) -> None:
-    B.check_device(t.device)
+    if not (t.is_cuda or t.is_cpu):                  # (t.device makes an object per call)
+        B.check_device(t.device)
     B.bs_dtype(t.dtype)
     if t.layout != torch.strided:
         raise B.UnsupportedDeviceError(f"{name}: only strided (dense) tensors can be packed")
@@ -82,12 +83,14 @@ def _autocast(t, dtype):
 # --------------------------------------------------------------------------- #
 # Functional API                                                              #
 # --------------------------------------------------------------------------- #
+# "auto" would need a scan of the activation before packing; relu(a) holds no negative
+# value but a negative NaN, so nosign is its encoding.
+_ENCODING_IDS = {"raw": int(Encoding.RAW), "nosign": int(Encoding.NOSIGN),
+                 "signplane": int(Encoding.SIGNPLANE), "auto": int(Encoding.NOSIGN)}
+
+
 def _encoding_id(encoding: str) -> int:
-    if encoding == "auto":
-        # "auto" would need a scan of the activation before packing; relu(a) holds no
-        # negative value but a negative NaN, so nosign is its encoding.
-        return int(Encoding.NOSIGN)
-    return int(Encoding.parse(encoding))
+    return _ENCODING_IDS[encoding]
 
 
 _FUNCTIONAL_POLICIES: dict = {}
@@ -151,6 +154,26 @@ def _traced() -> bool:
     return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
+
+
+def _call(name: str, args: tuple, n_tensors: int):
+    """``torch.ops.bitsparse.<name>(*args)``. In plain eager (CUDA or CPU tensors, no trace,
+    no dispatch mode, no tensor subclass among the first ``n_tensors`` arguments) its
+    Python kernel is called directly: the dispatcher's boxing of a dozen arguments costs
+    tens of µs per call on a training step's critical path. Under the profiler the call
+    keeps the op's name."""
+    lead = args[0]
+    if ((lead.is_cuda or lead.is_cpu) and not _traced() and not torch._C._len_torch_dispatch_stack()
+            and _PLAIN.issuperset(map(type, args[:n_tensors]))):
+        impl = _ops.IMPLS[name]
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(f"bitsparse::{name}"):
+                return impl(*args)
+        return impl(*args)
+    return getattr(torch.ops.bitsparse, name)(*args)
+
+
 def _no_zero_grads(ctx) -> None:
     """Eager autograd would hand backward a zero tensor for every non-differentiable output
     (a fill of the block-sized buffer per layer); None instead. A trace keeps its own
@@ -192,8 +215,8 @@ class ReLULinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype,
                 policy, offload=None):
-        return torch.ops.bitsparse.relu_linear(a, weight, bias, x, w1, b1, capacity, square,
-                                               encoding, chunk_log2, mm_dtype, policy)
+        return _call("relu_linear", (a, weight, bias, x, w1, b1, capacity, square, encoding,
+                                     chunk_log2, mm_dtype, policy), 6)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -226,9 +249,9 @@ class ReLULinearFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         needs = ((_ops.NEED_A if need[0] else 0) | (_ops.NEED_W if need[1] else 0)
                  | (_ops.NEED_B if has_bias and need[2] else 0))
-        grad_a, grad_w, grad_b = torch.ops.bitsparse.relu_linear_backward(
+        grad_a, grad_w, grad_b = _call("relu_linear_backward", (
             grad_out.contiguous(), block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias,
-            capacity, square, encoding, chunk_log2, mm_dtype, policy, needs)
+            capacity, square, encoding, chunk_log2, mm_dtype, policy, needs), 7)
         return (grad_a if need[0] else None, grad_w if need[1] else None,
                 grad_b if has_bias and need[2] else None) + (None,) * 10
 
@@ -251,9 +274,8 @@ class GatedReLULinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(g, u, weight, bias, x, wg, bg, wu, bu, capacity, encoding, u_encoding,
                 chunk_log2, mm_dtype, policy, offload=None):
-        return torch.ops.bitsparse.gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu,
-                                                     capacity, encoding, u_encoding, chunk_log2,
-                                                     mm_dtype, policy)
+        return _call("gated_relu_linear", (g, u, weight, bias, x, wg, bg, wu, bu, capacity,
+                                           encoding, u_encoding, chunk_log2, mm_dtype, policy), 9)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -287,10 +309,10 @@ class GatedReLULinearFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         needs = ((_ops.NEED_A if need[0] or need[1] else 0) | (_ops.NEED_W if need[2] else 0)
                  | (_ops.NEED_B if has_bias and need[3] else 0))
-        grad_g, grad_u, grad_w, grad_b = torch.ops.bitsparse.gated_relu_linear_backward(
+        grad_g, grad_u, grad_w, grad_b = _call("gated_relu_linear_backward", (
             grad_out.contiguous(), block_r, block_u, ticket, weight, x, wg, bg, wu, bu, a_shape,
             a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, policy,
-            needs)
+            needs), 10)
         return (grad_g if need[0] else None, grad_u if need[1] else None,
                 grad_w if need[2] else None, grad_b if has_bias and need[3] else None) \
             + (None,) * 12

@@ -240,11 +240,15 @@ _LIB.define("relu_linear_backward(Tensor grad_out, Tensor block, Tensor ticket, 
 NEED_A, NEED_W, NEED_B = 1, 2, 4
 
 
+IMPLS: dict = {}   # op name -> its Python kernel (functional.py calls them directly in eager)
+
+
 def _register(name: str):
     """Register a function as the CPU and CUDA kernel of ``bitsparse::name``."""
     def deco(fn):
         _LIB.impl(name, fn, "CPU")
         _LIB.impl(name, fn, "CUDA")
+        IMPLS[name] = fn
         return fn
     return deco
 
