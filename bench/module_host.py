@@ -10,7 +10,7 @@ this host's speed, and each layer's cost is also given in those units (the host 
 the device machine drifts by up to 2x within minutes: compare within a run).
 
     python bench/module_host.py [--tokens 128] [--d 1024] [--ff 4096] [--out DIR]
-        [--cprofile]    # also a cProfile of the packed layer's forward + backward
+        [--cprofile packed-nosign,packed-offload]   # also those variants under cProfile
 
 Writes OUT/module_host.{json,md,png} (and module_host_cprofile.txt).
 """
@@ -66,6 +66,8 @@ def build(args, device):
         "checkpoint": Checkpointed(dense),
         "packed-nosign": bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="nosign"),
         "packed-raw": bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="raw"),
+        "packed-offload": bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="nosign",
+                                                        offload=bst.Offloader()),
     }
 
 
@@ -89,7 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ff", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--cprofile", default="",
+                    help="comma-separated variants to run under cProfile too (e.g. packed-nosign)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
@@ -134,17 +137,20 @@ def main(argv=None) -> int:
            "x_plus_x_us": ref, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.cprofile:
+    texts = []
+    for name in filter(None, args.cprofile.split(",")):
         prof = cProfile.Profile()
-        fn = train(models["packed-nosign"])
+        fn = train(models[name])
         prof.enable()
         for _ in range(args.iters):
             fn()
         prof.disable()
         sync()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-        (out / "module_host_cprofile.txt").write_text(text.getvalue())
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+        texts.append(f"## {name}: forward + backward, {args.iters} calls\n{text.getvalue()}")
+    if texts:
+        (out / "module_host_cprofile.txt").write_text("\n\n".join(texts))
     (out / "module_host.json").write_text(json.dumps(res, indent=2))
     write_md(res, out / "module_host.md")
     write_plot(res, out / "module_host.png")
@@ -171,7 +177,8 @@ def write_md(res: dict, path: Path) -> None:
                      f"{r['train_minus_dense_us']:+.1f} | {r['train_x_dense']:.2f} |")
     lines += ["", "Backward = (forward + backward) − forward of separate loops. The dense "
               "layer is the GPT bench's MLP; `checkpoint` is it under non-reentrant "
-              "checkpointing; `packed-*` are `PackedReLU2FFN.from_dense` of it."]
+              "checkpointing; `packed-*` are `PackedReLU2FFN.from_dense` of it (`packed-offload`: nosign "
+              "with an `Offloader`)."]
     path.write_text("\n".join(lines) + "\n")
 
 

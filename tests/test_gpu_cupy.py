@@ -386,8 +386,8 @@ def test_torch_data_defaults_to_torch_stream_and_allocator(request):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         before = torch.cuda.memory_allocated()
-        p = bc.pack(tx, capacity=int(np.count_nonzero(x.view(np.uint16))) + 7,
-                    encoding="signplane")
+        cap = int(np.count_nonzero(x.view(np.uint16))) + 7
+        p = bc.pack(tx, capacity=cap, encoding="signplane")
         assert p.extra["stream"] == side.cuda_stream
         assert torch.cuda.memory_allocated() - before >= p.nbytes - p.layout.header_size
         mid = torch.cuda.memory_allocated()
@@ -400,7 +400,8 @@ def test_torch_data_defaults_to_torch_stream_and_allocator(request):
     torch.cuda.current_stream().wait_stream(side)
     assert_bits(y, x)
     assert_bits(r, reference_ops.relu_bits(relu_in, _dt.BFLOAT16))
-    assert_same(p, reference.pack_array(x, _dt.BFLOAT16, "signplane"), "torch defaults")
+    assert_same(p, reference.pack_array(x, _dt.BFLOAT16, "signplane", capacity=cap),
+                "torch defaults")
     before = torch.cuda.memory_allocated()
     q = bc.pack(tx, capacity=tx.numel(), encoding="signplane", allocator=ci.cupy_allocator)
     assert torch.cuda.memory_allocated() == before

@@ -90,7 +90,7 @@ class FlagSlab:
 
     def read(self, ticket: torch.Tensor):
         """``(status, nnz)`` of a ticket's pack once its copy has landed, else None."""
-        i, gen = (int(v) for v in ticket.numpy())
+        i, gen = ticket.tolist()
         if i < 0:
             return None
         status, nnz = self._arrays()
@@ -102,14 +102,14 @@ class FlagSlab:
     def lost(self, ticket: torch.Tensor) -> bool:
         """Whether a ticket's count can never be read: no slot was taken, or the ring came
         round and the slot was taken again."""
-        i, gen = (int(v) for v in ticket.numpy())
+        i, gen = ticket.tolist()
         return i < 0 or self._gen[i] != gen
 
     def wait(self, ticket: torch.Tensor, timeout_s: float = WAIT_TIMEOUT_S):
         """``(status, nnz)`` of a ticket's pack, watching its slot until the copy lands (no
         CUDA call: the GPU runs on while the host waits), or None for a ticket with no
         slot, a stale one, or after ``timeout_s``."""
-        i, gen = (int(v) for v in ticket.numpy())
+        i, gen = ticket.tolist()
         if i < 0:
             return None
         deadline = time.perf_counter() + timeout_s
@@ -201,7 +201,7 @@ class CapacityPolicy:
         """Remember a pack whose count is on its way back (called at pack time);
         ``known``: its ``(status, nnz)`` where the pack ran on the host."""
         self.packs += 1
-        if known is not None or int(ticket.numpy()[0]) >= 0:
+        if known is not None or ticket.tolist()[0] >= 0:
             self._pending.append((ticket, numel, capacity, known))
 
     def poll(self) -> None:

@@ -201,7 +201,8 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
                  **gated) -> None:
     """Queue an unpack-family kernel over ``block`` (``planes``: its planes where they
     are not the plan's own, a masked companion's; ``gated``: out2 / pu / u_encoding)."""
-    dev, stream = block.device.index, _stream(block.device)
+    dev = block.get_device()
+    stream = torch_stream(dev)
     lay = plan.lay
     planes = planes or plan.planes(block.data_ptr())
     nprefix = host.prefix_scratch_bytes(lay, op)
@@ -286,7 +287,7 @@ def _(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dty
 
 def _state(block: torch.Tensor, ticket: torch.Tensor, plan: host.PackPlan):
     """``(status, nnz)`` of the pack, or None while the host cannot know it."""
-    if int(ticket.numpy()[0]) == C.HOST_FINAL:
+    if ticket.tolist()[0] == C.HOST_FINAL:
         return _host_status(block, plan)
     return C.SLAB.read(ticket)
 
