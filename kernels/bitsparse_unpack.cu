@@ -282,8 +282,6 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
                     bs_set_lane<T>(o1, i, (T)bs_relu2_grad<FMT>(gi, ri));
                     if (OP == BS_OP_RELU2_AND_SQUARE)        // r² as the forward rounded it
                         bs_set_lane<T>(o2, i, (T)bs_mul_round<FMT>(ri, ri));
-                } else if (OP == BS_OP_RELU_AND_R) {         // as mask_select: g where the bit is set
-                    if ((bits[r] >> i) & 1u) bs_set_lane<T>(o1, i, (T)gi);
                 } else {
                     const u32 ui = (u32)bs_lane<T>(uv, i);
                     bs_set_lane<T>(o1, i, (T)(bs_positive<FMT>(ri) ? bs_mul_round<FMT>(gi, ui) : 0u));
@@ -291,9 +289,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
                 }
             }
             bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, o1);
-            if (OP == BS_OP_RELU_AND_R)
-                bs_store_vec<T>(reinterpret_cast<T*>(out2_ptr), g, numel, out2_aligned, rv);
-            else if (OP != BS_OP_RELU2)
+            if (OP != BS_OP_RELU2)
                 bs_store_vec<T>(reinterpret_cast<T*>(out2_ptr), g, numel, out2_aligned, o2);
         }
     }

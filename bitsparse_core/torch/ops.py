@@ -328,10 +328,10 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     clean = _clean_state(block, ticket, plan, C.POLICIES.get(policy), x is not None,
                          "relu_linear")
     g2, grad_b = _linear_bias_grad(grad_out, weight, has_bias, needs)
-    if clean and needs & NEED_A and needs & NEED_W and block.device.type == "cuda":
+    if clean and square and needs & NEED_A and needs & NEED_W and block.device.type == "cuda":
         # one decode gives both the input gradient and the second GEMM's input
-        grad_a, h = _activation_grad_and_input(
-            _linear_input_grad(g2, weight, a_shape, a_dtype), block, plan, square)
+        grad_a, h = _relu2_grad_and_square(
+            _linear_input_grad(g2, weight, a_shape, a_dtype), block, plan)
         return grad_a, _linear_weight_grad(g2, h, mm_dtype), grad_b
     grad_a = grad_out.new_empty((0,), dtype=a_dtype)
     grad_w = weight.new_empty((0,))
@@ -408,14 +408,14 @@ def _activation_grad(grad_h, block, plan, square) -> torch.Tensor:
     return out
 
 
-def _activation_grad_and_input(grad_h, block, plan, square):
-    """``(grad_a, h)`` from one decode of a CUDA block: the input gradient, and ``h``,
-    the activation the forward's second GEMM read (relu(a), or relu(a)² rounded as the
-    forward's kernel rounded it)."""
+def _relu2_grad_and_square(grad_h, block, plan):
+    """``(grad_a, h)`` of ReLU² from one decode of a CUDA block: the input gradient, and
+    ``h = relu(a)²`` rounded as the forward's kernel rounded it (the second GEMM's input).
+    ReLU keeps two kernels (unpack, then the mask-only gradient): a fused one measured
+    slower there (bench/NOTES.md)."""
     grad_h = grad_h.contiguous()
     grad_a, h = torch.empty_like(grad_h), torch.empty_like(grad_h)
-    _unpack_cuda(block, plan, abi.Op.RELU2_AND_SQUARE if square else abi.Op.RELU_AND_R, grad_a,
-                 grad=grad_h, out2=h.data_ptr())
+    _unpack_cuda(block, plan, abi.Op.RELU2_AND_SQUARE, grad_a, grad=grad_h, out2=h.data_ptr())
     return grad_a, h
 
 

@@ -40,8 +40,7 @@ class Op(enum.IntEnum):
     RELU2 = 1         # 2 r grad where r > 0 (ReLU²'s input gradient)
     GATED = 2         # (grad u [r > 0], grad r) from two planes sharing a mask
     GATED_DENSE = 3   # the same with u given dense
-    RELU_AND_R = 4         # (grad where the bit is set, r): ReLU's backward, one decode
-    RELU2_AND_SQUARE = 5   # (2 r grad where r > 0, r² as the forward rounded it)
+    RELU2_AND_SQUARE = 4   # (2 r grad where r > 0, r² as the forward rounded it)
 
 
 FMT_OF = {"bfloat16": Fmt.BF16, "float16": Fmt.FP16, "float32": Fmt.FP32,

@@ -83,7 +83,7 @@ def all_kernel_keys(sweep_rounds=()) -> list:
         for enc in encs:
             for mode in (abi.Mode.RELU, abi.Mode.RELU2):
                 keys.append(("pack", fmt, enc, mode, rf))
-            for op in (abi.Op.RELU2, abi.Op.RELU_AND_R, abi.Op.RELU2_AND_SQUARE):
+            for op in (abi.Op.RELU2, abi.Op.RELU2_AND_SQUARE):
                 keys.append(("unpack", fmt, op, ru, enc, 0))
             keys.append(("unpack", fmt, abi.Op.GATED_DENSE, ru, enc, 0))
             for uenc in encs:
