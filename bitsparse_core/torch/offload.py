@@ -4,8 +4,8 @@ An :class:`Offloader` takes each packed block right after its pack, copies it to
 pinned host buffer on a side stream and lets the device memory go; in backward,
 when a layer asks for its block, the blocks of the next ``ahead`` layers to run
 backward are copied back on the same side stream, so those copies run while the
-GPU computes this layer. Streams are ordered by events (``wait_stream`` /
-``wait_event``), never by the host: nothing here synchronizes.
+GPU computes this layer. Streams are ordered by events, never by the host: nothing
+here synchronizes.
 
 * The device block is released once its copy is queued: ``record_stream`` keeps the
   caching allocator from reusing the memory before the side stream has read it.
@@ -33,6 +33,9 @@ from typing import Optional
 
 import torch
 
+from ..backends.cuda import driver
+from ..backends.cuda.interop import torch_stream
+
 
 def size_class(nbytes: int) -> int:
     """The buffer size that serves ``nbytes``: the next power of two (at least 4 KiB), as
@@ -43,6 +46,37 @@ def size_class(nbytes: int) -> int:
 
 
 _PRUNE_MIN = 256    # stash entries before dead ones (a forward without backward) are dropped
+
+
+class _OnStream:
+    """``with torch.cuda.stream(s)`` for a stream of the current device without the Stream
+    objects and device queries torch's context makes (tens of µs per use on the host
+    path of a training step); a stream of another device takes torch's own context."""
+
+    __slots__ = ("stream", "ids", "prev", "ctx")
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream = stream
+        self.ids = {"stream_id": stream.stream_id, "device_index": stream.device_index,
+                    "device_type": stream.device_type}
+
+    def __enter__(self):
+        dev = self.stream.device_index
+        if torch._C._cuda_getDevice() == dev:
+            self.ctx = None
+            self.prev = torch._C._cuda_getCurrentStream(dev)
+            torch._C._cuda_setStream(**self.ids)
+        else:
+            self.ctx = torch.cuda.stream(self.stream)
+            self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            return self.ctx.__exit__(*exc)
+        sid, dev, dtype = self.prev
+        torch._C._cuda_setStream(stream_id=sid, device_index=dev, device_type=dtype)
+        return False
 
 
 class PinnedPool:
@@ -113,6 +147,9 @@ class Stashed:
 
     def __del__(self):
         host, self.host = self.host, None
+        if self.ready is not None:           # fetched, never taken
+            driver.release_event(self.ready)
+            self.ready = None
         if host is not None:
             self.owner.pool.give(host, self.device)
 
@@ -154,10 +191,11 @@ class Offloader:
     def __reduce__(self):
         return (Offloader, (self.ahead, self.pool.max_bytes))
 
-    def _side(self, device: torch.device):
-        s = self._streams.get(device)
+    def _side(self, index: int) -> "_OnStream":
+        """The side stream of CUDA device ``index`` (``.stream``), made current by ``with``."""
+        s = self._streams.get(index)
         if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device)
+            s = self._streams[index] = _OnStream(torch.cuda.Stream(index))
         return s
 
     def stash(self, block: torch.Tensor) -> Stashed:
@@ -169,11 +207,12 @@ class Offloader:
             self._stats["kept_on_device"] += 1
             return self._track(Stashed(self, block.device, nbytes, kept=block))
         if block.is_cuda:
-            side = self._side(block.device)
-            side.wait_stream(torch.cuda.current_stream(block.device))
-            with torch.cuda.stream(side):
+            dev = block.get_device()
+            side = self._side(dev)
+            driver.stream_wait(side.stream.cuda_stream, torch_stream(dev))   # after the pack
+            with side:
                 host[:nbytes].copy_(block, non_blocking=True)
-            block.record_stream(side)
+            block.record_stream(side.stream)
         else:
             host[:nbytes].copy_(block)
         self._stats["offloaded"] += 1
@@ -195,12 +234,15 @@ class Offloader:
         if h.back is not None or h.host is None:
             return
         if h.device.type == "cuda":
-            side = self._side(h.device)
-            with torch.cuda.stream(side):
-                back = torch.empty(h.nbytes, dtype=torch.uint8, device=h.device)
+            dev = h.device.index
+            side = self._side(dev)
+            # ``back`` comes from the compute stream's memory: the side stream writes it
+            # after the work queued there so far, the compute stream reads it after the copy
+            back = torch.empty(h.nbytes, dtype=torch.uint8, device=h.device)
+            driver.stream_wait(side.stream.cuda_stream, torch_stream(dev))
+            with side:
                 back.copy_(h.host[:h.nbytes], non_blocking=True)
-                h.ready = torch.cuda.Event()
-                h.ready.record(side)
+            h.ready = driver.record_event(side.stream.cuda_stream)
         else:
             back = h.host[:h.nbytes].clone()
         h.back = back
@@ -231,9 +273,7 @@ class Offloader:
         self._stats["late"] += int(late)
         back = h.back
         if h.ready is not None:
-            cur = torch.cuda.current_stream(h.device)
-            cur.wait_event(h.ready)
-            back.record_stream(cur)      # allocated on the side stream, used on this one
+            driver.wait_event(torch_stream(h.device.index), h.ready)
         host, h.host, h.back, h.ready = h.host, None, None, None
         if host is not None:             # its next copy in runs after this one (one stream)
             self.pool.give(host, h.device)

@@ -77,13 +77,32 @@ def sync_stream(stream: int) -> None:
 
 def stream_wait(consumer: int, producer: int) -> None:
     """Make ``consumer`` wait for the work queued so far on ``producer`` (an event)."""
+    wait_event(consumer, record_event(producer))
+
+
+def record_event(stream: int) -> int:
+    """A new event recorded on ``stream``, for :func:`wait_event` (or :func:`release_event`)."""
     ev = _P()
     check(lib().cuEventCreate(ctypes.byref(ev), 2), "cuEventCreate")   # CU_EVENT_DISABLE_TIMING
     try:
-        check(lib().cuEventRecord(ev, _P(producer)), "cuEventRecord")
-        check(lib().cuStreamWaitEvent(_P(consumer), ev, 0), "cuStreamWaitEvent")
+        check(lib().cuEventRecord(ev, _P(stream)), "cuEventRecord")
+    except CudaDriverError:
+        lib().cuEventDestroy_v2(ev)
+        raise
+    return ev.value
+
+
+def wait_event(consumer: int, event: int) -> None:
+    """Make ``consumer`` wait for ``event``, then release the event (the driver keeps it
+    until the wait is satisfied)."""
+    try:
+        check(lib().cuStreamWaitEvent(_P(consumer), _P(event), 0), "cuStreamWaitEvent")
     finally:
-        lib().cuEventDestroy_v2(ev)   # released once the wait has been satisfied
+        release_event(event)
+
+
+def release_event(event: int) -> None:
+    lib().cuEventDestroy_v2(_P(event))
 
 
 @functools.lru_cache(maxsize=None)
