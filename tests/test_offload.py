@@ -163,3 +163,50 @@ def test_offload_arguments_and_where_it_cannot_run():
     w = torch.randn(3, 8, requires_grad=True)
     with pytest.raises(UnsupportedTransformError, match="eager mode only"):
         torch.func.grad(lambda w: relu_linear(a, w, offload=off).sum())(w)
+
+
+def test_side_stream_context_sets_and_restores_torchs_current_stream(monkeypatch):
+    """The side stream's slim context (torch._C's stream set / get on the current device)
+    restores the stream it found, each ``with`` on its own state, and leaves a stream of
+    another device to torch's own context. CUDA-free: torch._C's calls are recorded."""
+    from types import SimpleNamespace
+
+    from bitsparse_core.torch import offload as O
+    calls, current = [], {"dev": 0, "stream": (5, 0, 1)}
+
+    def set_stream(stream_id, device_index, device_type):
+        calls.append(("set", stream_id, device_index))
+        current["stream"] = (stream_id, device_index, device_type)
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current["dev"], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream",
+                        lambda dev: current["stream"], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_setStream", set_stream, raising=False)
+    side = O._SideStream(SimpleNamespace(stream_id=9, device_index=0, device_type=1))
+    with side.current():
+        assert current["stream"] == (9, 0, 1)
+        with side.current():                       # nested: restores the side stream
+            pass
+        assert current["stream"] == (9, 0, 1)
+    assert current["stream"] == (5, 0, 1)
+    assert calls == [("set", 9, 0), ("set", 9, 0), ("set", 9, 0), ("set", 5, 0)]
+
+    entered = []
+
+    class TorchContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            entered.append(("enter", self.stream.device_index))
+
+        def __exit__(self, *exc):
+            entered.append(("exit", self.stream.device_index))
+            return False
+
+    monkeypatch.setattr(torch.cuda, "stream", TorchContext)
+    other = O._SideStream(SimpleNamespace(stream_id=3, device_index=1, device_type=1))
+    calls.clear()
+    with other.current():
+        pass
+    assert entered == [("enter", 1), ("exit", 1)] and calls == []

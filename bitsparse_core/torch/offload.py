@@ -48,26 +48,39 @@ def size_class(nbytes: int) -> int:
 _PRUNE_MIN = 256    # stash entries before dead ones (a forward without backward) are dropped
 
 
-class _OnStream:
-    """``with torch.cuda.stream(s)`` for a stream of the current device without the Stream
-    objects and device queries torch's context makes (tens of µs per use on the host
-    path of a training step); a stream of another device takes torch's own context."""
+class _SideStream:
+    """One device's side stream; ``with side.current():`` makes it torch's current stream
+    as ``torch.cuda.stream(s)`` does, without the Stream objects and device queries that
+    context makes (tens of µs per use on the host path of a training step) when the
+    stream's device is the current one (torch's own context otherwise)."""
 
-    __slots__ = ("stream", "ids", "prev", "ctx")
+    __slots__ = ("stream", "ids")
 
     def __init__(self, stream: torch.cuda.Stream):
         self.stream = stream
         self.ids = {"stream_id": stream.stream_id, "device_index": stream.device_index,
                     "device_type": stream.device_type}
 
+    def current(self) -> "_Current":
+        return _Current(self)
+
+
+class _Current:
+    """One ``with`` of :meth:`_SideStream.current` (its own state: threads share a side)."""
+
+    __slots__ = ("side", "prev", "ctx")
+
+    def __init__(self, side: _SideStream):
+        self.side = side
+
     def __enter__(self):
-        dev = self.stream.device_index
+        dev = self.side.stream.device_index
         if torch._C._cuda_getDevice() == dev:
             self.ctx = None
-            self.prev = torch._C._cuda_getCurrentStream(dev)
-            torch._C._cuda_setStream(**self.ids)
+            self.prev = torch._C._cuda_getCurrentStream(dev)    # (id, device, type)
+            torch._C._cuda_setStream(**self.side.ids)
         else:
-            self.ctx = torch.cuda.stream(self.stream)
+            self.ctx = torch.cuda.stream(self.side.stream)
             self.ctx.__enter__()
         return self
 
@@ -191,11 +204,11 @@ class Offloader:
     def __reduce__(self):
         return (Offloader, (self.ahead, self.pool.max_bytes))
 
-    def _side(self, index: int) -> "_OnStream":
-        """The side stream of CUDA device ``index`` (``.stream``), made current by ``with``."""
+    def _side(self, index: int) -> _SideStream:
+        """The side stream of CUDA device ``index``."""
         s = self._streams.get(index)
         if s is None:
-            s = self._streams[index] = _OnStream(torch.cuda.Stream(index))
+            s = self._streams[index] = _SideStream(torch.cuda.Stream(index))
         return s
 
     def stash(self, block: torch.Tensor) -> Stashed:
@@ -210,7 +223,7 @@ class Offloader:
             dev = block.get_device()
             side = self._side(dev)
             driver.stream_wait(side.stream.cuda_stream, torch_stream(dev))   # after the pack
-            with side:
+            with side.current():
                 host[:nbytes].copy_(block, non_blocking=True)
             block.record_stream(side.stream)
         else:
@@ -240,7 +253,7 @@ class Offloader:
             # after the work queued there so far, the compute stream reads it after the copy
             back = torch.empty(h.nbytes, dtype=torch.uint8, device=h.device)
             driver.stream_wait(side.stream.cuda_stream, torch_stream(dev))
-            with side:
+            with side.current():
                 back.copy_(h.host[:h.nbytes], non_blocking=True)
             h.ready = driver.record_event(side.stream.cuda_stream)
         else:
