@@ -1,7 +1,7 @@
 """Host (CPU wall) time per call of every public bitsparse_core op, beside its GPU time.
 
     python3 bench/host_overhead.py [--backends cupy,numba] [--out bench/results]
-                                   [--time-limit 240] [--modes torch,default]
+                                   [--time-limit 240] [--modes torch,callable]
 
 Inputs are torch CUDA bf16 tensors handed to the ops directly (DLPack
 producers), at sparsity 0.9: ``x = relu(a)`` with ``a = randn - 1.2816`` (so

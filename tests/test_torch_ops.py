@@ -294,3 +294,25 @@ def test_eager_calls_kernels_directly_and_a_dispatch_mode_sees_the_ops(monkeypat
     assert any(s.startswith("bitsparse.") and "backward" not in s for s in seen)
     for a, b in zip(eager[1] + [eager[0]], logged[1] + [logged[0]]):
         assert torch.equal(a, b)
+
+
+def test_a_function_mode_takes_the_dispatcher_path(monkeypatch):
+    """Under a TorchFunctionMode (``torch.device(...)``, ``set_default_device``) the forward
+    op goes through torch.ops, which runs its kernel outside the mode (the host-side
+    tensors it makes stay on the CPU), and training gives what it gives without it."""
+    from bitsparse_core.torch import ops as _ops
+    direct = []
+    for name, fn in list(_ops.IMPLS.items()):
+        monkeypatch.setitem(_ops.IMPLS, name,
+                            lambda *a, _n=name, _f=fn: direct.append(_n) or _f(*a))
+    torch.manual_seed(0)
+    m = bst.PackedReLU2FFN(16, 64, density=1.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    plain = _grads(m, m, x, steps=1)
+    assert direct
+    direct.clear()
+    with torch.device("meta"):
+        moded = _grads(m, m, x, steps=1)
+    assert "relu_linear" not in direct     # (backward runs outside function modes)
+    for a, b in zip(plain[1] + [plain[0]], moded[1] + [moded[0]]):
+        assert torch.equal(a, b)

@@ -57,7 +57,7 @@ class FlagSlab:
         if self._mem is None:
             # Pinned where CUDA is (copies into it are then asynchronous); plain host
             # memory elsewhere, where only host packs, which never use a slot, exist.
-            self._mem = torch.empty(16 * self.slots, dtype=torch.uint8,
+            self._mem = torch.empty(16 * self.slots, dtype=torch.uint8, device="cpu",
                                     pin_memory=torch.cuda.is_available())
             raw = self._mem.numpy()
             self.status, self.nnz = raw.view(np.uint32), raw.view(np.uint64)

@@ -158,13 +158,15 @@ _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
 
 
 def _call(name: str, args: tuple, n_tensors: int):
-    """``torch.ops.bitsparse.<name>(*args)``. In plain eager (CUDA or CPU tensors, no trace,
-    no dispatch mode, no tensor subclass among the first ``n_tensors`` arguments) its
-    Python kernel is called directly: the dispatcher's boxing of a dozen arguments costs
-    tens of µs per call on a training step's critical path. Under the profiler the call
-    keeps the op's name."""
+    """``torch.ops.bitsparse.<name>(*args)``. In plain eager (CUDA or CPU tensors; no trace,
+    no dispatch or function mode such as ``torch.device(...)``, no tensor subclass among
+    the first ``n_tensors`` arguments) its Python kernel is called directly: the
+    dispatcher's boxing of a dozen arguments costs tens of µs per call on a training
+    step's critical path. Under the profiler the call keeps the op's name."""
     lead = args[0]
     if ((lead.is_cuda or lead.is_cpu) and not _traced() and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled()
+            and not torch._C._get_tracing_state()
             and _PLAIN.issuperset(map(type, args[:n_tensors]))):
         impl = _ops.IMPLS[name]
         if torch.autograd.profiler._is_profiler_enabled:

@@ -120,7 +120,8 @@ class PinnedPool:
                 if self.held + nbytes > self.max_bytes:
                     return None
             self.held += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu",
+                           pin_memory=torch.cuda.is_available())
 
     def give(self, buf: torch.Tensor, lane=None) -> None:
         with self._lock:
@@ -147,12 +148,13 @@ class Stashed:
     """One packed block between its forward and its backward: on the host (``host``),
     on its way back (``back`` and its ``ready`` event), or kept on the device."""
 
-    __slots__ = ("owner", "host", "back", "ready", "device", "nbytes", "__weakref__")
+    __slots__ = ("owner", "host", "back", "ready", "fetched_on", "device", "nbytes",
+                 "__weakref__")
 
     def __init__(self, owner: "Offloader", device: torch.device, nbytes: int,
                  host: Optional[torch.Tensor] = None, kept: Optional[torch.Tensor] = None):
         self.owner, self.device, self.nbytes = owner, device, nbytes
-        self.host, self.back, self.ready = host, kept, None
+        self.host, self.back, self.ready, self.fetched_on = host, kept, None, 0
 
     def take(self) -> torch.Tensor:
         """The block on its device, ordered before what the current stream runs next."""
@@ -160,9 +162,9 @@ class Stashed:
 
     def __del__(self):
         host, self.host = self.host, None
-        if self.ready is not None:           # fetched, never taken
-            driver.release_event(self.ready)
-            self.ready = None
+        ready, self.ready = self.ready, None
+        if ready is not None:                # fetched, never taken (``back`` carries a
+            driver.release_event(ready)      # record_stream of the copy's stream)
         if host is not None:
             self.owner.pool.give(host, self.device)
 
@@ -251,11 +253,15 @@ class Offloader:
             side = self._side(dev)
             # ``back`` comes from the compute stream's memory: the side stream writes it
             # after the work queued there so far, the compute stream reads it after the copy
+            # (and should the handle die before its backward takes it, record_stream keeps
+            # the allocator from reusing the memory under a copy still running)
+            cur = torch_stream(dev)
             back = torch.empty(h.nbytes, dtype=torch.uint8, device=h.device)
-            driver.stream_wait(side.stream.cuda_stream, torch_stream(dev))
+            driver.stream_wait(side.stream.cuda_stream, cur)
             with side.current():
                 back.copy_(h.host[:h.nbytes], non_blocking=True)
-            h.ready = driver.record_event(side.stream.cuda_stream)
+            back.record_stream(side.stream)
+            h.ready, h.fetched_on = driver.record_event(side.stream.cuda_stream), cur
         else:
             back = h.host[:h.nbytes].clone()
         h.back = back
@@ -284,10 +290,13 @@ class Offloader:
                 self._fetch(s)
                 self._stats["prefetched"] += 1
         self._stats["late"] += int(late)
-        back = h.back
-        if h.ready is not None:
-            driver.wait_event(torch_stream(h.device.index), h.ready)
-        host, h.host, h.back, h.ready = h.host, None, None, None
+        back, ready, h.ready = h.back, h.ready, None
+        if ready is not None:
+            cur = torch_stream(h.device.index)
+            driver.wait_event(cur, ready)
+            if cur != h.fetched_on:      # allocated on another stream than the one using it
+                back.record_stream(torch.cuda.current_stream(h.device))
+        host, h.host, h.back = h.host, None, None
         if host is not None:             # its next copy in runs after this one (one stream)
             self.pool.give(host, h.device)
         return back

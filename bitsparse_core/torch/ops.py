@@ -107,7 +107,7 @@ def _host_block(plan: host.PackPlan, p: Optional[PackedTensor], status: int,
                 nnz: int) -> torch.Tensor:
     """A CPU block laid out by ``plan`` holding ``p``'s planes (none: its data is unusable,
     only the status area says why) and the status area the kernel would write."""
-    block = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    block = torch.zeros(plan.nbytes, dtype=torch.uint8, device="cpu")
     raw = block.numpy()
     if p is not None:
         for (off, n), plane in zip(plan.spans, (p.mask, p.offsets, p.values, p.signs)):
@@ -174,7 +174,7 @@ def _enqueue_pack(a: torch.Tensor, plan: host.PackPlan, block: torch.Tensor, str
     host.enqueue_pack(plan, a.device.index, stream, a.data_ptr(), bptr, scratch, y,
                       zero_tail=False)
     if torch.cuda.is_current_stream_capturing():
-        return torch.tensor([C.NO_SLOT, 0], dtype=torch.int64)
+        return torch.tensor([C.NO_SLOT, 0], dtype=torch.int64, device="cpu")
     slot, ticket = C.SLAB.acquire()
     if slot:   # status word and count in one copy; the slot reads pending until both land
         driver.copy_to_host(slot, plan.status(bptr), 16, stream)
@@ -187,7 +187,7 @@ def pack_plain(a: torch.Tensor, plan: host.PackPlan):
     NumPy reference packs at once and ``known`` is its ``(status, nnz)``."""
     if a.device.type != "cuda":
         block = _plain_pack_cpu(a, plan)
-        return block, torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64), \
+        return block, torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64, device="cpu"), \
             _host_status(block, plan)
     block = torch.empty(plan.nbytes, dtype=torch.uint8, device=a.device)
     # scratch is dead once the kernels ran; the caching allocator orders its reuse after
@@ -269,7 +269,7 @@ def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         known = None
     else:
         y, block = _pack_cpu(a, plan, square)
-        ticket = torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64)
+        ticket = torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64, device="cpu")
         known = _host_status(block, plan)
     if pol is not None:
         pol.track(ticket, a.numel(), int(capacity), known)
@@ -480,7 +480,7 @@ def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, enco
     else:
         r, block_r = _pack_cpu(g, plan_r, False)
         block_u = _masked_pack_cpu(u, block_r, plan_r, plan_u)
-        ticket = torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64)
+        ticket = torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64, device="cpu")
         known = _host_status(block_r, plan_r)
     if pol is not None:
         pol.track(ticket, g.numel(), int(capacity), known)

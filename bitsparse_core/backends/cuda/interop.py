@@ -279,7 +279,7 @@ def torch_buffer(nbytes: int, device: int, stream: int) -> DeviceBuffer:
     """``nbytes`` from PyTorch's caching allocator, stream-ordered on ``stream``; no
     stream context when ``stream`` is torch's current one on ``device`` (a call that
     named no stream), which is what makes it cheap."""
-    torch = sys.modules["torch"]
+    import torch
     dev = _TORCH_DEVICES.get(device)
     if dev is None:
         dev = _TORCH_DEVICES[device] = torch.device("cuda", device)
@@ -296,7 +296,6 @@ def torch_buffer(nbytes: int, device: int, stream: int) -> DeviceBuffer:
 def torch_allocator(nbytes: int, device: int, stream: int):
     """PyTorch's caching allocator (counted by ``torch.cuda.max_memory_allocated``): a
     1-D uint8 tensor. The default for torch CUDA inputs (:func:`torch_defaults`)."""
-    import torch  # noqa: F401 -- torch_buffer finds it in sys.modules
     return torch_buffer(int(nbytes), int(device), int(stream)).owner
 
 
