@@ -177,8 +177,8 @@ def write_md(res: dict, path: Path) -> None:
                      f"{r['train_minus_dense_us']:+.1f} | {r['train_x_dense']:.2f} |")
     lines += ["", "Backward = (forward + backward) − forward of separate loops. The dense "
               "layer is the GPT bench's MLP; `checkpoint` is it under non-reentrant "
-              "checkpointing; `packed-*` are `PackedReLU2FFN.from_dense` of it (`packed-offload`: nosign "
-              "with an `Offloader`)."]
+              "checkpointing; `packed-*` are `PackedReLU2FFN.from_dense` of it "
+              "(`packed-offload`: nosign with an `Offloader`)."]
     path.write_text("\n".join(lines) + "\n")
 
 
