@@ -1,0 +1,30 @@
+"""bench/module_host.py on the CPU at a tiny size: every variant runs forward and
+backward, and the results files say what the bench measured."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import module_host  # noqa: E402
+
+
+def test_module_host_cpu_smoke(tmp_path):
+    assert module_host.main(["--device", "cpu", "--tokens", "4", "--d", "32", "--ff", "64",
+                             "--iters", "3", "--repeats", "1", "--cprofile", "packed-nosign",
+                             "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "module_host.json").read_text())
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"dense", "checkpoint", "packed-nosign", "packed-raw", "packed-offload"}
+    for r in rows.values():
+        assert r["forward_us"] > 0 and r["train_us"] > 0
+        assert r["backward_us"] == pytest.approx(r["train_us"] - r["forward_us"])
+    assert rows["dense"]["train_x_dense"] == 1.0
+    assert "| packed-offload |" in (tmp_path / "module_host.md").read_text()
+    assert "## packed-nosign" in (tmp_path / "module_host_cprofile.txt").read_text()
