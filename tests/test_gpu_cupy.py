@@ -39,6 +39,18 @@ def assert_bits(gpu_array, want: np.ndarray, where=""):
     assert_same_bits(np.asarray(BE.to_numpy(gpu_array)), want, where)
 
 
+def assert_relu2_one_decode(p, p_ref, a, G, g, dt):
+    """The torch adapter's one-decode ReLU² backward (op RELU2_AND_SQUARE) gives the
+    reference gradient and relu(a)² as the forward rounds it."""
+    s = ci.stream_handle(None)
+    gt = ci.import_cuda(G, stream=s)
+    out = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
+    h = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
+    BE._unpack_op(p, abi.Op.RELU2_AND_SQUARE, s, None, out.ptr, grad=gt.ptr, out2=h.ptr)
+    assert_bits(out, reference_ops.relu2_backward(g, p_ref), "relu2 gradient, one decode")
+    assert_bits(h, reference_ops.relu_pack(a, dt, square=True)[0], "relu(a)², one decode")
+
+
 def test_kernels_built_for_this_device():
     major, minor = cp.cuda.Device().compute_capability[:1], cp.cuda.Device().compute_capability[1:]
     from bitsparse_core.backends.cuda.abi import PACK_ROUNDS
@@ -437,14 +449,7 @@ def test_unpack_sparse_and_dense_warps(request):
         _, p_ref = reference_ops.relu_pack(a, dt)
         G = _Bits(dev(g), dt)
         assert_bits(bc.relu2_backward(G, p), reference_ops.relu2_backward(g, p_ref), "relu2_bwd")
-        # the torch adapter's one-decode ReLU² backward: the gradient and relu(a)²
-        s = ci.stream_handle(None)
-        gt = ci.import_cuda(G, stream=s)
-        out = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
-        h = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
-        BE._unpack_op(p, abi.Op.RELU2_AND_SQUARE, s, None, out.ptr, grad=gt.ptr, out2=h.ptr)
-        assert_bits(out, reference_ops.relu2_backward(g, p_ref), "relu2 gradient, one decode")
-        assert_bits(h, reference_ops.relu_pack(a, dt, square=True)[0], "relu(a)², one decode")
+        assert_relu2_one_decode(p, p_ref, a, G, g, dt)
         pu = bc.masked_pack(_Bits(dev(u), dt), p, encoding="signplane")
         pu_ref = reference_ops.masked_pack(u, dt, p_ref, encoding="signplane")
         gg, gu = bc.gated_backward(G, p, pu)
@@ -485,14 +490,7 @@ def test_fused_ops(request, dt):
         G = _Bits(dev(g), dt)
         assert_bits(bc.relu_backward(G, p), reference_ops.relu_backward(g, p_ref), "relu_bwd")
         assert_bits(bc.relu2_backward(G, p), reference_ops.relu2_backward(g, p_ref), "relu2_bwd")
-        # the torch adapter's one-decode ReLU² backward: the gradient and relu(a)²
-        s = ci.stream_handle(None)
-        gt = ci.import_cuda(G, stream=s)
-        out = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
-        h = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
-        BE._unpack_op(p, abi.Op.RELU2_AND_SQUARE, s, None, out.ptr, grad=gt.ptr, out2=h.ptr)
-        assert_bits(out, reference_ops.relu2_backward(g, p_ref), "relu2 gradient, one decode")
-        assert_bits(h, reference_ops.relu_pack(a, dt, square=True)[0], "relu(a)², one decode")
+        assert_relu2_one_decode(p, p_ref, a, G, g, dt)
         for enc in ("signplane", "raw"):
             pu = bc.masked_pack(_Bits(dev(u), dt), p, encoding=enc)
             pu_ref = reference_ops.masked_pack(u, dt, p_ref, encoding=enc)
