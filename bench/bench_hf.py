@@ -300,7 +300,8 @@ def markdown(summary: dict) -> str:
            f"ffn={s['d_ff']}, seq={s['seq']}, batch={s['batch']} ({s['seq'] * s['batch']} tokens "
            f"per step), bf16, AdamW, attention={c['attn']}; steps: {p['warmup']} warm-up + "
            f"{p['timed']} timed + {p['profiled']} profiled; transformers {summary['transformers']}, "
-           f"torch {summary['torch']}.", "",
+           f"torch {summary['torch']}; deterministic algorithms, new tensors "
+           f"{'NaN-filled' if summary.get('fill_uninitialized_memory') else 'not NaN-filled'}.", "",
            "| variant | median step (ms) | host (ms) | × plain | peak (MiB) | kept by forward "
            "(MiB) | losses = plain | max loss diff | params = plain | blocking syncs/step |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -433,7 +434,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
-    shape, device = tg.shape_and_device(args, SMALL if args.small else SIZES[args.size])
+    shape, device = tg.shape_and_device(args, SMALL if args.small else SIZES[args.size],
+                                        fill_uninitialized=args.attn == "math")
     plan = tg.Plan(args.warmup, args.steps, args.profile_steps)
     text = tg.stdlib_bytes(limit=(64 << 20) if not args.small else (4 << 20))
     bench = HFBench(args, shape, text, {}, device, base=opt_model(shape, args.seed))
@@ -441,6 +443,7 @@ def main(argv=None) -> int:
                "shape": dataclasses.asdict(shape), "plan": dataclasses.asdict(plan),
                "tokens_of_text": int(text.size), "torch": torch.__version__,
                "transformers": transformers.__version__,
+               "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     out = Path(args.out)
     summary["variants"] = run_variants(bench, args.variants.split(","), plan,
