@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import bitsparse_core.torch as bst  # noqa: E402
+import interleaved  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from bitsparse_core.spec import format as fmt  # noqa: E402
 from bitsparse_core.torch.convert import packed_modules  # noqa: E402
@@ -241,6 +242,41 @@ def targets(res: dict, plain: dict, cuda: bool) -> dict:
     return out
 
 
+def run_interleaved(bench: HFBench, names: list, turns: int, warmup: int) -> dict:
+    """Every variant prepared at once, then ``turns`` turns of one step each
+    (:func:`interleaved.run_turns`); ratios to plain."""
+    device, s = bench.device, bench.shape
+    batches = [(x.to(device), y.to(device)) for x, y in
+               tg.make_batches(bench.data, min(turns + warmup, 16), s.batch, s.seq, bench.args.seed)]
+    steps = {}
+
+    def stepper(forward, opt):
+        def step(i):
+            x, y = batches[i % len(batches)]
+            tg.train_step(forward, opt, x, y)
+        return step
+    try:
+        for name in names:
+            _, forward, opt, _ = prepare(bench, name)
+            steps[name] = stepper(forward, opt)
+        if "plain" not in steps:
+            return {"status": "skipped: no plain variant to compare with"}
+        with tg.attention_backend(bench.args.attn):
+            result = interleaved.run_turns(steps, "plain", turns, warmup,
+                                           lambda: tg.sync(device), bench.check_time)
+    except Exception as exc:  # noqa: BLE001 - an OOM with every model resident, say
+        return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
+    finally:
+        steps.clear()
+        tg.free_memory(device)
+    result["status"] = "ok"
+    for name, rec in result["variants"].items():
+        if name != "plain":
+            print(f"interleaved  {name:<14} × plain {tg._f(rec['median_ratio'], '.3f')}  "
+                  f"({result['turns']} turns)", flush=True)
+    return result
+
+
 def step_ratios(results: dict) -> None:
     """Each variant's step time over plain's: of the first round, and with several rounds
     per round (a ratio between runs minutes apart mostly measures the host's drift) and
@@ -292,6 +328,21 @@ def run_variants(bench: HFBench, names: list, plan: tg.Plan, report, rounds: int
     return results
 
 
+def use_interleaved(results: dict, inter: dict, cuda: bool) -> None:
+    """The interleaved turns' median ratios become the variants' step ratios (and their
+    targets): they are the ones the host's drift does not decide."""
+    if inter.get("status") != "ok":
+        return
+    for name, rec in inter["variants"].items():
+        res = results.get(name)
+        if name == "plain" or res is None or rec.get("median_ratio") is None:
+            continue
+        res["sequential_ratio_vs_plain"] = res.get("step_ratio_vs_plain")
+        res["step_ratio_vs_plain"] = rec["median_ratio"]
+        if "targets" in res:
+            res["targets"] = targets(res, results["plain"], cuda)
+
+
 # -------------------------------------------------------------------------- reports
 def markdown(summary: dict) -> str:
     s, c, p = summary["shape"], summary["config"], summary["plan"]
@@ -337,6 +388,13 @@ def markdown(summary: dict) -> str:
             "the converted forward keeps at least 90 % of the FFN activations' dense minus "
             "packed bytes less than plain's. Time targets need a GPU-bound, quiet machine; "
             "bit identity needs --attn math. -: not measured (on the CPU only bit identity is)."]
+    inter = summary.get("interleaved")
+    if inter and inter.get("status") == "ok":
+        out += [""] + interleaved.markdown(inter) + [
+            "", "The × plain column of the first table and the time targets use these ratios "
+            "(the sequential runs' are kept in the JSON as `sequential_ratio_vs_plain`)."]
+    elif inter:
+        out += ["", f"Interleaved steps not run: {inter.get('status')}."]
     return "\n".join(out + packed_markdown(summary)) + "\n"
 
 
@@ -417,6 +475,9 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the variant sequence this many times (step times only after the "
                     "first): the step ratios are the medians of the rounds' ratios")
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="then this many turns of one step of every variant each, all models "
+                         "resident (bench/interleaved.py): the timing targets use its ratios")
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds; later variants are skipped")
     ap.add_argument("--out", required=True, help="folder for bench_hf.{json,md,png}")
     args = ap.parse_args(argv)
@@ -449,6 +510,10 @@ def main(argv=None) -> int:
     summary["variants"] = run_variants(bench, args.variants.split(","), plan,
                                        lambda results: write_reports({**summary, "variants": results}, out),
                                        rounds=max(1, args.rounds))
+    if args.interleave:
+        summary["interleaved"] = run_interleaved(bench, args.variants.split(","), args.interleave,
+                                                 args.warmup)
+        use_interleaved(summary["variants"], summary["interleaved"], device.type == "cuda")
     write_reports(summary, out)
     print(f"wrote {out}/bench_hf.{{json,md,png}} in {time.monotonic() - tg.START:.0f} s")
     return 0 if all(v["status"] == "ok" for v in summary["variants"].values()) else 1

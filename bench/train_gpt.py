@@ -62,6 +62,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import bitsparse_core.torch as bst  # noqa: E402
+import interleaved  # noqa: E402
 from profile_syncs import profile_steps  # noqa: E402
 
 START = time.monotonic()
@@ -523,6 +524,45 @@ def run_variants(bench: Bench, names: list, plan: Plan, report, rounds: int = 1)
     return results
 
 
+def run_interleaved(bench: Bench, names: list, turns: int, warmup: int) -> dict:
+    """Every variant built at once from the same initial weights, then ``turns`` turns of
+    one step each (:func:`interleaved.run_turns`); ratios to dense. A variant that fails
+    to build or step is reported and left out."""
+    device, s = bench.device, bench.shape
+    batches = [(x.to(device), y.to(device)) for x, y in
+               make_batches(bench.data, min(turns + warmup, 16), s.batch, s.seq, bench.args.seed)]
+    steps, failed = {}, {}
+
+    def stepper(call, opt):
+        def step(i):
+            x, y = batches[i % len(batches)]
+            train_step(call, opt, x, y)
+        return step
+    try:
+        for name in names:
+            try:
+                _, call, opt = build(bench, name)
+                steps[name] = stepper(call, opt)
+            except Exception as exc:  # noqa: BLE001 - reported beside the others' results
+                failed[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if "dense" not in steps:
+            return {"status": "skipped: no dense variant to compare with", "failed": failed}
+        with attention_backend(bench.args.attn):
+            result = interleaved.run_turns(steps, "dense", turns, warmup, lambda: sync(device),
+                                           bench.check_time)
+    except Exception as exc:  # noqa: BLE001 - an OOM with every model resident, say
+        return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}", "failed": failed}
+    finally:
+        steps.clear()
+        free_memory(device)
+    result.update(status="ok", failed=failed)
+    for name, rec in result["variants"].items():
+        if name != "dense":
+            print(f"interleaved  {name:<15} × dense {_f(rec['median_ratio'], '.3f')}  "
+                  f"({result['turns']} turns)", flush=True)
+    return result
+
+
 def print_variant(name: str, res: dict) -> None:
     if res["status"] != "ok":
         print(f"{name:<15} {res['status'][:300]}", flush=True)
@@ -745,7 +785,18 @@ def markdown_variants(summary: dict) -> str:
             out += [f"| {n} | `{r['name'][:90]}` | {r['calls_per_step']:g} | "
                     f"{r['self_cpu_ms_per_step']:.2f} | {r['cpu_total_ms_per_step']:.2f} | "
                     f"{r['device_total_ms_per_step']:.2f} |" for n, r in rows]
+    out += markdown_interleaved(summary.get("interleaved"))
     return "\n".join(out) + "\n"
+
+
+def markdown_interleaved(result: dict | None) -> list:
+    if not result:
+        return []
+    if result.get("status") != "ok":
+        return ["", "## Interleaved steps", "", f"Not run: {result.get('status')}."]
+    out = [""] + interleaved.markdown(result)
+    out += [f"- {n}: {why}" for n, why in (result.get("failed") or {}).items()]
+    return out
 
 
 def markdown_budget(summary: dict) -> str:
@@ -861,6 +912,10 @@ def parse_args(argv):
                          "(OUT/train_gpt_<variant>_trace.json.gz)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the variant sequence this many times (timing; see run_variants)")
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="then this many turns of one step of every variant each, all models "
+                         "resident (bench/interleaved.py): ratios to dense the host's drift "
+                         "does not decide")
     ap.add_argument("--cprofile-steps", type=int, default=0,
                     help="CUDA: also run this many steps under cProfile (train_gpt_cprofile.txt)")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -945,6 +1000,8 @@ def main(argv=None) -> int:
     results = run_variants(bench, names, plan, report,
                            rounds=1 if args.bitident_steps else args.rounds)
     summary["variants"] = results
+    if args.interleave and not args.bitident_steps:
+        summary["interleaved"] = run_interleaved(bench, names, args.interleave, args.warmup)
     write_reports(summary, out, stem)
     print(f"wrote {out / stem}.{{json,md,png}} in {time.monotonic() - START:.0f} s")
     if mode == "bitident":

@@ -21,7 +21,8 @@ def test_bench_hf_small_on_cpu(tmp_path):
     # a tiny model: one thread (more, on a busy machine, make its small matmuls crawl)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_hf.py"), "--device", "cpu",
-                          "--small", "--steps", "2", "--rounds", "2", "--out", str(tmp_path)],
+                          "--small", "--steps", "2", "--rounds", "2", "--interleave", "2",
+                          "--out", str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "bench_hf.md").read_text().startswith("# transformers OPT")
@@ -38,6 +39,8 @@ def test_bench_hf_small_on_cpu(tmp_path):
         assert v["params_bit_identical"] is True, name
         assert v["syncs"]["per_step"] and v["step_ratio_vs_plain"] > 0
         assert len(v["round_step_ms"]) == 2 and len(v["round_ratio_vs_plain"]) == 2, name
+        # the interleaved turns' ratio is the one reported (and judged by the targets)
+        assert v["step_ratio_vs_plain"] == summary["interleaved"]["variants"][name]["median_ratio"]
     assert variants["hooks"]["packed"]["packed_per_step"] > 0
     converted = variants["converted"]["packed"]
     assert [p for p, *_ in converted["replaced"]] == ["model.decoder.layers.0",

@@ -21,7 +21,7 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "train_gpt.py"), "--small",
                           "--device", "cpu", "--variants", "dense,ours-nosign", "--steps", "2",
                           "--warmup", "1", "--profile-steps", "0", "--sparsity-every", "0",
-                          "--rounds", "2", "--out", str(tmp_path)],
+                          "--rounds", "2", "--interleave", "2", "--out", str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     variants = json.loads((tmp_path / "train_gpt.json").read_text())["variants"]
@@ -31,7 +31,14 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
     assert dense["round_step_ms"][0] == dense["median_step_ms"]      # round 1 is the main run
     want = [o / d for o, d in zip(ours["round_step_ms"], dense["round_step_ms"])]
     assert ours["round_ratio_vs_dense"] == pytest.approx(want)
-    assert "Rounds (the variant sequence run again" in (tmp_path / "train_gpt.md").read_text()
+    md = (tmp_path / "train_gpt.md").read_text()
+    assert "Rounds (the variant sequence run again" in md
+    inter = json.loads((tmp_path / "train_gpt.json").read_text())["interleaved"]
+    assert inter["status"] == "ok" and inter["turns"] == 2 and not inter["failed"]
+    rec = inter["variants"]["ours-nosign"]
+    assert rec["ratios"] == pytest.approx([o / d for o, d in zip(
+        rec["step_ms"], inter["variants"]["dense"]["step_ms"])])
+    assert "## Interleaved steps" in md
 
 
 def test_copy_overlap_counts_copy_time_under_kernels():

@@ -1,0 +1,90 @@
+"""Step times of several training variants measured turn by turn, for ratios the host's
+drift does not decide.
+
+The device machine's host runs at speeds that drift by up to 1.8x over seconds to
+minutes (bench/NOTES.md, session 8), and a training step of a model this size is bound
+by the host. Variants timed one after another (or in rounds of whole runs) then differ
+by whatever the host did in between: one gpt12 pair of runs gave ours / dense 0.97,
+another 1.67, for the same code. Here every variant's model lives at once, and each
+*turn* runs one step of every variant, the order rotated from turn to turn, with a
+device sync around each step. A variant's ratio to the reference is taken within each
+turn (steps a fraction of a second apart) and the median over turns is reported.
+
+Peaks are not measured here (every model is resident at once); the benches take them,
+and bit identity, from their ordinary sequential runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+def run_turns(steps: dict, reference: str, turns: int, warmup: int,
+              sync: Callable[[], None], check_time: Callable[[str], None] | None = None) -> dict:
+    """Time ``turns`` turns of ``steps`` (``{name: step(i)}``, each running training step
+    ``i`` of its variant) after ``warmup`` untimed turns. Returns per variant its step
+    and host times in ms, and for the others the per-turn ratios to ``reference`` and
+    their median. ``check_time(where)`` may raise to cut the run short (the turns timed
+    so far are kept)."""
+    if reference not in steps:
+        raise ValueError(f"reference {reference!r} is not among the variants {list(steps)}")
+    names = list(steps)
+    times = {n: [] for n in names}
+    host = {n: [] for n in names}
+    done = 0
+    for i in range(warmup + turns):
+        if check_time is not None:
+            try:
+                check_time(f"interleaved turn {i}")
+            except Exception:   # noqa: BLE001 -- the bench's time limit: keep what was timed
+                break
+        k = i % len(names)
+        turn = {}
+        for name in names[k:] + names[:k]:
+            sync()
+            t0 = time.perf_counter()
+            steps[name](i)
+            t1 = time.perf_counter()
+            sync()
+            turn[name] = (time.perf_counter() - t0, t1 - t0)
+        if i >= warmup:
+            done += 1
+            for name, (t, h) in turn.items():
+                times[name].append(1e3 * t)
+                host[name].append(1e3 * h)
+    out = {"turns": done, "warmup": warmup, "reference": reference, "variants": {}}
+    for name in names:
+        rec = {"step_ms": times[name], "host_ms": host[name],
+               "median_step_ms": statistics.median(times[name]) if times[name] else None,
+               "median_host_ms": statistics.median(host[name]) if host[name] else None}
+        if name != reference:
+            ratios = [a / b for a, b in zip(times[name], times[reference]) if b]
+            rec["ratios"] = ratios
+            rec["median_ratio"] = statistics.median(ratios) if ratios else None
+        out["variants"][name] = rec
+    return out
+
+
+def markdown(result: dict, title: str = "Interleaved steps") -> list:
+    """Lines of a Markdown section for :func:`run_turns`' result."""
+    ref = result["reference"]
+    lines = [f"## {title}", "",
+             f"Every variant resident at once; each turn runs one step of every variant (the "
+             f"order rotated each turn, a device sync around each step); {result['turns']} "
+             f"timed turns after {result['warmup']} warm-up turns. × {ref}: the median over "
+             f"turns of the ratio within a turn.", "",
+             f"| variant | median step (ms) | median host (ms) | × {ref} | × {ref}, quartiles |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, rec in result["variants"].items():
+        r = rec.get("ratios") or []
+        q = statistics.quantiles(r, n=4) if len(r) >= 2 else None
+        lines.append(f"| {name} | {_f(rec['median_step_ms'])} | {_f(rec['median_host_ms'])} | "
+                     f"{_f(rec.get('median_ratio'), '.3f') if name != ref else '-'} | "
+                     f"{f'{q[0]:.3f} - {q[2]:.3f}' if q else '-'} |")
+    return lines
+
+
+def _f(v, fmt: str = ".1f") -> str:
+    return "-" if v is None else format(v, fmt)

@@ -1,0 +1,71 @@
+"""bench/interleaved.py: turn-by-turn step timing, on a fake clock."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import interleaved  # noqa: E402
+
+
+class Clock:
+    """perf_counter for the module under test: steps advance it by what they cost."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_ratios_within_turns_cancel_the_drift(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(interleaved.time, "perf_counter", clock)
+    order = []
+
+    def step(name, cost):
+        def run(i):
+            order.append((i, name))
+            clock.now += cost * (1.0 + 0.5 * (i % 3))   # the host slows and recovers, by turn
+        return run
+    steps = {"dense": step("dense", 0.010), "ours": step("ours", 0.011),
+             "ckpt": step("ckpt", 0.013)}
+    res = interleaved.run_turns(steps, "dense", turns=6, warmup=2, sync=lambda: None)
+    assert res["turns"] == 6 and res["warmup"] == 2
+    # each turn runs every variant once, the order rotated by one each turn
+    assert [n for i, n in order if i == 0] == ["dense", "ours", "ckpt"]
+    assert [n for i, n in order if i == 1] == ["ours", "ckpt", "dense"]
+    assert len(res["variants"]["dense"]["step_ms"]) == 6
+    ours = res["variants"]["ours"]
+    assert len(ours["ratios"]) == 6
+    assert "ratios" not in res["variants"]["dense"]
+    # the times vary 2x with the host's speed; the ratios within a turn do not
+    times = res["variants"]["dense"]["step_ms"]
+    assert max(times) / min(times) == pytest.approx(2.0)
+    assert ours["ratios"] == pytest.approx([1.1] * 6)
+    assert res["variants"]["ckpt"]["median_ratio"] == pytest.approx(1.3)
+    lines = interleaved.markdown(res)
+    assert lines[0] == "## Interleaved steps" and any(line.startswith("| ours |") for line in lines)
+
+
+def test_time_limit_keeps_the_turns_timed(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(interleaved.time, "perf_counter", clock)
+
+    def run(i):
+        clock.now += 0.01
+
+    def check_time(where):
+        if where == "interleaved turn 4":
+            raise RuntimeError("time limit")
+    res = interleaved.run_turns({"a": run, "b": run}, "a", turns=10, warmup=1,
+                                sync=lambda: None, check_time=check_time)
+    assert res["turns"] == 3 and res["variants"]["b"]["median_ratio"] == pytest.approx(1.0)
+
+
+def test_reference_must_be_a_variant():
+    with pytest.raises(ValueError, match="reference"):
+        interleaved.run_turns({"a": lambda i: None}, "dense", 1, 0, sync=lambda: None)
