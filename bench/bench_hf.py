@@ -167,6 +167,9 @@ def run_variant(bench: HFBench, name: str, batches: list, plan: tg.Plan):
            "losses": torch.stack(losses).float().cpu().tolist(),
            "syncs": syncs,
            "packed": what_was_packed(extra, model, plan.total, batches[0][0].numel(), bench.shape)}
+    if args.cprofile_steps and device.type == "cuda":
+        res["cprofile"] = tg.cprofile_steps(lambda x, y: tg.train_step(forward, opt, x, y),
+                                            batches[:args.cprofile_steps], device)
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return res, params
 
@@ -446,7 +449,13 @@ def plot(summary: dict, path: Path) -> None:
 def write_reports(summary: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary["elapsed_s"] = time.monotonic() - tg.START
-    (out / "bench_hf.json").write_text(json.dumps(summary, indent=1, default=str))
+    profiles = [f"## {n}\n{v['cprofile']}" for n, v in summary["variants"].items()
+                if v.get("cprofile")]
+    if profiles:
+        (out / "bench_hf_cprofile.txt").write_text("\n\n".join(profiles))
+    slim = {**summary, "variants": {n: {k: x for k, x in v.items() if k != "cprofile"}
+                                    for n, v in summary["variants"].items()}}
+    (out / "bench_hf.json").write_text(json.dumps(slim, indent=1, default=str))
     (out / "bench_hf.md").write_text(markdown(summary))
     plot(summary, out / "bench_hf.png")
 
@@ -475,6 +484,9 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the variant sequence this many times (step times only after the "
                     "first): the step ratios are the medians of the rounds' ratios")
+    ap.add_argument("--cprofile-steps", type=int, default=0,
+                    help="CUDA: also run this many steps of each variant under cProfile "
+                         "(bench_hf_cprofile.txt)")
     ap.add_argument("--interleave", type=int, default=0,
                     help="then this many turns of one step of every variant each, all models "
                          "resident (bench/interleaved.py): the timing targets use its ratios")
