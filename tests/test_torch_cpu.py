@@ -657,3 +657,22 @@ def test_hooks_unpack_once_while_the_dense_tensor_is_alive():
     out.sum().backward()
     assert c.stats.packed == 1 and c.stats.unpacked == 1 and c.stats.reused == 1
     assert torch.equal(a.grad, 2 * (torch.relu(a.detach()) > 0))
+
+
+def test_hooks_unpack_once_per_backward_across_nodes():
+    """relu saves its output and the matmul after it saves the same tensor; their backwards
+    run one after the other, the matmul's unpacked tensor dead before relu's backward asks:
+    the hooks hold it meanwhile, so it is decoded once per backward (twice over two)."""
+    torch.manual_seed(0)
+    a = (torch.randn(64, 256) - 0.5).requires_grad_()
+    w = torch.randn(256, 32, requires_grad=True)
+    ref_a, ref_w = a.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (torch.relu(ref_a) @ ref_w).square().sum().backward()
+    with compress_saved_tensors(min_numel=256) as c:
+        out = (torch.relu(a) @ w).square().sum()
+    out.backward(retain_graph=True)
+    assert (c.stats.packed, c.stats.shared, c.stats.unpacked, c.stats.reused) == (1, 1, 1, 1)
+    assert torch.equal(a.grad, ref_a.grad) and torch.equal(w.grad, ref_w.grad)
+    out.backward()       # a second backward through the same graph decodes once more
+    assert (c.stats.unpacked, c.stats.reused) == (2, 2)
+    assert torch.equal(a.grad, 2 * ref_a.grad) and torch.equal(w.grad, 2 * ref_w.grad)

@@ -32,9 +32,10 @@ over ours for what they save, as PyTorch defines.
 A tensor saved by several nodes (ReLU saves its output, the next matmul saves
 the same tensor or a reshaped view of it) is packed once: packs are shared by
 the base tensor they were made from while that tensor is alive and unmodified.
-Unpacks are shared the same way: while one unpacked tensor is alive, every other
-unpack of the same pack returns it (or a view), so no two dense copies of one
-saved tensor exist at once where plain PyTorch holds one.
+It is unpacked once per backward: the first node to unpack it gets a dense tensor
+that the hooks hold until each of the other nodes that saved it has unpacked it
+too (each gets the same tensor, or a view), so no two dense copies of one saved
+tensor exist at once, and none lives longer than plain PyTorch's would.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class _Packed:
     the count is on its way (or for good when the pack was not usable)."""
 
     __slots__ = ("block", "plan", "ticket", "known", "held", "version", "dtype", "shape",
-                 "stream", "state", "unpacked", "__weakref__")
+                 "stream", "state", "unpacked", "saves", "to_unpack", "keep", "__weakref__")
 
     def __init__(self, block, plan, ticket, known, dense: torch.Tensor, stream):
         self.block, self.plan, self.ticket, self.known = block, plan, ticket, known
@@ -105,6 +106,9 @@ class _Packed:
         self.dtype, self.shape, self.stream = dense.dtype, tuple(dense.shape), stream
         self.state = PENDING
         self.unpacked = None    # weak reference to the last unpacked tensor
+        # Saves answered by this pack (the nodes that will unpack it), the unpacks of this
+        # backward still to come, and the unpacked tensor held for them meanwhile.
+        self.saves, self.to_unpack, self.keep = 1, 0, None
 
 
 class _Outer:
@@ -220,6 +224,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
                 self.stats.passed += 1
                 return self._to_outer(t)
             self.stats.shared += 1
+            hit[1].saves += 1
             return hit[1] if base is t else _View(hit[1], tuple(t.shape))
         packed = self._pack_new(base.detach())
         self._by_base[base] = (base._version, packed)
@@ -321,6 +326,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         alive = obj.unpacked() if obj.unpacked is not None else None
         if alive is not None:
             self.stats.reused += 1
+            obj.to_unpack -= 1
+            if obj.to_unpack <= 0:    # the last node of this backward has it: hold no more
+                obj.keep = None
             return alive
         block = self._from_outer(obj.block)
         if obj.stream is not None and obj.stream != O._stream(block.device):
@@ -331,6 +339,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         t = O._unpack(block, obj.plan, obj.shape, obj.dtype)
         self.stats.unpacked += 1
         obj.unpacked = weakref.ref(t)
+        # Held until every other node that saved it has unpacked it (a later unpack of this
+        # backward reuses it): one decode, and no longer alive than plain's dense tensor.
+        obj.to_unpack = obj.saves - 1
+        obj.keep = t if obj.to_unpack > 0 else None
         return t
 
     def _unpack_pending(self, obj: _Packed) -> None:
