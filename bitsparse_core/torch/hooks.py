@@ -56,6 +56,7 @@ from . import ops as O
 from .sites import Sites
 
 PENDING, CLEAN, DENSE = "pending", "clean", "dense"   # _Packed.state
+_PLAIN = (torch.Tensor, torch.nn.Parameter)   # tensor subclasses pass through
 LOST = (None, None)    # a count that can never be read (its slot was taken again)
 
 
@@ -175,6 +176,8 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self.encoding = _check_encoding(encoding)
         self.margin = float(margin)
         self.devices = tuple(devices)
+        # (t.device makes an object per call: the hooks see every saved tensor)
+        self._on_cuda, self._on_cpu = "cuda" in self.devices, "cpu" in self.devices
         self.stats = SavedStats()
         self._by_base = WeakIdKeyDictionary()  # base tensor -> (version, _Packed or None)
         self._sites = Sites(self.encoding)
@@ -203,17 +206,19 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
 
     # ------------------------------------------------------------------ pack
     def _candidate(self, t) -> bool:
-        return (isinstance(t, torch.Tensor) and t.dtype in B.TORCH_TO_BS
-                and t.layout == torch.strided and t.device.type in self.devices
-                and t.numel() >= self.min_numel and t.is_contiguous()
-                and not (t.is_leaf and t.requires_grad)  # parameters stay alive anyway
-                and type(t) in (torch.Tensor, torch.nn.Parameter))
+        # cheapest first: most saves are parameters or small tensors
+        return (type(t) in _PLAIN and t.numel() >= self.min_numel
+                and not (t.requires_grad and t.is_leaf)  # parameters stay alive anyway
+                and t.dtype in B.TORCH_TO_BS
+                and ((t.is_cuda and self._on_cuda) or (t.is_cpu and self._on_cpu))
+                and t.layout == torch.strided and t.is_contiguous())
 
     def _pack(self, t):
-        self._poll()
+        if self._flights:
+            self._poll()
         if not self._candidate(t):
             self.stats.passed += 1
-            return self._to_outer(t)
+            return t if self._outer is None else _Outer(self._outer[0](t))
         base = t._base if t._base is not None else t
         if base is not t and not (base.is_contiguous() and base.numel() == t.numel()
                                   and t.storage_offset() == base.storage_offset()):
@@ -226,7 +231,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             self.stats.shared += 1
             hit[1].saves += 1
             return hit[1] if base is t else _View(hit[1], tuple(t.shape))
-        packed = self._pack_new(base.detach())
+        packed = self._pack_new(base)
         self._by_base[base] = (base._version, packed)
         if packed is None:
             self.stats.passed += 1
@@ -237,7 +242,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         """Queue the pack of ``t`` at its site's capacity: a pending ``_Packed``, or None
         where ``t`` is better kept as it is (as far as the host knows now)."""
         self._ordinal += 1
-        site = self._sites.get((self._ordinal, tuple(t.shape), t.dtype))
+        site = self._sites.get((self._ordinal, t.shape, t.dtype))
         numel = t.numel()
         capacity = site.capacity(numel, 1.0 - self.min_sparsity, self.margin)
         if capacity is None:
@@ -248,9 +253,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if self._in_flight and self._in_flight + plan.nbytes > self._credit:
             self.stats.throttled += 1
             return None
-        cuda = t.device.type == "cuda"
+        cuda = t.is_cuda
         if cuda and torch.cuda.is_current_stream_capturing():
             return None   # a graph's count cannot be read without a sync
+        t = t.detach()    # held while the count is on its way: no autograd history
         block, ticket, known = O.pack_plain(t, plan)
         if known is None and C.SLAB.lost(ticket):
             return None   # every slot of the ring is in flight
@@ -308,11 +314,13 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
 
     # ---------------------------------------------------------------- unpack
     def _unpack(self, obj):
-        if isinstance(obj, _View):
+        cls = type(obj)
+        if cls is _View:
             return self._unpack(obj.base).view(obj.shape)
-        if not isinstance(obj, _Packed):
-            return self._from_outer(obj)
-        self._poll()
+        if cls is not _Packed:       # passed through (to the enclosing hooks, if any)
+            return self._outer[1](obj.obj) if cls is _Outer else obj
+        if self._flights:
+            self._poll()
         if obj.state == PENDING:
             self._unpack_pending(obj)
         if obj.state == DENSE:
