@@ -22,12 +22,16 @@ from typing import Callable
 
 
 def run_turns(steps: dict, reference: str, turns: int, warmup: int,
-              sync: Callable[[], None], check_time: Callable[[str], None] | None = None) -> dict:
+              sync: Callable[[], None], check_time: Callable[[str], None] | None = None,
+              own_references: dict | None = None) -> dict:
     """Time ``turns`` turns of ``steps`` (``{name: step(i)}``, each running training step
     ``i`` of its variant) after ``warmup`` untimed turns. Returns per variant its step
     and host times in ms, and for the others the per-turn ratios to ``reference`` and
-    their median. ``check_time(where)`` may raise to cut the run short (the turns timed
-    so far are kept)."""
+    their median; ``own_references`` (``{name: its reference}``, e.g. a compiled variant's
+    compiled baseline) adds the same against that variant's own. ``check_time(where)``
+    may raise to cut the run short (the turns timed so far are kept)."""
+    own_references = {n: r for n, r in (own_references or {}).items()
+                      if r != reference and r in steps and n in steps}
     if reference not in steps:
         raise ValueError(f"reference {reference!r} is not among the variants {list(steps)}")
     names = list(steps)
@@ -63,6 +67,11 @@ def run_turns(steps: dict, reference: str, turns: int, warmup: int,
             ratios = [a / b for a, b in zip(times[name], times[reference]) if b]
             rec["ratios"] = ratios
             rec["median_ratio"] = statistics.median(ratios) if ratios else None
+        own = own_references.get(name)
+        if own is not None and own != name:
+            ratios = [a / b for a, b in zip(times[name], times[own]) if b]
+            rec["own_reference"] = own
+            rec["median_ratio_vs_own"] = statistics.median(ratios) if ratios else None
         out["variants"][name] = rec
     return out
 
@@ -75,14 +84,17 @@ def markdown(result: dict, title: str = "Interleaved steps") -> list:
              f"order rotated each turn, a device sync around each step); {result['turns']} "
              f"timed turns after {result['warmup']} warm-up turns. × {ref}: the median over "
              f"turns of the ratio within a turn.", "",
-             f"| variant | median step (ms) | median host (ms) | × {ref} | × {ref}, quartiles |",
-             "| --- | --- | --- | --- | --- |"]
+             f"| variant | median step (ms) | median host (ms) | × {ref} | × {ref}, quartiles "
+             "| × own reference |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for name, rec in result["variants"].items():
         r = rec.get("ratios") or []
         q = statistics.quantiles(r, n=4) if len(r) >= 2 else None
+        own = (f"{_f(rec.get('median_ratio_vs_own'), '.3f')} ({rec['own_reference']})"
+               if rec.get("own_reference") else "-")
         lines.append(f"| {name} | {_f(rec['median_step_ms'])} | {_f(rec['median_host_ms'])} | "
                      f"{_f(rec.get('median_ratio'), '.3f') if name != ref else '-'} | "
-                     f"{f'{q[0]:.3f} - {q[2]:.3f}' if q else '-'} |")
+                     f"{f'{q[0]:.3f} - {q[2]:.3f}' if q else '-'} | {own} |")
     return lines
 
 

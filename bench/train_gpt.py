@@ -549,7 +549,8 @@ def run_interleaved(bench: Bench, names: list, turns: int, warmup: int) -> dict:
             return {"status": "skipped: no dense variant to compare with", "failed": failed}
         with attention_backend(bench.args.attn):
             result = interleaved.run_turns(steps, "dense", turns, warmup, lambda: sync(device),
-                                           bench.check_time)
+                                           bench.check_time,
+                                           {n: VARIANTS[n].reference for n in steps})
     except Exception as exc:  # noqa: BLE001 - an OOM with every model resident, say
         return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}", "failed": failed}
     finally:
@@ -558,7 +559,9 @@ def run_interleaved(bench: Bench, names: list, turns: int, warmup: int) -> dict:
     result.update(status="ok", failed=failed)
     for name, rec in result["variants"].items():
         if name != "dense":
-            print(f"interleaved  {name:<15} × dense {_f(rec['median_ratio'], '.3f')}  "
+            own = (f", × {rec['own_reference']} {_f(rec['median_ratio_vs_own'], '.3f')}"
+                   if rec.get("own_reference") else "")
+            print(f"interleaved  {name:<15} × dense {_f(rec['median_ratio'], '.3f')}{own}  "
                   f"({result['turns']} turns)", flush=True)
     return result
 

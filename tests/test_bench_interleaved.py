@@ -33,7 +33,8 @@ def test_ratios_within_turns_cancel_the_drift(monkeypatch):
         return run
     steps = {"dense": step("dense", 0.010), "ours": step("ours", 0.011),
              "ckpt": step("ckpt", 0.013)}
-    res = interleaved.run_turns(steps, "dense", turns=6, warmup=2, sync=lambda: None)
+    res = interleaved.run_turns(steps, "dense", turns=6, warmup=2, sync=lambda: None,
+                                own_references={"ckpt": "ours", "ours": "dense"})
     assert res["turns"] == 6 and res["warmup"] == 2
     # each turn runs every variant once, the order rotated by one each turn
     assert [n for i, n in order if i == 0] == ["dense", "ours", "ckpt"]
@@ -47,6 +48,9 @@ def test_ratios_within_turns_cancel_the_drift(monkeypatch):
     assert max(times) / min(times) == pytest.approx(2.0)
     assert ours["ratios"] == pytest.approx([1.1] * 6)
     assert res["variants"]["ckpt"]["median_ratio"] == pytest.approx(1.3)
+    # against a variant's own reference too (ours' own is the main one: nothing added)
+    assert res["variants"]["ckpt"]["median_ratio_vs_own"] == pytest.approx(1.3 / 1.1)
+    assert "own_reference" not in res["variants"]["ours"]
     lines = interleaved.markdown(res)
     assert lines[0] == "## Interleaved steps" and any(line.startswith("| ours |") for line in lines)
 
