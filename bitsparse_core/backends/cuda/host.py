@@ -74,6 +74,20 @@ class PackPlan:
     def status(self, block: int) -> int:
         return block + self.status_offset
 
+    def with_capacity(self, capacity: int) -> "PackPlan":
+        """This plan at another capacity (an exact pack's, once its count is known): equal
+        to :func:`pack_plan` with it. Only the value and sign spans, the status area and
+        the size move; the mask and offsets keep their places, and so does the value
+        span's start."""
+        lay = self.lay.with_capacity(capacity)
+        vo = self.spans[2][0]
+        vlen, slen = lay.values[1], lay.signs[1]
+        so = vo + _fmt.align(vlen)
+        pos = so + _fmt.align(slen)
+        return PackPlan(lay, self.mode, (self.spans[0], self.spans[1], (vo, vlen), (so, slen)),
+                        pos, pos + abi.STATUS_BYTES, self.rounds, self.n_tiles,
+                        self.scratch_bytes, self.smem, self.width)
+
 
 @functools.lru_cache(maxsize=4096)
 def pack_plan(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int, chunk_log2: int,
@@ -197,15 +211,26 @@ def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, s
     driver.launch_cooperative(L.pack, L.grid, abi.THREADS, plan.smem, stream, r)
 
 
+def shrink_copies(src: PackPlan, dst: PackPlan) -> tuple:
+    """``((dst offset, src offset, bytes), ...)``: the copies that move a block of ``src``
+    into one of ``dst`` (the same pack at a smaller capacity). The mask, the offsets and
+    the value span's start are at the same places in both, so one copy takes them and
+    the stored values; then the sign plane (if any) and the status area."""
+    vo, vlen = dst.spans[2]
+    if src.spans[:2] != dst.spans[:2] or src.spans[2][0] != vo or dst.nbytes > src.nbytes:
+        raise ValueError("shrink_copies: the plans are not one pack at two capacities")
+    copies = [(0, 0, vo + vlen)]
+    if dst.spans[3][1]:
+        copies.append((dst.spans[3][0], src.spans[3][0], dst.spans[3][1]))
+    copies.append((dst.status_offset, src.status_offset, abi.STATUS_BYTES))
+    return tuple(copies)
+
+
 def enqueue_shrink(src: PackPlan, src_block: int, dst: PackPlan, dst_block: int,
                    stream: int) -> None:
     """Copy a worst-case block's sections (and status) into an exact-size block."""
-    head = src.spans[1][0] + src.spans[1][1]      # mask + offsets: the same spans in both
-    driver.copy(dst_block, src_block, head, stream)
-    for i in (2, 3):
-        driver.copy(dst_block + dst.spans[i][0], src_block + src.spans[i][0], dst.spans[i][1],
-                    stream)
-    driver.copy(dst.status(dst_block), src.status(src_block), 16, stream)
+    for d, s, n in shrink_copies(src, dst):
+        driver.copy(dst_block + d, src_block + s, n, stream)
 
 
 # --------------------------------------------------------------------------- #

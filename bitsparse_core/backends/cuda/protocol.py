@@ -79,7 +79,7 @@ def pack(steps: PackSteps, shape: tuple, dtype, encoding, chunk_log2, capacity,
             return pack(steps, shape, dtype, Encoding.RAW, chunk_log2, capacity, mode)
         raise EncodingError(NOSIGN_MESSAGE)
     if exact:
-        small = pack_plan(tuple(shape), dtype, enc, nnz, plan.lay.chunk_log2, mode)
+        small = plan.with_capacity(nnz)            # the GPU waits for this host work
         block, plan = steps.shrink(plan, block, small), small
     return steps.packed(plan, block, nnz, False)
 

@@ -33,6 +33,7 @@ from ...spec.ops import masked_encoding
 from ..cuda import abi
 from ..cuda.abi import Mode
 from ..cuda import protocol
+from ..cuda import host
 from ..cuda.host import pack_plan
 from . import kernels as K
 
@@ -83,11 +84,8 @@ class _NumbaSteps:
     def shrink(self, plan, al, small):
         P, st = self.P, self.st
         out = _Alloc(P, small, st, self.allocator)
-        head = plan.spans[1][0] + plan.spans[1][1]        # mask + offsets: the same spans
-        P.copy(out.buf, 0, al.buf, 0, head, st)
-        for i in (2, 3):
-            P.copy(out.buf, small.spans[i][0], al.buf, plan.spans[i][0], small.spans[i][1], st)
-        P.copy(out.buf, small.status_offset, al.buf, plan.status_offset, 16, st)
+        for d, s, n in host.shrink_copies(plan, small):
+            P.copy(out.buf, d, al.buf, s, n, st)
         return out
 
     def packed(self, plan, al, nnz, pending_status):
