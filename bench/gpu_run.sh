@@ -28,15 +28,15 @@ if [ -z "${SKIP_HOST:-}" ]; then
   echo "host rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 40 "$OUT/host.log" | cut -c1-300
 fi
 if [ -z "${SKIP_GPT:-}" ]; then
-  timeout "${GPT_TIMEOUT:-260}" python3 bench/train_gpt.py ${GPT_ARGS:---preset gpt12 --steps 15 --time-limit 230} --out "$OUT" >"$OUT/gpt.log" 2>&1
+  timeout "${GPT_TIMEOUT:-260}" python3 bench/train_gpt.py ${GPT_ARGS:---preset gpt12 --steps 10 --interleave 30 --time-limit 230} --out "$OUT" >"$OUT/gpt.log" 2>&1
   echo "gpt rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 40 "$OUT/gpt.log" | cut -c1-300
 fi
-if [ -n "${RUN_OFFLOAD:-}" ]; then   # opt-in: issue 17's variants, three interleaved rounds
+if [ -n "${RUN_OFFLOAD:-}" ]; then   # opt-in: issue 17's variants, steps taken in turn
   mkdir -p "$OUT/offload"
-  timeout "${OFFLOAD_TIMEOUT:-400}" python3 bench/train_gpt.py ${OFFLOAD_ARGS:---preset gpt12 --steps 10 --rounds 3 --variants dense,ours-nosign,ours-offload,save-on-cpu,checkpoint --trace ours-offload --time-limit 370} --out "$OUT/offload" >"$OUT/offload.log" 2>&1
+  timeout "${OFFLOAD_TIMEOUT:-400}" python3 bench/train_gpt.py ${OFFLOAD_ARGS:---preset gpt12 --steps 10 --interleave 30 --variants dense,ours-nosign,ours-offload,save-on-cpu,checkpoint --trace ours-offload --time-limit 370} --out "$OUT/offload" >"$OUT/offload.log" 2>&1
   echo "offload rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 12 "$OUT/offload.log" | cut -c1-300
 fi
 if [ -n "${RUN_HF:-}" ]; then   # opt-in: the transformers benchmark (needs transformers installed)
-  timeout "${HF_TIMEOUT:-300}" python3 bench/bench_hf.py ${HF_ARGS:---time-limit 270} --out "$OUT" >"$OUT/hf.log" 2>&1
+  timeout "${HF_TIMEOUT:-300}" python3 bench/bench_hf.py ${HF_ARGS:---steps 5 --interleave 30 --time-limit 270} --out "$OUT" >"$OUT/hf.log" 2>&1
   echo "hf rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 40 "$OUT/hf.log" | cut -c1-300
 fi
