@@ -99,9 +99,10 @@ class _Packed:
     the count is on its way (or for good when the pack was not usable)."""
 
     __slots__ = ("block", "plan", "ticket", "known", "held", "version", "dtype", "shape",
-                 "stream", "state", "unpacked", "saves", "to_unpack", "keep", "__weakref__")
+                 "stream", "state", "unpacked", "saves", "to_unpack", "keep", "nbytes",
+                 "__weakref__")
 
-    def __init__(self, block, plan, ticket, known, dense: torch.Tensor, stream):
+    def __init__(self, block, plan, ticket, known, dense: torch.Tensor, stream, nbytes: int):
         self.block, self.plan, self.ticket, self.known = block, plan, ticket, known
         self.held, self.version = dense, dense._version
         self.dtype, self.shape, self.stream = dense.dtype, tuple(dense.shape), stream
@@ -110,6 +111,7 @@ class _Packed:
         # Saves answered by this pack (the nodes that will unpack it), the unpacks of this
         # backward still to come, and the unpacked tensor held for them meanwhile.
         self.saves, self.to_unpack, self.keep = 1, 0, None
+        self.nbytes = nbytes           # what the block holds (its pack's scratch included)
 
 
 class _Outer:
@@ -248,21 +250,23 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if capacity is None:
             return None
         plan = O.plain_plan(t.shape, t.dtype, capacity, int(site.encoding))
-        if plan.nbytes >= numel * t.element_size():
+        cuda = t.is_cuda
+        nbytes = O.plain_block_bytes(plan, cuda)
+        if nbytes >= numel * t.element_size():
             return None
-        if self._in_flight and self._in_flight + plan.nbytes > self._credit:
+        if self._in_flight and self._in_flight + nbytes > self._credit:
             self.stats.throttled += 1
             return None
-        cuda = t.is_cuda
         if cuda and torch.cuda.is_current_stream_capturing():
             return None   # a graph's count cannot be read without a sync
         t = t.detach()    # held while the count is on its way: no autograd history
         block, ticket, known = O.pack_plain(t, plan)
         if known is None and C.SLAB.lost(ticket):
             return None   # every slot of the ring is in flight
-        packed = _Packed(block, plan, ticket, known, t, O._stream(t.device) if cuda else None)
-        self._flights.append((ticket, known, site, numel, plan.nbytes, weakref.ref(packed)))
-        self._in_flight += plan.nbytes
+        packed = _Packed(block, plan, ticket, known, t, O._stream(t.device) if cuda else None,
+                         nbytes)
+        self._flights.append((ticket, known, site, numel, nbytes, weakref.ref(packed)))
+        self._in_flight += nbytes
         self.stats.tried += 1
         self._poll()   # a host pack's count is known at once
         return None if packed.state == DENSE else packed
@@ -287,14 +291,14 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         status = state[0]
         if status == 0:
             dense = packed.held.numel() * packed.held.element_size()
-            saving = dense - packed.plan.nbytes
+            saving = dense - packed.nbytes
             packed.held, packed.state = None, CLEAN
             packed.block = self._to_outer(packed.block)
             self._credit += saving
             weakref.finalize(packed, self._release, saving)
             self.stats.packed += 1
             self.stats.dense_bytes += dense
-            self.stats.packed_bytes += packed.plan.nbytes
+            self.stats.packed_bytes += packed.nbytes
             return
         self._keep_dense(packed, offer=True)
         if status is not None:
