@@ -71,13 +71,6 @@ def copy_to_host(dst: int, src: int, nbytes: int, stream: int) -> None:
         check(lib().cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
 
 
-def host_alloc(nbytes: int) -> int:
-    """Pinned host memory every context can use (``cuMemHostAlloc``, portable)."""
-    ptr = _P()
-    check(lib().cuMemHostAlloc(ctypes.byref(ptr), _SZ(nbytes), 1), "cuMemHostAlloc")
-    return ptr.value
-
-
 def sync_stream(stream: int) -> None:
     check(lib().cuStreamSynchronize(_P(stream)), "cuStreamSynchronize")
 

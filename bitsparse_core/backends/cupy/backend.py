@@ -14,12 +14,9 @@ the device (``offsets[-1]`` and ``PackedTensor.status``) until
 
 from __future__ import annotations
 
-import ctypes
-import threading
-
 import numpy as np
 
-from ...errors import CudaDriverError, OutputMismatchError
+from ...errors import OutputMismatchError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
 from ...spec.ops import masked_encoding
@@ -33,25 +30,8 @@ _OFFSET_DTYPES = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
 _U8, _I32 = np.dtype(np.uint8), np.dtype(np.int32)
 
 
-_PINNED = {"ptr": None, "lock": threading.Lock()}   # one small pinned buffer per process
-_PINNED_BYTES = 64
-
-
 def _read_host(ptr: int, nbytes: int, stream: int) -> np.ndarray:
-    """A small device region copied to the host in stream order (one sync). Through a
-    pinned buffer where it fits: a copy into pageable memory is staged by the driver, and
-    an exact pack waits for this read with the GPU idle."""
-    with _PINNED["lock"]:
-        if _PINNED["ptr"] is None:
-            try:
-                _PINNED["ptr"] = driver.host_alloc(_PINNED_BYTES)   # kept for the process
-            except CudaDriverError:
-                _PINNED["ptr"] = 0
-        if _PINNED["ptr"] and nbytes <= _PINNED_BYTES:
-            driver.copy_to_host(_PINNED["ptr"], ptr, nbytes, stream)
-            driver.sync_stream(stream)
-            return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(_PINNED["ptr"]),
-                                 dtype=np.uint8).copy()
+    """A small device region copied to the host in stream order (one sync)."""
     out = np.zeros(nbytes, dtype=np.uint8)
     driver.copy_to_host(out.ctypes.data, ptr, nbytes, stream)
     driver.sync_stream(stream)
