@@ -308,3 +308,28 @@ def test_offload_refuses_graph_capture_cuda():
         with pytest.raises(UnsupportedTransformError, match="eager mode only"):
             with torch.cuda.graph(g, stream=s):
                 relu_linear(a, w, offload=True)
+
+
+def test_plain_pack_queues_nothing_without_a_slot(monkeypatch):
+    """The hooks' pack takes its pinned slot first: with every slot in flight it queues no
+    kernel and returns no block (its count could never come back), and the hooks pass
+    the save through; with a slot free it packs as before."""
+    from bitsparse_core.torch import capacity as C, ops as O
+    monkeypatch.setattr(C, "SLAB", C.FlagSlab(slots=1))
+    queued = []
+    real = O.host.enqueue_pack
+    monkeypatch.setattr(O.host, "enqueue_pack", lambda *a, **k: (queued.append(1), real(*a, **k))[1])
+    x = torch.relu(torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16))
+    plan = O.plain_plan(x.shape, x.dtype, x.numel(), int(bc.Encoding.NOSIGN))
+    torch.cuda._sleep(200_000_000)              # the first slot's copy stays pending
+    block, ticket, known = O.pack_plain(x, plan)
+    assert block is not None and known is None and not C.SLAB.lost(ticket) and queued == [1]
+    block2, ticket2, _ = O.pack_plain(x, plan)
+    assert block2 is None and C.SLAB.lost(ticket2) and queued == [1]
+    torch.cuda.synchronize()
+    status, nnz = C.SLAB.read(ticket)
+    assert status == 0 and nnz == int(torch.count_nonzero(x))
+    block3, ticket3, _ = O.pack_plain(x, plan)  # the slot came back: packs again
+    assert block3 is not None and queued == [1, 1]
+    torch.cuda.synchronize()
+    assert C.SLAB.read(ticket3) == (0, nnz)

@@ -257,12 +257,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if self._in_flight and self._in_flight + nbytes > self._credit:
             self.stats.throttled += 1
             return None
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return None   # a graph's count cannot be read without a sync
         t = t.detach()    # held while the count is on its way: no autograd history
         block, ticket, known = O.pack_plain(t, plan)
-        if known is None and C.SLAB.lost(ticket):
-            return None   # every slot of the ring is in flight
+        if block is None:
+            return None   # no slot for its count (a graph capture, or the ring in flight)
         packed = _Packed(block, plan, ticket, known, t, O._stream(t.device) if cuda else None,
                          nbytes)
         self._flights.append((ticket, known, site, numel, nbytes, weakref.ref(packed)))

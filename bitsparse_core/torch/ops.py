@@ -164,18 +164,21 @@ def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
 
 
 def _enqueue_pack(a: torch.Tensor, plan: host.PackPlan, block: torch.Tensor, stream: int,
-                  scratch: int, y: int = 0) -> torch.Tensor:
+                  scratch: int, y: int = 0, claimed=None) -> torch.Tensor:
     """Queue the pack of ``a`` into ``block`` on ``stream`` and the copy of its status and
     count into a pinned slot behind it; returns the slot's ticket (no slot while a graph
-    is captured: the count then cannot be read without a sync)."""
+    is captured: the count then cannot be read without a sync). ``claimed``: a slot the
+    caller took already, as ``(host address, ticket)``."""
     bptr = block.data_ptr()
     # zero_tail=False: nothing reads a block's value slots past its count (the block is
     # never serialized), so the fixed-capacity zeroing of the public pack is skipped.
     host.enqueue_pack(plan, a.device.index, stream, a.data_ptr(), bptr, scratch, y,
                       zero_tail=False)
-    if torch.cuda.is_current_stream_capturing():
-        return torch.tensor([C.NO_SLOT, 0], dtype=torch.int64, device="cpu")
-    slot, ticket = C.SLAB.acquire()
+    if claimed is None:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.tensor([C.NO_SLOT, 0], dtype=torch.int64, device="cpu")
+        claimed = C.SLAB.acquire()
+    slot, ticket = claimed
     if slot:   # status word and count in one copy; the slot reads pending until both land
         driver.copy_to_host(slot, plan.status(bptr), 16, stream)
     return ticket
@@ -188,19 +191,26 @@ def plain_block_bytes(plan: host.PackPlan, cuda: bool) -> int:
 
 def pack_plain(a: torch.Tensor, plan: host.PackPlan):
     """``(block, ticket, known)``: ``a`` packed by ``plan`` (mode PACK) without a sync. On
-    CUDA ``known`` is None and the ticket's slot receives the status and count; on CPU the
-    NumPy reference packs at once and ``known`` is its ``(status, nnz)``."""
+    CUDA ``known`` is None and the ticket's slot receives the status and count; where
+    every pinned slot is in flight (or a graph is being captured) nothing is queued and
+    ``block`` is None: a pack whose count cannot come back is of no use to the hooks. On
+    CPU the NumPy reference packs at once and ``known`` is its ``(status, nnz)``."""
     if a.device.type != "cuda":
         block = _plain_pack_cpu(a, plan)
         return block, torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64, device="cpu"), \
             _host_status(block, plan)
+    if torch.cuda.is_current_stream_capturing():
+        return None, torch.tensor([C.NO_SLOT, 0], dtype=torch.int64, device="cpu"), None
+    claimed = C.SLAB.acquire()
+    if not claimed[0]:
+        return None, claimed[1], None
     # One allocation per op: the pack's scratch (dead once the kernel ran; about 1 % of
     # the block at 90 % zeros, kept while the block lives) rides behind the block, a view
     # of the allocation's first nbytes.
     whole = torch.empty(plan.nbytes + plan.scratch_bytes, dtype=torch.uint8, device=a.device)
     block = whole[:plan.nbytes]
     return block, _enqueue_pack(a, plan, block, _stream(a.device),
-                                block.data_ptr() + plan.nbytes), None
+                                block.data_ptr() + plan.nbytes, claimed=claimed), None
 
 
 def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torch.Tensor,
