@@ -5,9 +5,10 @@ bench/host_overhead.py times the library's ops one by one; this times what a mod
 calls: the module's forward under autograd, and forward plus backward, on a few
 tokens (GPU work of a few µs per kernel), beside the dense ReLU² MLP of the GPT
 bench (``fc2(relu(fc1(x))²)``) and the same MLP under activation checkpointing.
-Every loop is timed without a sync inside, torch's ``x + x`` first and last gives
-this host's speed, and each layer's cost is also given in those units (the host of
-the device machine drifts by up to 2x within minutes: compare within a run).
+Every loop is timed without a sync inside; each repeat runs one loop of every variant
+(and of torch's ``x + x``, this host's speed) in turn, and "x dense" is the median of
+the ratios within a repeat: the host of the device machine drifts by up to 2x within
+minutes.
 
     python bench/module_host.py [--tokens 128] [--d 1024] [--ff 4096] [--out DIR]
         [--cprofile packed-nosign,packed-offload]   # also those variants under cProfile
@@ -71,17 +72,22 @@ def build(args, device):
     }
 
 
-def loop_us(fn, n: int, repeats: int, sync) -> float:
-    """Median over ``repeats`` loops of the wall time per call (no sync inside a loop)."""
-    out = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-        sync()
-    return statistics.median(out)
+def loops_in_turn(fns: dict, n: int, repeats: int, sync) -> dict:
+    """``{name: [µs per call, one per repeat]}``: each repeat times one loop of ``n`` calls
+    of every function in turn (the order rotated each repeat), so that the host's drift
+    lands on all of them alike (bench/interleaved.py does the same for whole steps)."""
+    names = list(fns)
+    out = {k: [] for k in names}
+    for r in range(repeats):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fns[name]()
+            out[name].append((time.perf_counter() - t0) / n * 1e6)
+            sync()
+    return out
 
 
 def main(argv=None) -> int:
@@ -116,20 +122,24 @@ def main(argv=None) -> int:
         for _ in range(30):
             train(m)()
     sync()
-    rows = []
-    ref = [loop_us(add, args.iters, args.repeats, sync)]
+    fns = {"x+x": add}
     for name, m in models.items():
-        rows.append({"variant": name,
-                     "forward_us": loop_us(forward(m), args.iters, args.repeats, sync),
-                     "train_us": loop_us(train(m), args.iters, args.repeats, sync)})
-    ref.append(loop_us(add, args.iters, args.repeats, sync))
-    add_us = statistics.mean(ref)
+        fns[("forward", name)] = forward(m)
+        fns[("train", name)] = train(m)
+    loops = loops_in_turn(fns, args.iters, args.repeats, sync)
+    med = {k: statistics.median(v) for k, v in loops.items()}
+    ref = [loops["x+x"][0], loops["x+x"][-1]]
+    add_us = med["x+x"]
+    rows = [{"variant": name, "forward_us": med[("forward", name)],
+             "train_us": med[("train", name)]} for name in models]
     dense = rows[0]
     for r in rows:
         r["backward_us"] = r["train_us"] - r["forward_us"]
         r["train_in_adds"] = r["train_us"] / add_us
         r["train_minus_dense_us"] = r["train_us"] - dense["train_us"]
-        r["train_x_dense"] = r["train_us"] / dense["train_us"]
+        # the median over repeats of the ratio within a repeat (loops close in time)
+        r["train_x_dense"] = statistics.median(
+            a / b for a, b in zip(loops[("train", r["variant"])], loops[("train", "dense")]))
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                  time.gmtime()),
@@ -167,8 +177,10 @@ def write_md(res: dict, path: Path) -> None:
     lines = [f"# Host time of one FFN layer in training ({res['device']})", "",
              f"{res['date_utc']}; torch {res['torch']}; bf16, {c['tokens']} tokens, d={c['d']}, "
              f"d_ff={c['ff']} (GPU time negligible); median of {c['repeats']} loops of "
-             f"{c['iters']} calls, no sync inside a loop. This host: `x + x` "
-             f"{res['x_plus_x_us'][0]:.1f} / {res['x_plus_x_us'][1]:.1f} µs (first / last).", "",
+             f"{c['iters']} calls, no sync inside a loop, each repeat timing one loop of every "
+             f"variant in turn; × dense: the median of the ratios within a repeat. This host: "
+             f"`x + x` {res['x_plus_x_us'][0]:.1f} / {res['x_plus_x_us'][1]:.1f} µs (first / "
+             f"last repeat).", "",
              "| variant | forward µs | backward µs | forward + backward µs | in x+x | "
              "− dense µs | × dense |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in res["rows"]:

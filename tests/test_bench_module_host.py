@@ -28,3 +28,21 @@ def test_module_host_cpu_smoke(tmp_path):
     assert rows["dense"]["train_x_dense"] == 1.0
     assert "| packed-offload |" in (tmp_path / "module_host.md").read_text()
     assert "## packed-nosign" in (tmp_path / "module_host_cprofile.txt").read_text()
+
+
+def test_loops_in_turn_rotate_and_time_every_function(monkeypatch):
+    """Each repeat times one loop of every function, the order rotated by one per repeat."""
+    now = [0.0]
+    monkeypatch.setattr(module_host.time, "perf_counter", lambda: now[0])
+    order = []
+
+    def fn(name, cost):
+        def run():
+            order.append(name)
+            now[0] += cost
+        return run
+    out = module_host.loops_in_turn({"a": fn("a", 1e-6), "b": fn("b", 2e-6), "c": fn("c", 3e-6)},
+                                    n=2, repeats=3, sync=lambda: None)
+    assert order[:6] == ["a", "a", "b", "b", "c", "c"] and order[6:8] == ["b", "b"]
+    assert order[12:14] == ["c", "c"]
+    assert out == {k: [pytest.approx(v)] * 3 for k, v in (("a", 1.0), ("b", 2.0), ("c", 3.0))}
