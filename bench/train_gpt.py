@@ -527,7 +527,8 @@ def run_variants(bench: Bench, names: list, plan: Plan, report, rounds: int = 1)
 def run_interleaved(bench: Bench, names: list, turns: int, warmup: int) -> dict:
     """Every variant built at once from the same initial weights, then ``turns`` turns of
     one step each (:func:`interleaved.run_turns`); ratios to dense. A variant that fails
-    to build or step is reported and left out."""
+    to build is reported and left out; a failure while stepping (an OOM with every model
+    resident, say) is the whole phase's reported status."""
     device, s = bench.device, bench.shape
     batches = [(x.to(device), y.to(device)) for x, y in
                make_batches(bench.data, min(turns + warmup, 16), s.batch, s.seq, bench.args.seed)]
