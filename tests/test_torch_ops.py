@@ -103,6 +103,32 @@ def test_flag_slab_tickets_read_unknown_until_landed_and_after_reuse():
     assert slab.read(torch.tensor([C.NO_SLOT, 0])) is None
 
 
+def test_policy_poll_passes_a_count_that_can_never_be_read(monkeypatch):
+    """A pending count whose slot the ring gave to a later pack is lost: poll drops it and
+    takes in the counts behind it (it used to stop at it until the queue overflowed)."""
+    slab = C.FlagSlab(slots=2)
+    monkeypatch.setattr(C, "SLAB", slab)
+    status, nnz = slab._arrays()
+
+    def land(ticket, count):
+        i = int(ticket[0])
+        nnz[2 * i + 1] = count
+        status[4 * i] = 0
+
+    pol = C.CapacityPolicy()
+    _, t1 = slab.acquire()
+    pol.track(t1, 1000, 1000)
+    land(t1, 100)
+    _, t2 = slab.acquire()
+    _, t3 = slab.acquire()              # t1's slot again: t1's count is gone
+    assert slab.lost(t1) and not slab.lost(t3)
+    pol.track(t3, 1000, 1000)
+    land(t3, 300)
+    pol.poll()
+    assert not pol._pending and pol.max_density == 0.3
+    assert C.LADDER[pol.bucket] >= 0.33
+
+
 def test_flag_slab_tickets_have_the_fake_kernels_metadata():
     """A ticket is what the ops' fake kernels describe: its own (2,) int64 CPU tensor,
     contiguous at storage offset 0 (opcheck and compiled graphs rely on it)."""

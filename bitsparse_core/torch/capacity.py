@@ -210,6 +210,9 @@ class CapacityPolicy:
             ticket, numel, capacity, known = self._pending[0]
             state = known or SLAB.read(ticket)
             if state is None:
+                if known is None and SLAB.lost(ticket):   # its slot was taken again
+                    self._pending.popleft()
+                    continue
                 break
             self._pending.popleft()
             self._observe(state[1], numel, capacity)
