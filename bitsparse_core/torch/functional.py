@@ -377,13 +377,14 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
     return out
 
 
-def _linear_outside_autocast(x, w, b, mm):
-    """``F.linear`` on arguments already cast the way autocast would (``mm``: its dtype,
-    None where autocast is off: the context manager then costs more than the call)."""
+def _linear_outside_autocast(mm, *linears):
+    """``F.linear(x, w, b)`` of each ``(x, w, b)``, on arguments already cast the way
+    autocast would (``mm``: its dtype, None where autocast is off: the context manager
+    then costs more than the calls), in one autocast-off context."""
     if mm is None:
-        return F.linear(x, w, b)
-    with torch.autocast(x.device.type, enabled=False):
-        return F.linear(x, w, b)
+        return [F.linear(x, w, b) for x, w, b in linears]
+    with torch.autocast(linears[0][0].device.type, enabled=False):
+        return [F.linear(x, w, b) for x, w, b in linears]
 
 
 def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign",
@@ -397,7 +398,7 @@ def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign
         # The casts autocast's linear would make, made explicitly so the recompute
         # sees exactly the tensors the first GEMM used (and saves nothing new).
         x, w1, b1 = _autocast(x, mm), _autocast(w1, mm), _autocast(b1, mm)
-    a = _linear_outside_autocast(x, w1, b1, mm)
+    a, = _linear_outside_autocast(mm, (x, w1, b1))
     return relu_linear(a, w2, b2, square=square, encoding=encoding, density=density,
                        policy=policy, recompute=(x, w1, b1), backend=backend, offload=offload)
 
@@ -416,8 +417,7 @@ def gated_relu_ffn(x, w_gate, b_gate, w_up, b_up, w2, b2, *, encoding: str = "no
         # recompute needs only one of them.
         xg, xu = _autocast(x, mm), _autocast(x, mm)
         w_gate, b_gate, w_up, b_up = (_autocast(t, mm) for t in (w_gate, b_gate, w_up, b_up))
-    g = _linear_outside_autocast(xg, w_gate, b_gate, mm)
-    u = _linear_outside_autocast(xu, w_up, b_up, mm)
+    g, u = _linear_outside_autocast(mm, (xg, w_gate, b_gate), (xu, w_up, b_up))
     return gated_relu_linear(g, u, w2, b2, encoding=encoding, u_encoding=u_encoding,
                              density=density, policy=policy,
                              recompute=(xg, w_gate, b_gate, w_up, b_up), backend=backend,
