@@ -570,6 +570,8 @@ def test_device_plane_describes_its_integers(fake_cuda, np_dtype, code):
     assert waits[-1] == (5, 7, 0)
     empty = interop.plane_of(buf, 0, 0, np_dtype, 7)
     assert interop.plane_ptr(empty) == 0 and interop.plane_len(empty) == 0
+    with pytest.raises(TypeError, match="never allocated"):   # a view, not an allocation
+        interop.DevicePlane.empty((4,), bc.dtypes.BFLOAT16, 0, 7)
     # a plane packs again only with a dtype= naming the bits it holds
     if np.dtype(np_dtype).itemsize in (1, 4):
         with pytest.raises(bc.UnsupportedDTypeError):

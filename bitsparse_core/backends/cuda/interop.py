@@ -495,6 +495,11 @@ class DevicePlane(CudaArray):
         self._owner = owner
         self._elem = _PLANE_ELEMS[dtype]
 
+    @classmethod
+    def empty(cls, *args, **kwargs):
+        raise TypeError("a DevicePlane views a packed tensor's block and is never allocated "
+                        "on its own; CudaArray.empty allocates a dense result")
+
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
