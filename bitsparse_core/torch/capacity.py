@@ -135,6 +135,12 @@ def bucket_of(density: float) -> int:
     return next((k for k, v in enumerate(LADDER) if v >= density), len(LADDER) - 1)
 
 
+def sized_bucket(densest: float, margin: float) -> int:
+    """The bucket a capacity is sized to from the densest recent count: the smallest
+    ladder density at or above it plus ``margin`` (the policy's and the save sites' rule)."""
+    return bucket_of(densest * (1 + margin))
+
+
 class CapacityPolicy:
     """Capacity of one call site's packs, adapted from the densities it saw.
 
@@ -217,7 +223,7 @@ class CapacityPolicy:
             self._pending.popleft()
             self._observe(state[1], numel, capacity)
         if self.density is None and self._recent:
-            self.bucket = bucket_of(max(self._recent) * (1 + self.margin))
+            self.bucket = sized_bucket(max(self._recent), self.margin)
 
     def wait(self, ticket: torch.Tensor):
         """The pack's ``(status, nnz)``, waiting for it under ``pending="wait"`` (None

@@ -19,7 +19,7 @@ import math
 
 from ..backends.cuda import abi
 from ..spec.format import Encoding
-from .capacity import LADDER, bucket_of
+from .capacity import LADDER, sized_bucket
 
 WINDOW = 8          # counts a site sizes its packs from
 RETRY_AFTER = 32    # saves a too-dense site passes through before it is tried again
@@ -54,7 +54,7 @@ class SaveSite:
             self.skip = RETRY_AFTER - 1     # this save is the first passed through
             self.recent.clear()             # then tried again from the largest capacity
             return None
-        return min(numel, top, math.ceil(LADDER[bucket_of(seen * (1 + margin))] * numel))
+        return min(numel, top, math.ceil(LADDER[sized_bucket(seen, margin)] * numel))
 
     def observe(self, status: int, nnz: int, numel: int) -> None:
         """Take in a pack's count (overflowed or not: the kernel counts every nonzero)."""
