@@ -247,37 +247,18 @@ def targets(res: dict, plain: dict, cuda: bool) -> dict:
 
 def run_interleaved(bench: HFBench, names: list, turns: int, warmup: int) -> dict:
     """Every variant prepared at once, then ``turns`` turns of one step each
-    (:func:`interleaved.run_turns`); ratios to plain."""
+    (:func:`interleaved.run_variants`); ratios to plain."""
     device, s = bench.device, bench.shape
     batches = [(x.to(device), y.to(device)) for x, y in
                tg.make_batches(bench.data, min(turns + warmup, 16), s.batch, s.seq, bench.args.seed)]
-    steps = {}
 
-    def stepper(forward, opt):
-        def step(i):
-            x, y = batches[i % len(batches)]
-            tg.train_step(forward, opt, x, y)
-        return step
-    try:
-        for name in names:
-            _, forward, opt, _ = prepare(bench, name)
-            steps[name] = stepper(forward, opt)
-        if "plain" not in steps:
-            return {"status": "skipped: no plain variant to compare with"}
-        with tg.attention_backend(bench.args.attn):
-            result = interleaved.run_turns(steps, "plain", turns, warmup,
-                                           lambda: tg.sync(device), bench.check_time)
-    except Exception as exc:  # noqa: BLE001 - an OOM with every model resident, say
-        return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
-    finally:
-        steps.clear()
-        tg.free_memory(device)
-    result["status"] = "ok"
-    for name, rec in result["variants"].items():
-        if name != "plain":
-            print(f"interleaved  {name:<14} × plain {tg._f(rec['median_ratio'], '.3f')}  "
-                  f"({result['turns']} turns)", flush=True)
-    return result
+    def make_step(name):
+        _, forward, opt, _ = prepare(bench, name)
+        return lambda i: tg.train_step(forward, opt, *batches[i % len(batches)])
+    with tg.attention_backend(bench.args.attn):
+        return interleaved.run_variants(names, make_step, "plain", turns, warmup,
+                                        lambda: tg.sync(device), bench.check_time,
+                                        cleanup=lambda: tg.free_memory(device))
 
 
 def step_ratios(results: dict) -> None:
@@ -449,10 +430,7 @@ def plot(summary: dict, path: Path) -> None:
 def write_reports(summary: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary["elapsed_s"] = time.monotonic() - tg.START
-    profiles = [f"## {n}\n{v['cprofile']}" for n, v in summary["variants"].items()
-                if v.get("cprofile")]
-    if profiles:
-        (out / "bench_hf_cprofile.txt").write_text("\n\n".join(profiles))
+    tg.write_cprofiles(summary, out, "bench_hf")
     slim = {**summary, "variants": {n: {k: x for k, x in v.items() if k != "cprofile"}
                                     for n, v in summary["variants"].items()}}
     (out / "bench_hf.json").write_text(json.dumps(slim, indent=1, default=str))

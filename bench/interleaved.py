@@ -76,6 +76,40 @@ def run_turns(steps: dict, reference: str, turns: int, warmup: int,
     return out
 
 
+def run_variants(names, make_step: Callable, reference: str, turns: int, warmup: int,
+                 sync: Callable[[], None], check_time=None, own_references=None,
+                 cleanup: Callable[[], None] | None = None) -> dict:
+    """:func:`run_turns` over the variants ``make_step(name)`` builds (each ``step(i)``), all
+    resident at once. A variant that fails to build is reported under ``failed`` and left
+    out; a failure while stepping (an OOM with every model resident, say) is the result's
+    ``status``. ``cleanup()`` runs once the steps are dropped."""
+    steps, failed = {}, {}
+    try:
+        for name in names:
+            try:
+                steps[name] = make_step(name)
+            except Exception as exc:  # noqa: BLE001 - reported beside the others' results
+                failed[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if reference not in steps:
+            return {"status": f"skipped: no {reference} variant to compare with",
+                    "failed": failed}
+        result = run_turns(steps, reference, turns, warmup, sync, check_time, own_references)
+    except Exception as exc:  # noqa: BLE001 - the phase's result, not the run's end
+        return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}", "failed": failed}
+    finally:
+        steps.clear()
+        if cleanup is not None:
+            cleanup()
+    result.update(status="ok", failed=failed)
+    for name, rec in result["variants"].items():
+        if name != reference:
+            own = (f", × {rec['own_reference']} {_f(rec['median_ratio_vs_own'], '.3f')}"
+                   if rec.get("own_reference") else "")
+            print(f"interleaved  {name:<15} × {reference} {_f(rec['median_ratio'], '.3f')}{own}  "
+                  f"({result['turns']} turns)", flush=True)
+    return result
+
+
 def markdown(result: dict, title: str = "Interleaved steps") -> list:
     """Lines of a Markdown section for :func:`run_turns`' result."""
     ref = result["reference"]

@@ -526,45 +526,20 @@ def run_variants(bench: Bench, names: list, plan: Plan, report, rounds: int = 1)
 
 def run_interleaved(bench: Bench, names: list, turns: int, warmup: int) -> dict:
     """Every variant built at once from the same initial weights, then ``turns`` turns of
-    one step each (:func:`interleaved.run_turns`); ratios to dense. A variant that fails
-    to build is reported and left out; a failure while stepping (an OOM with every model
-    resident, say) is the whole phase's reported status."""
+    one step each (:func:`interleaved.run_variants`); ratios to dense, and each variant's
+    to its own reference."""
     device, s = bench.device, bench.shape
     batches = [(x.to(device), y.to(device)) for x, y in
                make_batches(bench.data, min(turns + warmup, 16), s.batch, s.seq, bench.args.seed)]
-    steps, failed = {}, {}
 
-    def stepper(call, opt):
-        def step(i):
-            x, y = batches[i % len(batches)]
-            train_step(call, opt, x, y)
-        return step
-    try:
-        for name in names:
-            try:
-                _, call, opt = build(bench, name)
-                steps[name] = stepper(call, opt)
-            except Exception as exc:  # noqa: BLE001 - reported beside the others' results
-                failed[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        if "dense" not in steps:
-            return {"status": "skipped: no dense variant to compare with", "failed": failed}
-        with attention_backend(bench.args.attn):
-            result = interleaved.run_turns(steps, "dense", turns, warmup, lambda: sync(device),
-                                           bench.check_time,
-                                           {n: VARIANTS[n].reference for n in steps})
-    except Exception as exc:  # noqa: BLE001 - an OOM with every model resident, say
-        return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}", "failed": failed}
-    finally:
-        steps.clear()
-        free_memory(device)
-    result.update(status="ok", failed=failed)
-    for name, rec in result["variants"].items():
-        if name != "dense":
-            own = (f", × {rec['own_reference']} {_f(rec['median_ratio_vs_own'], '.3f')}"
-                   if rec.get("own_reference") else "")
-            print(f"interleaved  {name:<15} × dense {_f(rec['median_ratio'], '.3f')}{own}  "
-                  f"({result['turns']} turns)", flush=True)
-    return result
+    def make_step(name):
+        _, call, opt = build(bench, name)
+        return lambda i: train_step(call, opt, *batches[i % len(batches)])
+    with attention_backend(bench.args.attn):
+        return interleaved.run_variants(names, make_step, "dense", turns, warmup,
+                                        lambda: sync(device), bench.check_time,
+                                        {n: VARIANTS[n].reference for n in names},
+                                        cleanup=lambda: free_memory(device))
 
 
 def print_variant(name: str, res: dict) -> None:

@@ -75,7 +75,7 @@ class FlagSlab:
                 if status[4 * i] != SENTINEL:
                     break
             else:
-                return 0, torch.tensor([NO_SLOT, 0], dtype=torch.int64)
+                return 0, fixed_ticket(NO_SLOT)
             self._gen[i] += 1
             status[4 * i] = SENTINEL
             nnz[2 * i + 1] = SENTINEL64
@@ -121,6 +121,21 @@ class FlagSlab:
 
 
 SLAB = FlagSlab()
+
+
+def fixed_ticket(kind: int) -> torch.Tensor:
+    """The ticket of a pack without a slot: ``NO_SLOT`` (its count cannot be read) or
+    ``HOST_FINAL`` (a host pack, whose block's status area is final)."""
+    return FlagSlab._new_ticket(kind, 0)
+
+
+def claim_slot():
+    """``(slot address, ticket)`` for a CUDA pack's count, taken before the pack is queued;
+    ``(0, a NO_SLOT ticket)`` while a graph is captured (its count cannot be read without
+    a sync) or when every slot is in flight."""
+    if torch.cuda.is_current_stream_capturing():
+        return 0, fixed_ticket(NO_SLOT)
+    return SLAB.acquire()
 POLICIES: "weakref.WeakValueDictionary[int, CapacityPolicy]" = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 

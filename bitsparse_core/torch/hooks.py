@@ -220,7 +220,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             self._poll()
         if not self._candidate(t):
             self.stats.passed += 1
-            return t if self._outer is None else _Outer(self._outer[0](t))
+            return self._to_outer(t)
         base = t._base if t._base is not None else t
         if base is not t and not (base.is_contiguous() and base.numel() == t.numel()
                                   and t.storage_offset() == base.storage_offset()):
@@ -320,7 +320,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if cls is _View:
             return self._unpack(obj.base).view(obj.shape)
         if cls is not _Packed:       # passed through (to the enclosing hooks, if any)
-            return self._outer[1](obj.obj) if cls is _Outer else obj
+            return self._from_outer(obj)
         if self._flights:
             self._poll()
         if obj.state == PENDING:

@@ -159,25 +159,20 @@ def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
     ystore = torch.empty(yelems + -(-plan.scratch_bytes // item), dtype=a.dtype, device=device)
     block = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
     yptr = ystore.data_ptr()
-    ticket = _enqueue_pack(a, plan, block, stream, yptr + yelems * item, yptr)
+    ticket = _enqueue_pack(a, plan, block, stream, yptr + yelems * item, C.claim_slot(), yptr)
     return ystore.as_strided(a.shape, a.stride()), block, ticket
 
 
 def _enqueue_pack(a: torch.Tensor, plan: host.PackPlan, block: torch.Tensor, stream: int,
-                  scratch: int, y: int = 0, claimed=None) -> torch.Tensor:
+                  scratch: int, claimed, y: int = 0) -> torch.Tensor:
     """Queue the pack of ``a`` into ``block`` on ``stream`` and the copy of its status and
-    count into a pinned slot behind it; returns the slot's ticket (no slot while a graph
-    is captured: the count then cannot be read without a sync). ``claimed``: a slot the
-    caller took already, as ``(host address, ticket)``."""
+    count into the slot ``claimed`` (:func:`.capacity.claim_slot`: ``(address, ticket)``,
+    address 0 for none) behind it; returns the ticket."""
     bptr = block.data_ptr()
     # zero_tail=False: nothing reads a block's value slots past its count (the block is
     # never serialized), so the fixed-capacity zeroing of the public pack is skipped.
     host.enqueue_pack(plan, a.device.index, stream, a.data_ptr(), bptr, scratch, y,
                       zero_tail=False)
-    if claimed is None:
-        if torch.cuda.is_current_stream_capturing():
-            return torch.tensor([C.NO_SLOT, 0], dtype=torch.int64, device="cpu")
-        claimed = C.SLAB.acquire()
     slot, ticket = claimed
     if slot:   # status word and count in one copy; the slot reads pending until both land
         driver.copy_to_host(slot, plan.status(bptr), 16, stream)
@@ -197,11 +192,8 @@ def pack_plain(a: torch.Tensor, plan: host.PackPlan):
     CPU the NumPy reference packs at once and ``known`` is its ``(status, nnz)``."""
     if a.device.type != "cuda":
         block = _plain_pack_cpu(a, plan)
-        return block, torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64, device="cpu"), \
-            _host_status(block, plan)
-    if torch.cuda.is_current_stream_capturing():
-        return None, torch.tensor([C.NO_SLOT, 0], dtype=torch.int64, device="cpu"), None
-    claimed = C.SLAB.acquire()
+        return block, C.fixed_ticket(C.HOST_FINAL), _host_status(block, plan)
+    claimed = C.claim_slot()
     if not claimed[0]:
         return None, claimed[1], None
     # One allocation per op: the pack's scratch (dead once the kernel ran; about 1 % of
@@ -210,7 +202,7 @@ def pack_plain(a: torch.Tensor, plan: host.PackPlan):
     whole = torch.empty(plan.nbytes + plan.scratch_bytes, dtype=torch.uint8, device=a.device)
     block = whole[:plan.nbytes]
     return block, _enqueue_pack(a, plan, block, _stream(a.device),
-                                block.data_ptr() + plan.nbytes, claimed=claimed), None
+                                block.data_ptr() + plan.nbytes, claimed), None
 
 
 def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torch.Tensor,
@@ -286,7 +278,7 @@ def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         known = None
     else:
         y, block = _pack_cpu(a, plan, square)
-        ticket = torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64, device="cpu")
+        ticket = C.fixed_ticket(C.HOST_FINAL)
         known = _host_status(block, plan)
     if pol is not None:
         pol.track(ticket, a.numel(), int(capacity), known)
@@ -497,7 +489,7 @@ def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, enco
     else:
         r, block_r = _pack_cpu(g, plan_r, False)
         block_u = _masked_pack_cpu(u, block_r, plan_r, plan_u)
-        ticket = torch.tensor([C.HOST_FINAL, 0], dtype=torch.int64, device="cpu")
+        ticket = C.fixed_ticket(C.HOST_FINAL)
         known = _host_status(block_r, plan_r)
     if pol is not None:
         pol.track(ticket, g.numel(), int(capacity), known)
