@@ -401,7 +401,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                 }
             }
         }
-        if (MODE == BS_MODE_RELU || MODE == BS_MODE_RELU2) {
+        if ((MODE == BS_MODE_RELU || MODE == BS_MODE_RELU2) && y_ptr != 0ull) {   // y_ptr 0: planes only
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const u64 g = tile_base + lane_off + (u64)(r * RS);

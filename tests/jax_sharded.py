@@ -27,13 +27,13 @@ def collectives(compiled_text: str) -> dict:
     return {op: len(re.findall(rf"\b{op}(?:-start)?\(", compiled_text)) for op in COLLECTIVES}
 
 
-def main(kind: str) -> None:
+def main(kind: str, impl: str = "jnp") -> None:
     mesh = Mesh(jax.devices()[:2], ("data",))
     layers = ffn.init_stack(jax.random.PRNGKey(0), 2, 64, 192, kind=kind)
     x = jax.random.normal(jax.random.PRNGKey(1), (40, 64), jnp.float32).astype(jnp.bfloat16)
     x = jax.device_put(x, NamedSharding(mesh, P("data", None)))
     layers = jax.device_put(layers, NamedSharding(mesh, P()))
-    cfg = ffn.PackConfig(density=0.4, chunk_log2=9, shards=2)
+    cfg = ffn.PackConfig(density=0.4, chunk_log2=9, shards=2, impl=impl)
 
     def loss(layers, x, mode):
         out = ffn.apply_stack(layers, x, kind=kind, mode=mode, cfg=cfg)
@@ -54,4 +54,4 @@ def main(kind: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

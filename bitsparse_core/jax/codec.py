@@ -124,8 +124,11 @@ class JaxPacked:
         compare it with the reference codec, or unpack it with any backend."""
         if is_traced(self.mask):
             raise InputError("to_packed_tensor() needs concrete planes (call it outside jit)")
-        planes = [np.asarray(jax.device_get(a)) for a in
-                  (self.mask, self.offsets, self.values, self.signs)]
+        lay = self.layout
+        # trimmed to the layout's lengths: planes from the custom calls carry zeros
+        # up to a whole 4-byte word
+        planes = [np.asarray(jax.device_get(getattr(self, n)))[:lay.sections[n][1] // size]
+                  for n, size in (("mask", 1), ("offsets", 4), ("values", 1), ("signs", 1))]
         extra = {"shares_mask": True} if self.shares_mask else {}
         return PackedTensor(tuple(self.shape), self.dtype, self.encoding, self.chunk_log2,
                             self.capacity, *planes, backend=get_backend("numpy"), device=("cpu", 0),

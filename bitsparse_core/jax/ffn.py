@@ -32,7 +32,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ..errors import ChunkSizeError
 from ..spec import format as _fmt
-from . import codec
+from ..spec.format import Encoding
+from . import codec, custom_calls
+
+
+IMPLS = ("jnp", "ffi")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,10 @@ class PackConfig:
     # jit with sharded inputs (the pack's scans then never cross a block, so XLA's SPMD
     # partitioner splits them without gathering the activation).
     shards: int = 1
+    # Who packs and unpacks: "jnp", the jax.numpy codec (any JAX backend); "ffi", the
+    # project's kernels as XLA custom calls (custom_calls.py: the CUDA kernels on XLA's
+    # stream on a GPU, the NumPy reference on CPU). Both give the same planes.
+    impl: str = "jnp"
 
     def __post_init__(self):
         set_ = partial(object.__setattr__, self)
@@ -64,6 +72,8 @@ class PackConfig:
         _fmt.check_chunk_log2(self.chunk_log2)
         if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
             raise ValueError(f"shards={self.shards!r} must be an int >= 1")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r}: use one of {IMPLS}")
 
     def capacity(self, shape) -> int:
         return codec.capacity_for(_fmt.numel_of(shape), self.density)
@@ -118,6 +128,8 @@ def _pack(a, cfg: PackConfig, u=None):
     block = cfg.blocks(a.shape)
 
     def one(a, u):
+        if cfg.impl == "ffi":
+            return _pack_ffi(a, cfg, cfg.capacity(block), u)
         return codec.relu_pack_planes(a, capacity=cfg.capacity(block), encoding=cfg.encoding,
                                       chunk_log2=cfg.chunk_log2, u=u,
                                       u_encoding=cfg.u_encoding)
@@ -127,6 +139,30 @@ def _pack(a, cfg: PackConfig, u=None):
         split = lambda t: None if t is None else t.reshape(cfg.shards, *block)   # noqa: E731
         packed = jax.vmap(one)(split(a), split(u))
     return jax.tree_util.tree_map(lambda t: checkpoint_name(t, PACKED_NAME), packed)
+
+
+def _pack_ffi(a, cfg: PackConfig, capacity: int, u=None):
+    """:func:`codec.relu_pack_planes` through the ``bitsparse_relu_pack`` custom call."""
+    enc, uenc = Encoding.parse(cfg.encoding), Encoding.parse(cfg.u_encoding)
+    dtype = codec.dtype_of(a)
+    planes = custom_calls.relu_pack(a, capacity=capacity, encoding=enc,
+                                    chunk_log2=cfg.chunk_log2, u=u, u_encoding=uenc)
+    meta = (tuple(a.shape), dtype)
+    p_r = codec.JaxPacked(*planes[:5], *meta, enc, cfg.chunk_log2, capacity)
+    if u is None:
+        return p_r
+    return p_r, codec.JaxPacked(planes[0], planes[1], *planes[5:8], *meta, uenc,
+                                cfg.chunk_log2, capacity, True)
+
+
+def _decode(p, cfg: PackConfig):
+    """The dense tensor of one (not overflowed) block, by the configured implementation;
+    the jax.numpy decode where the unpack kernel does not take the chunk size."""
+    if cfg.impl == "ffi" and custom_calls.chunk_supported(p.shape, p.dtype, p.chunk_log2):
+        return custom_calls.unpack(p.mask, p.offsets, p.values, p.signs, shape=p.shape,
+                                   dtype=p.dtype, encoding=p.encoding, capacity=p.capacity,
+                                   chunk_log2=p.chunk_log2)
+    return codec.decode_dense(p)
 
 
 def _per_block(fn, p, cfg: PackConfig):
@@ -139,7 +175,7 @@ def _overflowed(p, cfg: PackConfig):
 
 
 def _dense(p, cfg: PackConfig, shape):
-    return _per_block(codec.decode_dense, p, cfg).reshape(shape)
+    return _per_block(partial(_decode, cfg=cfg), p, cfg).reshape(shape)
 
 
 def _mask(p, cfg: PackConfig, shape):

@@ -187,26 +187,42 @@ def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, s
                  y: int = 0, in_planes: Planes | None = None, zero_tail: bool = True) -> None:
     """Queue the pack of the dense tensor at ``x`` into ``block`` (``plan.nbytes``).
 
-    ``y``: where relu_pack writes the dense activation (modes RELU / RELU2).
-    ``in_planes``: the mask tensor's planes (mode MASKED). ``scratch``:
-    ``plan.scratch_bytes`` of device memory, zeroed here. ``zero_tail``: zero the
-    value slots past the stored values (a fixed capacity; an exact pack's worst-case
-    block is shrunk to the stored values instead).
+    ``y``: where relu_pack writes the dense activation (modes RELU / RELU2; 0 writes
+    the planes only). ``in_planes``: the mask tensor's planes (mode MASKED).
+    ``scratch``: ``plan.scratch_bytes`` of device memory, zeroed here. ``zero_tail``:
+    zero the value slots past the stored values (a fixed capacity; an exact pack's
+    worst-case block is shrunk to the stored values instead).
     """
+    (mo, _), (oo, _), (vo, _), (so, _) = plan.spans
+    if in_planes is not None:                       # masked: the mask tensor's own mask
+        mask, offsets = in_planes.mask, 0
+    else:
+        mask, offsets = block + mo, block + oo
     if plan.lay.numel == 0:
         driver.memset0(block, plan.nbytes, stream)
         return
+    enqueue_pack_planes(plan, device, stream, x, mask, offsets, block + vo, block + so,
+                        block + plan.status_offset, scratch, y=y, zero_tail=zero_tail)
+
+
+def enqueue_pack_planes(plan: PackPlan, device: int, stream: int, x: int, mask: int,
+                        offsets: int, values: int, signs: int, status: int, scratch: int, *,
+                        y: int = 0, zero_tail: bool = True) -> None:
+    """:func:`enqueue_pack` into planes that live apart (an XLA custom call's results):
+    the mask, offsets, values and signs at the plan's lengths, each rounded up to a
+    whole 4-byte word (the kernel stores words), and ``abi.STATUS_BYTES`` of status.
+    A masked pack reads its mask at ``mask`` and writes no offsets."""
+    if plan.lay.numel == 0:                         # no planes but the offsets' one entry
+        if offsets:
+            driver.memset0(offsets, plan.spans[1][1], stream)
+        driver.memset0(status, abi.STATUS_BYTES, stream)
+        return
     L = _pack_launch(plan, device)
-    (mo, _), (oo, _), (vo, _), (so, _) = plan.spans
-    values, signs, status = block + vo, block + so, block + plan.status_offset
     driver.memset0(scratch, plan.scratch_bytes, stream)
     r = L.args
     r.x, r.x_aligned, r.y, r.y_aligned = x, x % 16 == 0, y, bool(y) and y % 16 == 0
-    if in_planes is not None:                       # masked: the mask tensor's own mask
-        r.mask, r.offsets = in_planes.mask, 0
-    else:
-        r.mask, r.offsets = block + mo, block + oo
-    r.values, r.signs, r.scratch, r.status = values, signs, scratch, status
+    r.mask, r.offsets, r.values, r.signs = mask, offsets, values, signs
+    r.scratch, r.status = scratch, status
     r.zero_values_words, r.zero_signs_words = L.tail_words if zero_tail else (0, 0)
     driver.launch_cooperative(L.pack, L.grid, abi.THREADS, plan.smem, stream, r)
 
