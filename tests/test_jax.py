@@ -197,11 +197,15 @@ def _first_layer_packed(layer, x, kind, cfg):
     return ffn._relu_ffn_fwd(x, layer["w1"], layer["b1"], layer["w2"], cfg, kind == "relu2")[1][-1]
 
 
+IMPL = pytest.mark.parametrize("impl", ffn.IMPLS)
+
+
+@IMPL
 @pytest.mark.parametrize("kind", ["relu", "relu2", "gated"])
 @pytest.mark.parametrize("density", [0.5, 0.05], ids=["fits", "overflows"])
-def test_ffn_gradients_bit_identical(kind, density):
+def test_ffn_gradients_bit_identical(kind, density, impl):
     layers, x = _setup(kind)
-    cfg = ffn.PackConfig(density=density, chunk_log2=9)
+    cfg = ffn.PackConfig(density=density, chunk_log2=9, impl=impl)
     p = _first_layer_packed(layers[0], x, kind, cfg)
     frac = int(p.nnz) / p.numel
     assert 0.1 < frac < 0.35            # b1 makes ~80% of pre-activations negative
@@ -223,10 +227,11 @@ def test_ffn_eager_grad_and_no_bias():
     assert trees_bit_identical(ref(l0["w1"], l0["w2"]), got(l0["w1"], l0["w2"]))
 
 
-def test_residuals_are_packed():
+@IMPL
+def test_residuals_are_packed(impl):
     """What the forward saves: inputs and packed planes, no activation-sized array."""
     layers, x = _setup("gated")
-    cfg = ffn.PackConfig(density=0.3, chunk_log2=9)
+    cfg = ffn.PackConfig(density=0.3, chunk_log2=9, impl=impl)
     for kind in ("relu", "relu2", "gated"):
         def saved(mode):
             _, f_vjp = jax.vjp(lambda ls: _loss(ls, x, kind, mode, cfg), layers)
@@ -253,14 +258,15 @@ def _saved_residuals(fn, *args) -> list:
     return buf.getvalue().splitlines()
 
 
+@IMPL
 @pytest.mark.parametrize("kind", ["relu", "relu2", "gated"])
-def test_packed_residuals_are_named_for_remat_policies(kind):
+def test_packed_residuals_are_named_for_remat_policies(kind, impl):
     """Under jax.checkpoint, a policy naming PACKED_NAME keeps the packed planes and
     nothing activation-sized; without the name (nothing saveable) they are recomputed.
     Gradients stay bit-identical to dense either way."""
     from bitsparse_core.jax import PACKED_NAME
     layers, x = _setup(kind)
-    cfg = ffn.PackConfig(density=0.3, chunk_log2=9)
+    cfg = ffn.PackConfig(density=0.3, chunk_log2=9, impl=impl)
     block = lambda ls, x: _loss(ls, x, kind, "packed", cfg)   # noqa: E731
     cp = jax.checkpoint_policies
     named = _saved_residuals(jax.checkpoint(block, policy=cp.save_only_these_names(PACKED_NAME)),
@@ -275,7 +281,8 @@ def test_packed_residuals_are_named_for_remat_policies(kind):
         assert trees_bit_identical(ref, got)
 
 
-def test_packed_residuals_offload_to_pinned_host_by_name():
+@IMPL
+def test_packed_residuals_offload_to_pinned_host_by_name(impl):
     """JAX's own offload policy moves the named packed planes to host memory (where the
     platform has a pinned_host memory kind), and the gradients stay bit-identical."""
     from bitsparse_core.jax import PACKED_NAME
@@ -283,7 +290,7 @@ def test_packed_residuals_offload_to_pinned_host_by_name():
     if "pinned_host" not in kinds:
         pytest.skip(f"no pinned_host memory kind on {jax.devices()[0]} ({sorted(kinds)})")
     layers, x = _setup("relu2")
-    cfg = ffn.PackConfig(density=0.3, chunk_log2=9)
+    cfg = ffn.PackConfig(density=0.3, chunk_log2=9, impl=impl)
     policy = jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=[PACKED_NAME],
         offload_src="device", offload_dst="pinned_host")
@@ -294,13 +301,14 @@ def test_packed_residuals_offload_to_pinned_host_by_name():
     assert trees_bit_identical(ref, jax.jit(jax.grad(block))(layers))
 
 
+@IMPL
 @pytest.mark.parametrize("kind", ["relu", "relu2", "gated"])
 @pytest.mark.parametrize("density", [0.5, 0.05], ids=["fits", "overflows"])
-def test_ffn_packed_in_blocks_bit_identical(kind, density):
+def test_ffn_packed_in_blocks_bit_identical(kind, density, impl):
     """``PackConfig(shards=4)``: four independent packs along the leading axis, the same
     gradients as dense (an overflow in any block recomputes)."""
     layers, x = _setup(kind)
-    cfg = ffn.PackConfig(density=density, chunk_log2=9, shards=4)
+    cfg = ffn.PackConfig(density=density, chunk_log2=9, shards=4, impl=impl)
     grad = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1)), static_argnums=(2, 3, 4))
     assert trees_bit_identical(grad(layers, x, kind, "dense", cfg),
                                grad(layers, x, kind, "packed", cfg))
@@ -318,17 +326,19 @@ def test_pack_config_shards_are_checked():
         jax.grad(_loss)(layers, x, "relu", "packed", ffn.PackConfig(shards=3))   # 40 rows
 
 
+@IMPL
 @pytest.mark.parametrize("kind", ["relu", "relu2", "gated"])
-def test_sharded_jit_packs_locally(kind):
+def test_sharded_jit_packs_locally(kind, impl):
     """Two fake CPU devices, the input sharded along the tokens: with shards=2 the packed
     stack's compiled gradient gathers nothing (dense gathers nothing either; one global
     pack would all-gather the activation, 4 per layer); its one extra collective is the
-    all-reduce of the layers' overflow flags (pred scalars). Gradients bit-identical."""
+    all-reduce of the layers' overflow flags (pred scalars). Gradients bit-identical.
+    The FFI path's custom calls say they keep the blocks' sharding (blockwise)."""
     import json
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, os.path.join(here, "jax_sharded.py"), kind],
+    out = subprocess.run([sys.executable, os.path.join(here, "jax_sharded.py"), kind, impl],
                          check=True, capture_output=True, text=True, env=env, timeout=600)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["bit_identical"], r
@@ -338,13 +348,14 @@ def test_sharded_jit_packs_locally(kind):
     assert r["packed"]["all-reduce"] <= r["dense"]["all-reduce"] + 1, r
 
 
+@IMPL
 @pytest.mark.parametrize("density", [0.5, 0.05], ids=["fits", "overflows"])
-def test_backward_reads_the_packed_values(density):
+def test_backward_reads_the_packed_values(density, impl):
     """Corrupting the saved values changes the gradient unless the batch overflowed
     (then the backward recomputes from x and ignores them)."""
     layers, x = _setup("relu2")
     l0 = layers[0]
-    cfg = ffn.PackConfig(density=density, chunk_log2=9)
+    cfg = ffn.PackConfig(density=density, chunk_log2=9, impl=impl)
     _, res = ffn._relu_ffn_fwd(x, l0["w1"], l0["b1"], l0["w2"], cfg, True)
     g = jnp.ones((T, DM), jnp.bfloat16)
     good = ffn._relu_ffn_bwd(cfg, True, res, g)
@@ -487,14 +498,15 @@ def test_gpu_pack_planes_equal_reference(dtype, encoding):
 
 
 @pytest.mark.gpu
+@IMPL
 @pytest.mark.parametrize("kind", ["relu", "relu2", "gated"])
 @pytest.mark.parametrize("density", [0.3, 0.05], ids=["fits", "overflows"])
-def test_gpu_ffn_gradients_bit_identical(kind, density):
+def test_gpu_ffn_gradients_bit_identical(kind, density, impl):
     dev = _jax_gpu()
     layers = ffn.init_stack(jax.random.PRNGKey(0), 2, 256, 1024, kind=kind)
     x = jax.random.normal(jax.random.PRNGKey(1), (512, 256), jnp.float32).astype(jnp.bfloat16)
     layers, x = jax.device_put((layers, x), dev)
-    cfg = ffn.PackConfig(density=density)
+    cfg = ffn.PackConfig(density=density, impl=impl)
     grad = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1)), static_argnums=(2, 3, 4))
     assert trees_bit_identical(grad(layers, x, kind, "dense", cfg),
                                grad(layers, x, kind, "packed", cfg))

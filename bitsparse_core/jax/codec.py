@@ -505,7 +505,7 @@ def _guarded(p: JaxPacked, decode, fallback):
 
 
 # Largest non-NaN magnitude pattern of each dtype (e4m3fn has no inf: 0x7E is 448).
-_NAN_ABOVE = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F800000,
+NAN_ABOVE = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F800000,
               "float8_e4m3fn": 0x7E, "float8_e5m2": 0x7C}
 
 
@@ -522,7 +522,7 @@ def relu_bits(a: jax.Array) -> jax.Array:
     bits = lax.bitcast_convert_type(a, utype)
     sign = utype(dtype.sign_mask)
     positive = (bits & sign) == 0
-    nan = (bits & utype(dtype.sign_mask - 1)) > utype(_NAN_ABOVE[dtype.name])
+    nan = (bits & utype(dtype.sign_mask - 1)) > utype(NAN_ABOVE[dtype.name])
     kept = jnp.where(positive | nan, bits, utype(0))
     return lax.bitcast_convert_type(kept, a.dtype)
 

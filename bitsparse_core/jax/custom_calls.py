@@ -134,6 +134,45 @@ def unpack(mask, offsets, values, signs, *, shape: tuple, dtype: _dt.DType,
                 chunk_log2=np.int32(chunk_log2), encoding=np.int32(int(encoding)))
 
 
+def blockwise(fn, *args):
+    """``fn(*args)`` for ``fn`` batched over the leading axis of every operand and result
+    (independent packs), telling XLA's SPMD partitioner so: each device runs ``fn`` on
+    its own blocks and nothing is gathered (a custom call is otherwise opaque to the
+    partitioner, which would replicate its operands)."""
+    from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    out_avals = jax.eval_shape(fn, *args)
+    names = iter(f"d{k}" for k in range(10_000))
+
+    def mapping(aval):
+        return ("b",) + tuple(next(names) for _ in aval.shape[1:])
+
+    leaves = jax.tree_util.tree_leaves
+    rule = SdyShardingRule(tuple(mapping(a) for a in leaves(args)),
+                           tuple(mapping(a) for a in leaves(out_avals)))
+
+    def keep_blocks(mesh, arg_shapes, result_shape):
+        first = leaves(arg_shapes)[0].sharding
+        axis = first.spec[0] if len(first.spec) else None
+        on_blocks = lambda a: NamedSharding(mesh, PartitionSpec(axis, *[None] * (a.ndim - 1)))  # noqa: E731
+        return (jax.tree_util.tree_map(on_blocks, result_shape),
+                jax.tree_util.tree_map(on_blocks, arg_shapes))
+
+    def partition(mesh, arg_shapes, result_shape):
+        results, operands = keep_blocks(mesh, arg_shapes, result_shape)
+        return mesh, fn, results, operands
+
+    def body(*operands):           # a plain signature for custom_partitioning to bind
+        return fn(*operands)
+
+    call = custom_partitioning(body)
+    call.def_partition(partition=partition,
+                       infer_sharding_from_operands=lambda *a: keep_blocks(*a)[0],
+                       sharding_rule=rule)
+    return call(*args)
+
+
 def chunk_supported(shape: tuple, dtype: _dt.DType, chunk_log2: int) -> bool:
     """Whether the unpack kernel decodes this chunk size without a prefix scan of tile
     counts (chunks no longer than its tile; the default size always is)."""
@@ -263,7 +302,6 @@ class _CpuEngine:
     planes every GPU kernel must reproduce)."""
 
     def pack(self, frame, shape, dtype, enc, uenc, capacity, chunk_log2, spec, blocks):
-        from ..spec.ops import relu_bits
         from ..spec.planes import chunk_offsets, encode_values
         numel = _fmt.numel_of(shape)
         rets = frame.rets
@@ -273,7 +311,7 @@ class _CpuEngine:
             for o in out:
                 o[...] = 0
             a = _host_array(frame.args[0], dtype.numpy, numel, i * numel * dtype.itemsize)
-            bits = relu_bits(a, dtype).view(dtype.uint)
+            bits = _relu_bits(a.view(dtype.uint), dtype)
             nonzero = bits != 0
             stored = bits[nonzero]
             mask = np.packbits(nonzero, bitorder="little")
@@ -308,6 +346,15 @@ class _CpuEngine:
             full[:count] = stored
             out[...] = 0
             out[nonzero] = full
+
+
+def _relu_bits(bits: np.ndarray, dtype: _dt.DType) -> np.ndarray:
+    """reference_ops.relu_bits decided on the bit patterns: XLA's CPU threads run with
+    subnormals flushed, so a float compare there would drop positive subnormals."""
+    from .codec import NAN_ABOVE
+    sign = np.array(dtype.sign_mask, dtype.uint)
+    keep = ((bits & sign) == 0) | ((bits & (sign - 1)) > NAN_ABOVE[dtype.name])
+    return np.where(keep, bits, np.zeros((), dtype.uint))
 
 
 def _put(dst: np.ndarray, src: np.ndarray) -> None:

@@ -137,7 +137,7 @@ def _pack(a, cfg: PackConfig, u=None):
         packed = one(a, u)
     else:
         split = lambda t: None if t is None else t.reshape(cfg.shards, *block)   # noqa: E731
-        packed = jax.vmap(one)(split(a), split(u))
+        packed = _blocks(jax.vmap(one), cfg, split(a), split(u))
     return jax.tree_util.tree_map(lambda t: checkpoint_name(t, PACKED_NAME), packed)
 
 
@@ -165,9 +165,17 @@ def _decode(p, cfg: PackConfig):
     return codec.decode_dense(p)
 
 
+def _blocks(batched, cfg: PackConfig, *args):
+    """``batched(*args)`` over the blocks' leading axis; the custom calls of the FFI path
+    are told the axis is theirs to keep sharded (the jax.numpy path needs no telling)."""
+    if cfg.impl == "ffi":
+        return custom_calls.blockwise(batched, *args)
+    return batched(*args)
+
+
 def _per_block(fn, p, cfg: PackConfig):
     """``fn`` of a packed residual, block by block where ``cfg.shards`` split it."""
-    return fn(p) if cfg.shards == 1 else jax.vmap(fn)(p)
+    return fn(p) if cfg.shards == 1 else _blocks(jax.vmap(fn), cfg, p)
 
 
 def _overflowed(p, cfg: PackConfig):

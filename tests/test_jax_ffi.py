@@ -1,0 +1,286 @@
+"""The JAX FFI path: XLA's FFI ABI in ctypes, and the pack / unpack custom calls.
+
+On CPU the custom calls run the NumPy reference functions behind the same handlers
+(the same attributes, result shapes, batching and sharding rules as on a GPU), so
+these tests check the whole plumbing in CI; the GPU tests at the end check the CUDA
+handlers' planes against the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from bitsparse_core import dtypes as D  # noqa: E402
+from bitsparse_core.jax import codec, custom_calls, ffn, xla_ffi  # noqa: E402
+from bitsparse_core.spec import ops as reference_ops  # noqa: E402
+from bitsparse_core.spec.codec import pack_array  # noqa: E402
+from bitsparse_core.spec.format import Encoding  # noqa: E402
+from bitsparse_core.spec.planes import encode_values  # noqa: E402
+from helpers import ALL_DTYPES, random_tensor, same_bits  # noqa: E402
+
+PLANES = ("mask", "offsets", "values", "signs")
+
+
+# --------------------------------------------------------------------------- #
+# The ABI                                                                     #
+# --------------------------------------------------------------------------- #
+def test_api_version_is_the_installed_jaxlibs():
+    import os
+    import re
+    major, minor = xla_ffi.api_version()
+    with open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")) as f:
+        text = f.read()
+    assert f"#define XLA_FFI_API_MAJOR {major}" in text
+    assert re.search(rf"#define XLA_FFI_API_MINOR\s+{minor}\b", text)
+
+
+_SEEN = {}
+
+
+def _probe(frame: xla_ffi.CallFrame) -> None:
+    """Writes operand + k to its result; records what it was handed; fails on demand."""
+    (a,), (out,) = frame.args, frame.rets
+    _SEEN.update(attrs=dict(frame.attrs), a=a, out=out)
+    if frame.attrs["mode"] == "raise":
+        raise ValueError("probe asked to fail")
+    if frame.attrs["mode"] == "invalid":
+        raise xla_ffi.HandlerError("probe says the argument is bad", invalid=True)
+    n = int(np.prod(a.shape))
+    src = np.frombuffer((ctypes.c_float * n).from_address(a.data), np.float32)
+    dst = np.frombuffer((ctypes.c_float * n).from_address(out.data), np.float32)
+    dst[...] = src + frame.attrs["k"]
+
+
+def _probe_call(x, k, mode="ok"):
+    xla_ffi.register("bitsparse_test_probe", _probe, "cpu")
+    call = jax.ffi.ffi_call("bitsparse_test_probe", jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            vmap_method="broadcast_all")
+    return call(x, k=np.float32(k), n=np.int64(-5), flag=True, mode=mode,
+                dims=np.array([3, 1, 4], np.int64))
+
+
+def test_handler_sees_operands_results_and_attributes():
+    x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+    got = jax.jit(lambda x: _probe_call(x, 2.5))(x)
+    assert np.array_equal(np.asarray(got), np.asarray(x) + 2.5)
+    assert _SEEN["attrs"] == {"k": 2.5, "n": -5, "flag": True, "mode": "ok", "dims": (3, 1, 4)}
+    assert _SEEN["a"].shape == _SEEN["out"].shape == (3, 4)
+    assert _SEEN["a"].dtype == xla_ffi.DTYPE_CODES["float32"] and _SEEN["a"].row_bytes == 16
+    # vmap with broadcast_all hands the handler the batch as a leading dimension
+    batched = jax.vmap(lambda r: _probe_call(r, 1.0))(x)
+    assert _SEEN["a"].shape == (3, 4) and np.array_equal(np.asarray(batched), np.asarray(x) + 1)
+    # registering again under the same name is a no-op, not XLA's duplicate error
+    xla_ffi.register("bitsparse_test_probe", _probe, "cpu")
+    assert xla_ffi.registered("bitsparse_test_probe", "CPU")
+
+
+@pytest.mark.parametrize("mode,fragment", [("raise", "ValueError: probe asked to fail"),
+                                           ("invalid", "INVALID_ARGUMENT")])
+def test_handler_exceptions_become_xla_errors(mode, fragment):
+    x = jnp.ones((2, 2), jnp.float32)
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(jax.jit(lambda x: _probe_call(x, 0.0, mode))(x))
+    assert fragment in str(info.value)
+    # the process is fine afterwards
+    assert np.array_equal(np.asarray(jax.jit(lambda x: _probe_call(x, 1.0))(x)), np.full((2, 2), 2.0))
+
+
+# --------------------------------------------------------------------------- #
+# The custom calls against the reference                                      #
+# --------------------------------------------------------------------------- #
+def _relu_input(rng, shape, dtype):
+    """Random bit patterns with specials (NaN payloads, ±0, ±inf, subnormals); -NaN kept
+    in a few so that nosign's status bit is exercised."""
+    return random_tensor(rng, shape, dtype, 0.3)
+
+
+def _reference(a, u, dtype, enc, uenc, cap, chunk_log2):
+    r = reference_ops.relu_bits(a, dtype)
+    ref_r = pack_array(r, dtype, "raw", chunk_log2=chunk_log2, capacity=cap)  # mask, offsets
+    bits = r.reshape(-1).view(dtype.uint)
+    stored = bits[bits != 0]
+    values, signs = encode_values(stored, dtype, enc, cap)
+    nosign_bad = enc == Encoding.NOSIGN and bool(np.any(stored >> (dtype.bits - 1)))
+    out = {"mask": ref_r.mask, "offsets": ref_r.offsets, "values": values, "signs": signs,
+           "status": int(nosign_bad)}
+    if u is not None:
+        ustored = u.reshape(-1).view(dtype.uint)[bits != 0]
+        out["u_values"], out["u_signs"] = encode_values(ustored, dtype, uenc, cap)
+        out["u_status"] = int(uenc == Encoding.NOSIGN and bool(np.any(ustored >> (dtype.bits - 1))))
+    return out, int(stored.size)
+
+
+def _check_planes(got, ref, nnz, cap):
+    names = ["mask", "offsets", "values", "signs", "status"]
+    if "u_values" in ref:
+        names += ["u_values", "u_signs", "u_status"]
+    for name, g in zip(names, got):
+        g = np.asarray(g)
+        want = np.asarray(ref[name])
+        if name.endswith("status"):
+            assert int(g) == want, name
+            continue
+        assert g.size >= want.size and g.size % 4 == 0 or name == "offsets", (name, g.size)
+        assert np.array_equal(g[:want.size], want), name
+        assert not np.any(g[want.size:]), f"{name}: word padding must be zero"
+    assert int(np.asarray(got[1])[-1]) == nnz
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("enc,uenc", [(Encoding.NOSIGN, Encoding.SIGNPLANE),
+                                      (Encoding.RAW, Encoding.RAW),
+                                      (Encoding.SIGNPLANE, Encoding.NOSIGN)],
+                         ids=["nosign+signplane", "raw+raw", "signplane+nosign"])
+def test_relu_pack_planes_equal_reference(dtype, enc, uenc):
+    rng = np.random.default_rng(dtype.bits * 7 + int(enc))
+    for shape in [(0,), (1,), (7, 33), (3, 1373)]:
+        a = _relu_input(rng, shape, dtype)
+        u = random_tensor(rng, shape, dtype, 0.0)
+        numel = a.size
+        nnz = int(np.count_nonzero(reference_ops.relu_bits(a, dtype).view(dtype.uint)))
+        for cap in sorted({0, max(nnz - 5, 0), nnz, min(nnz + 11, numel), numel}):
+            ref, n = _reference(a, u, dtype, enc, uenc, cap, 9)
+            f = jax.jit(lambda a, u: custom_calls.relu_pack(a, capacity=cap, encoding=enc,
+                                                            chunk_log2=9, u=u, u_encoding=uenc))
+            _check_planes(f(jnp.asarray(a), jnp.asarray(u)), ref, n, cap)
+            # without u: the first five results only
+            got = custom_calls.relu_pack(jnp.asarray(a), capacity=cap, encoding=enc, chunk_log2=9)
+            assert len(got) == 5
+            _check_planes(got, {k: v for k, v in ref.items() if not k.startswith("u_")}, n, cap)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
+def test_planes_equal_the_jnp_codecs_and_unpack(dtype):
+    """The FFI planes are the jax.numpy codec's (trimmed), and the unpack custom call
+    decodes both; overflow reads as the codec's decode_dense does (values past the
+    capacity are zero)."""
+    rng = np.random.default_rng(dtype.bits)
+    a = jnp.asarray(_relu_input(rng, (5, 777), dtype))
+    u = jnp.asarray(random_tensor(rng, (5, 777), dtype, 0.0))
+    for cap in (300, 5 * 777):
+        cfg = ffn.PackConfig(density=cap / (5 * 777), chunk_log2=9, impl="ffi",
+                             encoding="raw" if dtype.bits == 8 else "nosign")
+        p_r, p_u = ffn._pack(a, cfg, u=u)
+        q_r, q_u = codec.relu_pack_planes(a, capacity=p_r.capacity, encoding=cfg.encoding,
+                                          chunk_log2=9, u=u, u_encoding=cfg.u_encoding)
+        for got, want in ((p_r, q_r), (p_u, q_u)):
+            gt, wt = got.to_packed_tensor(), want.to_packed_tensor()
+            for name in PLANES:
+                assert np.array_equal(getattr(gt, name), getattr(wt, name)), name
+            assert int(got.status) == int(want.status)
+            assert bool(got.overflowed) == bool(want.overflowed) == (cap == 300)
+            dense = jax.jit(lambda p: ffn._decode(p, cfg))(got)
+            assert same_bits(dense, codec.decode_dense(want), dtype)
+
+
+def test_chunk_sizes_beyond_the_unpack_tile_decode_in_jnp():
+    """chunk_log2=16 (longer than the unpack kernel's tile) packs through the custom call
+    and decodes with the jax.numpy codec; gradients stay bit-identical to dense."""
+    assert not custom_calls.chunk_supported((40, 192), D.BFLOAT16, 16)
+    assert custom_calls.chunk_supported((40, 192), D.BFLOAT16, 12)
+    layers = ffn.init_stack(jax.random.PRNGKey(0), 2, 64, 192, kind="relu2")
+    x = jax.random.normal(jax.random.PRNGKey(1), (40, 64), jnp.float32).astype(jnp.bfloat16)
+
+    def loss(layers, mode, cfg):
+        out = ffn.apply_stack(layers, x, kind="relu2", mode=mode, cfg=cfg)
+        return jnp.sum(jnp.square(out.astype(jnp.float32)))
+    cfg = ffn.PackConfig(density=0.5, chunk_log2=16, impl="ffi")
+    g = jax.jit(jax.grad(loss), static_argnums=(1, 2))
+    ref, got = g(layers, "dense", cfg), g(layers, "packed", cfg)
+    assert all(np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+               for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got)))
+
+
+def test_vmapped_custom_calls_pack_each_block():
+    rng = np.random.default_rng(5)
+    a = random_tensor(rng, (4, 3, 200), D.BFLOAT16, 0.5)
+    batched = jax.jit(jax.vmap(lambda t: custom_calls.relu_pack(
+        t, capacity=250, encoding=Encoding.RAW, chunk_log2=9)))(jnp.asarray(a))
+    assert batched[0].shape[0] == 4
+    for i in range(4):
+        ref, n = _reference(a[i], None, D.BFLOAT16, Encoding.RAW, None, 250, 9)
+        _check_planes([t[i] for t in batched], ref, n, 250)
+    dense = jax.vmap(lambda m, o, v, s: custom_calls.unpack(
+        m, o, v, s, shape=(3, 200), dtype=D.BFLOAT16, encoding=Encoding.RAW, capacity=250,
+        chunk_log2=9))(*batched[:4])
+    for i in range(4):
+        r = reference_ops.relu_bits(a[i], D.BFLOAT16)
+        if np.count_nonzero(r.view(np.uint16)) <= 250:
+            assert same_bits(dense[i], r, D.BFLOAT16)
+
+
+def test_impl_is_checked():
+    with pytest.raises(ValueError, match="impl"):
+        ffn.PackConfig(impl="cuda")
+    assert ffn.PackConfig(impl="ffi") != ffn.PackConfig()       # a different static key
+
+
+def test_mismatched_companion_is_refused():
+    a = jnp.ones((4, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="u is"):
+        custom_calls.relu_pack(a, capacity=8, encoding=Encoding.NOSIGN, chunk_log2=9,
+                               u=jnp.ones((4, 8), jnp.float32), u_encoding=Encoding.RAW)
+
+
+# --------------------------------------------------------------------------- #
+# GPU: the CUDA handlers                                                      #
+# --------------------------------------------------------------------------- #
+def _jax_gpu():
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX sees no GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
+def test_gpu_relu_pack_planes_equal_reference(dtype):
+    dev = _jax_gpu()
+    pytest.importorskip("cupy")
+    rng = np.random.default_rng(dtype.bits + 1)
+    for enc, uenc in ((Encoding.NOSIGN, Encoding.SIGNPLANE), (Encoding.RAW, Encoding.RAW),
+                      (Encoding.SIGNPLANE, Encoding.NOSIGN)):
+        for shape in [(0,), (7, 33), (64, 3001)]:
+            a = _relu_input(rng, shape, dtype)
+            u = random_tensor(rng, shape, dtype, 0.0)
+            nnz = int(np.count_nonzero(reference_ops.relu_bits(a, dtype).view(dtype.uint)))
+            for cap in sorted({max(nnz - 100, 0), nnz, min(nnz + 1000, a.size)}):
+                ref, n = _reference(a, u, dtype, enc, uenc, cap, 12)
+                f = jax.jit(lambda a, u: custom_calls.relu_pack(
+                    a, capacity=cap, encoding=enc, chunk_log2=12, u=u, u_encoding=uenc))
+                got = f(jax.device_put(jnp.asarray(a), dev), jax.device_put(jnp.asarray(u), dev))
+                assert got[0].devices() == {dev}
+                _check_planes(got, ref, n, cap)
+                if n <= cap:
+                    dense = custom_calls.unpack(*got[:4], shape=shape, dtype=dtype, encoding=enc,
+                                                capacity=cap, chunk_log2=12)
+                    assert same_bits(dense, reference_ops.relu_bits(a, dtype), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["relu", "relu2", "gated"])
+def test_gpu_ffi_blocks_bit_identical(kind):
+    """shards=4 on one GPU: the batched custom calls pack and decode each block."""
+    dev = _jax_gpu()
+    pytest.importorskip("cupy")
+    layers = ffn.init_stack(jax.random.PRNGKey(0), 2, 256, 1024, kind=kind)
+    x = jax.random.normal(jax.random.PRNGKey(1), (512, 256), jnp.float32).astype(jnp.bfloat16)
+    layers, x = jax.device_put((layers, x), dev)
+
+    def loss(layers, x, mode, cfg):
+        out = ffn.apply_stack(layers, x, kind=kind, mode=mode, cfg=cfg)
+        return jnp.sum(jnp.square(out.astype(jnp.float32)))
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
+    for density in (0.3, 0.05):
+        cfg = ffn.PackConfig(density=density, shards=4, impl="ffi")
+        ref, got = grad(layers, x, "dense", cfg), grad(layers, x, "packed", cfg)
+        for a, b in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got)):
+            a, b = np.asarray(a), np.asarray(b)
+            u = np.dtype(f"u{a.dtype.itemsize}")
+            assert np.array_equal(a.view(u), b.view(u))
