@@ -1,5 +1,8 @@
 """Memory and step time of a jitted FFN training step: plain JAX, jax.checkpoint, packed.
 
+Packed runs by both implementations side by side: ``packed`` (the jax.numpy codec) and
+``packed-ffi`` (the project's CUDA kernels as XLA custom calls, ``PackConfig(impl="ffi")``).
+
 The stack is the PyTorch adapter's benchmark shape: residual blocks
 ``x + relu(x @ w1 + b1) @ w2`` (bf16; default 8 layers, d=4096, f=21504, 16k
 tokens), with b1 calibrated per layer so that ~80% of pre-activations are
@@ -8,8 +11,8 @@ loops usually are). For each mode we record the compiled executable's
 ``memory_analysis()`` (temp = activations saved for the backward + workspace),
 the device's peak bytes in use, the compile time and the median step time, and
 check that the packed gradients are bit-identical to plain JAX's. A codec
-micro-benchmark (pack / unpack of one activation against a device copy) backs
-the choice of the jax.numpy route.
+micro-benchmark (pack / unpack of one activation against a device copy, through
+either implementation) measures the codec alone.
 
     python3 bench/bench_jax_ffn.py --out bench/results            # full size
     python3 bench/bench_jax_ffn.py --tokens 512 --d 256 --f 1024  # smoke test
@@ -32,7 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from bitsparse_core.jax import codec, ffn  # noqa: E402
+from bitsparse_core.jax import codec, custom_calls, ffn  # noqa: E402
+from bitsparse_core.spec.format import Encoding  # noqa: E402
 
 Z80 = 0.8416212335729143   # standard normal quantile of 0.8
 
@@ -119,12 +123,19 @@ def codec_micro(tokens, f, density_bound, steps, chunk_log2):
     mask = jax.jit(codec.mask_of)
     copy = jax.jit(lambda t: t + jnp.ones((), t.dtype))   # read + write of one activation
     dense_bytes = tokens * f * 2
+    cfg = ffn.PackConfig(density=density_bound, chunk_log2=chunk_log2, impl="ffi")
+    ffi_pack = jax.jit(lambda t: custom_calls.relu_pack(t, capacity=cap, encoding=Encoding.NOSIGN,
+                                                        chunk_log2=chunk_log2))
+    ffi_unpack = jax.jit(partial(ffn._decode, cfg=cfg))
+    q = ffn._pack(a, cfg)
     out = {"elements": tokens * f, "capacity": cap, "nnz": int(p.nnz),
            "packed_plane_bytes": p.nbytes, "dense_bytes": dense_bytes}
     for name, fn, arg, moved in (("copy", copy, a, 2 * dense_bytes),
                                  ("pack", pack, a, dense_bytes + p.nbytes),
                                  ("unpack", unpack, p, p.nbytes + dense_bytes),
-                                 ("mask", mask, p, p.mask.size + tokens * f)):
+                                 ("mask", mask, p, p.mask.size + tokens * f),
+                                 ("ffi pack", ffi_pack, a, dense_bytes + p.nbytes),
+                                 ("ffi unpack", ffi_unpack, q, p.nbytes + dense_bytes)):
         med = statistics.median(time_calls(fn, (arg,), steps)[0])
         out[name] = {"ms": med * 1e3, "GBps": moved / med / 1e9}
     return out
@@ -162,15 +173,17 @@ def write_outputs(res, out_dir):
              f"jax {res['jax']}. Step = jit(value_and_grad) under lax.scan over layers; "
              f"median of {cfg['steps']} steps after one warm-up.", "",
              "| mode | density bound | temp (GiB) | args+outputs (GiB) | peak in use (GiB) | "
-             "step (ms) | compile (s) | grads bit-identical to plain |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "step (ms) | step / plain | compile (s) | grads bit-identical to plain |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    plain = next((r["step_ms_median"] for r in res["modes"] if r["mode"] == "dense"), None)
     for r in res["modes"]:
         io = (r["argument_size_in_bytes"] or 0) + (r["output_size_in_bytes"] or 0)
         peak = r.get("peak_bytes_in_use_after")
         bound = r["density_bound"] if r["density_bound"] else "-"
         peak_s = f"{peak * gib:.2f}" if peak else "-"
+        ratio = f"{r['step_ms_median'] / plain:.3f}" if plain else "-"
         lines.append(f"| {r['mode']} | {bound} | {(r['temp_size_in_bytes'] or 0) * gib:.2f} | "
-                     f"{io * gib:.2f} | {peak_s} | {r['step_ms_median']:.1f} | "
+                     f"{io * gib:.2f} | {peak_s} | {r['step_ms_median']:.1f} | {ratio} | "
                      f"{r['compile_s']:.1f} | {r.get('bit_identical_to_dense', '-')} |")
     if "codec" in res:
         c = res["codec"]
@@ -179,7 +192,7 @@ def write_outputs(res, out_dir):
                   f"planes {c['packed_plane_bytes'] / 2**20:.0f} MiB "
                   f"vs dense {c['dense_bytes'] / 2**20:.0f} MiB):", "",
                   "| op | ms | GB/s (bytes read + written) |", "| --- | --- | --- |"]
-        for k in ("copy", "pack", "unpack", "mask"):
+        for k in ("copy", "pack", "unpack", "mask", "ffi pack", "ffi unpack"):
             lines.append(f"| {k} | {c[k]['ms']:.3f} | {c[k]['GBps']:.0f} |")
     lines += ["", "temp: the compiled step's memory_analysis() temp size (activations kept for the "
               "backward plus workspace; parameters are in args, gradients in outputs). "
@@ -187,7 +200,8 @@ def write_outputs(res, out_dir):
               "maximum over the modes run so far, which also holds the gradients kept for the "
               "bit-identity check; use temp to compare modes. "
               "packed-overflow: a capacity below the real density, so every layer's backward "
-              "takes the recompute path."]
+              "takes the recompute path. packed-ffi*: the same through the custom calls "
+              "(impl='ffi'); ffi pack / unpack: the codec through them."]
     with open(os.path.join(out_dir, "jax_ffn.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     try:
@@ -225,7 +239,7 @@ def main(argv=None):
                     help="a bound below the real density: every layer takes the exact "
                          "recompute path (0 skips this mode)")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--modes", default="packed,checkpoint,dense")
+    ap.add_argument("--modes", default="packed,packed-ffi,checkpoint,dense")
     ap.add_argument("--no-codec", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results"))
@@ -247,9 +261,12 @@ def main(argv=None):
         print("codec:", {k: v for k, v in res["codec"].items()}, flush=True)
         write_outputs(res, args.out)
 
-    modes = [(m, ffn.PackConfig(density=args.density)) for m in args.modes.split(",")]
+    impl = lambda name: "ffi" if "ffi" in name else "jnp"   # noqa: E731
+    names = args.modes.split(",")
+    modes = [(m, ffn.PackConfig(density=args.density, impl=impl(m))) for m in names]
     if args.overflow_density > 0:
-        modes.append(("packed-overflow", ffn.PackConfig(density=args.overflow_density)))
+        modes += [(m + "-overflow", ffn.PackConfig(density=args.overflow_density, impl=impl(m)))
+                  for m in names if m.startswith("packed")]
     ref_grads, pending = None, {}
     for name, cfg in modes:
         mode = "packed" if name.startswith("packed") else name
