@@ -54,7 +54,9 @@ class JaxPacked:
     argument or result, a custom_vjp residual, or a vmap operand).
 
     ``nnz`` is ``offsets[-1]``, the true count even after an overflow; only the
-    first ``capacity`` values are kept. ``status`` is an int32 error word.
+    first ``capacity`` values are kept. ``status`` is an int32 error word. Planes
+    made by the custom calls (``impl="ffi"``) carry zeros up to a whole 4-byte
+    word past the layout's lengths; :meth:`to_packed_tensor` trims them.
     """
 
     mask: jax.Array

@@ -13,6 +13,10 @@ order and their dtypes are those autodiff would emit. Only the activation's
 own rule is ours, and it selects exactly what ``jax.nn.relu``'s rule selects
 (``select(a > 0, g, 0)``); see docs/jax.md for the NaN / -0.0 corners.
 
+Who packs and unpacks is ``PackConfig.impl``: the jax.numpy codec, or the
+project's kernels as XLA custom calls (:mod:`.custom_calls`); either way the
+forward's dense activation is ``jax.nn.relu``'s, as in the dense graph.
+
 Values live in a fixed-capacity buffer (``density`` bounds the fraction of
 nonzeros). If a batch overflows it, the backward recomputes the activation
 from the saved input under ``lax.cond``: never truncated, only slower. That
