@@ -57,25 +57,27 @@ class _MetadataExtension(ctypes.Structure):
     _fields_ = [("extension_base", _ExtensionBase), ("metadata", ctypes.POINTER(_Metadata))]
 
 
+# Pointers are read as plain addresses (c_void_p fields) and arrays through
+# ``from_address``: a handler runs at every execution, and ctypes.cast / POINTER
+# objects cost several times as much per field.
 class _Buffer(ctypes.Structure):
     _fields_ = [("struct_size", _SZ), ("extension_start", _P), ("dtype", ctypes.c_int),
-                ("data", _P), ("rank", _I64), ("dims", ctypes.POINTER(_I64))]
+                ("data", _P), ("rank", _I64), ("dims", _P)]
 
 
 class _List(ctypes.Structure):
     """``XLA_FFI_Args`` and ``XLA_FFI_Rets``: a count, a type per entry, a pointer per entry."""
     _fields_ = [("struct_size", _SZ), ("extension_start", _P), ("size", _I64),
-                ("types", ctypes.POINTER(ctypes.c_int)), ("items", ctypes.POINTER(_P))]
+                ("types", _P), ("items", _P)]
 
 
 class _ByteSpan(ctypes.Structure):
-    _fields_ = [("ptr", ctypes.c_char_p), ("len", _SZ)]
+    _fields_ = [("ptr", _P), ("len", _SZ)]
 
 
 class _Attrs(ctypes.Structure):
     _fields_ = [("struct_size", _SZ), ("extension_start", _P), ("size", _I64),
-                ("types", ctypes.POINTER(ctypes.c_int)),
-                ("names", ctypes.POINTER(ctypes.POINTER(_ByteSpan))), ("attrs", ctypes.POINTER(_P))]
+                ("types", _P), ("names", _P), ("attrs", _P)]
 
 
 class _Scalar(ctypes.Structure):
@@ -87,7 +89,7 @@ class _Array(ctypes.Structure):
 
 
 class _CallFrameStruct(ctypes.Structure):
-    _fields_ = [("struct_size", _SZ), ("extension_start", ctypes.POINTER(_ExtensionBase)),
+    _fields_ = [("struct_size", _SZ), ("extension_start", _P),
                 ("api", _P), ("ctx", _P), ("stage", ctypes.c_int), ("args", _List),
                 ("rets", _List), ("attrs", _Attrs), ("future", _P)]
 
@@ -150,16 +152,19 @@ class CallFrame:
 
     def __init__(self, frame: _CallFrameStruct):
         self._frame = frame
-        self.args = [_buffer(frame.args.items[i]) for i in range(frame.args.size)
-                     if _checked(frame.args.types[i] == ARG_BUFFER, "operand")]
-        self.rets = [_buffer(frame.rets.items[i]) for i in range(frame.rets.size)
-                     if _checked(frame.rets.types[i] == RET_BUFFER, "result")]
-        attrs = frame.attrs
-        self.attrs = {_name(attrs.names[i]): _attr(attrs.types[i], attrs.attrs[i])
-                      for i in range(attrs.size)}
+        self.args = _buffers(frame.args, ARG_BUFFER, "operand")
+        self.rets = _buffers(frame.rets, RET_BUFFER, "result")
+        attrs, n = frame.attrs, frame.attrs.size
+        if n:
+            kinds = (ctypes.c_int * n).from_address(attrs.types)
+            names = (_P * n).from_address(attrs.names)
+            values = (_P * n).from_address(attrs.attrs)
+            self.attrs = {_span(names[i]): _attr(kinds[i], values[i]) for i in range(n)}
+        else:
+            self.attrs = {}
 
     def _api(self) -> _Api:
-        return ctypes.cast(self._frame.api, ctypes.POINTER(_Api)).contents
+        return _Api.from_address(self._frame.api)
 
     @property
     def stream(self) -> int:
@@ -187,39 +192,42 @@ class HandlerError(Exception):
         self.invalid = invalid
 
 
-def _checked(ok: bool, what: str) -> bool:
-    if not ok:
-        raise HandlerError(f"a non-buffer {what} reached a bitsparse handler", invalid=True)
-    return True
+def _buffers(lst: _List, kind: int, what: str) -> list:
+    n = lst.size
+    if not n:
+        return []
+    kinds = (ctypes.c_int * n).from_address(lst.types)
+    items = (_P * n).from_address(lst.items)
+    out = []
+    for i in range(n):
+        if kinds[i] != kind:
+            raise HandlerError(f"a non-buffer {what} reached a bitsparse handler", invalid=True)
+        b = _Buffer.from_address(items[i])
+        dims = tuple((_I64 * b.rank).from_address(b.dims)) if b.rank else ()
+        out.append(Buffer(b.dtype, b.data or 0, dims))
+    return out
 
 
-def _buffer(ptr: int) -> Buffer:
-    b = ctypes.cast(ptr, ctypes.POINTER(_Buffer)).contents
-    return Buffer(int(b.dtype), int(b.data or 0), tuple(int(b.dims[k]) for k in range(b.rank)))
-
-
-def _name(span_ptr) -> str:
-    span = span_ptr.contents
-    return ctypes.string_at(span.ptr, span.len).decode()
+def _span(ptr: int) -> str:
+    span = _ByteSpan.from_address(ptr)
+    return ctypes.string_at(span.ptr, span.len).decode() if span.len else ""
 
 
 def _attr(kind: int, ptr: int):
     if kind == ATTR_SCALAR:
-        s = ctypes.cast(ptr, ctypes.POINTER(_Scalar)).contents
-        return ctypes.cast(s.value, ctypes.POINTER(_SCALAR_CTYPES[s.dtype])).contents.value
+        s = _Scalar.from_address(ptr)
+        return _SCALAR_CTYPES[s.dtype].from_address(s.value).value
     if kind == ATTR_STRING:
-        span = ctypes.cast(ptr, ctypes.POINTER(_ByteSpan)).contents
-        return ctypes.string_at(span.ptr, span.len).decode()
+        return _span(ptr)
     if kind == ATTR_ARRAY:
-        a = ctypes.cast(ptr, ctypes.POINTER(_Array)).contents
-        item = _SCALAR_CTYPES[a.dtype]
-        return tuple(ctypes.cast(a.data, ctypes.POINTER(item))[k] for k in range(a.size))
+        a = _Array.from_address(ptr)
+        return tuple((_SCALAR_CTYPES[a.dtype] * a.size).from_address(a.data)) if a.size else ()
     raise HandlerError(f"attribute kind {kind} (a dictionary?) is not used by bitsparse "
                        "handlers", invalid=True)
 
 
 def _error(api_ptr: int, message: str, code: int) -> int:
-    api = ctypes.cast(api_ptr, ctypes.POINTER(_Api)).contents
+    api = _Api.from_address(api_ptr)
     msg = ctypes.create_string_buffer(message.encode(errors="replace"))
     args = _ErrorCreateArgs(ctypes.sizeof(_ErrorCreateArgs), None,
                             ctypes.cast(msg, ctypes.c_char_p), code)
@@ -260,10 +268,10 @@ def make_handler(fn: Callable[[CallFrame], None]):
     major, minor = api_version()
 
     def handler(frame_ptr: int) -> int:
-        frame = ctypes.cast(frame_ptr, ctypes.POINTER(_CallFrameStruct)).contents
+        frame = _CallFrameStruct.from_address(frame_ptr)
         ext = frame.extension_start
-        if ext and ext.contents.type == EXTENSION_METADATA:
-            meta = ctypes.cast(ext, ctypes.POINTER(_MetadataExtension)).contents.metadata.contents
+        if ext and _ExtensionBase.from_address(ext).type == EXTENSION_METADATA:
+            meta = _MetadataExtension.from_address(ext).metadata.contents
             meta.api_version.major_version = major
             meta.api_version.minor_version = minor
             meta.traits = 0      # not command-buffer safe: a Python call runs at each execution
