@@ -73,3 +73,12 @@ def run_in_simulator(test_file: str, timeout: int = 1800) -> None:
     if proc.returncode == 5 or (proc.returncode == 0 and not re.search(r"\d+ passed", out)):
         pytest.skip("the simulator suite collected or ran no test:\n" + out[-2000:])
     assert proc.returncode == 0, "simulator suite failed:\n" + out[-12000:]
+
+
+def jax_gpu():
+    """JAX's first GPU device, or skip the test (JAX imported by the caller's module)."""
+    import jax
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX sees no GPU")

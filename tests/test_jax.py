@@ -19,7 +19,7 @@ from bitsparse_core.errors import (CapacityOverflowError, EncodingError,  # noqa
                                    InputError)
 from bitsparse_core.jax import codec, ffn  # noqa: E402
 from bitsparse_core.spec.codec import encode_values, pack_array  # noqa: E402
-from helpers import ALL_DTYPES, ENCODINGS, random_tensor, same_bits  # noqa: E402
+from helpers import ALL_DTYPES, ENCODINGS, jax_gpu, random_tensor, same_bits  # noqa: E402
 
 PLANES = ("mask", "offsets", "values", "signs")
 
@@ -472,19 +472,12 @@ def test_pack_config_normalises_names():
 # --------------------------------------------------------------------------- #
 # GPU                                                                         #
 # --------------------------------------------------------------------------- #
-def _jax_gpu():
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("JAX sees no GPU")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,encoding", [(D.BFLOAT16, "nosign"), (D.FLOAT16, "signplane"),
                                             (D.FLOAT32, "raw"), (D.FLOAT8_E5M2, "signplane")],
                          ids=lambda v: getattr(v, "name", v))
 def test_gpu_pack_planes_equal_reference(dtype, encoding):
-    dev = _jax_gpu()
+    dev = jax_gpu()
     rng = np.random.default_rng(dtype.bits)
     x = random_tensor(rng, (64, 3001), dtype, 0.8, signed=(encoding != "nosign"))
     nnz = int(np.count_nonzero(x.view(dtype.uint)))
@@ -502,7 +495,7 @@ def test_gpu_pack_planes_equal_reference(dtype, encoding):
 @pytest.mark.parametrize("kind", ["relu", "relu2", "gated"])
 @pytest.mark.parametrize("density", [0.3, 0.05], ids=["fits", "overflows"])
 def test_gpu_ffn_gradients_bit_identical(kind, density, impl):
-    dev = _jax_gpu()
+    dev = jax_gpu()
     layers = ffn.init_stack(jax.random.PRNGKey(0), 2, 256, 1024, kind=kind)
     x = jax.random.normal(jax.random.PRNGKey(1), (512, 256), jnp.float32).astype(jnp.bfloat16)
     layers, x = jax.device_put((layers, x), dev)
@@ -515,7 +508,7 @@ def test_gpu_ffn_gradients_bit_identical(kind, density, impl):
 @pytest.mark.gpu
 def test_gpu_bitsparse_pack_of_jax_array():
     """Eager bitsparse_core.pack on a GPU jax array goes through DLPack to a CUDA backend."""
-    dev = _jax_gpu()
+    dev = jax_gpu()
     if not (bc.backend_available("cupy") or bc.backend_available("numba")):
         pytest.skip("no CUDA backend of bitsparse_core available")
     rng = np.random.default_rng(2)

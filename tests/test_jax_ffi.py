@@ -22,7 +22,7 @@ from bitsparse_core.spec import ops as reference_ops  # noqa: E402
 from bitsparse_core.spec.codec import pack_array  # noqa: E402
 from bitsparse_core.spec.format import Encoding  # noqa: E402
 from bitsparse_core.spec.planes import encode_values  # noqa: E402
-from helpers import ALL_DTYPES, random_tensor, same_bits  # noqa: E402
+from helpers import ALL_DTYPES, jax_gpu, random_tensor, same_bits  # noqa: E402
 
 PLANES = ("mask", "offsets", "values", "signs")
 
@@ -88,7 +88,8 @@ def test_handler_exceptions_become_xla_errors(mode, fragment):
         jax.block_until_ready(jax.jit(lambda x: _probe_call(x, 0.0, mode))(x))
     assert fragment in str(info.value)
     # the process is fine afterwards
-    assert np.array_equal(np.asarray(jax.jit(lambda x: _probe_call(x, 1.0))(x)), np.full((2, 2), 2.0))
+    again = jax.jit(lambda x: _probe_call(x, 1.0))(x)
+    assert np.array_equal(np.asarray(again), np.full((2, 2), 2.0))
 
 
 # --------------------------------------------------------------------------- #
@@ -231,17 +232,10 @@ def test_mismatched_companion_is_refused():
 # --------------------------------------------------------------------------- #
 # GPU: the CUDA handlers                                                      #
 # --------------------------------------------------------------------------- #
-def _jax_gpu():
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("JAX sees no GPU")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
 def test_gpu_relu_pack_planes_equal_reference(dtype):
-    dev = _jax_gpu()
+    dev = jax_gpu()
     pytest.importorskip("cupy")
     rng = np.random.default_rng(dtype.bits + 1)
     for enc, uenc in ((Encoding.NOSIGN, Encoding.SIGNPLANE), (Encoding.RAW, Encoding.RAW),
@@ -267,7 +261,7 @@ def test_gpu_relu_pack_planes_equal_reference(dtype):
 @pytest.mark.parametrize("kind", ["relu", "relu2", "gated"])
 def test_gpu_ffi_blocks_bit_identical(kind):
     """shards=4 on one GPU: the batched custom calls pack and decode each block."""
-    dev = _jax_gpu()
+    dev = jax_gpu()
     pytest.importorskip("cupy")
     layers = ffn.init_stack(jax.random.PRNGKey(0), 2, 256, 1024, kind=kind)
     x = jax.random.normal(jax.random.PRNGKey(1), (512, 256), jnp.float32).astype(jnp.bfloat16)

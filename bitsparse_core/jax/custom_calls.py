@@ -155,7 +155,8 @@ def blockwise(fn, *args):
     def keep_blocks(mesh, arg_shapes, result_shape):
         first = leaves(arg_shapes)[0].sharding
         axis = first.spec[0] if len(first.spec) else None
-        on_blocks = lambda a: NamedSharding(mesh, PartitionSpec(axis, *[None] * (a.ndim - 1)))  # noqa: E731
+        def on_blocks(a):
+            return NamedSharding(mesh, PartitionSpec(axis, *[None] * (a.ndim - 1)))
         return (jax.tree_util.tree_map(on_blocks, result_shape),
                 jax.tree_util.tree_map(on_blocks, arg_shapes))
 
