@@ -23,8 +23,7 @@ import os
 import re
 import threading
 import traceback
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 _P, _SZ, _I64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64
 
@@ -134,8 +133,7 @@ _SCALAR_CTYPES = {1: ctypes.c_bool, 2: ctypes.c_int8, 3: ctypes.c_int16, 4: ctyp
                   9: ctypes.c_uint64, 11: ctypes.c_float, 12: ctypes.c_double}
 
 
-@dataclass(frozen=True)
-class Buffer:
+class Buffer(NamedTuple):
     """One operand or result: XLA_FFI_DataType code, device (or host) address, dims."""
     dtype: int
     data: int
