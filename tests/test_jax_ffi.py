@@ -17,6 +17,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from bitsparse_core import dtypes as D  # noqa: E402
+from bitsparse_core.backends.cuda import abi  # noqa: E402
 from bitsparse_core.jax import codec, custom_calls, ffn, xla_ffi  # noqa: E402
 from bitsparse_core.spec import ops as reference_ops  # noqa: E402
 from bitsparse_core.spec.codec import pack_array  # noqa: E402
@@ -278,3 +279,124 @@ def test_gpu_ffi_blocks_bit_identical(kind):
             a, b = np.asarray(a), np.asarray(b)
             u = np.dtype(f"u{a.dtype.itemsize}")
             assert np.array_equal(a.view(u), b.view(u))
+
+
+# --------------------------------------------------------------------------- #
+# The CUDA engine's launches, on CPU with the driver faked                    #
+# --------------------------------------------------------------------------- #
+class _FakeFrame:
+    def __init__(self, args, rets, attrs):
+        self.args, self.rets, self.attrs = args, rets, attrs
+        self.device_ordinal, self.stream = 0, 0x5EED
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """Records every launch (the argument record's fields at launch time) and fill."""
+    from bitsparse_core.backends.cuda import host
+    calls = []
+
+    def record(kind):
+        def fn(func, grid, block, smem, stream, args):
+            calls.append((kind, func, stream, {n: getattr(args, n) for n, _ in args._fields_}))
+        return fn
+    monkeypatch.setattr(host, "kernel", lambda device, *key: hash(key) & 0xFFFF)
+    monkeypatch.setattr(host.driver, "resident_blocks", lambda *a: 264)
+    monkeypatch.setattr(host.driver, "launch_cooperative", record("coop"))
+    monkeypatch.setattr(host.driver, "launch", record("launch"))
+    monkeypatch.setattr(host.driver, "memset0",
+                        lambda ptr, n, stream: calls.append(("memset", ptr, n, stream)))
+    monkeypatch.setattr(custom_calls, "_current", lambda device: _NoContext())
+    host._RECORDS.__dict__.clear()          # launches built with the fakes only
+    yield calls
+    host._RECORDS.__dict__.clear()
+
+
+class _NoContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _buffers(shapes_and_codes, base):
+    out, addr = [], base
+    for shape, code in shapes_and_codes:
+        out.append(xla_ffi.Buffer(code, addr, shape))
+        addr += 1 << 24
+    return out
+
+
+def test_cuda_engine_packs_each_block_into_its_planes(fake_driver):
+    """Two blocks, gated: per block a fused pack (mode RELU, no dense output) into that
+    block's rows of every plane, then a masked pack reading the mask just written and
+    writing no offsets; scratch zeroed before each, all on XLA's stream."""
+    from bitsparse_core.backends.cuda import host
+    shape, cap = (3, 700), 500
+    dtype, enc, uenc = D.BFLOAT16, Encoding.NOSIGN, Encoding.SIGNPLANE
+    spec = custom_calls.plane_spec(shape, dtype, enc, cap, 9, uenc)
+    u8, u32, bf16 = (xla_ffi.DTYPE_CODES[n] for n in ("uint8", "uint32", "bfloat16"))
+    args = _buffers([((2, *shape), bf16), ((2, *shape), bf16)], 0x10_0000_0000)
+    rets = _buffers([((2, spec.mask), u8), ((2, spec.offsets), u32), ((2, spec.values), u8),
+                     ((2, spec.signs), u8), ((2, 16), u32), ((2, spec.u_values), u8),
+                     ((2, spec.u_signs), u8), ((2, 16), u32), ((2, spec.scratch), u8)],
+                    0x20_0000_0000)
+    attrs = {"capacity": cap, "chunk_log2": 9, "encoding": int(enc), "u_encoding": int(uenc),
+             "block_ndim": 2}
+    custom_calls._pack_handler(custom_calls._CudaEngine())(_FakeFrame(args, rets, attrs))
+    launches = [c for c in fake_driver if c[0] == "coop"]
+    fills = [c for c in fake_driver if c[0] == "memset"]
+    assert len(launches) == 4 and len(fills) == 4
+    assert all(c[2] == 0x5EED for c in launches) and all(c[3] == 0x5EED for c in fills)
+    plan = host.pack_plan(shape, dtype, enc, cap, 9, abi.Mode.RELU)
+    uplan = host.pack_plan(shape, dtype, uenc, cap, 9, abi.Mode.MASKED)
+    elem = 2 * 3 * 700
+    for i in range(2):
+        r, m = launches[2 * i][3], launches[2 * i + 1][3]
+        row = lambda k: rets[k].data + i * rets[k].row_bytes      # noqa: E731
+        assert r["x"] == args[0].data + i * elem and m["x"] == args[1].data + i * elem
+        assert (r["mask"], r["offsets"], r["values"], r["signs"], r["status"], r["scratch"]) == \
+            (row(0), row(1), row(2), row(3), row(4), row(8))
+        assert r["y"] == 0 and r["cap"] == cap and r["numel"] == 2100
+        assert (m["mask"], m["offsets"], m["values"], m["signs"], m["status"], m["scratch"]) == \
+            (row(0), 0, row(5), row(6), row(7), row(8))
+        assert fills[2 * i][1:3] == (row(8), plan.scratch_bytes)
+        assert fills[2 * i + 1][1:3] == (row(8), uplan.scratch_bytes)
+        # the kernel's word stores stay inside each word-rounded plane
+        assert 4 * r["zero_values_words"] <= spec.values and 4 * r["zero_signs_words"] <= spec.signs
+        assert spec.scratch >= max(plan.scratch_bytes, uplan.scratch_bytes)
+
+
+def test_cuda_engine_empty_block_zeroes_offsets_and_status(fake_driver):
+    u8, u32, bf16 = (xla_ffi.DTYPE_CODES[n] for n in ("uint8", "uint32", "bfloat16"))
+    spec = custom_calls.plane_spec((0,), D.BFLOAT16, Encoding.NOSIGN, 0, 9, None)
+    args = _buffers([((0,), bf16)], 0x10_0000_0000)
+    rets = _buffers([((spec.mask,), u8), ((spec.offsets,), u32), ((spec.values,), u8),
+                     ((spec.signs,), u8), ((16,), u32), ((spec.scratch,), u8)], 0x20_0000_0000)
+    attrs = {"capacity": 0, "chunk_log2": 9, "encoding": int(Encoding.NOSIGN), "u_encoding": -1,
+             "block_ndim": 1}
+    custom_calls._pack_handler(custom_calls._CudaEngine())(_FakeFrame(args, rets, attrs))
+    assert not [c for c in fake_driver if c[0] == "coop"]
+    assert {c[1:3] for c in fake_driver} == {(rets[1].data, 4), (rets[4].data, abi.STATUS_BYTES)}
+
+
+def test_cuda_engine_unpacks_each_block(fake_driver):
+    shape, cap = (4, 512), 900
+    lay = custom_calls._fmt.cached_layout(shape, D.BFLOAT16, Encoding.SIGNPLANE, cap, 9)
+    spec = custom_calls.plane_spec(shape, D.BFLOAT16, Encoding.SIGNPLANE, cap, 9, None)
+    u8, u32, bf16 = (xla_ffi.DTYPE_CODES[n] for n in ("uint8", "uint32", "bfloat16"))
+    args = _buffers([((3, spec.mask), u8), ((3, spec.offsets), u32), ((3, spec.values), u8),
+                     ((3, spec.signs), u8)], 0x10_0000_0000)
+    rets = _buffers([((3, *shape), bf16)], 0x20_0000_0000)
+    attrs = {"capacity": cap, "chunk_log2": 9, "encoding": int(Encoding.SIGNPLANE)}
+    custom_calls._unpack_handler(custom_calls._CudaEngine())(_FakeFrame(args, rets, attrs))
+    launches = [c for c in fake_driver if c[0] == "launch"]
+    assert len(launches) == 3
+    for i, (_, _, stream, r) in enumerate(launches):
+        assert stream == 0x5EED
+        assert (r["mask"], r["offsets"], r["values"], r["signs"]) == tuple(
+            a.data + i * a.row_bytes for a in args)
+        assert (r["mask_len"], r["values_len"], r["signs_len"]) == (lay.mask[1], lay.values[1],
+                                                                      lay.signs[1])
+        assert r["out"] == rets[0].data + i * 4 * 512 * 2 and r["prefix"] == 0
