@@ -10,7 +10,9 @@ copy of one CPU model built once:
 * ``hooks``          -- the forward inside ``bitsparse_core.torch.compress_saved_tensors()``;
 * ``converted``      -- ``bitsparse_core.torch.convert(model)`` (the FFNs store their
   activation packed);
-* ``checkpointing``  -- ``model.gradient_checkpointing_enable()`` (use_reentrant=False).
+* ``checkpointing``  -- ``model.gradient_checkpointing_enable()`` (use_reentrant=False);
+* ``hooks-offload``  -- (opt-in) ``hooks`` with ``offload=``: clean packed blocks wait for
+  backward in pinned host memory.
 
 Per variant: median step time and host time, peak memory, the memory the forward leaves
 for backward, losses and final parameters bit for bit against plain, host syncs per step
@@ -50,6 +52,7 @@ from profile_syncs import profile_steps  # noqa: E402
 
 VOCAB = 256
 VARIANTS = ("plain", "hooks", "converted", "checkpointing")
+KNOWN_VARIANTS = VARIANTS + ("hooks-offload",)    # the rest run when asked for
 SIZES = {"opt12": tg.Shape(layers=12, d=1024, heads=16, d_ff=4096, seq=1024, batch=8)}
 SMALL = tg.Shape(layers=2, d=64, heads=2, d_ff=256, seq=64, batch=2)
 # A freshly initialised OPT's FFN activations are about half zero (fc1's bias starts at 0),
@@ -99,8 +102,13 @@ def prepare(bench: HFBench, name: str):
 
     def forward(x, y):
         return lm_loss(model, x, y)
-    if name == "hooks":
-        hooks = extra["hooks"] = bst.compress_saved_tensors(**bench.args.hooks_kwargs)
+    if name in ("hooks", "hooks-offload"):
+        offload = None
+        if name == "hooks-offload":
+            from bitsparse_core.torch.offload import Offloader
+            offload = extra["offload"] = Offloader()
+        hooks = extra["hooks"] = bst.compress_saved_tensors(**bench.args.hooks_kwargs,
+                                                            offload=offload)
 
         def forward(x, y):   # the hooks variant's forward
             with hooks:
@@ -184,6 +192,8 @@ def what_was_packed(extra: dict, model, steps: int, tokens: int, shape: tg.Shape
         out["dense_mib_per_step"] = st["dense_bytes"] / steps / MIB
         out["packed_mib_per_step"] = st["packed_bytes"] / steps / MIB
         out["packed_away_mib_per_step"] = out["dense_mib_per_step"] - out["packed_mib_per_step"]
+        if "offload" in extra:
+            out["offload"] = extra["offload"].stats()
         return out
     if "report" not in extra:
         return None
@@ -401,7 +411,10 @@ def packed_markdown(summary: dict) -> list:
                     f"{st['waits']} | {st['max_density']:.3f} |" for p, st in packed["modules"].items()]
         else:
             out += ["Per step: " + ", ".join(f"{k.replace('_per_step', '')} {x:.3g}"
-                                             for k, x in packed.items()) + "."]
+                                             for k, x in packed.items() if k != "offload") + "."]
+            if "offload" in packed:
+                out += ["", "Offloader (whole run): " + ", ".join(
+                    f"{k} {x}" for k, x in packed["offload"].items()) + "."]
     return out
 
 
@@ -471,9 +484,9 @@ def parse_args(argv):
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds; later variants are skipped")
     ap.add_argument("--out", required=True, help="folder for bench_hf.{json,md,png}")
     args = ap.parse_args(argv)
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    unknown = set(args.variants.split(",")) - set(KNOWN_VARIANTS)
     if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(KNOWN_VARIANTS)}")
     if args.hooks_kwargs is None:
         args.hooks_kwargs = dict(SMALL_HOOKS if args.small else HOOKS)
     for name, default in (("warmup", 5), ("profile_steps", 3)):

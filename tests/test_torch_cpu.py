@@ -270,19 +270,75 @@ def test_hooks_unpack_many_times_retain_graph():
     m = relu_mlp()
     x, _ = _data((64,), 32, torch.float32)
     hooks = compress_saved_tensors(min_numel=256)
-    with hooks:
-        y = m(x)
+    _assert_backwards_match_plain(m, x, Hooked(m, hooks), times=3)
+    assert hooks.stats.packed == 2 and hooks.stats.unpacked >= 3 * 2
+
+
+def _assert_backwards_match_plain(m, x, hooked, times: int):
+    """``times`` backwards (retain_graph) through one hooked forward of ``m`` give the
+    gradients of a plain forward and backward."""
+    y = hooked(x)
     grads = []
-    for _ in range(3):
+    for _ in range(times):
         m.zero_grad(set_to_none=True)
         y.sum().backward(retain_graph=True)
         grads.append([p.grad.clone() for p in m.parameters()])
     m.zero_grad(set_to_none=True)
     m(x).sum().backward()
     ref = [p.grad for p in m.parameters()]
-    for g in grads:
-        assert all(torch.equal(a, b) for a, b in zip(g, ref))
-    assert hooks.stats.packed == 2 and hooks.stats.unpacked >= 3 * 2
+    assert all(torch.equal(a, b) for g in grads for a, b in zip(g, ref))
+
+
+def _strip(rec):
+    return [(l, {k[len("inner."):]: v for k, v in g.items()},
+             {k[len("inner."):]: v for k, v in p.items()}) for l, g, p in rec]
+
+
+def test_hooks_offload_clean_blocks_and_stay_bit_identical():
+    """offload=: each clean block goes to the offloader's pool once its count is known,
+    comes back for its backward, and training is bit-identical; the pool's buffers are
+    reused step after step."""
+    from bitsparse_core.torch.offload import Offloader
+    off = Offloader(ahead=1)
+    hooks = compress_saved_tensors(min_numel=256, min_sparsity=0.5, offload=off)
+    assert hooks.offload is off
+    x, target = _data((4, 16), 32, torch.float32)
+    rec_dense = train(relu_mlp(), x, target)
+    rec_ours = train(Hooked(relu_mlp(), hooks), x, target)
+    assert_same_training(rec_dense, _strip(rec_ours))
+    st = off.stats()
+    assert st["offloaded"] == hooks.stats.packed == 2 * 3
+    assert st["bytes_offloaded"] == hooks.stats.packed_bytes      # every clean block, whole
+    assert st["prefetched"] + st["late"] == st["offloaded"]
+    # buffers are taken again by later steps: of each size class (the first step's blocks
+    # are larger, sized from min_sparsity) at most the two that one step needs
+    free = off.pool._free
+    assert free and all(len(bufs) <= 2 for bufs in free.values()), free.keys()
+    assert st["pool_held_bytes"] == off.pool.free_bytes()        # all back after backward
+
+
+def test_hooks_offload_retain_graph_and_under_enclosing_hooks():
+    """A block taken back stays on the device for a second backward (retain_graph); with
+    enclosing hooks, the offloaded blocks do not reach them (the passed-through tensors
+    still do), and gradients match plain."""
+    from bitsparse_core.torch.offload import Offloader
+    m = relu_mlp()
+    x, _ = _data((64,), 32, torch.float32)
+    off = Offloader()
+    hooks = compress_saved_tensors(min_numel=256, offload=off)
+    rec = _Recording(m, hooks)
+    _assert_backwards_match_plain(m, x, rec, times=2)
+    assert off.stats()["offloaded"] == hooks.stats.packed == 2
+    assert not [n for dt, n in rec.seen if dt == torch.uint8]    # no block went outside
+    assert any(dt == torch.float32 for dt, _ in rec.seen)
+
+
+def test_hooks_offload_is_checked():
+    with pytest.raises(TypeError):
+        compress_saved_tensors(offload="yes")
+    assert compress_saved_tensors(offload=False).offload is None
+    assert compress_saved_tensors(offload=True).offload is compress_saved_tensors(
+        offload=True).offload                         # the process's shared offloader
 
 
 def test_hooks_pass_through_what_is_not_worth_packing():

@@ -29,6 +29,11 @@ through or keep dense, and take it back from that pair in backward. Hooks entere
 inside ours (``torch.utils.checkpoint`` inside a hooked forward, say) take precedence
 over ours for what they save, as PyTorch defines.
 
+``offload=`` (True, or an :class:`~.offload.Offloader`) moves each clean packed block
+to pinned host memory once its count has landed (the pack has then run), and brings it
+back ahead of its backward, as the packed FFN ops' ``offload=`` does; blocks it moves
+no longer go to the enclosing hooks. Eager only: under a CUDA graph capture blocks stay.
+
 A tensor saved by several nodes (ReLU saves its output, the next matmul saves
 the same tensor or a reshaped view of it) is packed once: packs are shared by
 the base tensor they were made from while that tensor is alive and unmodified.
@@ -53,6 +58,7 @@ from ..errors import SavedTensorModifiedError
 from . import _bridge as B
 from . import capacity as C
 from . import ops as O
+from .offload import resolve as resolve_offload
 from .sites import Sites
 
 PENDING, CLEAN, DENSE = "pending", "clean", "dense"   # _Packed.state
@@ -123,6 +129,15 @@ class _Outer:
         self.obj = obj
 
 
+class _Offloaded:
+    """A clean packed block in the offloader's hands (its :class:`~.offload.Stashed`)."""
+
+    __slots__ = ("stashed",)
+
+    def __init__(self, stashed):
+        self.stashed = stashed
+
+
 class _View:
     """A saved view of a packed base tensor: unpack the base, view it as the saved shape."""
 
@@ -157,6 +172,8 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     devices:      device types to pack on (CPU uses the slow NumPy reference codec).
     backend:      codec for CUDA tensors: ``"auto"`` or ``"cupy"`` (the kernels the
                   torch ops queue by pointer).
+    offload:      None, True (the process's shared :class:`~.offload.Offloader`) or an
+                  Offloader: clean packed blocks wait for backward in pinned host memory.
 
     ``stats`` (a :class:`SavedStats`) counts what was packed; ``with
     compress_saved_tensors() as c:`` binds the hooks object itself, so ``c.stats``
@@ -166,7 +183,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, *, min_sparsity: float = 0.5, min_numel: int = 1 << 16,
                  encoding: str = "auto", margin: float = 0.1, devices=("cuda", "cpu"),
-                 backend: str = "auto"):
+                 backend: str = "auto", offload=None):
         from .functional import _check_backend, _check_encoding
         if not 0.0 <= float(min_sparsity) <= 1.0:
             raise ValueError(f"min_sparsity={min_sparsity} must lie in [0, 1]")
@@ -190,6 +207,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self._in_flight = 0   # bytes of the blocks in self._flights
         self._credit = 0      # bytes the clean packs still alive save
         self._outer = None
+        self.offload = resolve_offload(offload)
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> "compress_saved_tensors":
@@ -269,8 +287,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self._poll()   # a host pack's count is known at once
         return None if packed.state == DENSE else packed
 
-    def _poll(self) -> None:
-        """Take in every count that has landed, in queue order (no CUDA call)."""
+    def _poll(self, forward: bool = True) -> None:
+        """Take in every count that has landed, in queue order (no CUDA call). In backward
+        (``forward`` False) a clean block stays where it is: its backward comes soon."""
         while self._flights:
             ticket, known, site, numel, nbytes, ref = self._flights[0]
             state = _landed(ticket, known)
@@ -282,16 +301,17 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
                 site.observe(state[0], state[1], numel)
             packed = ref()
             if packed is not None and packed.state == PENDING:
-                self._settle(packed, state)
+                self._settle(packed, state, forward)
 
-    def _settle(self, packed: _Packed, state) -> None:
-        """Keep the packed block of a clean pack, else the dense tensor."""
+    def _settle(self, packed: _Packed, state, forward: bool = False) -> None:
+        """Keep the packed block of a clean pack, else the dense tensor; ``forward``: its
+        backward is still to come (the block may go to the offloader)."""
         status = state[0]
         if status == 0:
             dense = packed.held.numel() * packed.held.element_size()
             saving = dense - packed.nbytes
             packed.held, packed.state = None, CLEAN
-            packed.block = self._to_outer(packed.block)
+            packed.block = self._keep_block(packed.block, forward)
             self._credit += saving
             weakref.finalize(packed, self._release, saving)
             self.stats.packed += 1
@@ -302,6 +322,14 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if status is not None:
             self.stats.overflowed += bool(status & abi.STATUS_OVERFLOW)
             self.stats.violations += bool(status & abi.STATUS_NOSIGN_VIOLATION)
+
+    def _keep_block(self, block: torch.Tensor, forward: bool):
+        """A clean block as the hooks hold it: with the offloader (its count landed, so
+        its pack has run), else with the enclosing hooks."""
+        if (self.offload is None or not forward
+                or (block.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return self._to_outer(block)
+        return _Offloaded(self.offload.stash(block))
 
     def _keep_dense(self, packed: _Packed, offer: bool = False) -> None:
         """Drop the block; ``offer``: hand the dense tensor on to the enclosing hooks
@@ -322,7 +350,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if cls is not _Packed:       # passed through (to the enclosing hooks, if any)
             return self._from_outer(obj)
         if self._flights:
-            self._poll()
+            self._poll(forward=False)
         if obj.state == PENDING:
             self._unpack_pending(obj)
         if obj.state == DENSE:
@@ -340,6 +368,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             if obj.to_unpack <= 0:    # the last node of this backward has it: hold no more
                 obj.keep = None
             return alive
+        if type(obj.block) is _Offloaded:
+            # back on the device ahead of this backward; held there for any later
+            # backward through the graph (retain_graph) until autograd frees it
+            obj.block = obj.block.stashed.take()
         block = self._from_outer(obj.block)
         if obj.stream is not None and obj.stream != O._stream(block.device):
             # read on another stream than it was made on: after the pack's kernels, and
