@@ -47,7 +47,11 @@ _SEEN = {}
 def _probe(frame: xla_ffi.CallFrame) -> None:
     """Writes operand + k to its result; records what it was handed; fails on demand."""
     (a,), (out,) = frame.args, frame.rets
-    _SEEN.update(attrs=dict(frame.attrs), a=a, out=out)
+    _SEEN.update(attrs=dict(frame.attrs), a=a, out=out, device=frame.device_ordinal)
+    try:
+        _SEEN["stream"] = frame.stream
+    except xla_ffi.HandlerError as exc:     # a CPU call has no stream to give
+        _SEEN["stream"] = str(exc)
     if frame.attrs["mode"] == "raise":
         raise ValueError("probe asked to fail")
     if frame.attrs["mode"] == "invalid":
@@ -72,6 +76,8 @@ def test_handler_sees_operands_results_and_attributes():
     assert np.array_equal(np.asarray(got), np.asarray(x) + 2.5)
     assert _SEEN["attrs"] == {"k": 2.5, "n": -5, "flag": True, "mode": "ok", "dims": (3, 1, 4)}
     assert _SEEN["a"].shape == _SEEN["out"].shape == (3, 4)
+    # the API table's last entry (DeviceOrdinal_Get) answers: its layout is read right
+    assert _SEEN["device"] == 0 and "XLA_FFI_Stream_Get failed" in _SEEN["stream"]
     assert _SEEN["a"].dtype == xla_ffi.DTYPE_CODES["float32"] and _SEEN["a"].row_bytes == 16
     # vmap with broadcast_all hands the handler the batch as a leading dimension
     batched = jax.vmap(lambda r: _probe_call(r, 1.0))(x)
@@ -225,7 +231,8 @@ def test_impl_is_checked():
 
 def test_mismatched_companion_is_refused():
     a = jnp.ones((4, 8), jnp.bfloat16)
-    with pytest.raises(ValueError, match="u is"):
+    from bitsparse_core.errors import InputError
+    with pytest.raises(InputError, match="u is"):
         custom_calls.relu_pack(a, capacity=8, encoding=Encoding.NOSIGN, chunk_log2=9,
                                u=jnp.ones((4, 8), jnp.float32), u_encoding=Encoding.RAW)
 
@@ -306,7 +313,7 @@ def fake_driver(monkeypatch):
     monkeypatch.setattr(host.driver, "launch", record("launch"))
     monkeypatch.setattr(host.driver, "memset0",
                         lambda ptr, n, stream: calls.append(("memset", ptr, n, stream)))
-    monkeypatch.setattr(custom_calls, "_current", lambda device: _NoContext())
+    monkeypatch.setattr(custom_calls, "_OnDevice", lambda device: _NoContext())
     host._RECORDS.__dict__.clear()          # launches built with the fakes only
     yield calls
     host._RECORDS.__dict__.clear()

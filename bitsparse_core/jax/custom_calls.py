@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import dtypes as _dt
 from ..backends.cuda import abi
+from ..errors import InputError
 from ..spec import format as _fmt
 from ..spec.format import Encoding
 from . import xla_ffi
@@ -92,9 +93,10 @@ def relu_pack(a, *, capacity: int, encoding: Encoding, chunk_log2: int, u=None,
     register()
     dtype = _dt.resolve(jnp.dtype(a.dtype))
     if u is not None and (jnp.dtype(u.dtype) != jnp.dtype(a.dtype) or u.shape != a.shape):
-        raise ValueError(f"u is {u.dtype}{tuple(u.shape)}, a is {a.dtype}{tuple(a.shape)}")
+        raise InputError(f"u is {u.dtype}{tuple(u.shape)}, a is {a.dtype}{tuple(a.shape)}")
     if _fmt.offset_width(_fmt.numel_of(a.shape)) != 4:
-        raise ValueError("the FFI path packs fewer than 2**32 elements per block")
+        raise InputError(f"a block of {_fmt.numel_of(a.shape)} elements: the FFI path packs "
+                         "fewer than 2**32 per block (use PackConfig(shards=...))")
     spec = plane_spec(tuple(a.shape), dtype, encoding, capacity, chunk_log2,
                       u_encoding if u is not None else None)
     results = [_u8(spec.mask), jax.ShapeDtypeStruct((spec.offsets,), jnp.uint32),
@@ -155,6 +157,7 @@ def blockwise(fn, *args):
     def keep_blocks(mesh, arg_shapes, result_shape):
         first = leaves(arg_shapes)[0].sharding
         axis = first.spec[0] if len(first.spec) else None
+
         def on_blocks(a):
             return NamedSharding(mesh, PartitionSpec(axis, *[None] * (a.ndim - 1)))
         return (jax.tree_util.tree_map(on_blocks, result_shape),
@@ -237,17 +240,17 @@ class _CudaEngine:
         from ..backends.cuda import host
         device, stream = frame.device_ordinal, frame.stream
         plan = host.pack_plan(shape, dtype, enc, capacity, chunk_log2, abi.Mode.RELU)
+        uplan = (None if uenc is None else
+                 host.pack_plan(shape, dtype, uenc, capacity, chunk_log2, abi.Mode.MASKED))
         rets = frame.rets
         strides = _strides(*rets)
         elem = dtype.itemsize * _fmt.numel_of(shape)
-        with _current(device):
+        with _OnDevice(device):
             for i in range(blocks):
                 p = [r.data + i * s for r, s in zip(rets, strides)]
                 host.enqueue_pack_planes(plan, device, stream, frame.args[0].data + i * elem,
                                          p[0], p[1], p[2], p[3], p[4], p[-1])
-                if uenc is not None:
-                    uplan = host.pack_plan(shape, dtype, uenc, capacity, chunk_log2,
-                                           abi.Mode.MASKED)
+                if uplan is not None:      # u at the mask just written, no offsets
                     host.enqueue_pack_planes(uplan, device, stream,
                                              frame.args[1].data + i * elem, p[0], 0, p[5],
                                              p[6], p[7], p[-1])
@@ -262,7 +265,7 @@ class _CudaEngine:
         args = frame.args
         strides = _strides(*args)
         elem = lay.dtype.itemsize * lay.numel
-        with _current(device):
+        with _OnDevice(device):
             for i in range(blocks):
                 m, o, v, s = (b.data + i * st for b, st in zip(args, strides))
                 planes = host.Planes(m, lay.mask[1], o, 0, v, lay.values[1], s, lay.signs[1])
@@ -270,7 +273,7 @@ class _CudaEngine:
                                     frame.rets[0].data + i * elem)
 
 
-class _current:
+class _OnDevice:
     """The device's primary context current on this thread while kernels are queued
     (XLA's thread may hold none; CuPy compiles and loads the kernels in it)."""
 

@@ -161,29 +161,34 @@ class CallFrame:
         else:
             self.attrs = {}
 
-    def _api(self) -> _Api:
-        return _Api.from_address(self._frame.api)
+    def _api(self, entry: str) -> _Api:
+        """XLA's API table, checked to reach ``entry`` (an older jaxlib's is shorter)."""
+        api = _Api.from_address(self._frame.api)
+        if api.struct_size < getattr(_Api, entry).offset + ctypes.sizeof(_P):
+            raise HandlerError(f"this jaxlib's XLA FFI API ({api.api_version.major_version}."
+                               f"{api.api_version.minor_version}) has no {entry}")
+        return api
 
     @property
     def stream(self) -> int:
         """The platform stream XLA runs this call on (a ``CUstream`` on CUDA)."""
         args = _StreamGetArgs(ctypes.sizeof(_StreamGetArgs), None, self._frame.ctx, None)
-        _raise_if(self._frame.api, self._api().stream_get(ctypes.addressof(args)),
+        _raise_if(self._api("stream_get").stream_get(ctypes.addressof(args)),
                   "XLA_FFI_Stream_Get")
         return args.stream or 0
 
     @property
     def device_ordinal(self) -> int:
         args = _DeviceOrdinalArgs(ctypes.sizeof(_DeviceOrdinalArgs), None, self._frame.ctx, -1)
-        _raise_if(self._frame.api, self._api().device_ordinal_get(ctypes.addressof(args)),
+        _raise_if(self._api("device_ordinal_get").device_ordinal_get(ctypes.addressof(args)),
                   "XLA_FFI_DeviceOrdinal_Get")
         return int(args.device_ordinal)
 
 
 class HandlerError(Exception):
     """Raised inside a handler to fail the custom call with this message (an
-    XLA_FFI_Error the caller sees as an XlaRuntimeError); ``invalid=True`` reports
-    INVALID_ARGUMENT instead of INTERNAL."""
+    XLA_FFI_Error, which the caller sees as JAX's runtime error); ``invalid=True``
+    reports INVALID_ARGUMENT instead of INTERNAL."""
 
     def __init__(self, message: str, invalid: bool = False):
         super().__init__(message)
@@ -232,8 +237,8 @@ def _error(api_ptr: int, message: str, code: int) -> int:
     return api.error_create(ctypes.addressof(args)) or 0
 
 
-def _raise_if(api_ptr: int, error: int, what: str) -> None:
-    if error:   # an XLA_FFI_Error we cannot free without more ABI; failing is what matters
+def _raise_if(error: int, what: str) -> None:
+    if error:   # (the XLA_FFI_Error itself is left alone: failing the call is what matters)
         raise HandlerError(f"{what} failed inside XLA")
 
 
