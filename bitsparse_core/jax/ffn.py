@@ -177,9 +177,13 @@ def _blocks(batched, cfg: PackConfig, *args):
     return batched(*args)
 
 
-def _per_block(fn, p, cfg: PackConfig):
-    """``fn`` of a packed residual, block by block where ``cfg.shards`` split it."""
-    return fn(p) if cfg.shards == 1 else _blocks(jax.vmap(fn), cfg, p)
+def _per_block(fn, p, cfg: PackConfig, custom_call: bool = False):
+    """``fn`` of a packed residual, block by block where ``cfg.shards`` split it.
+    ``custom_call``: ``fn`` runs one (the others stay jax.numpy that XLA may fuse into
+    their consumers, which a custom partitioning boundary would prevent)."""
+    if cfg.shards == 1:
+        return fn(p)
+    return _blocks(jax.vmap(fn), cfg, p) if custom_call else jax.vmap(fn)(p)
 
 
 def _overflowed(p, cfg: PackConfig):
@@ -187,7 +191,7 @@ def _overflowed(p, cfg: PackConfig):
 
 
 def _dense(p, cfg: PackConfig, shape):
-    return _per_block(partial(_decode, cfg=cfg), p, cfg).reshape(shape)
+    return _per_block(partial(_decode, cfg=cfg), p, cfg, custom_call=True).reshape(shape)
 
 
 def _mask(p, cfg: PackConfig, shape):
