@@ -4,7 +4,7 @@ Why ctypes and not a compiled extension: the wheel stays pure Python and needs n
 compiler where it is installed; the GPU work a handler queues is our own kernels
 through :mod:`bitsparse_core.backends.cuda.host`, which already launches them with
 ctypes. The price is a Python call per custom call (the interpreter's GIL is taken
-for it), a few microseconds next to a kernel over a whole activation.
+for it): tens of microseconds, next to a kernel over a whole activation.
 
 What a handler gets (:class:`CallFrame`): its operands and results as :class:`Buffer`
 (dtype code, data pointer, dims), the attributes of its ``jax.ffi.ffi_call`` by name,
