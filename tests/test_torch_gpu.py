@@ -3,6 +3,7 @@ torch's allocator and streams, hooks, checkpoint, autocast."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -144,6 +145,17 @@ def test_saved_bytes_are_the_packed_size(kind, encoding):
     assert grown < dense_bytes / 2
 
 
+@contextlib.contextmanager
+def _no_syncs():
+    """Any CUDA synchronize inside raises (torch's sync debug mode "error")."""
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
 def test_hooks_bit_identical_cuda():
     def mlp():
         return relu_mlp(0, 64, 512, shift=0.6).cuda().bfloat16()
@@ -201,14 +213,10 @@ def test_hooks_offload_cuda_bit_identical_and_sync_free():
            for l, g, p in got]
     assert_same_training(ref, got)
     torch.cuda.synchronize()
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _no_syncs():
         for _ in range(3):
             ours.zero_grad(set_to_none=True)
             (ours(x).float() - target).pow(2).mean().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
     st = off.stats()
     # how many packs were clean by the time the next hook call looked depends on how far
     # the host ran ahead; each clean one found then went to the host
@@ -226,15 +234,11 @@ def test_hooks_make_no_sync_cuda():
     ref, ours = mlp(), Hooked(mlp(), hooks)
     train(ours, x, target, steps=1)    # warm-up: kernels compiled, pinned slots allocated
     train(ref, x, target, steps=1)
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _no_syncs():
         for m in (ref, ours):
             for _ in range(3):
                 m.zero_grad(set_to_none=True)
                 (m(x).float() - target).pow(2).mean().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
     for a, b in zip(ref.parameters(), ours.parameters()):
         assert torch.equal(a.grad, b.grad)
     assert hooks.stats.tried >= 1
@@ -320,14 +324,10 @@ def test_offloaded_training_cuda(kind):
 
     saved_bytes(kept)     # warm-up: the capacity policy settles, kernels load
     assert saved_bytes(ours) < saved_bytes(kept)
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _no_syncs():
         for _ in range(2):
             ours.zero_grad(set_to_none=True)
             (ours(x).float() - target).pow(2).mean().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
 
 
 def test_offload_refuses_graph_capture_cuda():

@@ -34,11 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import dtypes as _dt
-from ..backends.cuda import abi
+from ..backends.cuda import abi, host
 from ..errors import InputError
 from ..spec import format as _fmt
 from ..spec.format import Encoding
 from . import xla_ffi
+from .codec import NAN_ABOVE
 
 PACK_TARGET = "bitsparse_relu_pack"
 UNPACK_TARGET = "bitsparse_unpack"
@@ -66,7 +67,6 @@ class PlaneSpec:
 @functools.lru_cache(maxsize=1024)
 def plane_spec(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int,
                chunk_log2: int, u_encoding: Encoding | None) -> PlaneSpec:
-    from ..backends.cuda import host
     lay = _fmt.cached_layout(shape, dtype, encoding, capacity, chunk_log2)
     scratch = host.pack_scratch_bytes(lay.numel, dtype, abi.Mode.RELU)
     u_values = u_signs = 0
@@ -237,7 +237,6 @@ class _CudaEngine:
     """Queues the kernels on XLA's stream: never allocates, never synchronizes."""
 
     def pack(self, frame, shape, dtype, enc, uenc, capacity, chunk_log2, spec, blocks):
-        from ..backends.cuda import host
         device, stream = frame.device_ordinal, frame.stream
         plan = host.pack_plan(shape, dtype, enc, capacity, chunk_log2, abi.Mode.RELU)
         uplan = (None if uenc is None else
@@ -256,7 +255,6 @@ class _CudaEngine:
                                              p[6], p[7], p[-1])
 
     def unpack(self, frame, lay, blocks):
-        from ..backends.cuda import host
         if not chunk_supported(lay.shape, lay.dtype, lay.chunk_log2):
             raise xla_ffi.HandlerError(f"chunk_log2={lay.chunk_log2} is longer than the "
                                        "unpack kernel's tile; the FFI path needs shorter "
@@ -355,7 +353,6 @@ class _CpuEngine:
 def _relu_bits(bits: np.ndarray, dtype: _dt.DType) -> np.ndarray:
     """reference_ops.relu_bits decided on the bit patterns: XLA's CPU threads run with
     subnormals flushed, so a float compare there would drop positive subnormals."""
-    from .codec import NAN_ABOVE
     sign = np.array(dtype.sign_mask, dtype.uint)
     keep = ((bits & sign) == 0) | ((bits & (sign - 1)) > NAN_ABOVE[dtype.name])
     return np.where(keep, bits, np.zeros((), dtype.uint))
