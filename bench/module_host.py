@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import bitsparse_core.torch as bst  # noqa: E402
+from bitsparse_core.torch import native  # noqa: E402
+from bitsparse_core.torch.native import python_path  # noqa: E402
 
 
 class DenseReLU2FFN(nn.Module):
@@ -57,6 +59,18 @@ class Checkpointed(nn.Module):
         return checkpoint(self.inner, x, use_reentrant=False)
 
 
+class PythonHost(nn.Module):
+    """A packed module on the op's Python host path (native.python_path) instead of C++."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        with python_path():
+            return self.inner(x)
+
+
 def build(args, device):
     torch.manual_seed(0)
     dense = DenseReLU2FFN(args.d, args.ff).to(device, torch.bfloat16)
@@ -66,6 +80,8 @@ def build(args, device):
         "dense": dense,
         "checkpoint": Checkpointed(dense),
         "packed-nosign": bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="nosign"),
+        "packed-python": PythonHost(bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2,
+                                                                  encoding="nosign")),
         "packed-raw": bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="raw"),
         "packed-offload": bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="nosign",
                                                         offload=bst.Offloader()),
@@ -144,7 +160,10 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                  time.gmtime()),
            "config": {k: getattr(args, k) for k in ("tokens", "d", "ff", "iters", "repeats")},
-           "x_plus_x_us": ref, "rows": rows}
+           "x_plus_x_us": ref, "rows": rows,
+           "native": ("CPU tensors: Python everywhere" if device.type != "cuda"
+                      else "C++ host path built" if native.cuda_module() is not None
+                      else "C++ host path not built: Python everywhere")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     texts = []
@@ -190,7 +209,9 @@ def write_md(res: dict, path: Path) -> None:
     lines += ["", "Backward = (forward + backward) − forward of separate loops. The dense "
               "layer is the GPT bench's MLP; `checkpoint` is it under non-reentrant "
               "checkpointing; `packed-*` are `PackedReLU2FFN.from_dense` of it "
-              "(`packed-offload`: nosign with an `Offloader`)."]
+              "(`packed-offload`: nosign with an `Offloader`; `packed-python`: nosign on the "
+              "op's Python host path, where the others take the C++ one where it applies: "
+              f"{res.get('native', '?')})."]
     path.write_text("\n".join(lines) + "\n")
 
 

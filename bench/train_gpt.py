@@ -9,7 +9,9 @@ same batches, it trains
 * ``checkpoint``     -- torch.utils.checkpoint around every MLP,
 * ``ours-raw``, ``ours-nosign`` -- the MLP is ``bitsparse_core.torch.PackedReLU2FFN``
   (activation stored packed, raw or sign-dropped values); ``ours-recompute`` is
-  ours-nosign recomputing, rather than waiting for, a count not back yet,
+  ours-nosign recomputing, rather than waiting for, a count not back yet;
+  ``ours-python`` is ours-nosign on the op's Python host path instead of its C++ one
+  (``bitsparse_core.torch.native``),
 * ``dense-compiled``, ``ours-compiled`` -- ``torch.compile`` of the dense and the
   ``ours-nosign`` model (compared with each other),
 * ``dense-hooks`` -- the dense model under ``compress_saved_tensors`` (every saved
@@ -62,6 +64,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import bitsparse_core.torch as bst  # noqa: E402
+from bitsparse_core.torch.native import python_path  # noqa: E402
 import interleaved  # noqa: E402
 from profile_syncs import profile_steps  # noqa: E402
 
@@ -96,6 +99,7 @@ class Variant:
     options: tuple = ()       # (name, value) pairs for the Packed module, beside --ours-kwargs
     hooks: bool = False       # the forward under compress_saved_tensors
     save_on_cpu: bool = False  # every MLP under torch.autograd.graph.save_on_cpu (pinned)
+    python_host: bool = False  # the FFN op's Python host path (native.python_path)
 
 
 VARIANTS = {
@@ -103,6 +107,8 @@ VARIANTS = {
     "checkpoint": Variant("dense", "dense", checkpoint=True),
     "ours-raw": Variant("raw", "dense"),
     "ours-nosign": Variant("nosign", "dense"),
+    # the same with the op's host path in Python rather than C++ (bitsparse_core.torch.native)
+    "ours-python": Variant("nosign", "dense", python_host=True),
     # a pending count recomputes instead of being waited for (CapacityPolicy.pending)
     "ours-recompute": Variant("nosign", "dense", options=(("pending", "recompute"),)),
     "dense-compiled": Variant("dense", "dense-compiled", compiled=True),
@@ -183,8 +189,10 @@ def make_mlp(kind: str, d: int, d_ff: int, ours_kwargs: dict) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, shape: Shape, mlp: nn.Module, checkpoint: bool, save_on_cpu: bool = False):
+    def __init__(self, shape: Shape, mlp: nn.Module, checkpoint: bool, save_on_cpu: bool = False,
+                 python_host: bool = False):
         super().__init__()
+        self.python_host = python_host
         self.heads = shape.heads
         self.norm1 = nn.RMSNorm(shape.d)
         self.qkv = nn.Linear(shape.d, 3 * shape.d, bias=False)
@@ -208,6 +216,9 @@ class Block(nn.Module):
         if self.save_on_cpu:
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return x + self.mlp(h)
+        if self.python_host:
+            with python_path():
+                return x + self.mlp(h)
         return x + self.mlp(h)
 
 
@@ -219,7 +230,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(
             Block(shape, make_mlp(variant.mlp, shape.d, shape.d_ff,
                                   {**ours_kwargs, **dict(variant.options)}), variant.checkpoint,
-                  variant.save_on_cpu)
+                  variant.save_on_cpu, variant.python_host)
             for _ in range(shape.layers))
         self.norm = nn.RMSNorm(shape.d)
         self.head = nn.Linear(shape.d, 256, bias=False)

@@ -21,7 +21,8 @@ def test_module_host_cpu_smoke(tmp_path):
                              "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "module_host.json").read_text())
     rows = {r["variant"]: r for r in res["rows"]}
-    assert set(rows) == {"dense", "checkpoint", "packed-nosign", "packed-raw", "packed-offload"}
+    assert set(rows) == {"dense", "checkpoint", "packed-nosign", "packed-python", "packed-raw",
+                         "packed-offload"}
     for r in rows.values():
         assert r["forward_us"] > 0 and r["train_us"] > 0
         assert r["backward_us"] == pytest.approx(r["train_us"] - r["forward_us"])

@@ -354,7 +354,11 @@ def test_cuda_engine_packs_each_block_into_its_planes(fake_driver):
     custom_calls._pack_handler(custom_calls._CudaEngine())(_FakeFrame(args, rets, attrs))
     launches = [c for c in fake_driver if c[0] == "coop"]
     fills = [c for c in fake_driver if c[0] == "memset"]
-    assert len(launches) == 4 and len(fills) == 4
+    mask_len = custom_calls._fmt.cached_layout(shape, dtype, enc, cap, 9).mask[1]
+    assert mask_len % 4     # the mask plane's last word has padding bytes
+    pads = fills[1::3]      # per block: scratch, the mask's padding, the masked pack's scratch
+    fills = [f for k, f in enumerate(fills) if k % 3 != 1]
+    assert len(launches) == 4 and len(fills) == 4 and len(pads) == 2
     assert all(c[2] == 0x5EED for c in launches) and all(c[3] == 0x5EED for c in fills)
     plan = host.pack_plan(shape, dtype, enc, cap, 9, abi.Mode.RELU)
     uplan = host.pack_plan(shape, dtype, uenc, cap, 9, abi.Mode.MASKED)
@@ -369,6 +373,7 @@ def test_cuda_engine_packs_each_block_into_its_planes(fake_driver):
         assert (m["mask"], m["offsets"], m["values"], m["signs"], m["status"], m["scratch"]) == \
             (row(0), 0, row(5), row(6), row(7), row(8))
         assert fills[2 * i][1:3] == (row(8), plan.scratch_bytes)
+        assert pads[i][1:3] == (row(0) + mask_len, -mask_len % 4)
         assert fills[2 * i + 1][1:3] == (row(8), uplan.scratch_bytes)
         # the kernel's word stores stay inside each word-rounded plane
         assert 4 * r["zero_values_words"] <= spec.values and 4 * r["zero_signs_words"] <= spec.signs

@@ -366,3 +366,117 @@ def test_plain_pack_queues_nothing_without_a_slot(monkeypatch):
     assert block3 is not None and queued == [1, 1]
     torch.cuda.synchronize()
     assert C.SLAB.read(ticket3) == (0, nnz)
+
+
+# --------------------------------------------------------------------------- #
+# The C++ host path (bitsparse_core/torch/native.py)                          #
+# --------------------------------------------------------------------------- #
+def _count_native(monkeypatch, python_only=False):
+    """Counts the calls the C++ path took; ``python_only`` sends every call to Python."""
+    from bitsparse_core.torch import native
+    taken = []
+    inner = native.relu_linear
+
+    def spy(*args, **kwargs):
+        out = None if python_only else inner(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+    monkeypatch.setattr(native, "relu_linear", spy)
+    return taken
+
+
+def _native_built():
+    from bitsparse_core.torch import native
+    if native.cuda_module() is None:
+        pytest.fail(f"the C++ path did not build on this GPU machine: {native._built.get('error')}")
+
+
+@pytest.mark.parametrize("case", ["clean", "overflow", "autocast", "fp32", "no-bias"])
+@pytest.mark.parametrize("kind", ["relu", "relu2"])
+def test_native_path_matches_python_path_and_dense_cuda(kind, case, monkeypatch):
+    """Same bits from the C++ path, the Python path and dense PyTorch, over 3 AdamW steps,
+    including batches that overflow the capacity (every backward recomputes)."""
+    import copy
+    _native_built()
+    dtype = torch.float32 if case in ("autocast", "fp32") else torch.bfloat16
+    dense, ours = make_pair(kind, "nosign", d=64, f=384, dtype=dtype, device="cuda")
+    if case == "no-bias":
+        for net in (dense, ours):
+            for blk in net.blocks:
+                blk.fc1.bias = blk.fc2.bias = None
+    if case == "overflow":
+        for blk in ours.blocks:
+            blk.capacity_policy.density = 0.01
+    python = copy.deepcopy(ours)
+    x, target = _data((4, 96), 64, dtype)
+    autocast = torch.bfloat16 if case == "autocast" else None
+    taken = _count_native(monkeypatch)
+    native_run = train(ours, x, target, autocast=autocast)
+    assert taken and all(taken), "the C++ path was not taken"
+    monkeypatch.undo()
+    taken = _count_native(monkeypatch, python_only=True)
+    python_run = train(python, x, target, autocast=autocast)
+    assert taken and not any(taken)
+    assert_same_training(native_run, python_run)
+    assert_same_training(train(dense, x, target, autocast=autocast), native_run)
+    stats = [blk.stats() for blk in ours.blocks]
+    if case == "overflow":
+        assert all(s["overflows"] > 0 and s["recomputes"] > 0 for s in stats)
+    else:
+        assert all(s["packs"] == 3 for s in stats)
+
+
+def test_native_path_makes_no_sync_cuda(monkeypatch):
+    """Forward and backward through the C++ path: no CUDA synchronize (the capacity's
+    counts come back through the pinned slots)."""
+    _native_built()
+    dense, ours = make_pair("relu2", "nosign", d=64, f=384, dtype=torch.bfloat16, device="cuda")
+    x, target = _data((4, 96), 64, torch.bfloat16)
+    taken = _count_native(monkeypatch)
+    for _ in range(3):
+        with _no_syncs():
+            loss = (ours(x).float() - target).pow(2).mean()
+            loss.backward()
+    assert len(taken) == 6 and all(taken)
+
+
+def test_native_path_composes_with_saved_tensor_hooks_cuda(monkeypatch):
+    """An outer saved_tensors_hooks sees the C++ node's saved tensors (the packed block
+    among them) and hands them back: training stays bit-identical."""
+    _native_built()
+    dense, ours = make_pair("relu", "raw", d=64, f=256, dtype=torch.bfloat16, device="cuda")
+    seen = []
+
+    def pack(t):
+        seen.append(t.dtype)
+        return t
+    x, target = _data((2, 64), 64, torch.bfloat16)
+    taken = _count_native(monkeypatch)
+    hooked = Hooked(ours, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+    plain = Hooked(dense, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    assert_same_training(train(plain, x, target), train(hooked, x, target))
+    assert all(taken) and torch.uint8 in seen
+
+
+def test_native_path_casts_for_autocast_like_python_cuda(monkeypatch):
+    """An fp32 activation under bf16 autocast: the second GEMM runs on its bf16 cast
+    (``mm_dtype``), on both paths alike."""
+    _native_built()
+    import torch.nn.functional as F
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(128, 64, device="cuda", generator=g)
+    w1 = (torch.randn(256, 64, device="cuda", generator=g) / 8).requires_grad_()
+    b1 = (torch.randn(256, device="cuda", generator=g) - 0.5).requires_grad_()
+    w2 = (torch.randn(64, 256, device="cuda", generator=g) / 16).requires_grad_()
+    b2 = torch.zeros(64, device="cuda", requires_grad=True)
+
+    def grads(python_only):
+        with monkeypatch.context() as m:
+            taken = _count_native(m, python_only)
+            a = F.linear(x, w1, b1)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = relu_linear(a, w2, b2, square=True, density=0.5, recompute=(x, w1, b1))
+            assert out.dtype == torch.bfloat16 and taken == [not python_only]
+            return [out] + list(torch.autograd.grad(out.float().square().sum(), (w1, b1, w2, b2)))
+    for got, want in zip(grads(False), grads(True)):
+        assert got.dtype == want.dtype and torch.equal(got, want)

@@ -244,11 +244,17 @@ class _CudaEngine:
         rets = frame.rets
         strides = _strides(*rets)
         elem = dtype.itemsize * _fmt.numel_of(shape)
+        # The kernel stores the mask bytewise up to its last element; the rest of the
+        # plane's last word is zeroed so that every result byte is defined.
+        mask_len = plan.spans[0][1]
+        mask_pad = -mask_len % 4
         with _OnDevice(device):
             for i in range(blocks):
                 p = [r.data + i * s for r, s in zip(rets, strides)]
                 host.enqueue_pack_planes(plan, device, stream, frame.args[0].data + i * elem,
                                          p[0], p[1], p[2], p[3], p[4], p[-1])
+                if mask_pad and mask_len:
+                    host.driver.memset0(p[0] + mask_len, mask_pad, stream)
                 if uplan is not None:      # u at the mask just written, no offsets
                     host.enqueue_pack_planes(uplan, device, stream,
                                              frame.args[1].data + i * elem, p[0], 0, p[5],

@@ -37,6 +37,7 @@ from . import _bridge as B
 from . import ops as _ops   # also registers torch.ops.bitsparse
 from ..spec.format import DEFAULT_CHUNK_LOG2, Encoding
 from ..errors import UnsupportedTransformError
+from . import native as _native
 from . import offload as _offload
 from .capacity import CapacityPolicy
 
@@ -139,6 +140,11 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     off = _offloader(offload, traced, a.device)
     args = (a, weight, bias, x, w1, b1, pol.capacity(a.numel()), bool(square),
             _encoding_id(encoding), DEFAULT_CHUNK_LOG2, mm_dtype, pol.id, off)
+    if off is None and x is not None and a.is_cuda and _plain_eager(args, 6):
+        out = _native.relu_linear(a, weight, bias, x, w1, b1, args[6], args[7], args[8],
+                                  mm_dtype, pol)
+        if out is not None:
+            return out
     if traced:
         out, _, _ = ReLULinearFunction.apply(*args)
     else:
@@ -164,16 +170,22 @@ def _call(name: str, args: tuple, n_tensors: int):
     dispatcher's boxing of a dozen arguments costs tens of µs per call on a training
     step's critical path. Under the profiler the call keeps the op's name."""
     lead = args[0]
-    if ((lead.is_cuda or lead.is_cpu) and not _traced() and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._is_torch_function_mode_enabled()
-            and not torch._C._get_tracing_state()
-            and _PLAIN.issuperset(map(type, args[:n_tensors]))):
+    if (lead.is_cuda or lead.is_cpu) and _plain_eager(args, n_tensors):
         impl = _ops.IMPLS[name]
         if torch.autograd.profiler._is_profiler_enabled:
             with torch.profiler.record_function(f"bitsparse::{name}"):
                 return impl(*args)
         return impl(*args)
     return getattr(torch.ops.bitsparse, name)(*args)
+
+
+def _plain_eager(args: tuple, n_tensors: int) -> bool:
+    """Plain eager: no trace, no dispatch or function mode (such as ``torch.device(...)``),
+    no tensor subclass among the first ``n_tensors`` arguments."""
+    return (not _traced() and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled()
+            and not torch._C._get_tracing_state()
+            and _PLAIN.issuperset(map(type, args[:n_tensors])))
 
 
 def _no_zero_grads(ctx) -> None:

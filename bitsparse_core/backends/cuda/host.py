@@ -323,11 +323,16 @@ def enqueue_relu_backward(lay: _fmt.Layout, p: Planes, device: int, stream: int,
     """ReLU's input gradient from the mask alone: ``grad`` where the bit is set, else 0."""
     if lay.numel == 0:
         return
-    v = 16 // lay.dtype.itemsize
-    # A grid-stride kernel: enough blocks to fill the device, not one per vector.
-    grid = min(-(-lay.numel // (v * abi.THREADS)), driver.sm_count(device) * 32)
+    func, grid = mask_select_launch(lay, device)
     r = _record(abi.MaskSelectArgs)
     r.g, r.g_aligned, r.mask, r.mask_len = grad, grad % 16 == 0, p.mask, p.mask_len
     r.numel, r.out, r.out_aligned = lay.numel, out, out % 16 == 0
-    driver.launch(kernel(device, "mask_select", abi.BITS_FMT[lay.dtype.bits]), grid,
-                  abi.THREADS, 0, stream, r)
+    driver.launch(func, grid, abi.THREADS, 0, stream, r)
+
+
+def mask_select_launch(lay: _fmt.Layout, device: int) -> tuple:
+    """``(CUfunction, grid)`` of ReLU's mask-only gradient over ``lay``: a grid-stride
+    kernel, enough blocks to fill the device, not one per vector."""
+    v = 16 // lay.dtype.itemsize
+    grid = min(-(-lay.numel // (v * abi.THREADS)), driver.sm_count(device) * 32)
+    return kernel(device, "mask_select", abi.BITS_FMT[lay.dtype.bits]), grid

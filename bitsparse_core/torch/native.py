@@ -1,0 +1,261 @@
+"""The C++ host path of the packed ReLU / ReLU² FFN op, for CUDA tensors in eager mode.
+
+A training step of a model with a few hundred microseconds of GPU work per layer is
+bound by host time, and the Python autograd node and Python-level torch calls of
+:class:`~.functional.ReLULinearFunction` cost a packed layer's backward about 300 µs
+more than dense's on the H200's host (``bench/results/module_host.md``). This module
+builds ``kernels/torch_ffn_host.cpp`` as a PyTorch C++ extension (the first use in a
+process compiles it, about half a minute, then torch's extension cache keeps it) and
+sends :func:`~.functional.relu_linear` there when the C++ path applies: the forward's
+pack launch and the whole backward then run in C++, with one call back into Python
+per backward (:func:`.ops._clean_state`, the capacity policy's reading of the count).
+
+The extension needs a C++ compiler and PyTorch's headers, not CUDA's: it launches the
+CuPy-compiled kernels through the driver entry points of
+:mod:`..backends.cuda.driver`, with argument records Python builds once per plan
+(:func:`launch_template`). Where it cannot be built, the Python path runs and a
+warning says why. ``BITSPARSE_NATIVE=0`` turns it off, ``=1`` makes a failed build
+an error, and :func:`python_path` turns it off within a block. Both paths make the same ATen calls in the same order, so their bits agree
+(``tests/test_torch_gpu.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+
+import torch
+
+from ..backends.cuda import abi, host
+from ..backends.cuda.sources import kernel_dir
+from ..spec.format import DEFAULT_CHUNK_LOG2
+from . import capacity as C
+from . import ops as _ops
+
+log = logging.getLogger("bitsparse_core.torch")
+
+ENV = "BITSPARSE_NATIVE"
+SOURCE = "torch_ffn_host.cpp"
+# The pointers a call supplies, in the order of the C++ ``Role`` enum.
+ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2")
+
+_lock = threading.Lock()
+_local = threading.local()   # .off: python_path() is active on this thread
+_built: dict = {}          # "module" / "error", once tried
+_cuda_ready = False
+_plans: list = []          # handle -> PackPlan (what the backward's state call needs)
+_handles: dict = {}        # (id(plan), device) -> (plan, handle or None)
+
+
+def setting() -> str:
+    """``off``, ``on`` (a failed build raises) or ``auto`` (a failed build warns)."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    if value in ("1", "on", "true", "yes"):
+        return "on"
+    return "auto"
+
+
+@contextlib.contextmanager
+def python_path():
+    """Within this block (on this thread) the FFN ops take the Python host path: for
+    comparing the two paths, and as an escape hatch."""
+    prev = getattr(_local, "off", False)
+    _local.off = True
+    try:
+        yield
+    finally:
+        _local.off = prev
+
+
+def build():
+    """The compiled extension (built on first use; torch caches it across processes)."""
+    from torch.utils import cpp_extension
+    return cpp_extension.load(name="bitsparse_torch_ffn_host", sources=[str(kernel_dir() / SOURCE)],
+                              extra_cflags=["-O2"], verbose=False)
+
+
+def module():
+    """The extension, or None where it is off or could not be built."""
+    if "module" in _built:
+        return _built["module"]
+    with _lock:
+        if "module" not in _built:
+            mode, mod = setting(), None
+            if mode != "off":
+                try:
+                    mod = build()
+                    mod.set_state_fn(_pack_is_clean)
+                except Exception as exc:   # no compiler, no headers, a failed build
+                    if mode == "on":
+                        raise
+                    _built["error"] = exc
+                    log.warning("bitsparse: the C++ host path of the FFN ops could not be "
+                                "built (%s: %s); the Python path runs instead (set %s=0 to "
+                                "skip the attempt)", type(exc).__name__, exc, ENV)
+            _built["module"] = mod
+    return _built["module"]
+
+
+def cuda_module():
+    """:func:`module` with the CUDA driver's entry points handed over, or None."""
+    global _cuda_ready
+    mod = module()
+    if mod is None or _cuda_ready:
+        return mod
+    with _lock:
+        if not _cuda_ready:
+            lib = host.driver.lib()
+            addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value   # noqa: E731
+            mod.set_driver(addr(lib.cuLaunchKernel), addr(lib.cuLaunchCooperativeKernel),
+                           addr(lib.cuMemsetD8Async), addr(lib.cuMemcpyDtoHAsync_v2),
+                           addr(lib.cuGetErrorName))
+            _cuda_ready = True
+    return mod
+
+
+def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.Tensor) -> bool:
+    """The C++ backward's question: may it read the packed values? (The policy waits for
+    or gives up on a count not back yet, re-picks its bucket, counts recomputes.)"""
+    return _ops._clean_state(block, ticket, _plans[handle], C.POLICIES.get(policy), True,
+                             "relu_linear")
+
+
+# --------------------------------------------------------------------------- #
+# Launch templates                                                            #
+# --------------------------------------------------------------------------- #
+def _copy(record):
+    """A detached copy of an argument record (the original is a thread's live one)."""
+    return type(record).from_buffer(bytearray(ctypes.string_at(ctypes.addressof(record),
+                                                                ctypes.sizeof(record))))
+
+
+def launch_template(func: int, grid: int, smem: int, cooperative: bool, record,
+                    block_fields=(), patches=()) -> tuple:
+    """What the C++ ``Launch`` is made from: ``record``'s bytes (the plan's fields set,
+    the block-relative fields holding offsets into the block), the offset of every
+    field, those block-relative fields, and ``patches``: ``(role, field, alignment flag
+    field or None, a null pointer reads unaligned)`` for the pointers a call supplies."""
+    cls = type(record)
+
+    def off(name):
+        return getattr(cls, name).offset
+
+    return (int(func), int(grid), abi.THREADS, int(smem), bool(cooperative),
+            ctypes.string_at(ctypes.addressof(record), ctypes.sizeof(record)),
+            [off(name) for name, _ in cls._fields_], [off(name) for name in block_fields],
+            [(ROLE_NAMES.index(role), off(field), off(flag) if flag else -1, bool(null))
+             for role, field, flag, null in patches])
+
+
+_UNPACK_PATCHES = (("g", "g", "g_aligned", False), ("out", "out", "out_aligned", False),
+                   ("out2", "out2", "out2_aligned", False))
+
+
+def pack_template(plan: host.PackPlan, device: int) -> tuple:
+    """The fused pack (``host.enqueue_pack`` with ``zero_tail=False``)."""
+    L = host._pack_launch(plan, device)
+    r = _copy(L.args)
+    (mo, _), (oo, _), (vo, _), (so, _) = plan.spans
+    r.mask, r.offsets, r.values, r.signs, r.status = mo, oo, vo, so, plan.status_offset
+    r.x = r.y = r.scratch = r.zero_values_words = r.zero_signs_words = 0
+    return launch_template(L.pack, L.grid, plan.smem, True, r,
+                           ("mask", "offsets", "values", "signs", "status"),
+                           (("x", "x", "x_aligned", False), ("y", "y", "y_aligned", True),
+                            ("scratch", "scratch", None, False)))
+
+
+def unpack_template(plan: host.PackPlan, op: abi.Op, device: int):
+    """An unpack-family kernel over the plan's block (``host.enqueue_unpack``), or None
+    where it needs a prefix scan (chunks longer than its tile)."""
+    lay = plan.lay
+    L = host._unpack_launch(lay, op, 0, device)
+    if L.prefix_bytes:
+        return None
+    r = _copy(L.args)
+    p = plan.planes(0)
+    r.offsets, r.off64, r.prefix, r.mask, r.mask_len = p.offsets, p.off64, 0, p.mask, p.mask_len
+    r.values, r.values_len, r.signs, r.signs_len = p.values, p.values_len, p.signs, p.signs_len
+    r.uvalues = r.uvalues_len = r.usigns = r.usigns_len = 0
+    r.g = r.out = r.out2 = r.ud = 0
+    r.ud_aligned = True
+    return launch_template(L.func, L.n_tiles, 0, False, r, ("offsets", "mask", "values", "signs"),
+                           _UNPACK_PATCHES)
+
+
+def mask_select_template(plan: host.PackPlan, device: int) -> tuple:
+    """ReLU's mask-only gradient (``host.enqueue_relu_backward``)."""
+    lay = plan.lay
+    func, grid = host.mask_select_launch(lay, device)
+    r = abi.MaskSelectArgs()
+    r.mask, r.mask_len, r.numel = plan.spans[0][0], plan.spans[0][1], lay.numel
+    r.g_aligned = r.out_aligned = True
+    return launch_template(func, grid, 0, False, r, ("mask",),
+                           (("g", "g", "g_aligned", False), ("out", "out", "out_aligned", False)))
+
+
+def plan_templates(plan: host.PackPlan, device: int):
+    """Every launch of one plan's forward and backward, or None where one is missing."""
+    launches = {"pack": pack_template(plan, device)}
+    if plan.mode == abi.Mode.RELU2:
+        ops = {"unpack": abi.Op.UNPACK, "relu2": abi.Op.RELU2,
+               "relu2_and_square": abi.Op.RELU2_AND_SQUARE}
+    else:
+        ops = {"unpack": abi.Op.UNPACK}
+        launches["mask_select"] = mask_select_template(plan, device)
+    for name, op in ops.items():
+        launches[name] = unpack_template(plan, op, device)
+        if launches[name] is None:
+            return None
+    return launches
+
+
+def register(mod, plan: host.PackPlan, device: int):
+    """The C++ handle of ``plan`` on ``device`` (made once), or None where the C++
+    path does not take it."""
+    key = (id(plan), device)
+    entry = _handles.get(key)
+    if entry is not None and entry[0] is plan:
+        return entry[1]
+    with _lock:
+        handle = None
+        if plan.lay.chunk_log2 == DEFAULT_CHUNK_LOG2:
+            launches = plan_templates(plan, device)
+            if launches is not None:
+                handle = mod.add_plan(plan.lay.numel, plan.nbytes, plan.scratch_bytes,
+                                      plan.status_offset, launches)
+                if handle < 0:      # the table is full (shapes that never repeat)
+                    handle = None
+                else:
+                    assert handle == len(_plans)
+                    _plans.append(plan)
+        _handles[key] = (plan, handle)
+    return handle
+
+
+# --------------------------------------------------------------------------- #
+# The op                                                                      #
+# --------------------------------------------------------------------------- #
+def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encoding: int,
+                mm_dtype, policy: C.CapacityPolicy):
+    """``F.linear(relu(a)[**2], weight, bias)`` through the C++ path, with the activation
+    packed for a C++ backward; None where that path does not apply (the caller then
+    takes the Python one). ``a`` is a contiguous CUDA tensor and ``(x, w1, b1)`` its
+    recompute source."""
+    if getattr(_local, "off", False):
+        return None
+    mod = cuda_module()
+    if mod is None:
+        return None
+    plan = _ops._plan(a.shape, a.dtype, capacity, square, encoding, DEFAULT_CHUNK_LOG2)
+    handle = register(mod, plan, a.get_device())
+    if handle is None:
+        return None
+    slot, ticket = C.claim_slot()
+    policy.track(ticket, a.numel(), capacity, None)
+    return mod.relu_linear(a, weight, bias, x, w1, b1, ticket, handle, slot, square, mm_dtype,
+                           policy.id)

@@ -1,0 +1,420 @@
+// The eager host path of bitsparse's packed ReLU / ReLU² FFN op, in C++.
+//
+// bitsparse_core/torch/native.py builds this file as a PyTorch C++ extension (no
+// CUDA headers or nvcc needed: the kernels are CuPy's, launched through the
+// driver entry points Python hands over) and uses it for CUDA tensors in eager
+// mode. The op's semantics are those of bitsparse::relu_linear and
+// bitsparse::relu_linear_backward (bitsparse_core/torch/ops.py): the same ATen
+// calls in the same order, so the two paths give the same bits. What moves here
+// is only the host work: the forward's pack launch and the whole backward run
+// as a C++ autograd node, with one call into Python per backward (the capacity
+// policy's reading of the pack's count).
+//
+// Launches are templates Python builds once per (plan, device) from the
+// argument records of bitsparse_core/backends/cuda/abi.py: the record's bytes
+// with the plan's fields set, the offset of every field (the kernel's
+// parameter list), the fields that hold an offset into the packed block, and
+// the pointer fields a call fills. C++ never restates the kernel ABI.
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// The CUDA driver entry points (addresses from Python's ctypes handle on libcuda)
+// ---------------------------------------------------------------------------
+using CUresult = int;
+using LaunchFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, void*, void**, void**);
+using CoopLaunchFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                  unsigned, unsigned, void*, void**);
+using MemsetFn = CUresult (*)(uint64_t, unsigned char, size_t, void*);
+using CopyToHostFn = CUresult (*)(void*, uint64_t, size_t, void*);
+using ErrorNameFn = CUresult (*)(CUresult, const char**);
+
+struct Driver {
+  LaunchFn launch = nullptr;
+  CoopLaunchFn launch_cooperative = nullptr;
+  MemsetFn memset = nullptr;
+  CopyToHostFn copy_to_host = nullptr;
+  ErrorNameFn error_name = nullptr;
+};
+Driver driver;
+
+void check(CUresult rc, const char* what) {
+  if (rc == 0) return;
+  const char* name = nullptr;
+  if (driver.error_name) driver.error_name(rc, &name);
+  TORCH_CHECK(false, "bitsparse: ", what, " failed: ", name ? name : std::to_string(rc));
+}
+
+void memset0(uint64_t ptr, int64_t nbytes, void* stream) {
+  if (nbytes > 0) check(driver.memset(ptr, 0, static_cast<size_t>(nbytes), stream),
+                        "cuMemsetD8Async");
+}
+
+// ---------------------------------------------------------------------------
+// Launch templates
+// ---------------------------------------------------------------------------
+// The pointers a call supplies (ROLE_NAMES in native.py lists them in this order).
+enum Role { R_X, R_Y, R_SCRATCH, R_G, R_OUT, R_OUT2, N_ROLES };
+using Roles = std::array<uint64_t, N_ROLES>;
+
+struct Patch {
+  int role;
+  int32_t offset;        // the pointer field
+  int32_t align_offset;  // its int32 "16-byte aligned" flag, or -1
+  bool null_unaligned;   // a null pointer reads as unaligned (the pack's optional y)
+};
+
+constexpr size_t kMaxParamBytes = 512;
+constexpr size_t kMaxParams = 64;
+
+struct Launch {
+  uint64_t func = 0;
+  unsigned grid = 0, threads = 0, smem = 0;
+  bool cooperative = false;
+  std::vector<uint8_t> params;        // the record with the plan's fields set
+  std::vector<uint32_t> fields;       // offset of each kernel parameter in params
+  std::vector<uint32_t> block_fields; // u64 fields holding an offset into the block
+  std::vector<Patch> patches;
+
+  bool present() const { return func != 0; }
+
+  // The parameter bytes of a call (also what the CPU tests compare with Python's record).
+  void fill(uint8_t* buf, uint64_t block, const Roles& roles) const {
+    std::memcpy(buf, params.data(), params.size());
+    for (uint32_t off : block_fields) {
+      uint64_t v;
+      std::memcpy(&v, buf + off, 8);
+      v += block;
+      std::memcpy(buf + off, &v, 8);
+    }
+    for (const Patch& p : patches) {
+      const uint64_t v = roles[p.role];
+      std::memcpy(buf + p.offset, &v, 8);
+      if (p.align_offset >= 0) {
+        const int32_t aligned = (v % 16 == 0) && !(p.null_unaligned && v == 0);
+        std::memcpy(buf + p.align_offset, &aligned, 4);
+      }
+    }
+  }
+
+  void run(void* stream, uint64_t block, const Roles& roles) const {
+    if (grid == 0) return;
+    alignas(16) uint8_t buf[kMaxParamBytes];
+    fill(buf, block, roles);
+    void* args[kMaxParams];
+    for (size_t i = 0; i < fields.size(); ++i) args[i] = buf + fields[i];
+    if (cooperative) {
+      check(driver.launch_cooperative(reinterpret_cast<void*>(func), grid, 1, 1, threads, 1, 1,
+                                      smem, stream, args),
+            "cuLaunchCooperativeKernel");
+    } else {
+      check(driver.launch(reinterpret_cast<void*>(func), grid, 1, 1, threads, 1, 1, smem, stream,
+                          args, nullptr),
+            "cuLaunchKernel");
+    }
+  }
+};
+
+Launch make_launch(const py::tuple& t) {
+  // (func, grid, threads, smem, cooperative, params, fields, block_fields, patches)
+  TORCH_CHECK(t.size() == 9, "bitsparse: a launch template has 9 entries");
+  Launch L;
+  L.func = t[0].cast<uint64_t>();
+  L.grid = t[1].cast<unsigned>();
+  L.threads = t[2].cast<unsigned>();
+  L.smem = t[3].cast<unsigned>();
+  L.cooperative = t[4].cast<bool>();
+  const std::string params = t[5].cast<std::string>();
+  L.params.assign(params.begin(), params.end());
+  L.fields = t[6].cast<std::vector<uint32_t>>();
+  L.block_fields = t[7].cast<std::vector<uint32_t>>();
+  for (const auto& p : t[8].cast<std::vector<std::tuple<int, int32_t, int32_t, bool>>>()) {
+    TORCH_CHECK(std::get<0>(p) >= 0 && std::get<0>(p) < N_ROLES, "bitsparse: unknown role");
+    L.patches.push_back({std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p)});
+  }
+  TORCH_CHECK(L.params.size() <= kMaxParamBytes && L.fields.size() <= kMaxParams,
+              "bitsparse: argument record too large");
+  const auto inside = [&](int64_t off, int64_t n) {
+    return off >= 0 && off + n <= static_cast<int64_t>(L.params.size());
+  };
+  for (uint32_t f : L.fields) TORCH_CHECK(inside(f, 1), "bitsparse: field outside the record");
+  for (uint32_t f : L.block_fields) TORCH_CHECK(inside(f, 8), "bitsparse: field outside the record");
+  for (const Patch& p : L.patches) {
+    TORCH_CHECK(inside(p.offset, 8) && (p.align_offset < 0 || inside(p.align_offset, 4)),
+                "bitsparse: field outside the record");
+  }
+  return L;
+}
+
+// ---------------------------------------------------------------------------
+// Plans: one pack plan's block layout and launches on one device
+// ---------------------------------------------------------------------------
+struct Plan {
+  int64_t numel = 0, nbytes = 0, scratch_bytes = 0, status_offset = 0;
+  Launch pack, unpack, relu2, relu2_and_square, mask_select;
+};
+
+// Handles index a fixed table, so a backward reads its plan without a lock while
+// another thread registers one; plans live as long as the process.
+constexpr int64_t kMaxPlans = 1 << 16;
+std::unique_ptr<std::atomic<Plan*>[]> plans(new std::atomic<Plan*>[kMaxPlans]());
+std::atomic<int64_t> n_plans{0};
+std::mutex register_mutex;
+
+const Plan& plan_at(int64_t handle) {
+  TORCH_CHECK(handle >= 0 && handle < n_plans.load(), "bitsparse: unknown plan handle ", handle);
+  return *plans[handle].load();
+}
+
+int64_t add_plan(int64_t numel, int64_t nbytes, int64_t scratch_bytes, int64_t status_offset,
+                 const py::dict& launches) {
+  auto plan = std::make_unique<Plan>();
+  plan->numel = numel;
+  plan->nbytes = nbytes;
+  plan->scratch_bytes = scratch_bytes;
+  plan->status_offset = status_offset;
+  const std::pair<const char*, Launch*> slots[] = {
+      {"pack", &plan->pack}, {"unpack", &plan->unpack}, {"relu2", &plan->relu2},
+      {"relu2_and_square", &plan->relu2_and_square}, {"mask_select", &plan->mask_select}};
+  for (const auto& item : launches) {
+    const std::string name = item.first.cast<std::string>();
+    bool known = false;
+    for (const auto& s : slots) {
+      if (name == s.first) {
+        *s.second = make_launch(item.second.cast<py::tuple>());
+        known = true;
+      }
+    }
+    TORCH_CHECK(known, "bitsparse: unknown launch '", name, "'");
+  }
+  std::lock_guard<std::mutex> lock(register_mutex);
+  const int64_t h = n_plans.load();
+  if (h >= kMaxPlans) return -1;   // full: the caller takes the Python path
+  plans[h].store(plan.release());
+  n_plans.store(h + 1);
+  return h;
+}
+
+// ---------------------------------------------------------------------------
+// Python's side of a backward: is the pack clean? (the capacity policy decides)
+// ---------------------------------------------------------------------------
+py::object* clean_state_fn = nullptr;   // never freed: called until the process ends
+
+bool pack_is_clean(int64_t handle, int64_t policy, const Tensor& ticket, const Tensor& block) {
+  py::gil_scoped_acquire gil;
+  TORCH_CHECK(clean_state_fn != nullptr, "bitsparse: native module used before set_state_fn");
+  return (*clean_state_fn)(handle, policy, ticket, block).cast<bool>();
+}
+
+void* current_stream(const c10::Device& device) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  return impl.getStream(device).native_handle();
+}
+
+uint64_t address(const Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// PyTorch's linear backward on the 2-D views (ops.py: _linear_weight_grad / _input_grad).
+Tensor weight_grad(const Tensor& g2, const Tensor& h, int64_t mm_dtype) {
+  const Tensor hm = mm_dtype >= 0 ? h.to(static_cast<at::ScalarType>(mm_dtype)) : h;
+  return g2.t().mm(hm.reshape({-1, hm.size(-1)}));
+}
+
+Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shape,
+                  at::ScalarType a_dtype) {
+  Tensor grad_h = g2.mm(weight).view(a_shape);
+  return grad_h.scalar_type() == a_dtype ? grad_h : grad_h.to(a_dtype);
+}
+
+// ---------------------------------------------------------------------------
+// The autograd function
+// ---------------------------------------------------------------------------
+constexpr size_t kInputs = 12;   // forward's arguments after ctx
+
+struct ReLULinear : public torch::autograd::Function<ReLULinear> {
+  static Tensor forward(AutogradContext* ctx, Tensor a, Tensor weight, Tensor bias, Tensor x,
+                        Tensor w1, Tensor b1, Tensor ticket, int64_t handle, int64_t slot,
+                        bool square, int64_t mm_dtype, int64_t policy) {
+    RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
+    const Plan& P = plan_at(handle);
+    TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
+                a.numel());
+    c10::DeviceGuard device_guard(a.device());
+    void* stream = current_stream(a.device());
+    const int64_t item = a.element_size();
+    const int64_t yelems = ceil_div(a.numel() * item, 16) * 16 / item;
+    // One allocation for y and the pack's scratch (dead once the kernel ran; y dies
+    // after the second GEMM), one for the block.
+    Tensor ystore = at::empty({yelems + ceil_div(P.scratch_bytes, item)}, a.options());
+    Tensor block = at::empty({P.nbytes}, a.options().dtype(at::kByte));
+    const uint64_t y = address(ystore), b = address(block);
+    if (P.numel == 0) {
+      memset0(b, P.nbytes, stream);
+    } else {
+      const uint64_t scratch = y + static_cast<uint64_t>(yelems * item);
+      memset0(scratch, P.scratch_bytes, stream);
+      P.pack.run(stream, b, {address(a), y, scratch, 0, 0, 0});
+    }
+    if (slot) {   // status word and count in one copy; the slot reads pending until it lands
+      check(driver.copy_to_host(reinterpret_cast<void*>(slot), b + P.status_offset, 16, stream),
+            "cuMemcpyDtoHAsync");
+    }
+    const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
+    Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
+                            weight, bias);
+    ctx->save_for_backward({block, weight, x, w1, b1});
+    ctx->saved_data["ticket"] = ticket;
+    ctx->saved_data["a_shape"] = a.sizes().vec();
+    ctx->saved_data["a_dtype"] = static_cast<int64_t>(a.scalar_type());
+    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["handle"] = handle;
+    ctx->saved_data["square"] = square;
+    ctx->saved_data["mm_dtype"] = mm_dtype;
+    ctx->saved_data["policy"] = policy;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(kInputs);
+    const Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) return result;   // the output was not used
+    RECORD_FUNCTION("bitsparse::relu_linear_backward", c10::ArrayRef<const c10::IValue>{});
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &block = saved[0], &weight = saved[1], &x = saved[2], &w1 = saved[3],
+                 &b1 = saved[4];
+    const auto& data = ctx->saved_data;
+    const std::vector<int64_t> a_shape = data.at("a_shape").toIntVector();
+    const auto a_dtype = static_cast<at::ScalarType>(data.at("a_dtype").toInt());
+    const int64_t handle = data.at("handle").toInt(), mm_dtype = data.at("mm_dtype").toInt();
+    const bool square = data.at("square").toBool();
+    const bool need_a = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const bool need_b = data.at("has_bias").toBool() && ctx->needs_input_grad(2);
+    const Plan& P = plan_at(handle);
+
+    const bool clean = pack_is_clean(handle, data.at("policy").toInt(),
+                                     data.at("ticket").toTensor(), block);
+    const Tensor g2 = grad_out.contiguous().reshape({-1, grad_out.size(-1)});
+    if (need_b) result[2] = g2.sum({0}, true).view({g2.size(-1)});
+    if (!need_a && !need_w) return result;
+    c10::DeviceGuard device_guard(block.device());
+    void* stream = current_stream(block.device());
+    const uint64_t b = address(block);
+
+    if (clean && square && need_a && need_w) {
+      // one decode gives both the input gradient and the second GEMM's input
+      const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype).contiguous();
+      Tensor grad_a = at::empty_like(grad_h), h = at::empty_like(grad_h);
+      P.relu2_and_square.run(stream, b, {0, 0, 0, address(grad_h), address(grad_a), address(h)});
+      result[0] = grad_a;
+      result[1] = weight_grad(g2, h, mm_dtype);
+      return result;
+    }
+    Tensor r;
+    if (clean) {
+      r = at::empty(a_shape, grad_out.options().dtype(a_dtype));
+      P.unpack.run(stream, b, {0, 0, 0, 0, address(r), 0});
+    } else {   // overflowed or count unknown: the forward's own GEMM, autocast off as there
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      r = at::relu(at::linear(x, w1, b1));
+    }
+    if (need_w) {
+      // the forward's relu(a)**2, rounded the same single way; in place where r is
+      // not needed again (the clean gradient reads the packed block)
+      result[1] = weight_grad(g2, square ? (clean ? r.mul_(r) : r * r) : r, mm_dtype);
+    }
+    if (need_a) {
+      const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype);
+      if (clean) {
+        const Tensor gh = grad_h.contiguous();
+        Tensor grad_a = at::empty_like(gh);
+        (square ? P.relu2 : P.mask_select).run(stream, b, {0, 0, 0, address(gh), address(grad_a), 0});
+        result[0] = grad_a;
+      } else if (square) {
+        result[0] = at::threshold_backward(grad_h * (2 * r), r, 0);
+      } else {
+        result[0] = at::threshold_backward(grad_h, r, 0);
+      }
+    }
+    return result;
+  }
+};
+
+int64_t dtype_code(const py::handle& dtype) {
+  if (dtype.is_none()) return -1;
+  TORCH_CHECK(THPDtype_Check(dtype.ptr()), "bitsparse: mm_dtype must be a torch.dtype or None");
+  return static_cast<int64_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+}
+
+Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
+                   const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
+                   const Tensor& ticket, int64_t handle, int64_t slot, bool square,
+                   const py::handle& mm_dtype, int64_t policy) {
+  TORCH_CHECK(driver.launch != nullptr, "bitsparse: native module used before set_driver");
+  TORCH_CHECK(a.is_cuda() && a.is_contiguous(), "bitsparse: a must be a contiguous CUDA tensor");
+  const int64_t mm = dtype_code(mm_dtype);
+  py::gil_scoped_release no_gil;   // as any ATen call from Python
+  return ReLULinear::apply(a, weight, bias.value_or(Tensor()), x, w1, b1.value_or(Tensor()),
+                           ticket, handle, slot, square, mm, policy);
+}
+
+py::bytes launch_params(int64_t handle, const std::string& name, uint64_t block,
+                        const std::array<uint64_t, N_ROLES>& roles) {
+  const Plan& P = plan_at(handle);
+  const Launch* L = name == "pack" ? &P.pack
+                    : name == "unpack" ? &P.unpack
+                    : name == "relu2" ? &P.relu2
+                    : name == "relu2_and_square" ? &P.relu2_and_square
+                    : name == "mask_select" ? &P.mask_select : nullptr;
+  TORCH_CHECK(L != nullptr && L->present(), "bitsparse: no launch '", name, "'");
+  std::vector<uint8_t> buf(L->params.size());
+  L->fill(buf.data(), block, roles);
+  return py::bytes(reinterpret_cast<const char*>(buf.data()), buf.size());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "bitsparse_core's eager CUDA host path of the packed ReLU / ReLU² FFN op";
+  m.attr("N_ROLES") = static_cast<int>(N_ROLES);
+  m.def("set_driver", [](uint64_t launch, uint64_t cooperative, uint64_t memset,
+                         uint64_t copy_to_host, uint64_t error_name) {
+    driver.launch = reinterpret_cast<LaunchFn>(launch);
+    driver.launch_cooperative = reinterpret_cast<CoopLaunchFn>(cooperative);
+    driver.memset = reinterpret_cast<MemsetFn>(memset);
+    driver.copy_to_host = reinterpret_cast<CopyToHostFn>(copy_to_host);
+    driver.error_name = reinterpret_cast<ErrorNameFn>(error_name);
+  });
+  m.def("set_state_fn", [](py::object fn) {
+    auto* keep = new py::object(std::move(fn));
+    std::swap(keep, clean_state_fn);   // an earlier one stays alive: a backward may hold it
+  });
+  m.def("add_plan", &add_plan);
+  m.def("relu_linear", &relu_linear);
+  m.def("launch_params", &launch_params);
+}
