@@ -12,8 +12,9 @@ minutes.
 
     python bench/module_host.py [--tokens 128] [--d 1024] [--ff 4096] [--out DIR]
         [--cprofile packed-nosign,packed-offload]   # also those variants under cProfile
+        [--op-profile dense,packed-nosign]          # and torch.profiler's host time per op
 
-Writes OUT/module_host.{json,md,png} (and module_host_cprofile.txt).
+Writes OUT/module_host.{json,md,png} (and module_host_cprofile.txt, module_host_ops.txt).
 """
 
 from __future__ import annotations
@@ -106,6 +107,18 @@ def loops_in_turn(fns: dict, n: int, repeats: int, sync) -> dict:
     return out
 
 
+def op_table(name: str, fn, iters: int, sync) -> str:
+    """torch.profiler's host time per op over ``iters`` calls of ``fn`` (C++ ops, the
+    library's own named ones among them), sorted by self CPU time."""
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+        sync()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    return f"## {name}: forward + backward, {iters} calls\n{table}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
@@ -115,6 +128,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cprofile", default="",
                     help="comma-separated variants to run under cProfile too (e.g. packed-nosign)")
+    ap.add_argument("--op-profile", default="",
+                    help="comma-separated variants whose ops' host time torch.profiler tables "
+                         "(module_host_ops.txt)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
@@ -180,6 +196,10 @@ def main(argv=None) -> int:
         texts.append(f"## {name}: forward + backward, {args.iters} calls\n{text.getvalue()}")
     if texts:
         (out / "module_host_cprofile.txt").write_text("\n\n".join(texts))
+    tables = [op_table(name, train(models[name]), args.iters, sync)
+              for name in filter(None, args.op_profile.split(","))]
+    if tables:
+        (out / "module_host_ops.txt").write_text("\n\n".join(tables))
     (out / "module_host.json").write_text(json.dumps(res, indent=2))
     write_md(res, out / "module_host.md")
     write_plot(res, out / "module_host.png")

@@ -238,6 +238,11 @@ void* current_stream(const c10::Device& device) {
 
 uint64_t address(const Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 
+// An undefined tensor as "no tensor" (ATen reads a present optional's device).
+std::optional<Tensor> maybe(const Tensor& t) {
+  return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // PyTorch's linear backward on the 2-D views (ops.py: _linear_weight_grad / _input_grad).
@@ -287,7 +292,7 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
     }
     const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
     Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
-                            weight, bias);
+                            weight, maybe(bias));
     ctx->save_for_backward({block, weight, x, w1, b1});
     ctx->saved_data["ticket"] = ticket;
     ctx->saved_data["a_shape"] = a.sizes().vec();
@@ -341,7 +346,7 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
       P.unpack.run(stream, b, {0, 0, 0, 0, address(r), 0});
     } else {   // overflowed or count unknown: the forward's own GEMM, autocast off as there
       c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-      r = at::relu(at::linear(x, w1, b1));
+      r = at::relu(at::linear(x, w1, maybe(b1)));
     }
     if (need_w) {
       // the forward's relu(a)**2, rounded the same single way; in place where r is

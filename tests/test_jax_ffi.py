@@ -259,7 +259,7 @@ def test_gpu_relu_pack_planes_equal_reference(dtype):
                 got = f(jax.device_put(jnp.asarray(a), dev), jax.device_put(jnp.asarray(u), dev))
                 assert got[0].devices() == {dev}
                 _check_planes(got, ref, n, cap)
-                if n <= cap:
+                if n <= cap and not ref["status"]:   # (nosign cannot store a -NaN's sign)
                     dense = custom_calls.unpack(*got[:4], shape=shape, dtype=dtype, encoding=enc,
                                                 capacity=cap, chunk_log2=12)
                     assert same_bits(dense, reference_ops.relu_bits(a, dtype), dtype)

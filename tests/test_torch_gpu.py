@@ -354,6 +354,9 @@ def test_plain_pack_queues_nothing_without_a_slot(monkeypatch):
     monkeypatch.setattr(O.host, "enqueue_pack", lambda *a, **k: (queued.append(1), real(*a, **k))[1])
     x = torch.relu(torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16))
     plan = O.plain_plan(x.shape, x.dtype, x.numel(), int(bc.Encoding.NOSIGN))
+    O.pack_plain(x, plan)                       # the kernel loaded: a first load can outlast
+    torch.cuda.synchronize()                    # the sleep below
+    queued.clear()
     torch.cuda._sleep(200_000_000)              # the first slot's copy stays pending
     block, ticket, known = O.pack_plain(x, plan)
     assert block is not None and known is None and not C.SLAB.lost(ticket) and queued == [1]
