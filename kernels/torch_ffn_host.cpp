@@ -263,9 +263,12 @@ Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shap
 constexpr size_t kInputs = 12;   // forward's arguments after ctx
 
 struct ReLULinear : public torch::autograd::Function<ReLULinear> {
-  static Tensor forward(AutogradContext* ctx, Tensor a, Tensor weight, Tensor bias, Tensor x,
-                        Tensor w1, Tensor b1, Tensor ticket, int64_t handle, int64_t slot,
-                        bool square, int64_t mm_dtype, int64_t policy) {
+  // Optional tensors are std::optional (autograd records an input's metadata, which an
+  // undefined tensor does not have).
+  static Tensor forward(AutogradContext* ctx, Tensor a, Tensor weight,
+                        std::optional<Tensor> bias, Tensor x, Tensor w1, std::optional<Tensor> b1,
+                        Tensor ticket, int64_t handle, int64_t slot, bool square, int64_t mm_dtype,
+                        int64_t policy) {
     RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
     const Plan& P = plan_at(handle);
     TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
@@ -292,12 +295,12 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
     }
     const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
     Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
-                            weight, maybe(bias));
-    ctx->save_for_backward({block, weight, x, w1, b1});
+                            weight, bias);
+    ctx->save_for_backward({block, weight, x, w1, b1.value_or(Tensor())});
     ctx->saved_data["ticket"] = ticket;
     ctx->saved_data["a_shape"] = a.sizes().vec();
     ctx->saved_data["a_dtype"] = static_cast<int64_t>(a.scalar_type());
-    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     ctx->saved_data["handle"] = handle;
     ctx->saved_data["square"] = square;
     ctx->saved_data["mm_dtype"] = mm_dtype;
@@ -384,8 +387,7 @@ Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Te
   TORCH_CHECK(a.is_cuda() && a.is_contiguous(), "bitsparse: a must be a contiguous CUDA tensor");
   const int64_t mm = dtype_code(mm_dtype);
   py::gil_scoped_release no_gil;   // as any ATen call from Python
-  return ReLULinear::apply(a, weight, bias.value_or(Tensor()), x, w1, b1.value_or(Tensor()),
-                           ticket, handle, slot, square, mm, policy);
+  return ReLULinear::apply(a, weight, bias, x, w1, b1, ticket, handle, slot, square, mm, policy);
 }
 
 py::bytes launch_params(int64_t handle, const std::string& name, uint64_t block,
