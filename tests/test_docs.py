@@ -70,7 +70,9 @@ def gpu_session() -> dict:
     sanitized = next(i for i, sec in enumerate(text.split("\n## ")[1:])
                      if "ERROR SUMMARY" in sec)
     san = text.split("\n## ")[1 + sanitized]
+    rerun = re.search(r"^\s*re-run .*?(\d+) passed", blocks[1], re.S) if len(blocks) > 1 else None
     return dict(passed=sum(int(n) for n in re.findall(r"(\d+) passed", blocks[0])),
+                rerun=int(rerun[1]) if rerun else None,
                 failed=sum(int(n) for n in re.findall(r"(\d+) failed", blocks[0])),
                 errors=int(re.search(r"ERROR SUMMARY: (\d+) errors", san)[1]),
                 hazards=int(re.search(r"(\d+) hazards", san)[1]),
@@ -135,9 +137,14 @@ def readme() -> list:
     g16r = result("train_gpt16.json")
     g16, g16s = g16r["variants"], g16r["shape"]
     g16c = g16["ours-nosign"]["capacity"]
+    nv = result("train_gpt_native.json")["interleaved"]
+    nvv = nv["variants"]
+    mh = result("module_host.json")
+    mhr = {row["variant"]: row for row in mh["rows"]}
     return [
         f"| GPU test suite (CuPy, Numba, PyTorch, JAX paths) | {g['passed']} passed"
-        f"{'' if not g['failed'] else ', ' + str(g['failed']) + ' failed'}; compute-sanitizer "
+        f"{'' if not g['failed'] else ', ' + str(g['failed']) + ' failed'}"
+        f"{'' if g['rerun'] is None else ' (each failure fixed or out of memory beside a JAX worker; their re-run: ' + str(g['rerun']) + ' passed)'}; compute-sanitizer "
         f"memcheck {g['errors']} errors, racecheck {g['hazards']} hazards"
         f"{'' if not g['sanitizer_session'] else ' (run of ' + g['sanitizer_session'] + ')'} "
         "| `bench/results/gpu_session.md` |",
@@ -169,6 +176,14 @@ def readme() -> list:
         f"{mib(hv['converted']['peak_mib'])} / {mib(hv['hooks']['peak_mib'])} / "
         f"{mib(hv['checkpointing']['peak_mib'])} MiB vs {mib(hv['plain']['peak_mib'])} plain "
         f"(a fresh model: {hf_zeros} % zeros in its FFN activations) | `bench/results/bench_hf.md` |",
+
+        f"| same GPT, the FFN op's host path in C++ (the default) against Python, steps in "
+        f"turn ({nv['turns']} turns) | step {pct(nvv['ours-nosign']['median_ratio'], 1)} (C++) / "
+        f"{pct(nvv['ours-python']['median_ratio'], 1)} (Python) vs dense, checkpointing "
+        f"{pct(nvv['checkpoint']['median_ratio'], 1)}; host time of one layer's forward and "
+        f"backward ({mh['config']['tokens']} tokens): {mhr['packed-nosign']['train_x_dense']:.2f} × "
+        f"dense's (C++) / {mhr['packed-python']['train_x_dense']:.2f} × (Python) "
+        "| `bench/results/train_gpt_native.md`, `bench/results/module_host.md` |",
 
         f"| {g16s['layers']}-layer GPT, d={g16s['d']}, {g16s['seq'] * g16s['batch']} tokens/step "
         f"(GPU-bound) | step {pct(g16['ours-nosign']['step_ratio_vs_dense'], 1)} vs dense "
@@ -204,7 +219,10 @@ def readme() -> list:
         f" GiB vs {gib(jm['dense']['temp_size_in_bytes'])} plain, "
         f"{gib(jm['checkpoint']['temp_size_in_bytes'])} jax.checkpoint; step "
         f"{pct(jm['packed']['step_ms_median'] / jm['dense']['step_ms_median'])} vs "
-        f"{pct(jm['checkpoint']['step_ms_median'] / jm['dense']['step_ms_median'])} "
+        f"{pct(jm['checkpoint']['step_ms_median'] / jm['dense']['step_ms_median'])}; through "
+        f"the project's kernels as XLA custom calls (`impl=\"ffi\"`): step "
+        f"{pct(jm['packed-ffi']['step_ms_median'] / jm['dense']['step_ms_median'])}, "
+        f"{gib(jm['packed-ffi']['temp_size_in_bytes'])} GiB "
         "| `bench/results/jax_ffn.md` |",
 
         f"| codec kernels, 2^{int(math.log2(cd['numel']))} bf16 / fp8 elements | CuPy: unpack "
@@ -232,6 +250,7 @@ def guide() -> list:
     tgv, sh = tg["variants"], tg["shape"]
     bu = result("train_gpt_budget.json")
     cd = result("codecs.json")
+    nv = result("train_gpt_native.json")["interleaved"]["variants"]
     return [
         f"plus {fmt.ALIGN}-byte alignment and the chunk offsets ({offsets:.1f} % of the mask at "
         f"the default {1 << fmt.DEFAULT_CHUNK_LOG2}-element chunks).",
@@ -257,7 +276,10 @@ def guide() -> list:
         f"{gib(jm['dense']['temp_size_in_bytes'])} GiB plain, "
         f"{pct(jm['packed']['step_ms_median'] / jm['dense']['step_ms_median'])} step time "
         f"(jax.checkpoint: {gib(jm['checkpoint']['temp_size_in_bytes'])} GiB, "
-        f"{pct(jm['checkpoint']['step_ms_median'] / jm['dense']['step_ms_median'])}).",
+        f"{pct(jm['checkpoint']['step_ms_median'] / jm['dense']['step_ms_median'])}); packed "
+        f"through the project's kernels (`impl=\"ffi\"`): "
+        f"{gib(jm['packed-ffi']['temp_size_in_bytes'])} GiB, "
+        f"{pct(jm['packed-ffi']['step_ms_median'] / jm['dense']['step_ms_median'])}.",
 
         f"{sh['layers']} layers, d = {sh['d']}, {sh['seq'] * sh['batch']} tokens per step, bf16. "
         f"With math attention the losses and final parameters of the packed runs are "
@@ -270,6 +292,11 @@ def guide() -> list:
         f" MiB vs {mib(tgv['dense']['peak_mib'])}; under a {mib(bu['budget_mib'])} MiB budget "
         f"packing fits batch {bu['largest_batch']['ours-nosign']} where dense fits "
         f"{bu['largest_batch']['dense']} ([train_gpt_budget.md](../bench/results/train_gpt_budget.md)).",
+
+        f"With the FFN op's host path in C++ (since that run), another run of steps in turn "
+        f"gave {pct(nv['ours-nosign']['median_ratio'], 1)} over dense, against "
+        f"{pct(nv['ours-python']['median_ratio'], 1)} on the Python path in the same run "
+        "([train_gpt_native.md](../bench/results/train_gpt_native.md)).",
     ]
 
 
@@ -316,12 +343,18 @@ def jax_md() -> list:
     co = r["codec"]
     ops = [("elementwise `t + 1` (a copy)", "copy"),
            ("`pack` (relu, mask, offsets, 15-bit value stream)", "pack"),
-           ("`unpack`", "unpack"), ("mask only", "mask")]
+           ("`unpack`", "unpack"), ("mask only", "mask"),
+           ("FFI `pack` (the CUDA kernel as a custom call)", "ffi pack"),
+           ("FFI `unpack`", "ffi unpack")]
     labels = {"dense": "plain JAX", "checkpoint": "`jax.checkpoint` per block",
               "packed": f"packed, density bound {c['density']}",
-              "packed-overflow": f"packed, bound {c['overflow_density']} (every layer overflows)"}
+              "packed-ffi": f"packed through the FFI, bound {c['density']}",
+              "packed-overflow": f"packed, bound {c['overflow_density']} (every layer overflows)",
+              "packed-ffi-overflow": f"packed through the FFI, bound {c['overflow_density']} "
+                                     "(every layer overflows)"}
     table = []
-    for mode in ("dense", "checkpoint", "packed", "packed-overflow"):
+    for mode in ("dense", "checkpoint", "packed", "packed-ffi", "packed-overflow",
+                 "packed-ffi-overflow"):
         m = jm[mode]
         same = m.get("bit_identical_to_dense")
         table.append(f"| {labels[mode]} | {gib(m['temp_size_in_bytes'])} | "
@@ -334,10 +367,17 @@ def jax_md() -> list:
     saved = jm["dense"]["temp_size_in_bytes"] - jm["packed"]["temp_size_in_bytes"]
     cupy_fixed = [100 * row["pack_fixed_frac_copy"] for row in cd["rows"]
                   if row["backend"] == "cupy"]
+    ffi = jm["packed-ffi"]
     return [
         f"On an H200 at full size, the codec adds "
         f"{pct(jm['packed']['step_ms_median'] / dense_ms)} to the step time over plain JAX. "
         f"`jax.checkpoint` adds {pct(jm['checkpoint']['step_ms_median'] / dense_ms)}",
+        f"`impl=\"ffi\"` packs through the project's CUDA kernels as XLA custom calls: on the "
+        f"H200 at full size its step takes {pct(ffi['step_ms_median'] / dense_ms)} over plain "
+        f"JAX, at {gib(ffi['temp_size_in_bytes'])} GiB of temp memory (jax.numpy's pack: "
+        f"{gib(jm['packed']['temp_size_in_bytes'])}), gradients "
+        f"{identical(ffi['bit_identical_to_dense'])} to plain JAX's; its overflow run is "
+        f"{identical(jm['packed-ffi-overflow']['bit_identical_to_dense'])}.",
         f"Measured on one [{c['tokens']}, {c['f']}] bf16 activation:",
         *[f"| {label} | {co[key]['ms']:.2f} ms | {co[key]['GBps']:.0f} GB/s |"
           for label, key in ops],
