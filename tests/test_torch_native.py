@@ -13,6 +13,7 @@ import logging
 import shutil
 import sysconfig
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -164,10 +165,250 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
 
 
 def test_cpu_tensors_never_take_the_native_path(monkeypatch):
-    """The C++ path is for CUDA tensors; on CPU the FFN runs the NumPy reference codec."""
+    """The C++ path is for CUDA tensors; on CPU (no emulation) the FFN runs the NumPy
+    reference codec through the Python op."""
     from bitsparse_core.torch import relu_ffn
-    monkeypatch.setattr(native, "relu_linear", lambda *a, **k: pytest.fail("native on CPU"))
+    results = []
+    inner = native.relu_linear
+    monkeypatch.setattr(native, "relu_linear",
+                        lambda *a, **k: results.append(inner(*a, **k)) or results[-1])
+    monkeypatch.setattr(native, "module", lambda: pytest.fail("built for a CPU tensor"))
     x = torch.randn(4, 16, requires_grad=True)
     w1, w2 = torch.randn(32, 16), torch.randn(16, 32)
     relu_ffn(x, w1, None, w2, None, square=True).sum().backward()
-    assert x.grad is not None
+    assert x.grad is not None and results == [None]
+
+
+# --------------------------------------------------------------------------- #
+# The whole C++ path on the CPU: a driver whose "kernels" run the reference   #
+# --------------------------------------------------------------------------- #
+class HostDriver:
+    """CUDA driver entry points as C callbacks that run each launched kernel's reference
+    semantics on host memory (the pack through ``ops._pack_cpu``, the unpack family
+    through ``spec.ops``), so that the C++ autograd node runs end to end on CPU tensors.
+    Kernels are told apart by the ids the faked ``host.kernel`` hands out; a handler's
+    exception becomes a driver error the C++ side raises."""
+
+    ERROR = 999
+
+    def __init__(self):
+        from ctypes import POINTER, c_char_p, c_int, c_size_t, c_ubyte, c_uint, c_uint64, c_void_p
+        u = [c_uint] * 7
+        launch = ctypes.CFUNCTYPE(c_int, c_void_p, *u, c_void_p, POINTER(c_void_p), c_void_p)
+        coop = ctypes.CFUNCTYPE(c_int, c_void_p, *u, c_void_p, POINTER(c_void_p))
+        memset = ctypes.CFUNCTYPE(c_int, c_uint64, c_ubyte, c_size_t, c_void_p)
+        copy = ctypes.CFUNCTYPE(c_int, c_void_p, c_uint64, c_size_t, c_void_p)
+        name = ctypes.CFUNCTYPE(c_int, c_int, POINTER(c_char_p))
+        self.keys, self.blocks, self.errors, self.launches = {}, {}, [], []
+        self._name = ctypes.c_char_p(b"EMULATED_KERNEL_FAILED")
+        self._fns = [launch(self._launch), coop(self._coop), memset(self._memset),
+                     copy(self._copy), name(self._error_name)]
+
+    def entry_points(self):
+        return [ctypes.cast(f, ctypes.c_void_p).value for f in self._fns]
+
+    def kernel(self, device, *key):
+        return self.keys.setdefault(key, len(self.keys) + 1)
+
+    # the driver calls ------------------------------------------------------
+    def _guarded(self, fn, *args):
+        try:
+            fn(*args)
+            return 0
+        except Exception as exc:     # noqa: BLE001 - reported through the driver's error
+            self.errors.append(exc)
+            return self.ERROR
+
+    def _launch(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        return self._guarded(self._run, func, params)
+
+    def _coop(self, func, gx, gy, gz, bx, by, bz, smem, stream, params):
+        return self._guarded(self._run, func, params)
+
+    def _memset(self, ptr, value, n, stream):
+        ctypes.memset(ptr, value, n)
+        return 0
+
+    def _copy(self, dst, src, n, stream):
+        ctypes.memmove(dst, src, n)
+        return 0
+
+    def _error_name(self, rc, out):
+        out[0] = self._name.value
+        return 0
+
+    # the kernels -----------------------------------------------------------
+    def _run(self, func, params):
+        key = next(k for k, i in self.keys.items() if i == func)
+        cls = {"pack": abi.PackArgs, "unpack": abi.UnpackArgs,
+               "mask_select": abi.MaskSelectArgs}[key[0]]
+        rec = {name: ctype.from_address(params[i]).value
+               for i, (name, ctype) in enumerate(cls._fields_)}
+        self.launches.append((key, rec))
+        getattr(self, "_" + key[0])(key, rec)
+
+    @staticmethod
+    def _dtype(fmt):
+        return {int(f): D.resolve(name) for name, f in abi.FMT_OF.items()}[fmt]
+
+    @staticmethod
+    def _host(addr, nbytes):
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+    def _tensor(self, addr, plan):
+        lay = plan.lay
+        raw = self._host(addr, lay.numel * lay.dtype.itemsize).copy()
+        return torch.from_numpy(raw.view(f"i{lay.dtype.itemsize}")).view(
+            getattr(torch, lay.dtype.name))
+
+    def _pack(self, key, r):
+        from bitsparse_core.torch import ops
+        _, fmt, enc, mode, _ = key
+        plan = host.pack_plan((r["numel"],), self._dtype(fmt), Encoding(enc), r["cap"],
+                              r["chunk_log2"], abi.Mode(mode))
+        block = r["mask"] - plan.spans[0][0]
+        assert (r["offsets"], r["status"]) == (block + plan.spans[1][0], block + plan.status_offset)
+        y, host_block = ops._pack_cpu(self._tensor(r["x"], plan), plan, mode == abi.Mode.RELU2)
+        ctypes.memmove(block, host_block.data_ptr(), plan.nbytes)
+        if r["y"]:
+            ctypes.memmove(r["y"], y.data_ptr(), y.numel() * y.element_size())
+        self.blocks[block] = plan
+
+    def _view(self, mask):
+        from bitsparse_core.torch import ops
+        plan = self.blocks[mask]
+        raw = torch.from_numpy(self._host(mask, plan.nbytes).copy())
+        return plan, ops.block_view(raw, plan)
+
+    def _out(self, addr, arr):
+        arr = np.ascontiguousarray(arr)
+        ctypes.memmove(addr, arr.ctypes.data, arr.nbytes)
+
+    def _grad(self, r, plan):
+        lay = plan.lay
+        return self._host(r["g"], lay.numel * lay.dtype.itemsize).copy().view(lay.dtype.numpy)
+
+    def _unpack(self, key, r):
+        from bitsparse_core.backends import get_backend
+        from bitsparse_core.spec import ops as reference_ops
+        plan, p = self._view(r["mask"])
+        op = abi.Op(key[2])
+        if op == abi.Op.UNPACK:
+            self._out(r["out"], np.asarray(get_backend("numpy").unpack(p)))
+            return
+        grad = self._grad(r, plan)
+        self._out(r["out"], reference_ops.relu2_backward(grad.reshape(p.shape), p))
+        if op == abi.Op.RELU2_AND_SQUARE:
+            r32 = np.asarray(get_backend("numpy").unpack(p)).astype(np.float32)
+            self._out(r["out2"], reference_ops.mul_f32(r32, r32).astype(plan.lay.dtype.numpy))
+        else:
+            assert op == abi.Op.RELU2, op
+
+    def _mask_select(self, key, r):
+        from bitsparse_core.spec import ops as reference_ops
+        plan, p = self._view(r["mask"])
+        self._out(r["out"], reference_ops.relu_backward(self._grad(r, plan).reshape(p.shape), p))
+
+
+@pytest.fixture
+def emulated(ext, monkeypatch):
+    """The C++ path taking CPU tensors, its kernels run by :class:`HostDriver`."""
+    from bitsparse_core.torch import capacity as C
+    drv = HostDriver()
+    monkeypatch.setattr(host, "kernel", drv.kernel)
+    monkeypatch.setattr(host.driver, "resident_blocks", lambda *a: 264)
+    monkeypatch.setattr(host.driver, "sm_count", lambda device: 132)
+    # no CUDA here, so no graph capture: the slot ring itself (claim_slot asks CUDA)
+    monkeypatch.setattr(C, "claim_slot", C.SLAB.acquire)
+    monkeypatch.setattr(native, "_handles", {})
+    host._RECORDS.__dict__.clear()
+    with native.emulate_on_host(drv.entry_points()):
+        yield drv
+    host._RECORDS.__dict__.clear()
+    assert not drv.errors, drv.errors
+
+
+EMULATED_CASES = ["relu", "relu2", "relu2-no-bias", "relu-overflow", "relu2-overflow",
+                  "relu2-autocast"]
+
+
+@pytest.mark.parametrize("case", EMULATED_CASES)
+def test_emulated_native_training_is_bit_identical(emulated, case):
+    """Three AdamW steps of a 2-layer packed FFN stack through the C++ node (its kernels
+    emulated on the host): losses, gradients and parameters equal dense PyTorch's, and
+    the Python path's; overflowing batches recompute (counted)."""
+    import copy
+    from torch_models import assert_same_training, make_pair, train
+    kind = case.split("-")[0]
+    dtype = torch.float32 if "autocast" in case else torch.bfloat16
+    dense, ours = make_pair(kind, "nosign", d=32, f=96, dtype=dtype)
+    if "no-bias" in case:
+        for net in (dense, ours):
+            for blk in net.blocks:
+                blk.fc1.bias = blk.fc2.bias = None
+    if "overflow" in case:
+        for blk in ours.blocks:
+            blk.capacity_policy.density = 0.01
+    python = copy.deepcopy(ours)
+    x = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    target = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(2))
+    autocast = torch.bfloat16 if "autocast" in case else None
+    got = train(ours, x, target, autocast=autocast)
+    packs = [k for k, _ in emulated.launches if k[0] == "pack"]
+    assert len(packs) == 3 * 2, "the C++ path did not run"
+    with native.python_path():
+        assert_same_training(train(python, x, target, autocast=autocast), got)
+    assert_same_training(train(dense, x, target, autocast=autocast), got)
+    stats = [blk.stats() for blk in ours.blocks]
+    if "overflow" in case:
+        assert all(s["overflows"] == 3 and s["recomputes"] == 3 for s in stats)
+        assert not [k for k, _ in emulated.launches if k[0] != "pack"]   # nothing decoded
+    else:
+        assert all(s["recomputes"] == 0 for s in stats)
+        assert [k for k, _ in emulated.launches if k[0] != "pack"]
+
+
+@pytest.mark.parametrize("frozen", ["fc1", "fc2", "input"])
+def test_emulated_native_computes_only_the_gradients_asked_for(emulated, frozen):
+    from torch_models import make_pair
+    dense, ours = make_pair("relu2", "raw", d=16, f=64, layers=1)
+    blk, ref = ours.blocks[0], dense.blocks[0]
+    x = torch.randn(24, 16, requires_grad=frozen != "input")
+    for m in (blk, ref):
+        if frozen != "input":
+            getattr(m, frozen).requires_grad_(False)
+    outs = [m(x) for m in (blk, ref)]
+    assert torch.equal(outs[0], outs[1])
+    params = [p for p in blk.parameters() if p.requires_grad]
+    wants = torch.autograd.grad(outs[1].square().sum(),
+                                [p for p in ref.parameters() if p.requires_grad])
+    gots = torch.autograd.grad(outs[0].square().sum(), params)
+    assert all(torch.equal(a, b) for a, b in zip(gots, wants))
+
+
+def test_emulated_native_twice_through_one_graph_and_hooks(emulated):
+    """retain_graph: two backwards through one C++ node give the same gradients; an outer
+    saved_tensors_hooks sees the node's saved tensors (the packed block among them)."""
+    from torch_models import make_pair
+    _, ours = make_pair("relu", "nosign", d=16, f=64, layers=1)
+    x = torch.randn(24, 16, requires_grad=True)
+    seen = []
+
+    def pack(t):
+        seen.append(t.dtype)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = ours(x).square().sum()
+    first = torch.autograd.grad(out, x, retain_graph=True)[0]
+    second = torch.autograd.grad(out, x)[0]
+    assert torch.equal(first, second) and torch.uint8 in seen
+
+
+def test_emulated_driver_error_is_raised(emulated, monkeypatch):
+    """A failing launch surfaces as a named error, not as wrong data."""
+    from bitsparse_core.torch import relu_ffn
+    monkeypatch.setattr(emulated, "_pack", lambda key, r: 1 / 0)
+    x = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="EMULATED_KERNEL_FAILED"):
+        relu_ffn(x, torch.randn(32, 16), None, torch.randn(16, 32), None)
+    assert isinstance(emulated.errors.pop(), ZeroDivisionError)

@@ -140,7 +140,7 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     off = _offloader(offload, traced, a.device)
     args = (a, weight, bias, x, w1, b1, pol.capacity(a.numel()), bool(square),
             _encoding_id(encoding), DEFAULT_CHUNK_LOG2, mm_dtype, pol.id, off)
-    if off is None and x is not None and a.is_cuda and _plain_eager(args, 6):
+    if off is None and x is not None and _plain_eager(args, 6):
         out = _native.relu_linear(a, weight, bias, x, w1, b1, args[6], args[7], args[8],
                                   mm_dtype, pol)
         if out is not None:

@@ -46,7 +46,7 @@ _lock = threading.Lock()
 _local = threading.local()   # .off: python_path() is active on this thread
 _built: dict = {}          # "module" / "error", once tried
 _cuda_ready = False
-_plans: list = []          # handle -> PackPlan (what the backward's state call needs)
+_plans: dict = {}          # handle -> PackPlan (what the backward's state call needs)
 _handles: dict = {}        # (id(plan), device) -> (plan, handle or None)
 
 
@@ -58,6 +58,30 @@ def setting() -> str:
     if value in ("1", "on", "true", "yes"):
         return "on"
     return "auto"
+
+
+_emulation = None   # the extension, while emulate_on_host() runs
+
+
+@contextlib.contextmanager
+def emulate_on_host(entry_points):
+    """Within this block, CPU tensors take the C++ path too, with ``entry_points`` (what
+    :meth:`set_driver` takes: five C function addresses) standing in for the CUDA driver:
+    the tests' emulation, whose "kernels" run the NumPy reference on host memory, so
+    that CI (no GPU) runs the C++ autograd node end to end."""
+    global _emulation, _cuda_ready
+    mod = module()
+    if mod is None:
+        raise RuntimeError(f"the C++ host path is not built: {_built.get('error')}")
+    mod.set_driver(*entry_points)
+    mod.set_host_emulation(True)
+    # the CUDA entry points are handed over again on the next CUDA call
+    _emulation, _cuda_ready = mod, False
+    try:
+        yield mod
+    finally:
+        _emulation = None
+        mod.set_host_emulation(False)
 
 
 @contextlib.contextmanager
@@ -231,8 +255,7 @@ def register(mod, plan: host.PackPlan, device: int):
                 if handle < 0:      # the table is full (shapes that never repeat)
                     handle = None
                 else:
-                    assert handle == len(_plans)
-                    _plans.append(plan)
+                    _plans[handle] = plan
         _handles[key] = (plan, handle)
     return handle
 
@@ -248,9 +271,20 @@ def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encodin
     recompute source."""
     if getattr(_local, "off", False):
         return None
+    if not a.is_cuda:       # only a test's host emulation gets here (see emulate_on_host)
+        if _emulation is None:
+            return None
+        return _relu_linear(_emulation, a, weight, bias, x, w1, b1, capacity, square,
+                            encoding, mm_dtype, policy)
     mod = cuda_module()
     if mod is None:
         return None
+    return _relu_linear(mod, a, weight, bias, x, w1, b1, capacity, square, encoding, mm_dtype,
+                        policy)
+
+
+def _relu_linear(mod, a, weight, bias, x, w1, b1, capacity, square, encoding, mm_dtype,
+                 policy):
     plan = _ops._plan(a.shape, a.dtype, capacity, square, encoding, DEFAULT_CHUNK_LOG2)
     handle = register(mod, plan, a.get_device())
     if handle is None:
