@@ -7,8 +7,9 @@
 // bitsparse::relu_linear_backward (bitsparse_core/torch/ops.py): the same ATen
 // calls in the same order, so the two paths give the same bits. What moves here
 // is only the host work: the forward's pack launch and the whole backward run
-// as a C++ autograd node, with one call into Python per backward (the capacity
-// policy's reading of the pack's count).
+// as a C++ autograd node. The backward reads the pack's count from its pinned slot
+// itself and calls into Python (the capacity policy) only when the pack is not known
+// clean there, or every few backwards for the policy's poll.
 //
 // Launches are templates Python builds once per (plan, device) from the
 // argument records of bitsparse_core/backends/cuda/abi.py: the record's bytes
@@ -33,6 +34,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -224,9 +226,36 @@ int64_t add_plan(int64_t numel, int64_t nbytes, int64_t scratch_bytes, int64_t s
 }
 
 // ---------------------------------------------------------------------------
-// Python's side of a backward: is the pack clean? (the capacity policy decides)
+// Is the pack clean? Read here from its pinned slot, or asked of Python's policy
 // ---------------------------------------------------------------------------
 py::object* clean_state_fn = nullptr;   // never freed: called until the process ends
+
+constexpr uint32_t kSentinel = 0xFFFFFFFFu;        // capacity.SENTINEL
+constexpr uint64_t kSentinel64 = ~0ull;            // capacity.SENTINEL64
+// Every this many backwards of one policy go to Python even when the slot shows the pack
+// clean: the policy's poll there takes in the counts and moves the capacity.
+constexpr int64_t kPollEvery = 8;
+std::mutex poll_mutex;
+std::unordered_map<int64_t, int64_t> backwards_of_policy;
+
+bool poll_due(int64_t policy) {
+  std::lock_guard<std::mutex> lock(poll_mutex);
+  return backwards_of_policy[policy]++ % kPollEvery == 0;
+}
+
+// The slot's {u32 status, u32 pad, u64 nnz} once its copy has landed, when the slot still
+// belongs to this pack (its generation, capacity.FlagSlab._gen): FlagSlab.read's rule.
+bool slot_shows_clean(int64_t slot, int64_t generations, const Tensor& ticket) {
+  if (slot == 0 || generations == 0) return false;
+  const int64_t* t = ticket.data_ptr<int64_t>();
+  if (t[0] < 0) return false;
+  const volatile int64_t* gen = reinterpret_cast<const int64_t*>(generations) + t[0];
+  const volatile uint32_t* status = reinterpret_cast<const uint32_t*>(slot);
+  const volatile uint64_t* nnz = reinterpret_cast<const uint64_t*>(slot + 8);
+  const uint32_t s = *status;
+  const uint64_t n = *nnz;
+  return *gen == t[1] && s == 0 && s != kSentinel && n != kSentinel64;
+}
 
 bool pack_is_clean(int64_t handle, int64_t policy, const Tensor& ticket, const Tensor& block) {
   py::gil_scoped_acquire gil;
@@ -264,15 +293,15 @@ Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shap
 // ---------------------------------------------------------------------------
 // The autograd function
 // ---------------------------------------------------------------------------
-constexpr size_t kInputs = 12;   // forward's arguments after ctx
+constexpr size_t kInputs = 13;   // forward's arguments after ctx
 
 struct ReLULinear : public torch::autograd::Function<ReLULinear> {
   // Optional tensors are std::optional (autograd records an input's metadata, which an
   // undefined tensor does not have).
   static Tensor forward(AutogradContext* ctx, Tensor a, Tensor weight,
                         std::optional<Tensor> bias, Tensor x, Tensor w1, std::optional<Tensor> b1,
-                        Tensor ticket, int64_t handle, int64_t slot, bool square, int64_t mm_dtype,
-                        int64_t policy) {
+                        Tensor ticket, int64_t handle, int64_t slot, int64_t generations,
+                        bool square, int64_t mm_dtype, int64_t policy) {
     RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
     const Plan& P = plan_at(handle);
     TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
@@ -302,6 +331,8 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
                             weight, bias);
     ctx->save_for_backward({block, weight, x, w1, b1.value_or(Tensor())});
     ctx->saved_data["ticket"] = ticket;
+    ctx->saved_data["slot"] = slot;
+    ctx->saved_data["generations"] = generations;
     ctx->saved_data["a_shape"] = a.sizes().vec();
     ctx->saved_data["a_dtype"] = static_cast<int64_t>(a.scalar_type());
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
@@ -329,8 +360,11 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
     const bool need_b = data.at("has_bias").toBool() && ctx->needs_input_grad(2);
     const Plan& P = plan_at(handle);
 
-    const bool clean = pack_is_clean(handle, data.at("policy").toInt(),
-                                     data.at("ticket").toTensor(), block);
+    const int64_t policy = data.at("policy").toInt();
+    const Tensor ticket = data.at("ticket").toTensor();
+    const bool clean = (slot_shows_clean(data.at("slot").toInt(), data.at("generations").toInt(),
+                                         ticket) && !poll_due(policy))
+                       || pack_is_clean(handle, policy, ticket, block);
     const Tensor g2 = grad_out.contiguous().reshape({-1, grad_out.size(-1)});
     if (need_b) result[2] = g2.sum({0}, true).view({g2.size(-1)});
     if (!need_a && !need_w) return result;
@@ -385,14 +419,15 @@ int64_t dtype_code(const py::handle& dtype) {
 
 Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
                    const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
-                   const Tensor& ticket, int64_t handle, int64_t slot, bool square,
-                   const py::handle& mm_dtype, int64_t policy) {
+                   const Tensor& ticket, int64_t handle, int64_t slot, int64_t generations,
+                   bool square, const py::handle& mm_dtype, int64_t policy) {
   TORCH_CHECK(driver.launch != nullptr, "bitsparse: native module used before set_driver");
   TORCH_CHECK((a.is_cuda() || (host_emulation && a.is_cpu())) && a.is_contiguous(),
               "bitsparse: a must be a contiguous CUDA tensor");
   const int64_t mm = dtype_code(mm_dtype);
   py::gil_scoped_release no_gil;   // as any ATen call from Python
-  return ReLULinear::apply(a, weight, bias, x, w1, b1, ticket, handle, slot, square, mm, policy);
+  return ReLULinear::apply(a, weight, bias, x, w1, b1, ticket, handle, slot, generations, square,
+                           mm, policy);
 }
 
 py::bytes launch_params(int64_t handle, const std::string& name, uint64_t block,

@@ -412,3 +412,35 @@ def test_emulated_driver_error_is_raised(emulated, monkeypatch):
     with pytest.raises(RuntimeError, match="EMULATED_KERNEL_FAILED"):
         relu_ffn(x, torch.randn(32, 16), None, torch.randn(16, 32), None)
     assert isinstance(emulated.errors.pop(), ZeroDivisionError)
+
+
+def test_emulated_backward_reads_the_slot_and_polls_every_8th(emulated, monkeypatch):
+    """A clean pack whose count has landed is read from its pinned slot in C++: Python's
+    policy is asked on a module's first backward and every 8th after it (its poll, which
+    moves the capacity), and whenever the slot does not show the pack clean."""
+    from torch_models import make_pair
+    calls = []
+
+    def counting(handle, policy, ticket, block):
+        calls.append(policy)
+        return native._pack_is_clean(handle, policy, ticket, block)
+    emulated_mod = native.module()
+    emulated_mod.set_state_fn(counting)
+    try:
+        _, ours = make_pair("relu2", "nosign", d=16, f=64, layers=2)
+        x = torch.randn(32, 16)
+        full = [blk.capacity_policy.capacity(32 * 64) for blk in ours.blocks]
+        for _ in range(17):
+            ours(x).square().sum().backward()
+        ids = [blk.capacity_policy.id for blk in ours.blocks]
+        assert sorted(calls) == sorted(ids * 3)        # backwards 1, 9 and 17 of each
+        # the first poll took in the first count: the capacity left its full start
+        assert all(blk.capacity_policy.capacity(32 * 64) < c for blk, c in zip(ours.blocks, full))
+        calls.clear()
+        for blk in ours.blocks:                         # now every pack overflows
+            blk.capacity_policy.density = 0.01
+        ours(x).square().sum().backward()
+        assert sorted(calls) == sorted(ids)
+        assert all(blk.stats()["recomputes"] == 1 for blk in ours.blocks)
+    finally:
+        emulated_mod.set_state_fn(native._pack_is_clean)

@@ -51,6 +51,8 @@ class FlagSlab:
         self._mem = None
         self._next = 0
         self._gen = np.zeros(slots, dtype=np.int64)
+        # where the generations live, for readers outside Python (the C++ host path)
+        self.generations = self._gen.ctypes.data
         self._lock = threading.Lock()
 
     def _arrays(self):

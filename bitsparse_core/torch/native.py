@@ -7,8 +7,10 @@ more than dense's on the H200's host (``bench/results/module_host.md``). This mo
 builds ``kernels/torch_ffn_host.cpp`` as a PyTorch C++ extension (the first use in a
 process compiles it, about half a minute, then torch's extension cache keeps it) and
 sends :func:`~.functional.relu_linear` there when the C++ path applies: the forward's
-pack launch and the whole backward then run in C++, with one call back into Python
-per backward (:func:`.ops._clean_state`, the capacity policy's reading of the count).
+pack launch and the whole backward then run in C++. The backward reads the pack's count
+from its pinned slot (:class:`.capacity.FlagSlab`) itself and calls back into Python
+(:func:`.ops._clean_state`, the capacity policy) only where the pack is not known clean
+there, and every 8th backward of a policy, whose poll moves the capacity.
 
 The extension needs a C++ compiler and PyTorch's headers, not CUDA's: it launches the
 CuPy-compiled kernels through the driver entry points of
@@ -289,7 +291,8 @@ def _relu_linear(mod, a, weight, bias, x, w1, b1, capacity, square, encoding, mm
     handle = register(mod, plan, a.get_device())
     if handle is None:
         return None
+    slab = C.SLAB
     slot, ticket = C.claim_slot()
     policy.track(ticket, a.numel(), capacity, None)
-    return mod.relu_linear(a, weight, bias, x, w1, b1, ticket, handle, slot, square, mm_dtype,
-                           policy.id)
+    return mod.relu_linear(a, weight, bias, x, w1, b1, ticket, handle, slot, slab.generations,
+                           square, mm_dtype, policy.id)
