@@ -15,6 +15,8 @@ t0=$(date +%s)
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
   python3 -c "from bitsparse_core.backends.cupy.kernels import warm_cache; print('kernels', warm_cache(16))"
+  # the torch FFN op's C++ host path, built once here rather than by the first test worker
+  python3 -c "from bitsparse_core.torch import native; print('native', native.cuda_module())"
 } >"$OUT/setup.log" 2>&1
 echo "setup $(( $(date +%s) - t0 )) s"; tail -n 3 "$OUT/setup.log"
 if [ -z "${SKIP_TESTS:-}" ]; then

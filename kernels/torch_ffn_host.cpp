@@ -230,8 +230,7 @@ int64_t add_plan(int64_t numel, int64_t nbytes, int64_t scratch_bytes, int64_t s
 // ---------------------------------------------------------------------------
 py::object* clean_state_fn = nullptr;   // never freed: called until the process ends
 
-constexpr uint32_t kSentinel = 0xFFFFFFFFu;        // capacity.SENTINEL
-constexpr uint64_t kSentinel64 = ~0ull;            // capacity.SENTINEL64
+constexpr uint64_t kSentinel64 = ~0ull;            // capacity.SENTINEL64 (a count not landed)
 // Every this many backwards of one policy go to Python even when the slot shows the pack
 // clean: the policy's poll there takes in the counts and moves the capacity.
 constexpr int64_t kPollEvery = 8;
@@ -254,7 +253,8 @@ bool slot_shows_clean(int64_t slot, int64_t generations, const Tensor& ticket) {
   const volatile uint64_t* nnz = reinterpret_cast<const uint64_t*>(slot + 8);
   const uint32_t s = *status;
   const uint64_t n = *nnz;
-  return *gen == t[1] && s == 0 && s != kSentinel && n != kSentinel64;
+  // status 0: landed (the sentinel is all ones) and clean
+  return *gen == t[1] && s == 0 && n != kSentinel64;
 }
 
 bool pack_is_clean(int64_t handle, int64_t policy, const Tensor& ticket, const Tensor& block) {

@@ -119,6 +119,10 @@ def test_long_chunks_stay_on_the_python_path(ext, python_launches):
     plan = host.pack_plan((4, 65536), D.BFLOAT16, Encoding.NOSIGN, 1000, 16, abi.Mode.RELU)
     assert native.plan_templates(plan, 0) is None
     assert native.register(ext, plan, 0) is None
+    plan12 = host.pack_plan((4, 65536), D.BFLOAT16, Encoding.NOSIGN, 1000, DEFAULT_CHUNK_LOG2,
+                            abi.Mode.RELU)
+    handle = native.register(ext, plan12, 0)
+    assert handle is not None and native._plans[handle] is plan12
 
 
 def test_bad_templates_are_refused(ext):

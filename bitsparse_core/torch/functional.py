@@ -138,11 +138,13 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     pol = _policy(policy, density, a.shape, a.dtype, bool(square))
     traced = _traced()
     off = _offloader(offload, traced, a.device)
-    args = (a, weight, bias, x, w1, b1, pol.capacity(a.numel()), bool(square),
-            _encoding_id(encoding), DEFAULT_CHUNK_LOG2, mm_dtype, pol.id, off)
+    capacity, square, enc = pol.capacity(a.numel()), bool(square), _encoding_id(encoding)
+    args = (a, weight, bias, x, w1, b1, capacity, square, enc, DEFAULT_CHUNK_LOG2, mm_dtype,
+            pol.id, off)
     if off is None and x is not None and _plain_eager(args, 6):
-        out = _native.relu_linear(a, weight, bias, x, w1, b1, args[6], args[7], args[8],
-                                  mm_dtype, pol)
+        # the C++ host path (CUDA; None where it does not apply)
+        out = _native.relu_linear(a, weight, bias, x, w1, b1, capacity, square, enc, mm_dtype,
+                                  pol)
         if out is not None:
             return out
     if traced:

@@ -17,8 +17,10 @@ CuPy-compiled kernels through the driver entry points of
 :mod:`..backends.cuda.driver`, with argument records Python builds once per plan
 (:func:`launch_template`). Where it cannot be built, the Python path runs and a
 warning says why. ``BITSPARSE_NATIVE=0`` turns it off, ``=1`` makes a failed build
-an error, and :func:`python_path` turns it off within a block. Both paths make the same ATen calls in the same order, so their bits agree
-(``tests/test_torch_gpu.py`` checks it).
+an error, and :func:`python_path` turns it off within a block. Both paths make the
+same ATen calls in the same order, so their bits agree (``tests/test_torch_gpu.py``
+checks it on the GPU, ``tests/test_torch_native.py`` on the CPU through
+:func:`emulate_on_host`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ _local = threading.local()   # .off: python_path() is active on this thread
 _built: dict = {}          # "module" / "error", once tried
 _cuda_ready = False
 _plans: dict = {}          # handle -> PackPlan (what the backward's state call needs)
-_handles: dict = {}        # (id(plan), device) -> (plan, handle or None)
+_handles: dict = {}        # (square, shape, dtype, capacity, encoding, device) -> handle or None
 
 
 def setting() -> str:
@@ -241,24 +243,20 @@ def plan_templates(plan: host.PackPlan, device: int):
 
 
 def register(mod, plan: host.PackPlan, device: int):
-    """The C++ handle of ``plan`` on ``device`` (made once), or None where the C++
-    path does not take it."""
-    key = (id(plan), device)
-    entry = _handles.get(key)
-    if entry is not None and entry[0] is plan:
-        return entry[1]
+    """A new C++ handle of ``plan`` on ``device``, or None where the C++ path does not
+    take it (chunks longer than the unpack tile; the table full, after 65536 plans of
+    shapes that never repeat: those run the Python path)."""
+    if plan.lay.chunk_log2 != DEFAULT_CHUNK_LOG2:
+        return None
+    launches = plan_templates(plan, device)
+    if launches is None:
+        return None
     with _lock:
-        handle = None
-        if plan.lay.chunk_log2 == DEFAULT_CHUNK_LOG2:
-            launches = plan_templates(plan, device)
-            if launches is not None:
-                handle = mod.add_plan(plan.lay.numel, plan.nbytes, plan.scratch_bytes,
-                                      plan.status_offset, launches)
-                if handle < 0:      # the table is full (shapes that never repeat)
-                    handle = None
-                else:
-                    _plans[handle] = plan
-        _handles[key] = (plan, handle)
+        handle = mod.add_plan(plan.lay.numel, plan.nbytes, plan.scratch_bytes,
+                              plan.status_offset, launches)
+        if handle < 0:
+            return None
+        _plans[handle] = plan
     return handle
 
 
@@ -287,8 +285,12 @@ def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encodin
 
 def _relu_linear(mod, a, weight, bias, x, w1, b1, capacity, square, encoding, mm_dtype,
                  policy):
-    plan = _ops._plan(a.shape, a.dtype, capacity, square, encoding, DEFAULT_CHUNK_LOG2)
-    handle = register(mod, plan, a.get_device())
+    device = a.get_device()
+    key = (square, tuple(a.shape), a.dtype, capacity, encoding, device)
+    handle = _handles.get(key, -1)
+    if handle == -1:        # first call of this shape and capacity: one registration
+        plan = _ops._plan(a.shape, a.dtype, capacity, square, encoding, DEFAULT_CHUNK_LOG2)
+        handle = _handles[key] = register(mod, plan, device)
     if handle is None:
         return None
     slab = C.SLAB
