@@ -346,7 +346,9 @@ def markdown(summary: dict) -> str:
            f"per step), bf16, AdamW, attention={c['attn']}; steps: {p['warmup']} warm-up + "
            f"{p['timed']} timed + {p['profiled']} profiled; transformers {summary['transformers']}, "
            f"torch {summary['torch']}; deterministic algorithms, new tensors "
-           f"{'NaN-filled' if summary.get('fill_uninitialized_memory') else 'not NaN-filled'}.", "",
+           f"{'NaN-filled' if summary.get('fill_uninitialized_memory') else 'not NaN-filled'}"
+           + (f"; packed FFN op's host path: {summary['ffn_host_path']}"
+              if summary.get("ffn_host_path") else "") + ".", "",
            "| variant | median step (ms) | host (ms) | × plain | peak (MiB) | kept by forward "
            "(MiB) | losses = plain | max loss diff | params = plain | blocking syncs/step |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -507,6 +509,7 @@ def main(argv=None) -> int:
                "shape": dataclasses.asdict(shape), "plan": dataclasses.asdict(plan),
                "tokens_of_text": int(text.size), "torch": torch.__version__,
                "transformers": transformers.__version__,
+               "ffn_host_path": tg.ffn_host_path(device),
                "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     out = Path(args.out)

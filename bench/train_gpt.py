@@ -64,6 +64,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import bitsparse_core.torch as bst  # noqa: E402
+from bitsparse_core.torch import native  # noqa: E402
 from bitsparse_core.torch.native import python_path  # noqa: E402
 import interleaved  # noqa: E402
 from profile_syncs import profile_steps  # noqa: E402
@@ -638,6 +639,13 @@ def budget(bench: Bench, report) -> dict:
 
 
 # -------------------------------------------------------------------------- reports
+def ffn_host_path(device: torch.device) -> str:
+    """Which host path the packed FFN ops took in this run (bitsparse_core.torch.native)."""
+    if device.type != "cuda":
+        return "python (CPU tensors)"
+    return "c++" if native.cuda_module() is not None else "python (the C++ path did not build)"
+
+
 def header(bench: Bench, mode: str, plan: Plan | None) -> dict:
     return {"mode": mode,
             "config": {k: v for k, v in vars(bench.args).items() if k != "out"},
@@ -645,6 +653,7 @@ def header(bench: Bench, mode: str, plan: Plan | None) -> dict:
             "plan": dataclasses.asdict(plan) if plan else None,
             "tokens_of_text": int(bench.data.size),
             "torch": torch.__version__,
+            "ffn_host_path": ffn_host_path(bench.device),
             "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
             "device": torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else "cpu"}
 
@@ -679,6 +688,8 @@ def describe(summary: dict) -> str:
     if "fill_uninitialized_memory" in summary:
         text += ("; deterministic algorithms, new tensors NaN-filled" if summary["fill_uninitialized_memory"]
                  else "; deterministic algorithms, no NaN fill of new tensors")
+    if summary.get("ffn_host_path"):
+        text += f"; packed FFN op's host path: {summary['ffn_host_path']}"
     if summary.get("host_link_gbps"):
         link = summary["host_link_gbps"]
         text += (f"; pinned host link {link['d2h']:.1f} GB/s device-to-host, "
