@@ -448,3 +448,20 @@ def test_emulated_backward_reads_the_slot_and_polls_every_8th(emulated, monkeypa
         assert all(blk.stats()["recomputes"] == 1 for blk in ours.blocks)
     finally:
         emulated_mod.set_state_fn(native._pack_is_clean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_emulated_native_other_dtypes_and_empty_batches(emulated, dtype):
+    """fp16 / fp32 activations, and a batch of no tokens (the block holds only its empty
+    planes; no kernel runs), through the C++ node, against dense PyTorch."""
+    from torch_models import make_pair
+    for tokens in (24, 0):
+        dense, ours = make_pair("relu2", "raw", d=16, f=64, layers=1, dtype=dtype)
+        x = torch.randn(tokens, 16, dtype=dtype)
+        outs = [m(x) for m in (ours, dense)]
+        assert torch.equal(outs[0], outs[1])
+        grads = [torch.autograd.grad(o.float().square().sum(), list(m.parameters()))
+                 for o, m in zip(outs, (ours, dense))]
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert {(k[1], k[5]) for k in native._handles if native._handles[k] is not None} == \
+        {((24, 64), -1), ((0, 64), -1)}     # both shapes took the C++ path
