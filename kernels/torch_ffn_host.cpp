@@ -168,7 +168,9 @@ Launch make_launch(const py::tuple& t) {
     return off >= 0 && off + n <= static_cast<int64_t>(L.params.size());
   };
   for (uint32_t f : L.fields) TORCH_CHECK(inside(f, 1), "bitsparse: field outside the record");
-  for (uint32_t f : L.block_fields) TORCH_CHECK(inside(f, 8), "bitsparse: field outside the record");
+  for (uint32_t f : L.block_fields) {
+    TORCH_CHECK(inside(f, 8), "bitsparse: field outside the record");
+  }
   for (const Patch& p : L.patches) {
     TORCH_CHECK(inside(p.offset, 8) && (p.align_offset < 0 || inside(p.align_offset, 4)),
                 "bitsparse: field outside the record");
@@ -399,7 +401,8 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
       if (clean) {
         const Tensor gh = grad_h.contiguous();
         Tensor grad_a = at::empty_like(gh);
-        (square ? P.relu2 : P.mask_select).run(stream, b, {0, 0, 0, address(gh), address(grad_a), 0});
+        const Launch& grad_of_mask = square ? P.relu2 : P.mask_select;
+        grad_of_mask.run(stream, b, {0, 0, 0, address(gh), address(grad_a), 0});
         result[0] = grad_a;
       } else if (square) {
         result[0] = at::threshold_backward(grad_h * (2 * r), r, 0);

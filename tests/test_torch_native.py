@@ -64,8 +64,10 @@ def _roles(**given):
     return [given.get(name, 0) for name in native.ROLE_NAMES]
 
 
-CASES = [((8, 1024), D.BFLOAT16, Encoding.NOSIGN, 0.25), ((3, 7, 333), D.FLOAT16, Encoding.RAW, 0.5),
-         ((5000,), D.FLOAT32, Encoding.SIGNPLANE, 0.1), ((64, 96), D.FLOAT8_E4M3FN, Encoding.NOSIGN, 1.0),
+CASES = [((8, 1024), D.BFLOAT16, Encoding.NOSIGN, 0.25),
+         ((3, 7, 333), D.FLOAT16, Encoding.RAW, 0.5),
+         ((5000,), D.FLOAT32, Encoding.SIGNPLANE, 0.1),
+         ((64, 96), D.FLOAT8_E4M3FN, Encoding.NOSIGN, 1.0),
          ((0,), D.BFLOAT16, Encoding.NOSIGN, 0.5)]
 
 
