@@ -44,6 +44,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import bitsparse_core.torch as bst  # noqa: E402
+from bitsparse_core.torch import native  # noqa: E402
 import interleaved  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from bitsparse_core.spec import format as fmt  # noqa: E402
@@ -509,7 +510,7 @@ def main(argv=None) -> int:
                "shape": dataclasses.asdict(shape), "plan": dataclasses.asdict(plan),
                "tokens_of_text": int(text.size), "torch": torch.__version__,
                "transformers": transformers.__version__,
-               "ffn_host_path": tg.ffn_host_path(device),
+               "ffn_host_path": native.host_path(device),
                "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     out = Path(args.out)

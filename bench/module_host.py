@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 
 import bitsparse_core.torch as bst  # noqa: E402
 from bitsparse_core.torch import native  # noqa: E402
-from bitsparse_core.torch.native import python_path  # noqa: E402
 
 
 class DenseReLU2FFN(nn.Module):
@@ -68,7 +67,7 @@ class PythonHost(nn.Module):
         self.inner = inner
 
     def forward(self, x):
-        with python_path():
+        with native.python_path():
             return self.inner(x)
 
 
@@ -177,9 +176,7 @@ def main(argv=None) -> int:
                                                                  time.gmtime()),
            "config": {k: getattr(args, k) for k in ("tokens", "d", "ff", "iters", "repeats")},
            "x_plus_x_us": ref, "rows": rows,
-           "native": ("CPU tensors: Python everywhere" if device.type != "cuda"
-                      else "C++ host path built" if native.cuda_module() is not None
-                      else "C++ host path not built: Python everywhere")}
+           "native": native.host_path(device)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     texts = []
@@ -230,8 +227,8 @@ def write_md(res: dict, path: Path) -> None:
               "layer is the GPT bench's MLP; `checkpoint` is it under non-reentrant "
               "checkpointing; `packed-*` are `PackedReLU2FFN.from_dense` of it "
               "(`packed-offload`: nosign with an `Offloader`; `packed-python`: nosign on the "
-              "op's Python host path, where the others take the C++ one where it applies: "
-              f"{res.get('native', '?')})."]
+              "op's Python host path; the others took the "
+              f"{res.get('native', '?')} one)."]
     path.write_text("\n".join(lines) + "\n")
 
 

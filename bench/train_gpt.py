@@ -65,7 +65,6 @@ sys.path.insert(0, str(HERE))
 
 import bitsparse_core.torch as bst  # noqa: E402
 from bitsparse_core.torch import native  # noqa: E402
-from bitsparse_core.torch.native import python_path  # noqa: E402
 import interleaved  # noqa: E402
 from profile_syncs import profile_steps  # noqa: E402
 
@@ -218,7 +217,7 @@ class Block(nn.Module):
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return x + self.mlp(h)
         if self.python_host:
-            with python_path():
+            with native.python_path():
                 return x + self.mlp(h)
         return x + self.mlp(h)
 
@@ -639,13 +638,6 @@ def budget(bench: Bench, report) -> dict:
 
 
 # -------------------------------------------------------------------------- reports
-def ffn_host_path(device: torch.device) -> str:
-    """Which host path the packed FFN ops took in this run (bitsparse_core.torch.native)."""
-    if device.type != "cuda":
-        return "python (CPU tensors)"
-    return "c++" if native.cuda_module() is not None else "python (the C++ path did not build)"
-
-
 def header(bench: Bench, mode: str, plan: Plan | None) -> dict:
     return {"mode": mode,
             "config": {k: v for k, v in vars(bench.args).items() if k != "out"},
@@ -653,7 +645,7 @@ def header(bench: Bench, mode: str, plan: Plan | None) -> dict:
             "plan": dataclasses.asdict(plan) if plan else None,
             "tokens_of_text": int(bench.data.size),
             "torch": torch.__version__,
-            "ffn_host_path": ffn_host_path(bench.device),
+            "ffn_host_path": native.host_path(bench.device),
             "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
             "device": torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else "cpu"}
 

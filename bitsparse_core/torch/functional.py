@@ -141,7 +141,7 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     capacity, square, enc = pol.capacity(a.numel()), bool(square), _encoding_id(encoding)
     args = (a, weight, bias, x, w1, b1, capacity, square, enc, DEFAULT_CHUNK_LOG2, mm_dtype,
             pol.id, off)
-    if off is None and x is not None and _plain_eager(args, 6):
+    if off is None and x is not None and not traced and _no_modes(args, 6):
         # the C++ host path (CUDA; None where it does not apply)
         out = _native.relu_linear(a, weight, bias, x, w1, b1, capacity, square, enc, mm_dtype,
                                   pol)
@@ -182,9 +182,14 @@ def _call(name: str, args: tuple, n_tensors: int):
 
 
 def _plain_eager(args: tuple, n_tensors: int) -> bool:
-    """Plain eager: no trace, no dispatch or function mode (such as ``torch.device(...)``),
-    no tensor subclass among the first ``n_tensors`` arguments."""
-    return (not _traced() and not torch._C._len_torch_dispatch_stack()
+    """Plain eager: no trace and :func:`_no_modes`."""
+    return not _traced() and _no_modes(args, n_tensors)
+
+
+def _no_modes(args: tuple, n_tensors: int) -> bool:
+    """No dispatch or function mode (such as ``torch.device(...)``), no JIT trace, no
+    tensor subclass among the first ``n_tensors`` arguments."""
+    return (not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_torch_function_mode_enabled()
             and not torch._C._get_tracing_state()
             and _PLAIN.issuperset(map(type, args[:n_tensors])))

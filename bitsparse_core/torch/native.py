@@ -146,6 +146,13 @@ def cuda_module():
     return mod
 
 
+def host_path(device) -> str:
+    """Which host path the FFN ops take for tensors on ``device`` (for bench reports)."""
+    if getattr(device, "type", device) != "cuda":
+        return "python (CPU tensors)"
+    return "c++" if cuda_module() is not None else "python (the C++ path did not build)"
+
+
 def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.Tensor) -> bool:
     """The C++ backward's question: may it read the packed values? (The policy waits for
     or gives up on a count not back yet, re-picks its bucket, counts recomputes.)"""
