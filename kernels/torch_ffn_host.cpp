@@ -259,10 +259,20 @@ bool slot_shows_clean(int64_t slot, int64_t generations, const Tensor& ticket) {
   return *gen == t[1] && s == 0 && n != kSentinel64;
 }
 
-bool pack_is_clean(int64_t handle, int64_t policy, const Tensor& ticket, const Tensor& block) {
+bool pack_is_clean(int64_t handle, int64_t policy, const Tensor& ticket, const Tensor& block,
+                   bool recompute_source) {
   py::gil_scoped_acquire gil;
   TORCH_CHECK(clean_state_fn != nullptr, "bitsparse: native module used before set_state_fn");
-  return (*clean_state_fn)(handle, policy, ticket, block).cast<bool>();
+  return (*clean_state_fn)(handle, policy, ticket, block, recompute_source).cast<bool>();
+}
+
+// The slab's slots and generations (capacity.SLAB), for a backward that has only the
+// ticket: the dispatcher's kernel, whose forward ran elsewhere.
+int64_t slab_base = 0, slab_generations = 0, slab_slots = 0;
+
+int64_t slot_of(const Tensor& ticket) {
+  const int64_t i = ticket.data_ptr<int64_t>()[0];
+  return (slab_base && i >= 0 && i < slab_slots) ? slab_base + 16 * i : 0;
 }
 
 void* current_stream(const c10::Device& device) {
@@ -293,7 +303,110 @@ Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shap
 }
 
 // ---------------------------------------------------------------------------
-// The autograd function
+// The op's two halves (shared by the autograd node and the dispatcher's kernels)
+// ---------------------------------------------------------------------------
+// Forward: pack relu(a) into a new block (its count copied to ``slot`` when one was
+// taken) and return (linear(relu(a)[**2], weight, bias), block).
+std::pair<Tensor, Tensor> forward_impl(const Tensor& a, const Tensor& weight,
+                                       const std::optional<Tensor>& bias, const Plan& P,
+                                       int64_t slot, int64_t mm_dtype) {
+  TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
+              a.numel());
+  c10::DeviceGuard device_guard(a.device());
+  void* stream = current_stream(a.device());
+  const int64_t item = a.element_size();
+  const int64_t yelems = ceil_div(a.numel() * item, 16) * 16 / item;
+  // One allocation for y and the pack's scratch (dead once the kernel ran; y dies
+  // after the second GEMM), one for the block.
+  Tensor ystore = at::empty({yelems + ceil_div(P.scratch_bytes, item)}, a.options());
+  Tensor block = at::empty({P.nbytes}, a.options().dtype(at::kByte));
+  const uint64_t y = address(ystore), b = address(block);
+  if (P.numel == 0) {
+    memset0(b, P.nbytes, stream);
+  } else {
+    const uint64_t scratch = y + static_cast<uint64_t>(yelems * item);
+    memset0(scratch, P.scratch_bytes, stream);
+    P.pack.run(stream, b, {address(a), y, scratch, 0, 0, 0});
+  }
+  if (slot) {   // status word and count in one copy; the slot reads pending until it lands
+    check(driver.copy_to_host(reinterpret_cast<void*>(slot), b + P.status_offset, 16, stream),
+          "cuMemcpyDtoHAsync");
+  }
+  const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
+  Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
+                          weight, bias);
+  return {out, block};
+}
+
+// Whether the backward may read the packed values: the slot says clean (and the policy's
+// poll is not due), else Python's policy decides (waits, recomputes, or raises where
+// there is no recompute source).
+bool decide_clean(int64_t slot, int64_t generations, const Tensor& ticket, int64_t policy,
+                  int64_t handle, const Tensor& block, bool recompute_source) {
+  return (slot_shows_clean(slot, generations, ticket) && !poll_due(policy))
+         || pack_is_clean(handle, policy, ticket, block, recompute_source);
+}
+
+struct Grads {
+  Tensor a, weight, bias;   // undefined where not asked for
+};
+
+// Backward: PyTorch's linear backward on the 2-D views, relu's (or relu²'s) gradient and
+// the second GEMM's input from the packed block when clean, else from the forward's own
+// first GEMM recomputed (x, w1, b1).
+Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& weight,
+                    const Tensor& x, const Tensor& w1, const Tensor& b1,
+                    at::IntArrayRef a_shape, at::ScalarType a_dtype, const Plan& P, bool clean,
+                    bool square, int64_t mm_dtype, bool need_a, bool need_w, bool need_b) {
+  Grads g;
+  const Tensor g2 = grad_out.contiguous().reshape({-1, grad_out.size(-1)});
+  if (need_b) g.bias = g2.sum({0}, true).view({g2.size(-1)});
+  if (!need_a && !need_w) return g;
+  c10::DeviceGuard device_guard(block.device());
+  void* stream = current_stream(block.device());
+  const uint64_t b = address(block);
+
+  if (clean && square && need_a && need_w) {
+    // one decode gives both the input gradient and the second GEMM's input
+    const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype).contiguous();
+    Tensor grad_a = at::empty_like(grad_h), h = at::empty_like(grad_h);
+    P.relu2_and_square.run(stream, b, {0, 0, 0, address(grad_h), address(grad_a), address(h)});
+    g.a = grad_a;
+    g.weight = weight_grad(g2, h, mm_dtype);
+    return g;
+  }
+  Tensor r;
+  if (clean) {
+    r = at::empty(a_shape, grad_out.options().dtype(a_dtype));
+    P.unpack.run(stream, b, {0, 0, 0, 0, address(r), 0});
+  } else {   // overflowed or count unknown: the forward's own GEMM, autocast off as there
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    r = at::relu(at::linear(x, w1, maybe(b1)));
+  }
+  if (need_w) {
+    // the forward's relu(a)**2, rounded the same single way; in place where r is
+    // not needed again (the clean gradient reads the packed block)
+    g.weight = weight_grad(g2, square ? (clean ? r.mul_(r) : r * r) : r, mm_dtype);
+  }
+  if (need_a) {
+    const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype);
+    if (clean) {
+      const Tensor gh = grad_h.contiguous();
+      Tensor grad_a = at::empty_like(gh);
+      const Launch& grad_of_mask = square ? P.relu2 : P.mask_select;
+      grad_of_mask.run(stream, b, {0, 0, 0, address(gh), address(grad_a), 0});
+      g.a = grad_a;
+    } else if (square) {
+      g.a = at::threshold_backward(grad_h * (2 * r), r, 0);
+    } else {
+      g.a = at::threshold_backward(grad_h, r, 0);
+    }
+  }
+  return g;
+}
+
+// ---------------------------------------------------------------------------
+// The autograd function (eager mode)
 // ---------------------------------------------------------------------------
 constexpr size_t kInputs = 13;   // forward's arguments after ctx
 
@@ -305,32 +418,7 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
                         Tensor ticket, int64_t handle, int64_t slot, int64_t generations,
                         bool square, int64_t mm_dtype, int64_t policy) {
     RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
-    const Plan& P = plan_at(handle);
-    TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
-                a.numel());
-    c10::DeviceGuard device_guard(a.device());
-    void* stream = current_stream(a.device());
-    const int64_t item = a.element_size();
-    const int64_t yelems = ceil_div(a.numel() * item, 16) * 16 / item;
-    // One allocation for y and the pack's scratch (dead once the kernel ran; y dies
-    // after the second GEMM), one for the block.
-    Tensor ystore = at::empty({yelems + ceil_div(P.scratch_bytes, item)}, a.options());
-    Tensor block = at::empty({P.nbytes}, a.options().dtype(at::kByte));
-    const uint64_t y = address(ystore), b = address(block);
-    if (P.numel == 0) {
-      memset0(b, P.nbytes, stream);
-    } else {
-      const uint64_t scratch = y + static_cast<uint64_t>(yelems * item);
-      memset0(scratch, P.scratch_bytes, stream);
-      P.pack.run(stream, b, {address(a), y, scratch, 0, 0, 0});
-    }
-    if (slot) {   // status word and count in one copy; the slot reads pending until it lands
-      check(driver.copy_to_host(reinterpret_cast<void*>(slot), b + P.status_offset, 16, stream),
-            "cuMemcpyDtoHAsync");
-    }
-    const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
-    Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
-                            weight, bias);
+    auto [out, block] = forward_impl(a, weight, bias, plan_at(handle), slot, mm_dtype);
     ctx->save_for_backward({block, weight, x, w1, b1.value_or(Tensor())});
     ctx->saved_data["ticket"] = ticket;
     ctx->saved_data["slot"] = slot;
@@ -354,65 +442,26 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
     const Tensor &block = saved[0], &weight = saved[1], &x = saved[2], &w1 = saved[3],
                  &b1 = saved[4];
     const auto& data = ctx->saved_data;
-    const std::vector<int64_t> a_shape = data.at("a_shape").toIntVector();
-    const auto a_dtype = static_cast<at::ScalarType>(data.at("a_dtype").toInt());
-    const int64_t handle = data.at("handle").toInt(), mm_dtype = data.at("mm_dtype").toInt();
-    const bool square = data.at("square").toBool();
-    const bool need_a = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
-    const bool need_b = data.at("has_bias").toBool() && ctx->needs_input_grad(2);
-    const Plan& P = plan_at(handle);
-
-    const int64_t policy = data.at("policy").toInt();
-    const Tensor ticket = data.at("ticket").toTensor();
-    const bool clean = (slot_shows_clean(data.at("slot").toInt(), data.at("generations").toInt(),
-                                         ticket) && !poll_due(policy))
-                       || pack_is_clean(handle, policy, ticket, block);
-    const Tensor g2 = grad_out.contiguous().reshape({-1, grad_out.size(-1)});
-    if (need_b) result[2] = g2.sum({0}, true).view({g2.size(-1)});
-    if (!need_a && !need_w) return result;
-    c10::DeviceGuard device_guard(block.device());
-    void* stream = current_stream(block.device());
-    const uint64_t b = address(block);
-
-    if (clean && square && need_a && need_w) {
-      // one decode gives both the input gradient and the second GEMM's input
-      const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype).contiguous();
-      Tensor grad_a = at::empty_like(grad_h), h = at::empty_like(grad_h);
-      P.relu2_and_square.run(stream, b, {0, 0, 0, address(grad_h), address(grad_a), address(h)});
-      result[0] = grad_a;
-      result[1] = weight_grad(g2, h, mm_dtype);
-      return result;
-    }
-    Tensor r;
-    if (clean) {
-      r = at::empty(a_shape, grad_out.options().dtype(a_dtype));
-      P.unpack.run(stream, b, {0, 0, 0, 0, address(r), 0});
-    } else {   // overflowed or count unknown: the forward's own GEMM, autocast off as there
-      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-      r = at::relu(at::linear(x, w1, maybe(b1)));
-    }
-    if (need_w) {
-      // the forward's relu(a)**2, rounded the same single way; in place where r is
-      // not needed again (the clean gradient reads the packed block)
-      result[1] = weight_grad(g2, square ? (clean ? r.mul_(r) : r * r) : r, mm_dtype);
-    }
-    if (need_a) {
-      const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype);
-      if (clean) {
-        const Tensor gh = grad_h.contiguous();
-        Tensor grad_a = at::empty_like(gh);
-        const Launch& grad_of_mask = square ? P.relu2 : P.mask_select;
-        grad_of_mask.run(stream, b, {0, 0, 0, address(gh), address(grad_a), 0});
-        result[0] = grad_a;
-      } else if (square) {
-        result[0] = at::threshold_backward(grad_h * (2 * r), r, 0);
-      } else {
-        result[0] = at::threshold_backward(grad_h, r, 0);
-      }
-    }
+    const int64_t handle = data.at("handle").toInt(), policy = data.at("policy").toInt();
+    const bool clean = decide_clean(data.at("slot").toInt(), data.at("generations").toInt(),
+                                    data.at("ticket").toTensor(), policy, handle, block, true);
+    const Grads g = backward_impl(
+        grad_out, block, weight, x, w1, b1, data.at("a_shape").toIntVector(),
+        static_cast<at::ScalarType>(data.at("a_dtype").toInt()), plan_at(handle), clean,
+        data.at("square").toBool(), data.at("mm_dtype").toInt(), ctx->needs_input_grad(0),
+        ctx->needs_input_grad(1), data.at("has_bias").toBool() && ctx->needs_input_grad(2));
+    result[0] = g.a;
+    result[1] = g.weight;
+    result[2] = g.bias;
     return result;
   }
 };
+
+void check_input(const Tensor& a) {
+  TORCH_CHECK(driver.launch != nullptr, "bitsparse: native module used before set_driver");
+  TORCH_CHECK((a.is_cuda() || (host_emulation && a.is_cpu())) && a.is_contiguous(),
+              "bitsparse: a must be a contiguous CUDA tensor");
+}
 
 int64_t dtype_code(const py::handle& dtype) {
   if (dtype.is_none()) return -1;
@@ -424,13 +473,55 @@ Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Te
                    const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
                    const Tensor& ticket, int64_t handle, int64_t slot, int64_t generations,
                    bool square, const py::handle& mm_dtype, int64_t policy) {
-  TORCH_CHECK(driver.launch != nullptr, "bitsparse: native module used before set_driver");
-  TORCH_CHECK((a.is_cuda() || (host_emulation && a.is_cpu())) && a.is_contiguous(),
-              "bitsparse: a must be a contiguous CUDA tensor");
+  check_input(a);
   const int64_t mm = dtype_code(mm_dtype);
   py::gil_scoped_release no_gil;   // as any ATen call from Python
   return ReLULinear::apply(a, weight, bias, x, w1, b1, ticket, handle, slot, generations, square,
                            mm, policy);
+}
+
+// The kernels of the dispatcher's bitsparse::relu_linear and relu_linear_backward
+// (torch.compile's graphs, CUDA graphs, torch.ops calls): no autograd here, the
+// caller's graph holds it. Python takes the slot and tracks the ticket (forward) and
+// maps the op's arguments to a plan handle.
+py::tuple relu_linear_op(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
+                         int64_t handle, int64_t slot, const py::handle& mm_dtype) {
+  check_input(a);
+  const int64_t mm = dtype_code(mm_dtype);
+  std::pair<Tensor, Tensor> result;
+  {
+    py::gil_scoped_release no_gil;
+    result = forward_impl(a, weight, bias, plan_at(handle), slot, mm);
+  }
+  return py::make_tuple(result.first, result.second);
+}
+
+py::tuple relu_linear_backward_op(const Tensor& grad_out, const Tensor& block,
+                                  const Tensor& ticket, const Tensor& weight,
+                                  const std::optional<Tensor>& x, const std::optional<Tensor>& w1,
+                                  const std::optional<Tensor>& b1,
+                                  const std::vector<int64_t>& a_shape, const py::handle& a_dtype,
+                                  bool has_bias, int64_t handle, bool square,
+                                  const py::handle& mm_dtype, int64_t policy, int64_t needs) {
+  const int64_t mm = dtype_code(mm_dtype), ad = dtype_code(a_dtype);
+  TORCH_CHECK(ad >= 0, "bitsparse: a_dtype must be a torch.dtype");
+  const auto a_type = static_cast<at::ScalarType>(ad);
+  const bool need_a = needs & 1, need_w = needs & 2, need_b = has_bias && (needs & 4);
+  const Plan& P = plan_at(handle);
+  const Tensor xs = x.value_or(Tensor()), w1s = w1.value_or(Tensor()), b1s = b1.value_or(Tensor());
+  Grads g;
+  {
+    py::gil_scoped_release no_gil;   // decide_clean takes it back only to ask Python
+    const bool clean = decide_clean(slot_of(ticket), slab_generations, ticket, policy, handle,
+                                    block, xs.defined());
+    g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, a_type, P, clean, square,
+                      mm, need_a, need_w, need_b);
+    // what the op's fake kernel says of a gradient not asked for: an empty tensor
+    if (!g.a.defined()) g.a = at::empty({0}, grad_out.options().dtype(a_type));
+    if (!g.weight.defined()) g.weight = at::empty({0}, weight.options());
+    if (!g.bias.defined()) g.bias = at::empty({0}, weight.options());
+  }
+  return py::make_tuple(g.a, g.weight, g.bias);
 }
 
 py::bytes launch_params(int64_t handle, const std::string& name, uint64_t block,
@@ -466,6 +557,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::swap(keep, clean_state_fn);   // an earlier one stays alive: a backward may hold it
   });
   m.def("add_plan", &add_plan);
+  m.def("set_slab", [](int64_t base, int64_t generations, int64_t slots) {
+    slab_base = base;
+    slab_generations = generations;
+    slab_slots = slots;
+  });
   m.def("relu_linear", &relu_linear);
+  m.def("relu_linear_op", &relu_linear_op);
+  m.def("relu_linear_backward_op", &relu_linear_backward_op);
   m.def("launch_params", &launch_params);
 }

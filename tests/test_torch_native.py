@@ -427,9 +427,9 @@ def test_emulated_backward_reads_the_slot_and_polls_every_8th(emulated, monkeypa
     from torch_models import make_pair
     calls = []
 
-    def counting(handle, policy, ticket, block):
+    def counting(handle, policy, ticket, block, recompute_source):
         calls.append(policy)
-        return native._pack_is_clean(handle, policy, ticket, block)
+        return native._pack_is_clean(handle, policy, ticket, block, recompute_source)
     emulated_mod = native.module()
     emulated_mod.set_state_fn(counting)
     try:
@@ -467,3 +467,115 @@ def test_emulated_native_other_dtypes_and_empty_batches(emulated, dtype):
         assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert {(k[1], k[5]) for k in native._handles if native._handles[k] is not None} == \
         {((24, 64), -1), ((0, 64), -1)}     # both shapes took the C++ path
+
+
+# --------------------------------------------------------------------------- #
+# The dispatcher's kernels (torch.compile graphs, CUDA graphs, torch.ops)      #
+# --------------------------------------------------------------------------- #
+@pytest.fixture
+def op_kernels(emulated, monkeypatch):
+    """The C++ halves of the op behind the Python autograd function, as the dispatcher's
+    CUDA kernels run them under torch.compile: ``_call`` takes ``ops.IMPLS`` for CPU
+    tensors, which here are the native kernels (emulated driver); the eager C++ node is
+    kept out of the way."""
+    from bitsparse_core.torch import ops
+    monkeypatch.setattr(native, "relu_linear", lambda *a, **k: None)
+    monkeypatch.setitem(ops.IMPLS, "relu_linear", native.relu_linear_kernel)
+    monkeypatch.setitem(ops.IMPLS, "relu_linear_backward", native.relu_linear_backward_kernel)
+    return emulated
+
+
+def test_the_op_kernels_stand_in_for_the_python_ones_on_cuda():
+    from bitsparse_core.torch import ops
+    assert ops.CUDA_KERNELS == {"relu_linear": native.relu_linear_kernel,
+                                "relu_linear_backward": native.relu_linear_backward_kernel}
+
+
+@pytest.mark.parametrize("case", ["relu2", "relu-overflow", "relu2-autocast", "relu2-no-source"])
+def test_op_kernels_train_bit_identically(op_kernels, case):
+    """Three AdamW steps through the dispatcher kernels' C++ halves: dense's losses,
+    gradients and parameters; an overflow recomputes; with no recompute source a clean
+    backward reads its count from the slot."""
+    from bitsparse_core.torch import relu_linear
+    from torch_models import assert_same_training, make_pair, train
+    kind = case.split("-")[0]
+    dtype = torch.float32 if "autocast" in case else torch.bfloat16
+    dense, ours = make_pair(kind, "nosign", d=32, f=96, dtype=dtype)
+    if "overflow" in case:
+        for blk in ours.blocks:
+            blk.capacity_policy.density = 0.01
+    if "no-source" in case:      # relu_linear without recompute=: the Python autograd path
+        for blk in ours.blocks:
+            blk.forward = lambda t, b=blk: relu_linear(b.fc1(t), b.fc2.weight, b.fc2.bias,
+                                                       square=True, policy=b.capacity_policy)
+    x = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    target = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(2))
+    autocast = torch.bfloat16 if "autocast" in case else None
+    got = train(ours, x, target, autocast=autocast)
+    assert len([k for k, _ in op_kernels.launches if k[0] == "pack"]) == 3 * 2
+    assert_same_training(train(dense, x, target, autocast=autocast), got)
+    recomputes = [blk.stats()["recomputes"] for blk in ours.blocks]
+    assert recomputes == ([3, 3] if "overflow" in case else [0, 0])
+
+
+@pytest.mark.parametrize("needs", [1, 2, 4, 3, 7, 0])
+def test_op_kernels_match_the_python_kernels(op_kernels, needs):
+    """Both halves against ops.relu_linear(_backward) for the same arguments: the same
+    output and block bytes, and for each ``needs`` the same gradients, empty where not
+    asked for (as the fake kernel says)."""
+    from bitsparse_core.torch import capacity as C
+    from bitsparse_core.torch import ops
+    g = torch.Generator().manual_seed(needs)
+    a = torch.randn(24, 64, generator=g).to(torch.bfloat16)
+    w, b = torch.randn(16, 64, generator=g).to(torch.bfloat16), torch.randn(16).to(torch.bfloat16)
+    pol = C.CapacityPolicy(density=0.75)
+    args = (a, w, b, None, None, None, pol.capacity(a.numel()), True, int(Encoding.NOSIGN),
+            DEFAULT_CHUNK_LOG2, None, pol.id)
+    out, block, ticket = native.relu_linear_kernel(*args)
+    out_py, block_py, ticket_py = ops.relu_linear(*args)
+    assert torch.equal(out, out_py) and torch.equal(block, block_py)
+    assert ticket[0] >= 0 and ticket_py[0] == C.HOST_FINAL     # a slot, and a host pack's
+    grad_out = torch.randn(24, 16, generator=g).to(torch.bfloat16)
+    rest = ([24, 64], torch.bfloat16, True, args[6], True, int(Encoding.NOSIGN),
+            DEFAULT_CHUNK_LOG2, None, pol.id, needs)
+    got = native.relu_linear_backward_kernel(grad_out, block, ticket, w, None, None, None, *rest)
+    want = ops.relu_linear_backward(grad_out, block_py, ticket_py, w, None, None, None, *rest)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_op_kernel_overflow_without_a_recompute_source_raises(op_kernels):
+    """An overflowed pack with no recompute source: the backward waits for its count and
+    raises the named error, never returns a wrong gradient."""
+    from bitsparse_core.errors import CapacityOverflowError
+    from bitsparse_core.torch import capacity as C
+    a = torch.randn(24, 64).to(torch.bfloat16)
+    w = torch.randn(16, 64).to(torch.bfloat16)
+    pol = C.CapacityPolicy(density=0.05)
+    args = (a, w, None, None, None, None, pol.capacity(a.numel()), False, int(Encoding.NOSIGN),
+            DEFAULT_CHUNK_LOG2, None, pol.id)
+    out, block, ticket = native.relu_linear_kernel(*args)
+    with pytest.raises(CapacityOverflowError, match="no recompute source"):
+        native.relu_linear_backward_kernel(torch.ones_like(out), block, ticket, w, None, None,
+                                           None, [24, 64], torch.bfloat16, False, args[6],
+                                           False, int(Encoding.NOSIGN), DEFAULT_CHUNK_LOG2,
+                                           None, pol.id, 1)
+
+
+def test_op_kernels_leave_long_chunks_and_python_path_to_python(op_kernels, monkeypatch):
+    from bitsparse_core.torch import capacity as C
+    from bitsparse_core.torch import ops
+    a = torch.randn(8, 32).to(torch.bfloat16)
+    w = torch.randn(4, 32).to(torch.bfloat16)
+    pol = C.CapacityPolicy(density=1.0)
+    for chunk_log2, off in ((DEFAULT_CHUNK_LOG2 + 2, False), (DEFAULT_CHUNK_LOG2, True)):
+        op_kernels.launches.clear()
+        args = (a, w, None, None, None, None, a.numel(), False, int(Encoding.RAW), chunk_log2,
+                None, pol.id)
+        if off:
+            with native.python_path():
+                out, block, ticket = native.relu_linear_kernel(*args)
+        else:
+            out, block, ticket = native.relu_linear_kernel(*args)
+        assert ticket[0] == C.HOST_FINAL and not op_kernels.launches   # the Python kernel ran
+        assert torch.equal(out, ops.relu_linear(*args)[0])

@@ -168,12 +168,13 @@ _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
 def _call(name: str, args: tuple, n_tensors: int):
     """``torch.ops.bitsparse.<name>(*args)``. In plain eager (CUDA or CPU tensors; no trace,
     no dispatch or function mode such as ``torch.device(...)``, no tensor subclass among
-    the first ``n_tensors`` arguments) its Python kernel is called directly: the
+    the first ``n_tensors`` arguments) its kernel is called directly (the Python one, or
+    on CUDA the C++ host path's where it has one, ``ops.CUDA_KERNELS``): the
     dispatcher's boxing of a dozen arguments costs tens of µs per call on a training
     step's critical path. Under the profiler the call keeps the op's name."""
     lead = args[0]
     if (lead.is_cuda or lead.is_cpu) and _plain_eager(args, n_tensors):
-        impl = _ops.IMPLS[name]
+        impl = (lead.is_cuda and _ops.CUDA_KERNELS.get(name)) or _ops.IMPLS[name]
         if torch.autograd.profiler._is_profiler_enabled:
             with torch.profiler.record_function(f"bitsparse::{name}"):
                 return impl(*args)

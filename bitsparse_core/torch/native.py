@@ -47,7 +47,7 @@ SOURCE = "torch_ffn_host.cpp"
 ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2")
 
 _lock = threading.Lock()
-_local = threading.local()   # .off: python_path() is active on this thread
+_off = 0                   # depth of python_path() blocks
 _built: dict = {}          # "module" / "error", once tried
 _cuda_ready = False
 _plans: dict = {}          # handle -> PackPlan (what the backward's state call needs)
@@ -79,6 +79,7 @@ def emulate_on_host(entry_points):
         raise RuntimeError(f"the C++ host path is not built: {_built.get('error')}")
     mod.set_driver(*entry_points)
     mod.set_host_emulation(True)
+    _hand_slab(mod)
     # the CUDA entry points are handed over again on the next CUDA call
     _emulation, _cuda_ready = mod, False
     try:
@@ -90,14 +91,17 @@ def emulate_on_host(entry_points):
 
 @contextlib.contextmanager
 def python_path():
-    """Within this block (on this thread) the FFN ops take the Python host path: for
-    comparing the two paths, and as an escape hatch."""
-    prev = getattr(_local, "off", False)
-    _local.off = True
+    """Within this block the FFN ops take the Python host path, in every thread (a
+    backward runs on autograd's device threads): for comparing the two paths, and as an
+    escape hatch."""
+    global _off
+    with _lock:
+        _off += 1
     try:
         yield
     finally:
-        _local.off = prev
+        with _lock:
+            _off -= 1
 
 
 def build():
@@ -142,8 +146,17 @@ def cuda_module():
             mod.set_driver(addr(lib.cuLaunchKernel), addr(lib.cuLaunchCooperativeKernel),
                            addr(lib.cuMemsetD8Async), addr(lib.cuMemcpyDtoHAsync_v2),
                            addr(lib.cuGetErrorName))
+            _hand_slab(mod)
             _cuda_ready = True
     return mod
+
+
+def _hand_slab(mod) -> None:
+    """Where the pinned slots and their generations live, for the op kernels' backward
+    (which gets only the ticket)."""
+    slab = C.SLAB
+    slab._arrays()
+    mod.set_slab(slab._mem.data_ptr(), slab.generations, slab.slots)
 
 
 def host_path(device) -> str:
@@ -153,11 +166,13 @@ def host_path(device) -> str:
     return "c++" if cuda_module() is not None else "python (the C++ path did not build)"
 
 
-def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.Tensor) -> bool:
+def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.Tensor,
+                   recompute_source: bool) -> bool:
     """The C++ backward's question: may it read the packed values? (The policy waits for
-    or gives up on a count not back yet, re-picks its bucket, counts recomputes.)"""
-    return _ops._clean_state(block, ticket, _plans[handle], C.POLICIES.get(policy), True,
-                             "relu_linear")
+    or gives up on a count not back yet, re-picks its bucket, counts recomputes; without
+    a recompute source the host waits and an overflow raises.)"""
+    return _ops._clean_state(block, ticket, _plans[handle], C.POLICIES.get(policy),
+                             recompute_source, "relu_linear")
 
 
 # --------------------------------------------------------------------------- #
@@ -270,38 +285,82 @@ def register(mod, plan: host.PackPlan, device: int):
 # --------------------------------------------------------------------------- #
 # The op                                                                      #
 # --------------------------------------------------------------------------- #
+def _module_for(t: torch.Tensor):
+    """The extension for an op on ``t``'s device (CUDA, or the CPU under
+    :func:`emulate_on_host`), or None where the Python path runs."""
+    if _off:
+        return None
+    if not t.is_cuda:       # only a test's host emulation gets here (see emulate_on_host)
+        return _emulation
+    return cuda_module()
+
+
+def _handle(mod, square: bool, shape, dtype, capacity: int, encoding: int, device: int):
+    """The C++ handle of a plan (registered on its first use), or None where the C++
+    path does not take it."""
+    key = (square, tuple(shape), dtype, capacity, encoding, device)
+    handle = _handles.get(key, -1)
+    if handle == -1:        # first call of this shape and capacity: one registration
+        plan = _ops._plan(shape, dtype, capacity, square, encoding, DEFAULT_CHUNK_LOG2)
+        handle = _handles[key] = register(mod, plan, device)
+    return handle
+
+
 def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encoding: int,
                 mm_dtype, policy: C.CapacityPolicy):
     """``F.linear(relu(a)[**2], weight, bias)`` through the C++ path, with the activation
     packed for a C++ backward; None where that path does not apply (the caller then
     takes the Python one). ``a`` is a contiguous CUDA tensor and ``(x, w1, b1)`` its
     recompute source."""
-    if getattr(_local, "off", False):
-        return None
-    if not a.is_cuda:       # only a test's host emulation gets here (see emulate_on_host)
-        if _emulation is None:
-            return None
-        return _relu_linear(_emulation, a, weight, bias, x, w1, b1, capacity, square,
-                            encoding, mm_dtype, policy)
-    mod = cuda_module()
+    mod = _module_for(a)
     if mod is None:
         return None
-    return _relu_linear(mod, a, weight, bias, x, w1, b1, capacity, square, encoding, mm_dtype,
-                        policy)
-
-
-def _relu_linear(mod, a, weight, bias, x, w1, b1, capacity, square, encoding, mm_dtype,
-                 policy):
-    device = a.get_device()
-    key = (square, tuple(a.shape), a.dtype, capacity, encoding, device)
-    handle = _handles.get(key, -1)
-    if handle == -1:        # first call of this shape and capacity: one registration
-        plan = _ops._plan(a.shape, a.dtype, capacity, square, encoding, DEFAULT_CHUNK_LOG2)
-        handle = _handles[key] = register(mod, plan, device)
+    handle = _handle(mod, square, a.shape, a.dtype, capacity, encoding, a.get_device())
     if handle is None:
         return None
-    slab = C.SLAB
     slot, ticket = C.claim_slot()
     policy.track(ticket, a.numel(), capacity, None)
-    return mod.relu_linear(a, weight, bias, x, w1, b1, ticket, handle, slot, slab.generations,
+    return mod.relu_linear(a, weight, bias, x, w1, b1, ticket, handle, slot, C.SLAB.generations,
                            square, mm_dtype, policy.id)
+
+
+# The dispatcher's CUDA kernels of bitsparse::relu_linear and relu_linear_backward
+# (what torch.compile's graphs, CUDA graph captures and torch.ops calls reach): the
+# C++ halves of the op without its autograd node, the Python kernels where the C++
+# path does not apply. Same arguments and results as ops.relu_linear(_backward).
+def relu_linear_kernel(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2,
+                       mm_dtype, policy):
+    mod = _module_for(a) if chunk_log2 == DEFAULT_CHUNK_LOG2 else None
+    handle = None
+    if mod is not None:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        handle = _handle(mod, square, a.shape, a.dtype, capacity, encoding, a.get_device())
+    if handle is None:
+        return _ops.relu_linear(a, weight, bias, x, w1, b1, capacity, square, encoding,
+                                chunk_log2, mm_dtype, policy)
+    slot, ticket = C.claim_slot()
+    pol = C.POLICIES.get(policy)
+    if pol is not None:
+        pol.track(ticket, a.numel(), capacity, None)
+    out, block = mod.relu_linear_op(a, weight, bias, handle, slot, mm_dtype)
+    return out, block, ticket
+
+
+def relu_linear_backward_kernel(grad_out, block, ticket, weight, x, w1, b1, a_shape, a_dtype,
+                                has_bias, capacity, square, encoding, chunk_log2, mm_dtype,
+                                policy, needs):
+    mod = _module_for(block) if chunk_log2 == DEFAULT_CHUNK_LOG2 else None
+    handle = None if mod is None else _handle(mod, square, a_shape, a_dtype, capacity,
+                                              encoding, block.get_device())
+    if handle is None:
+        return _ops.relu_linear_backward(grad_out, block, ticket, weight, x, w1, b1, a_shape,
+                                         a_dtype, has_bias, capacity, square, encoding,
+                                         chunk_log2, mm_dtype, policy, needs)
+    return mod.relu_linear_backward_op(grad_out, block, ticket, weight, x, w1, b1, a_shape,
+                                       a_dtype, has_bias, handle, square, mm_dtype, policy,
+                                       needs)
+
+
+_ops.CUDA_KERNELS.update(relu_linear=relu_linear_kernel,
+                         relu_linear_backward=relu_linear_backward_kernel)

@@ -251,13 +251,17 @@ NEED_A, NEED_W, NEED_B = 1, 2, 4
 
 
 IMPLS: dict = {}   # op name -> its Python kernel (functional.py calls them directly in eager)
+# op name -> the CUDA kernel that stands in for its Python one: native.py's C++ host
+# path, which itself runs the Python kernel where that path does not apply
+CUDA_KERNELS: dict = {}
 
 
 def _register(name: str):
-    """Register a function as the CPU and CUDA kernel of ``bitsparse::name``."""
+    """Register a function as the CPU and CUDA kernel of ``bitsparse::name`` (on CUDA,
+    behind :data:`CUDA_KERNELS`)."""
     def deco(fn):
         _LIB.impl(name, fn, "CPU")
-        _LIB.impl(name, fn, "CUDA")
+        _LIB.impl(name, lambda *args: CUDA_KERNELS.get(name, fn)(*args), "CUDA")
         IMPLS[name] = fn
         return fn
     return deco
