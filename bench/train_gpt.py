@@ -362,8 +362,11 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
     def step(x, y, marks=None):
         return train_step(call, opt, x, y, marks)
 
+    compiles, compiled_before = {}, None
     with attention_backend(args.attn):
         for i, (x, y) in enumerate(batches[:plan.warmup + plan.timed]):
+            if i == plan.warmup:
+                compiled_before = graphs_compiled()
             bench.check_time(f"{name} at step {i}")
             x, y = x.to(device), y.to(device)
             sync(device)
@@ -380,8 +383,11 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
                 phases.append((marks[0] - t0, marks[1] - marks[0], t1 - marks[1]))
             if probe and i % args.sparsity_every == 0:
                 sparsity.append((i, probe_sparsity(model, x, y)))
+        if compiled_before is not None:
+            compiles["timed"] = graphs_compiled() - compiled_before
         syncs = None
         if plan.profiled:
+            compiles["profiled"] = -graphs_compiled()
             bench.check_time(f"{name} before profiling")
             on_device = [(x.to(device), y.to(device)) for x, y in batches[plan.warmup + plan.timed:]]
             trace = (Path(args.out) / f"train_gpt_{name}_trace.json.gz"
@@ -390,6 +396,7 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
                 trace.parent.mkdir(parents=True, exist_ok=True)
             prof_losses, syncs = profile_steps(step, on_device, device, OWN_OPS, trace=trace)
             sync(device)
+            compiles["profiled"] += graphs_compiled()
             losses += prof_losses
     res = {
         "status": "ok",
@@ -404,12 +411,21 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
         "losses": torch.stack(losses).float().cpu().tolist(),
         "syncs": syncs,
         "sparsity": sparsity,
+        # graphs torch.compile compiled in the timed and in the profiled steps (a capacity
+        # bucket that moved recompiles once; its time and the compiler's syncs land there)
+        "compiles": compiles,
     }
     if args.cprofile_steps and device.type == "cuda":
         res["cprofile"] = cprofile_steps(step, batches[:args.cprofile_steps], device)
     res["capacity"] = capacity_stats(model, plan.total + (args.cprofile_steps or 0))
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return res, params
+
+
+def graphs_compiled() -> int:
+    """How many graphs torch.compile has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
 
 
 def cprofile_steps(step, batches, device: torch.device, top: int = 45) -> str:
@@ -763,6 +779,12 @@ def markdown_variants(summary: dict) -> str:
             out.append(f"| {name} | " + " | ".join(_f(sy["per_step"][k], "g") for k in keys)
                        + f" | {sy['host_ms_per_step']:.1f} | "
                        f"{_f(sy.get('gpu_busy_ms_per_step'))} |")
+        recompiled = {n: v["compiles"]["profiled"] for n, v in summary["variants"].items()
+                      if n in profiled and v.get("compiles", {}).get("profiled")}
+        if recompiled:
+            out += ["", "Recompiles inside the profiled steps (a capacity bucket moved; the "
+                    "compiler's own syncs and host time are in that row): " + "; ".join(
+                        f"{n} {k}" for n, k in recompiled.items()) + "."]
         hidden = {n: sy["copy_overlap"] for n, sy in profiled.items()
                   if sy.get("copy_overlap") is not None}
         if hidden:
