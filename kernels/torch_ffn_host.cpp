@@ -1,13 +1,15 @@
-// The eager host path of bitsparse's packed ReLU / ReLU² FFN op, in C++.
+// The CUDA host path of bitsparse's packed ReLU / ReLU² FFN op, in C++.
 //
 // bitsparse_core/torch/native.py builds this file as a PyTorch C++ extension (no
 // CUDA headers or nvcc needed: the kernels are CuPy's, launched through the
-// driver entry points Python hands over) and uses it for CUDA tensors in eager
-// mode. The op's semantics are those of bitsparse::relu_linear and
+// driver entry points Python hands over) and uses it for CUDA tensors. The op's
+// semantics are those of bitsparse::relu_linear and
 // bitsparse::relu_linear_backward (bitsparse_core/torch/ops.py): the same ATen
 // calls in the same order, so the two paths give the same bits. What moves here
 // is only the host work: the forward's pack launch and the whole backward run
-// as a C++ autograd node. The backward reads the pack's count from its pinned slot
+// as a C++ autograd node in eager mode, and as the dispatcher's CUDA kernels of the two
+// ops (relu_linear_op / relu_linear_backward_op: compiled graphs, CUDA graph captures,
+// torch.ops calls) elsewhere. The backward reads the pack's count from its pinned slot
 // itself and calls into Python (the capacity policy) only when the pack is not known
 // clean there, or every few backwards for the policy's poll.
 //

@@ -1,4 +1,4 @@
-"""The C++ host path of the packed ReLU / ReLU² FFN op, for CUDA tensors in eager mode.
+"""The C++ host path of the packed ReLU / ReLU² FFN op, for CUDA tensors.
 
 A training step of a model with a few hundred microseconds of GPU work per layer is
 bound by host time, and the Python autograd node and Python-level torch calls of
@@ -10,7 +10,11 @@ sends :func:`~.functional.relu_linear` there when the C++ path applies: the forw
 pack launch and the whole backward then run in C++. The backward reads the pack's count
 from its pinned slot (:class:`.capacity.FlagSlab`) itself and calls back into Python
 (:func:`.ops._clean_state`, the capacity policy) only where the pack is not known clean
-there, and every 8th backward of a policy, whose poll moves the capacity.
+there, and every 8th backward of a policy, whose poll moves the capacity. The same C++
+halves of the op, without the autograd node, are the dispatcher's CUDA kernels of
+``bitsparse::relu_linear`` and ``relu_linear_backward`` (:func:`relu_linear_kernel`,
+:func:`relu_linear_backward_kernel`, through ``ops.CUDA_KERNELS``): what torch.compile's
+graphs, CUDA graph captures and the Python autograd function reach.
 
 The extension needs a C++ compiler and PyTorch's headers, not CUDA's: it launches the
 CuPy-compiled kernels through the driver entry points of
