@@ -246,13 +246,25 @@ bool poll_due(int64_t policy) {
   return backwards_of_policy[policy]++ % kPollEvery == 0;
 }
 
+// The pinned slab of capacity.SLAB (set_slab): slot i is 16 bytes at base + 16 i, its
+// generation (capacity.FlagSlab._gen) the i-th int64 at ``generations``. A pack's ticket
+// [i, generation] names its slot.
+int64_t slab_base = 0, slab_generations = 0, slab_slots = 0;
+
+// The host address of a ticket's slot, 0 for a pack without one (a NO_SLOT ticket, taken
+// during a graph capture or with every slot in flight).
+int64_t slot_of(const Tensor& ticket) {
+  const int64_t i = ticket.data_ptr<int64_t>()[0];
+  return (slab_base && i >= 0 && i < slab_slots) ? slab_base + 16 * i : 0;
+}
+
 // The slot's {u32 status, u32 pad, u64 nnz} once its copy has landed, when the slot still
-// belongs to this pack (its generation, capacity.FlagSlab._gen): FlagSlab.read's rule.
-bool slot_shows_clean(int64_t slot, int64_t generations, const Tensor& ticket) {
-  if (slot == 0 || generations == 0) return false;
+// belongs to this pack (its generation): FlagSlab.read's rule.
+bool slot_shows_clean(const Tensor& ticket) {
+  const int64_t slot = slot_of(ticket);
+  if (slot == 0 || slab_generations == 0) return false;
   const int64_t* t = ticket.data_ptr<int64_t>();
-  if (t[0] < 0) return false;
-  const volatile int64_t* gen = reinterpret_cast<const int64_t*>(generations) + t[0];
+  const volatile int64_t* gen = reinterpret_cast<const int64_t*>(slab_generations) + t[0];
   const volatile uint32_t* status = reinterpret_cast<const uint32_t*>(slot);
   const volatile uint64_t* nnz = reinterpret_cast<const uint64_t*>(slot + 8);
   const uint32_t s = *status;
@@ -266,15 +278,6 @@ bool pack_is_clean(int64_t handle, int64_t policy, const Tensor& ticket, const T
   py::gil_scoped_acquire gil;
   TORCH_CHECK(clean_state_fn != nullptr, "bitsparse: native module used before set_state_fn");
   return (*clean_state_fn)(handle, policy, ticket, block, recompute_source).cast<bool>();
-}
-
-// The slab's slots and generations (capacity.SLAB), for a backward that has only the
-// ticket: the dispatcher's kernel, whose forward ran elsewhere.
-int64_t slab_base = 0, slab_generations = 0, slab_slots = 0;
-
-int64_t slot_of(const Tensor& ticket) {
-  const int64_t i = ticket.data_ptr<int64_t>()[0];
-  return (slab_base && i >= 0 && i < slab_slots) ? slab_base + 16 * i : 0;
 }
 
 void* current_stream(const c10::Device& device) {
@@ -307,11 +310,11 @@ Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shap
 // ---------------------------------------------------------------------------
 // The op's two halves (shared by the autograd node and the dispatcher's kernels)
 // ---------------------------------------------------------------------------
-// Forward: pack relu(a) into a new block (its count copied to ``slot`` when one was
-// taken) and return (linear(relu(a)[**2], weight, bias), block).
+// Forward: pack relu(a) into a new block (its count copied to the ticket's slot where it
+// has one) and return (linear(relu(a)[**2], weight, bias), block).
 std::pair<Tensor, Tensor> forward_impl(const Tensor& a, const Tensor& weight,
                                        const std::optional<Tensor>& bias, const Plan& P,
-                                       int64_t slot, int64_t mm_dtype) {
+                                       const Tensor& ticket, int64_t mm_dtype) {
   TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
               a.numel());
   c10::DeviceGuard device_guard(a.device());
@@ -330,7 +333,8 @@ std::pair<Tensor, Tensor> forward_impl(const Tensor& a, const Tensor& weight,
     memset0(scratch, P.scratch_bytes, stream);
     P.pack.run(stream, b, {address(a), y, scratch, 0, 0, 0});
   }
-  if (slot) {   // status word and count in one copy; the slot reads pending until it lands
+  if (const int64_t slot = slot_of(ticket)) {
+    // status word and count in one copy; the slot reads pending until it lands
     check(driver.copy_to_host(reinterpret_cast<void*>(slot), b + P.status_offset, 16, stream),
           "cuMemcpyDtoHAsync");
   }
@@ -343,9 +347,9 @@ std::pair<Tensor, Tensor> forward_impl(const Tensor& a, const Tensor& weight,
 // Whether the backward may read the packed values: the slot says clean (and the policy's
 // poll is not due), else Python's policy decides (waits, recomputes, or raises where
 // there is no recompute source).
-bool decide_clean(int64_t slot, int64_t generations, const Tensor& ticket, int64_t policy,
-                  int64_t handle, const Tensor& block, bool recompute_source) {
-  return (slot_shows_clean(slot, generations, ticket) && !poll_due(policy))
+bool decide_clean(const Tensor& ticket, int64_t policy, int64_t handle, const Tensor& block,
+                  bool recompute_source) {
+  return (slot_shows_clean(ticket) && !poll_due(policy))
          || pack_is_clean(handle, policy, ticket, block, recompute_source);
 }
 
@@ -410,21 +414,19 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
 // ---------------------------------------------------------------------------
 // The autograd function (eager mode)
 // ---------------------------------------------------------------------------
-constexpr size_t kInputs = 13;   // forward's arguments after ctx
+constexpr size_t kInputs = 11;   // forward's arguments after ctx
 
 struct ReLULinear : public torch::autograd::Function<ReLULinear> {
   // Optional tensors are std::optional (autograd records an input's metadata, which an
   // undefined tensor does not have).
   static Tensor forward(AutogradContext* ctx, Tensor a, Tensor weight,
                         std::optional<Tensor> bias, Tensor x, Tensor w1, std::optional<Tensor> b1,
-                        Tensor ticket, int64_t handle, int64_t slot, int64_t generations,
-                        bool square, int64_t mm_dtype, int64_t policy) {
+                        Tensor ticket, int64_t handle, bool square, int64_t mm_dtype,
+                        int64_t policy) {
     RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
-    auto [out, block] = forward_impl(a, weight, bias, plan_at(handle), slot, mm_dtype);
+    auto [out, block] = forward_impl(a, weight, bias, plan_at(handle), ticket, mm_dtype);
     ctx->save_for_backward({block, weight, x, w1, b1.value_or(Tensor())});
     ctx->saved_data["ticket"] = ticket;
-    ctx->saved_data["slot"] = slot;
-    ctx->saved_data["generations"] = generations;
     ctx->saved_data["a_shape"] = a.sizes().vec();
     ctx->saved_data["a_dtype"] = static_cast<int64_t>(a.scalar_type());
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
@@ -445,8 +447,7 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
                  &b1 = saved[4];
     const auto& data = ctx->saved_data;
     const int64_t handle = data.at("handle").toInt(), policy = data.at("policy").toInt();
-    const bool clean = decide_clean(data.at("slot").toInt(), data.at("generations").toInt(),
-                                    data.at("ticket").toTensor(), policy, handle, block, true);
+    const bool clean = decide_clean(data.at("ticket").toTensor(), policy, handle, block, true);
     const Grads g = backward_impl(
         grad_out, block, weight, x, w1, b1, data.at("a_shape").toIntVector(),
         static_cast<at::ScalarType>(data.at("a_dtype").toInt()), plan_at(handle), clean,
@@ -473,27 +474,26 @@ int64_t dtype_code(const py::handle& dtype) {
 
 Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
                    const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
-                   const Tensor& ticket, int64_t handle, int64_t slot, int64_t generations,
-                   bool square, const py::handle& mm_dtype, int64_t policy) {
+                   const Tensor& ticket, int64_t handle, bool square,
+                   const py::handle& mm_dtype, int64_t policy) {
   check_input(a);
   const int64_t mm = dtype_code(mm_dtype);
   py::gil_scoped_release no_gil;   // as any ATen call from Python
-  return ReLULinear::apply(a, weight, bias, x, w1, b1, ticket, handle, slot, generations, square,
-                           mm, policy);
+  return ReLULinear::apply(a, weight, bias, x, w1, b1, ticket, handle, square, mm, policy);
 }
 
 // The kernels of the dispatcher's bitsparse::relu_linear and relu_linear_backward
 // (torch.compile's graphs, CUDA graphs, torch.ops calls): no autograd here, the
-// caller's graph holds it. Python takes the slot and tracks the ticket (forward) and
+// caller's graph holds it. Python takes the ticket and tracks it (forward) and
 // maps the op's arguments to a plan handle.
 py::tuple relu_linear_op(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
-                         int64_t handle, int64_t slot, const py::handle& mm_dtype) {
+                         const Tensor& ticket, int64_t handle, const py::handle& mm_dtype) {
   check_input(a);
   const int64_t mm = dtype_code(mm_dtype);
   std::pair<Tensor, Tensor> result;
   {
     py::gil_scoped_release no_gil;
-    result = forward_impl(a, weight, bias, plan_at(handle), slot, mm);
+    result = forward_impl(a, weight, bias, plan_at(handle), ticket, mm);
   }
   return py::make_tuple(result.first, result.second);
 }
@@ -514,8 +514,7 @@ py::tuple relu_linear_backward_op(const Tensor& grad_out, const Tensor& block,
   Grads g;
   {
     py::gil_scoped_release no_gil;   // decide_clean takes it back only to ask Python
-    const bool clean = decide_clean(slot_of(ticket), slab_generations, ticket, policy, handle,
-                                    block, xs.defined());
+    const bool clean = decide_clean(ticket, policy, handle, block, xs.defined());
     g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, a_type, P, clean, square,
                       mm, need_a, need_w, need_b);
     // what the op's fake kernel says of a gradient not asked for: an empty tensor

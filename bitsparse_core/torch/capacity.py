@@ -66,6 +66,11 @@ class FlagSlab:
             self.status[::4] = 0
         return self.status, self.nnz
 
+    def base(self) -> int:
+        """Host address of slot 0 (the slab is allocated on first use)."""
+        self._arrays()
+        return self._mem.data_ptr()
+
     def acquire(self):
         """``(host address of the slot, ticket)``; the slot reads as pending until
         the caller's copies land."""

@@ -156,11 +156,10 @@ def cuda_module():
 
 
 def _hand_slab(mod) -> None:
-    """Where the pinned slots and their generations live, for the op kernels' backward
-    (which gets only the ticket)."""
+    """Where the pinned slots and their generations live: C++ finds a pack's slot from
+    its ticket."""
     slab = C.SLAB
-    slab._arrays()
-    mod.set_slab(slab._mem.data_ptr(), slab.generations, slab.slots)
+    mod.set_slab(slab.base(), slab.generations, slab.slots)
 
 
 def host_path(device) -> str:
@@ -322,10 +321,16 @@ def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encodin
     handle = _handle(mod, square, a.shape, a.dtype, capacity, encoding, a.get_device())
     if handle is None:
         return None
-    slot, ticket = C.claim_slot()
-    policy.track(ticket, a.numel(), capacity, None)
-    return mod.relu_linear(a, weight, bias, x, w1, b1, ticket, handle, slot, C.SLAB.generations,
-                           square, mm_dtype, policy.id)
+    return mod.relu_linear(a, weight, bias, x, w1, b1, _ticket(policy, a.numel(), capacity),
+                           handle, square, mm_dtype, policy.id)
+
+
+def _ticket(policy, numel: int, capacity: int) -> torch.Tensor:
+    """A pack's ticket (its pinned slot, where one is free), tracked by its policy."""
+    _, ticket = C.claim_slot()
+    if policy is not None:
+        policy.track(ticket, numel, capacity, None)
+    return ticket
 
 
 # The dispatcher's CUDA kernels of bitsparse::relu_linear and relu_linear_backward
@@ -343,11 +348,8 @@ def relu_linear_kernel(a, weight, bias, x, w1, b1, capacity, square, encoding, c
     if handle is None:
         return _ops.relu_linear(a, weight, bias, x, w1, b1, capacity, square, encoding,
                                 chunk_log2, mm_dtype, policy)
-    slot, ticket = C.claim_slot()
-    pol = C.POLICIES.get(policy)
-    if pol is not None:
-        pol.track(ticket, a.numel(), capacity, None)
-    out, block = mod.relu_linear_op(a, weight, bias, handle, slot, mm_dtype)
+    ticket = _ticket(C.POLICIES.get(policy), a.numel(), capacity)
+    out, block = mod.relu_linear_op(a, weight, bias, ticket, handle, mm_dtype)
     return out, block, ticket
 
 
