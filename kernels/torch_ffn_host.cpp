@@ -8,10 +8,11 @@
 // calls in the same order, so the two paths give the same bits. What moves here
 // is only the host work: the forward's pack launch and the whole backward run
 // as a C++ autograd node in eager mode, and as the dispatcher's CUDA kernels of the two
-// ops (relu_linear_op / relu_linear_backward_op: compiled graphs, CUDA graph captures,
-// torch.ops calls) elsewhere. The backward reads the pack's count from its pinned slot
-// itself and calls into Python (the capacity policy) only when the pack is not known
-// clean there, or every few backwards for the policy's poll.
+// ops (registered from here: compiled graphs, CUDA graph captures, torch.ops calls)
+// elsewhere. A pack takes its pinned slot from this file's ring and queues its ticket
+// for the capacity policy, which drains the queue when it polls; the backward reads the
+// pack's count from the slot itself and calls into Python (the policy) only when the
+// pack is not known clean there, or every few backwards for the policy's poll.
 //
 // Launches are templates Python builds once per (plan, device) from the
 // argument records of bitsparse_core/backends/cuda/abi.py: the record's bytes
@@ -27,11 +28,14 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 #include <pybind11/stl.h>
 
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -57,6 +61,7 @@ using CoopLaunchFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigned,
 using MemsetFn = CUresult (*)(uint64_t, unsigned char, size_t, void*);
 using CopyToHostFn = CUresult (*)(void*, uint64_t, size_t, void*);
 using ErrorNameFn = CUresult (*)(CUresult, const char**);
+using IsCapturingFn = CUresult (*)(void*, int*);
 
 struct Driver {
   LaunchFn launch = nullptr;
@@ -64,6 +69,7 @@ struct Driver {
   MemsetFn memset = nullptr;
   CopyToHostFn copy_to_host = nullptr;
   ErrorNameFn error_name = nullptr;
+  IsCapturingFn is_capturing = nullptr;   // absent under host emulation
 };
 Driver driver;
 // Host tensors with a driver whose entry points run the reference codec on host memory
@@ -248,29 +254,120 @@ bool poll_due(int64_t policy) {
 
 // The pinned slab of capacity.SLAB (set_slab): slot i is 16 bytes at base + 16 i, its
 // generation (capacity.FlagSlab._gen) the i-th int64 at ``generations``. A pack's ticket
-// [i, generation] names its slot.
-int64_t slab_base = 0, slab_generations = 0, slab_slots = 0;
+// [i, generation] names its slot. Slots [ring_begin, slots) are this file's ring (Python
+// takes the ones below).
+constexpr uint32_t kSentinel32 = 0xFFFFFFFFu;      // capacity.SENTINEL (a status not landed)
+constexpr int64_t kNoSlot = -1;                    // capacity.NO_SLOT
+struct Slab {
+  int64_t base = 0, generations = 0, slots = 0, ring_begin = 0, next = 0;
+  std::mutex mutex;
+};
+Slab slab;
+
+volatile uint32_t* slot_status(int64_t i) {
+  return reinterpret_cast<volatile uint32_t*>(slab.base + 16 * i);
+}
+volatile uint64_t* slot_count(int64_t i) {
+  return reinterpret_cast<volatile uint64_t*>(slab.base + 16 * i + 8);
+}
+volatile int64_t* slot_generation(int64_t i) {
+  return reinterpret_cast<volatile int64_t*>(slab.generations) + i;
+}
+
+// A ticket: a CPU int64 tensor [slot, generation] of its own (what the ops' fake kernels
+// describe), as capacity.FlagSlab makes them.
+Tensor new_ticket(int64_t slot, int64_t generation) {
+  Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+  int64_t* p = t.data_ptr<int64_t>();
+  p[0] = slot;
+  p[1] = generation;
+  return t;
+}
+
+bool capturing(void* stream) {
+  int status = 0;   // CU_STREAM_CAPTURE_STATUS_NONE
+  if (stream != nullptr && driver.is_capturing != nullptr) {
+    check(driver.is_capturing(stream, &status), "cuStreamIsCapturing");
+  }
+  return status != 0;
+}
+
+// The next free slot of the ring (FlagSlab.acquire's rule: a slot whose copy has not
+// landed is skipped), its sentinels written before the pack's copy is queued; a NO_SLOT
+// ticket while ``stream`` is captured into a CUDA graph (a count cannot be read without
+// a sync there) or with every slot in flight. The generation is bumped first: a reader
+// of the slot's previous ticket then sees a stale generation, never the new sentinels
+// as the old pack's state.
+Tensor claim_ticket(void* stream) {
+  if (slab.base == 0 || slab.slots <= slab.ring_begin || capturing(stream)) {
+    return new_ticket(kNoSlot, 0);
+  }
+  std::lock_guard<std::mutex> lock(slab.mutex);
+  for (int64_t k = slab.ring_begin; k < slab.slots; ++k) {
+    const int64_t i = slab.next;
+    slab.next = i + 1 == slab.slots ? slab.ring_begin : i + 1;
+    if (*slot_status(i) == kSentinel32) continue;
+    const int64_t generation = *slot_generation(i) + 1;
+    *slot_generation(i) = generation;
+    *slot_status(i) = kSentinel32;
+    *slot_count(i) = kSentinel64;
+    return new_ticket(i, generation);
+  }
+  return new_ticket(kNoSlot, 0);
+}
 
 // The host address of a ticket's slot, 0 for a pack without one (a NO_SLOT ticket, taken
 // during a graph capture or with every slot in flight).
 int64_t slot_of(const Tensor& ticket) {
   const int64_t i = ticket.data_ptr<int64_t>()[0];
-  return (slab_base && i >= 0 && i < slab_slots) ? slab_base + 16 * i : 0;
+  return (slab.base && i >= 0 && i < slab.slots) ? slab.base + 16 * i : 0;
 }
 
 // The slot's {u32 status, u32 pad, u64 nnz} once its copy has landed, when the slot still
 // belongs to this pack (its generation): FlagSlab.read's rule.
 bool slot_shows_clean(const Tensor& ticket) {
-  const int64_t slot = slot_of(ticket);
-  if (slot == 0 || slab_generations == 0) return false;
+  if (slot_of(ticket) == 0 || slab.generations == 0) return false;
   const int64_t* t = ticket.data_ptr<int64_t>();
-  const volatile int64_t* gen = reinterpret_cast<const int64_t*>(slab_generations) + t[0];
-  const volatile uint32_t* status = reinterpret_cast<const uint32_t*>(slot);
-  const volatile uint64_t* nnz = reinterpret_cast<const uint64_t*>(slot + 8);
-  const uint32_t s = *status;
-  const uint64_t n = *nnz;
+  const uint32_t s = *slot_status(t[0]);
+  const uint64_t n = *slot_count(t[0]);
   // status 0: landed (the sentinel is all ones) and clean
-  return *gen == t[1] && s == 0 && n != kSentinel64;
+  return *slot_generation(t[0]) == t[1] && s == 0 && n != kSentinel64;
+}
+
+// Packs tracked for their capacity policy (CapacityPolicy.track's records, made here
+// without Python): capacity.drain_native_tracks takes them when a policy polls. Bounded
+// like the policy's own queue; the pack counts are kept apart, so none is lost.
+struct Tracked {
+  int64_t policy, slot, generation, numel, capacity;
+};
+constexpr size_t kMaxTracked = 1 << 16;
+std::mutex track_mutex;
+std::deque<Tracked> tracked;
+std::map<int64_t, int64_t> packs_of_policy;
+
+void track(int64_t policy, const Tensor& ticket, int64_t numel, int64_t capacity) {
+  if (policy <= 0) return;   // policy ids start at 1
+  const int64_t* t = ticket.data_ptr<int64_t>();
+  std::lock_guard<std::mutex> lock(track_mutex);
+  ++packs_of_policy[policy];
+  if (t[0] < 0) return;      // no slot: nothing will come back
+  if (tracked.size() == kMaxTracked) tracked.pop_front();
+  tracked.push_back({policy, t[0], t[1], numel, capacity});
+}
+
+py::tuple drain_tracks() {
+  std::deque<Tracked> records;
+  std::map<int64_t, int64_t> packs;
+  {
+    std::lock_guard<std::mutex> lock(track_mutex);
+    records.swap(tracked);
+    packs.swap(packs_of_policy);
+  }
+  py::list out;
+  for (const Tracked& r : records) {
+    out.append(py::make_tuple(r.policy, r.slot, r.generation, r.numel, r.capacity));
+  }
+  return py::make_tuple(out, packs);
 }
 
 bool pack_is_clean(int64_t handle, int64_t policy, const Tensor& ticket, const Tensor& block,
@@ -416,14 +513,23 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
 // ---------------------------------------------------------------------------
 constexpr size_t kInputs = 11;   // forward's arguments after ctx
 
+// A pack's ticket, taken and tracked for its policy before the pack is queued.
+Tensor ticket_for(const Tensor& a, int64_t policy, int64_t capacity) {
+  Tensor ticket = claim_ticket(current_stream(a.device()));
+  track(policy, ticket, a.numel(), capacity);
+  return ticket;
+}
+
 struct ReLULinear : public torch::autograd::Function<ReLULinear> {
   // Optional tensors are std::optional (autograd records an input's metadata, which an
   // undefined tensor does not have).
   static Tensor forward(AutogradContext* ctx, Tensor a, Tensor weight,
                         std::optional<Tensor> bias, Tensor x, Tensor w1, std::optional<Tensor> b1,
-                        Tensor ticket, int64_t handle, bool square, int64_t mm_dtype,
+                        int64_t capacity, int64_t handle, bool square, int64_t mm_dtype,
                         int64_t policy) {
     RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
+    c10::DeviceGuard device_guard(a.device());
+    const Tensor ticket = ticket_for(a, policy, capacity);
     auto [out, block] = forward_impl(a, weight, bias, plan_at(handle), ticket, mm_dtype);
     ctx->save_for_backward({block, weight, x, w1, b1.value_or(Tensor())});
     ctx->saved_data["ticket"] = ticket;
@@ -474,55 +580,135 @@ int64_t dtype_code(const py::handle& dtype) {
 
 Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
                    const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
-                   const Tensor& ticket, int64_t handle, bool square,
-                   const py::handle& mm_dtype, int64_t policy) {
+                   int64_t capacity, int64_t handle, bool square, const py::handle& mm_dtype,
+                   int64_t policy) {
   check_input(a);
   const int64_t mm = dtype_code(mm_dtype);
   py::gil_scoped_release no_gil;   // as any ATen call from Python
-  return ReLULinear::apply(a, weight, bias, x, w1, b1, ticket, handle, square, mm, policy);
+  return ReLULinear::apply(a, weight, bias, x, w1, b1, capacity, handle, square, mm, policy);
 }
 
-// The kernels of the dispatcher's bitsparse::relu_linear and relu_linear_backward
-// (torch.compile's graphs, CUDA graphs, torch.ops calls): no autograd here, the
-// caller's graph holds it. Python takes the ticket and tracks it (forward) and
-// maps the op's arguments to a plan handle.
-py::tuple relu_linear_op(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
-                         const Tensor& ticket, int64_t handle, const py::handle& mm_dtype) {
-  check_input(a);
-  const int64_t mm = dtype_code(mm_dtype);
-  std::pair<Tensor, Tensor> result;
+// ---------------------------------------------------------------------------
+// The dispatcher's kernels of bitsparse::relu_linear and relu_linear_backward
+// ---------------------------------------------------------------------------
+// What torch.compile's graphs, CUDA graph captures and torch.ops calls reach (and the
+// Python autograd function, through ops.CUDA_KERNELS): the op's two halves without an
+// autograd node, the caller's graph holds it. Same schema as ops.py's definitions. Where
+// this path does not apply (python_path(), chunks other than the default, a plan the
+// table does not take, tensors on another device) the Python kernel runs.
+std::atomic<int> python_path_depth{0};   // native.python_path() blocks open
+int64_t default_chunk_log2 = -1;
+py::object* handle_fn = nullptr;         // native._handle_for: a plan's handle, or -1
+py::object* python_forward = nullptr;    // ops.relu_linear
+py::object* python_backward = nullptr;   // ops.relu_linear_backward
+std::mutex handles_mutex;
+std::map<std::vector<int64_t>, int64_t> handles;
+
+bool takes(const Tensor& t, int64_t chunk_log2) {
+  return chunk_log2 == default_chunk_log2 && python_path_depth.load() == 0 &&
+         driver.launch != nullptr && (t.is_cuda() || (host_emulation && t.is_cpu()));
+}
+
+// The plan handle of one (square, shape, dtype, capacity, encoding, device), registered
+// by Python on its first use; -1 where the C++ path does not take it. Python is called
+// with no lock of this file held.
+int64_t handle_of(bool square, at::IntArrayRef shape, at::ScalarType dtype, int64_t capacity,
+                  int64_t encoding, const c10::Device& device) {
+  std::vector<int64_t> key = {square, static_cast<int64_t>(dtype), capacity, encoding,
+                              device.index()};
+  key.insert(key.end(), shape.begin(), shape.end());
   {
-    py::gil_scoped_release no_gil;
-    result = forward_impl(a, weight, bias, plan_at(handle), ticket, mm);
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    const auto it = handles.find(key);
+    if (it != handles.end()) return it->second;
   }
-  return py::make_tuple(result.first, result.second);
+  int64_t handle;
+  {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(handle_fn != nullptr, "bitsparse: native module used before set_dispatch");
+    py::object dt = py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)));
+    handle = (*handle_fn)(square, shape.vec(), dt, capacity, encoding, device.index())
+                 .cast<int64_t>();
+  }
+  std::lock_guard<std::mutex> lock(handles_mutex);
+  handles.emplace(key, handle);
+  return handle;
 }
 
-py::tuple relu_linear_backward_op(const Tensor& grad_out, const Tensor& block,
-                                  const Tensor& ticket, const Tensor& weight,
-                                  const std::optional<Tensor>& x, const std::optional<Tensor>& w1,
-                                  const std::optional<Tensor>& b1,
-                                  const std::vector<int64_t>& a_shape, const py::handle& a_dtype,
-                                  bool has_bias, int64_t handle, bool square,
-                                  const py::handle& mm_dtype, int64_t policy, int64_t needs) {
-  const int64_t mm = dtype_code(mm_dtype), ad = dtype_code(a_dtype);
-  TORCH_CHECK(ad >= 0, "bitsparse: a_dtype must be a torch.dtype");
-  const auto a_type = static_cast<at::ScalarType>(ad);
+using Result3 = std::tuple<Tensor, Tensor, Tensor>;
+
+Result3 call_python(py::object* fn, const char* what, py::args args) {
+  TORCH_CHECK(fn != nullptr, "bitsparse: native module used before set_dispatch (", what, ")");
+  return (*fn)(*args).cast<Result3>();
+}
+
+Result3 relu_linear_kernel(const Tensor& a_in, const Tensor& weight,
+                           const std::optional<Tensor>& bias, const std::optional<Tensor>& x,
+                           const std::optional<Tensor>& w1, const std::optional<Tensor>& b1,
+                           int64_t capacity, bool square, int64_t encoding, int64_t chunk_log2,
+                           std::optional<at::ScalarType> mm_dtype, int64_t policy) {
+  int64_t handle = -1;
+  Tensor a = a_in;
+  if (takes(a, chunk_log2)) {
+    a = a.contiguous();
+    handle = handle_of(square, a.sizes(), a.scalar_type(), capacity, encoding, a.device());
+  }
+  if (handle < 0) {
+    py::gil_scoped_acquire gil;
+    return call_python(python_forward, "relu_linear",
+                       py::make_tuple(a_in, weight, bias, x, w1, b1, capacity, square, encoding,
+                                      chunk_log2, mm_dtype, policy));
+  }
+  c10::DeviceGuard device_guard(a.device());
+  const Tensor ticket = ticket_for(a, policy, capacity);
+  auto [out, block] = forward_impl(a, weight, bias, plan_at(handle), ticket,
+                                   mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1);
+  return {out, block, ticket};
+}
+
+Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
+                                    const Tensor& ticket, const Tensor& weight,
+                                    const std::optional<Tensor>& x,
+                                    const std::optional<Tensor>& w1,
+                                    const std::optional<Tensor>& b1, at::IntArrayRef a_shape,
+                                    at::ScalarType a_dtype, bool has_bias, int64_t capacity,
+                                    bool square, int64_t encoding, int64_t chunk_log2,
+                                    std::optional<at::ScalarType> mm_dtype, int64_t policy,
+                                    int64_t needs) {
+  const int64_t handle = takes(block, chunk_log2)
+      ? handle_of(square, a_shape, a_dtype, capacity, encoding, block.device()) : -1;
+  if (handle < 0) {
+    py::gil_scoped_acquire gil;
+    return call_python(python_backward, "relu_linear_backward",
+                       py::make_tuple(grad_out, block, ticket, weight, x, w1, b1, a_shape.vec(),
+                                      a_dtype, has_bias, capacity, square, encoding, chunk_log2,
+                                      mm_dtype, policy, needs));
+  }
   const bool need_a = needs & 1, need_w = needs & 2, need_b = has_bias && (needs & 4);
-  const Plan& P = plan_at(handle);
   const Tensor xs = x.value_or(Tensor()), w1s = w1.value_or(Tensor()), b1s = b1.value_or(Tensor());
-  Grads g;
-  {
-    py::gil_scoped_release no_gil;   // decide_clean takes it back only to ask Python
-    const bool clean = decide_clean(ticket, policy, handle, block, xs.defined());
-    g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, a_type, P, clean, square,
-                      mm, need_a, need_w, need_b);
-    // what the op's fake kernel says of a gradient not asked for: an empty tensor
-    if (!g.a.defined()) g.a = at::empty({0}, grad_out.options().dtype(a_type));
-    if (!g.weight.defined()) g.weight = at::empty({0}, weight.options());
-    if (!g.bias.defined()) g.bias = at::empty({0}, weight.options());
-  }
-  return py::make_tuple(g.a, g.weight, g.bias);
+  const bool clean = decide_clean(ticket, policy, handle, block, xs.defined());
+  Grads g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, a_dtype,
+                          plan_at(handle), clean, square,
+                          mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1, need_a, need_w, need_b);
+  // what the op's fake kernel says of a gradient not asked for: an empty tensor
+  if (!g.a.defined()) g.a = at::empty({0}, grad_out.options().dtype(a_dtype));
+  if (!g.weight.defined()) g.weight = at::empty({0}, weight.options());
+  if (!g.bias.defined()) g.bias = at::empty({0}, weight.options());
+  return {g.a, g.weight, g.bias};
+}
+
+// The kernels registered with the dispatcher, per dispatch key (CUDA; CPU only under the
+// tests' host emulation); dropping a key's library unregisters them.
+std::map<std::string, std::unique_ptr<torch::Library>> registered;
+
+void register_kernels(const std::string& key) {
+  if (registered.count(key)) return;
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "bitsparse",
+                                              c10::parseDispatchKey(key), __FILE__, __LINE__);
+  lib->impl("relu_linear", TORCH_FN(relu_linear_kernel));
+  lib->impl("relu_linear_backward", TORCH_FN(relu_linear_backward_kernel));
+  registered[key] = std::move(lib);
 }
 
 py::bytes launch_params(int64_t handle, const std::string& name, uint64_t block,
@@ -545,7 +731,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "bitsparse_core's eager CUDA host path of the packed ReLU / ReLU² FFN op";
   m.attr("N_ROLES") = static_cast<int>(N_ROLES);
   m.def("set_driver", [](uint64_t launch, uint64_t cooperative, uint64_t memset,
-                         uint64_t copy_to_host, uint64_t error_name) {
+                         uint64_t copy_to_host, uint64_t error_name, uint64_t is_capturing) {
+    driver.is_capturing = reinterpret_cast<IsCapturingFn>(is_capturing);
     driver.launch = reinterpret_cast<LaunchFn>(launch);
     driver.launch_cooperative = reinterpret_cast<CoopLaunchFn>(cooperative);
     driver.memset = reinterpret_cast<MemsetFn>(memset);
@@ -558,13 +745,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::swap(keep, clean_state_fn);   // an earlier one stays alive: a backward may hold it
   });
   m.def("add_plan", &add_plan);
-  m.def("set_slab", [](int64_t base, int64_t generations, int64_t slots) {
-    slab_base = base;
-    slab_generations = generations;
-    slab_slots = slots;
+  m.def("set_slab", [](int64_t base, int64_t generations, int64_t slots, int64_t ring_begin) {
+    std::lock_guard<std::mutex> lock(slab.mutex);
+    slab.base = base;
+    slab.generations = generations;
+    slab.slots = slots;
+    slab.ring_begin = slab.next = ring_begin;
   });
+  m.def("drain_tracks", &drain_tracks);
+  m.def("set_dispatch", [](py::object handle, py::object forward, py::object backward,
+                           int64_t chunk_log2) {
+    // never freed: a kernel may be running one (an earlier one stays alive too)
+    handle_fn = new py::object(std::move(handle));
+    python_forward = new py::object(std::move(forward));
+    python_backward = new py::object(std::move(backward));
+    default_chunk_log2 = chunk_log2;
+  });
+  m.def("set_python_path_depth", [](int depth) { python_path_depth.store(depth); });
+  m.def("forget_handles", [] {
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    handles.clear();
+  });
+  m.def("register_kernels", &register_kernels);
+  m.def("unregister_kernels", [](const std::string& key) { registered.erase(key); });
   m.def("relu_linear", &relu_linear);
-  m.def("relu_linear_op", &relu_linear_op);
-  m.def("relu_linear_backward_op", &relu_linear_backward_op);
+  m.def("relu_linear_kernel", &relu_linear_kernel, py::call_guard<py::gil_scoped_release>());
+  m.def("relu_linear_backward_kernel", &relu_linear_backward_kernel,
+        py::call_guard<py::gil_scoped_release>());
   m.def("launch_params", &launch_params);
 }

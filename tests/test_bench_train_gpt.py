@@ -57,3 +57,27 @@ def test_copy_overlap_counts_copy_time_under_kernels():
               ev("cudaLaunchKernel", 0, 500, DeviceType.CPU)]
     assert copy_overlap(events) == pytest.approx(70 / 120)
     assert copy_overlap(events[:2]) is None
+
+
+def test_step_split_report_names_what_paces_each_variant():
+    """bench/step_split.py's table (its measurement needs a GPU): the side with the larger
+    time paces the step, and a phase whose host time reached the sleep is flagged."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import step_split
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def row(host, gpu, full=False):
+        r = {"step_ms": max(host, gpu) * 3}
+        for p in step_split.PHASES:
+            r.update({f"{p}_host_ms": host, f"{p}_gpu_ms": gpu, f"{p}_queue_full": full})
+        return {**r, "host_ms": 3 * host, "gpu_ms": 3 * gpu}
+    summary = {"device": "X", "shape": {"layers": 2, "d": 8, "d_ff": 32, "seq": 4, "batch": 1},
+               "sleep_ms": 80, "turns": 3,
+               "variants": {"a": row(10, 5), "b": row(4, 6), "c": row(70, 6, full=True)}}
+    lines = {ln.split("|")[1].strip(): ln for ln in step_split.markdown(summary).splitlines()
+             if ln.startswith("| ") and not ln.startswith("| variant")}
+    assert lines["a"].endswith("| host |") and lines["b"].endswith("| GPU |")
+    assert lines["c"].endswith("| host (queue full) |")
+    assert "| 30.0 | 15.0 | 10.0 / 10.0 / 10.0 | 5.0 / 5.0 / 5.0 |" in lines["a"]

@@ -579,3 +579,89 @@ def test_op_kernels_leave_long_chunks_and_python_path_to_python(op_kernels, monk
             out, block, ticket = native.relu_linear_kernel(*args)
         assert ticket[0] == C.HOST_FINAL and not op_kernels.launches   # the Python kernel ran
         assert torch.equal(out, ops.relu_linear(*args)[0])
+
+
+def _op_args(pol, a, w, b, square=True, encoding=Encoding.NOSIGN):
+    return (a, w, b, None, None, None, pol.capacity(a.numel()), square, int(encoding),
+            DEFAULT_CHUNK_LOG2, None, pol.id)
+
+
+def test_the_dispatcher_runs_the_extension_kernels(emulated):
+    """The extension registers its kernels with the dispatcher (CPU here, under the
+    emulation; CUDA on a GPU): ``torch.ops`` calls reach them with no Python kernel on
+    the way. The ticket comes from the extension's own ring of the slab, the pack is
+    queued for its policy (drained when the policy reports or polls), and the results
+    equal the Python kernels'. python_path() and an unregistered key go to Python."""
+    from bitsparse_core.torch import capacity as C
+    from bitsparse_core.torch import ops
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(24, 64, generator=g).to(torch.bfloat16)
+    w, b = torch.randn(16, 64, generator=g).to(torch.bfloat16), torch.randn(16).to(torch.bfloat16)
+    pol = C.CapacityPolicy(density=0.75)
+    args = _op_args(pol, a, w, b)
+    out, block, ticket = torch.ops.bitsparse.relu_linear(*args)
+    assert [k[0] for k, _ in emulated.launches] == ["pack"]
+    assert C.SLAB.slots <= ticket[0] < C.SLAB.total             # the extension's ring
+    assert C.SLAB.read(ticket) == (0, int((a > 0).sum()))       # its count landed there
+    out_py, block_py, ticket_py = ops.relu_linear(*args)
+    assert torch.equal(out, out_py) and torch.equal(block, block_py)
+    assert pol.stats()["packs"] == 2                            # one each way
+    pol.poll()
+    assert not pol._pending and pol.max_density == int((a > 0).sum()) / a.numel()
+    grad_out = torch.randn(24, 16, generator=g).to(torch.bfloat16)
+    rest = ([24, 64], torch.bfloat16, True, args[6], True, int(Encoding.NOSIGN),
+            DEFAULT_CHUNK_LOG2, None, pol.id, 7)
+    got = torch.ops.bitsparse.relu_linear_backward(grad_out, block, ticket, w, None, None, None,
+                                                   *rest)
+    want = ops.relu_linear_backward(grad_out, block_py, ticket_py, w, None, None, None, *rest)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert [k[0] for k, _ in emulated.launches][-1] == "unpack"  # the fused decode ran
+    with native.python_path():
+        assert torch.ops.bitsparse.relu_linear(*args)[2][0] == C.HOST_FINAL
+    mod = native.module()
+    mod.unregister_kernels("CPU")
+    try:
+        assert torch.ops.bitsparse.relu_linear(*args)[2][0] == C.HOST_FINAL
+    finally:
+        mod.register_kernels("CPU")
+    assert torch.ops.bitsparse.relu_linear(*args)[2][0] >= C.SLAB.slots
+
+
+def test_the_extension_ring_skips_slots_in_flight(emulated):
+    """A slot whose count has not landed is not taken again when the ring comes round,
+    and a ticket whose slot was taken again reads as lost, never as the new pack's."""
+    from bitsparse_core.torch import capacity as C
+    a = torch.randn(8, 32).to(torch.bfloat16)
+    w = torch.randn(4, 32).to(torch.bfloat16)
+    pol = C.CapacityPolicy(density=1.0)
+    args = _op_args(pol, a, w, None)
+    first = torch.ops.bitsparse.relu_linear(*args)[2]
+    slot = int(first[0])
+    C.SLAB.status[4 * slot] = C.SENTINEL             # as if its copy were still on its way
+    ring = range(C.SLAB.slots, C.SLAB.total)
+    in_flight = {i for i in ring if C.SLAB.status[4 * i] == C.SENTINEL}   # slot among them
+    free = set(ring) - in_flight
+    seen = {int(torch.ops.bitsparse.relu_linear(*args)[2][0]) for _ in range(len(free))}
+    assert seen == free
+    C.SLAB.status[4 * slot] = 0
+    again = torch.ops.bitsparse.relu_linear(*args)[2]
+    assert int(again[0]) == slot and C.SLAB.lost(first) and not C.SLAB.lost(again)
+
+
+def test_emulated_compiled_training_runs_the_extension_kernels(emulated):
+    """torch.compile (aot_eager, fullgraph) of the packed stack: the graph's op calls go
+    through the dispatcher to the extension's kernels, and training is the compiled dense
+    model's bit for bit."""
+    from torch_models import assert_same_training, make_pair, train
+    dense, ours = make_pair("relu2", "nosign", d=32, f=96, dtype=torch.bfloat16)
+    x = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    target = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    try:
+        got = train(torch.compile(ours, backend="aot_eager", fullgraph=True), x, target)
+        packs = [k for k, _ in emulated.launches if k[0] == "pack"]
+        want = train(torch.compile(dense, backend="aot_eager", fullgraph=True), x, target)
+    finally:
+        torch._dynamo.reset()
+    assert len(packs) >= 3 * 2
+    assert_same_training(want, got)

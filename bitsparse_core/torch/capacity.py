@@ -44,13 +44,17 @@ class FlagSlab:
     ring came round; only for a pack thousands of packs old) answers "unknown",
     which every caller treats as "not known to be clean": correct, only slower. A
     slot whose copy has not landed yet is skipped when the ring comes round.
+
+    Python takes slots ``[0, slots)``; the C++ host path (:mod:`.native`) runs its own
+    ring over ``[slots, slots + native_slots)`` of the same slab, with the same rules.
     """
 
-    def __init__(self, slots: int = 1 << 14):
+    def __init__(self, slots: int = 1 << 14, native_slots: int = 1 << 14):
         self.slots = slots
+        self.total = slots + native_slots
         self._mem = None
         self._next = 0
-        self._gen = np.zeros(slots, dtype=np.int64)
+        self._gen = np.zeros(self.total, dtype=np.int64)
         # where the generations live, for readers outside Python (the C++ host path)
         self.generations = self._gen.ctypes.data
         self._lock = threading.Lock()
@@ -59,7 +63,7 @@ class FlagSlab:
         if self._mem is None:
             # Pinned where CUDA is (copies into it are then asynchronous); plain host
             # memory elsewhere, where only host packs, which never use a slot, exist.
-            self._mem = torch.empty(16 * self.slots, dtype=torch.uint8, device="cpu",
+            self._mem = torch.empty(16 * self.total, dtype=torch.uint8, device="cpu",
                                     pin_memory=torch.cuda.is_available())
             raw = self._mem.numpy()
             self.status, self.nnz = raw.view(np.uint32), raw.view(np.uint64)
@@ -97,8 +101,11 @@ class FlagSlab:
 
     def read(self, ticket: torch.Tensor):
         """``(status, nnz)`` of a ticket's pack once its copy has landed, else None."""
-        i, gen = ticket.tolist()
-        if i < 0:
+        return self.read_slot(*ticket.tolist())
+
+    def read_slot(self, i: int, gen: int):
+        """:meth:`read` of the ticket ``[i, gen]``."""
+        if not 0 <= i < self.total:   # no slot, or one of another slab
             return None
         status, nnz = self._arrays()
         s, n = int(status[4 * i]), int(nnz[2 * i + 1])
@@ -109,18 +116,21 @@ class FlagSlab:
     def lost(self, ticket: torch.Tensor) -> bool:
         """Whether a ticket's count can never be read: no slot was taken, or the ring came
         round and the slot was taken again."""
-        i, gen = ticket.tolist()
-        return i < 0 or self._gen[i] != gen
+        return self.lost_slot(*ticket.tolist())
+
+    def lost_slot(self, i: int, gen: int) -> bool:
+        """:meth:`lost` of the ticket ``[i, gen]``."""
+        return not 0 <= i < self.total or self._gen[i] != gen
 
     def wait(self, ticket: torch.Tensor, timeout_s: float = WAIT_TIMEOUT_S):
         """``(status, nnz)`` of a ticket's pack, watching its slot until the copy lands (no
         CUDA call: the GPU runs on while the host waits), or None for a ticket with no
         slot, a stale one, or after ``timeout_s``."""
         i, gen = ticket.tolist()
-        if i < 0:
+        if not 0 <= i < self.total:
             return None
         deadline = time.perf_counter() + timeout_s
-        while (state := self.read(ticket)) is None:
+        while (state := self.read_slot(i, gen)) is None:
             if self._gen[i] != gen or time.perf_counter() > deadline:
                 return None
             time.sleep(0)   # let other threads run (the GIL) between looks
@@ -134,6 +144,26 @@ def fixed_ticket(kind: int) -> torch.Tensor:
     """The ticket of a pack without a slot: ``NO_SLOT`` (its count cannot be read) or
     ``HOST_FINAL`` (a host pack, whose block's status area is final)."""
     return FlagSlab._new_ticket(kind, 0)
+
+
+# The C++ host path's queue of tracked packs (:mod:`.native` sets it): a function that
+# returns ``([(policy id, slot, generation, numel, capacity), ...], {policy id: packs})``
+# and empties the queue.
+NATIVE_TRACKS = None
+
+
+def drain_native_tracks() -> None:
+    """Hand the packs the C++ host path tracked to their policies (a policy does it
+    before it polls or reports)."""
+    if NATIVE_TRACKS is None:
+        return
+    records, packs = NATIVE_TRACKS()
+    for pid, n in packs.items():
+        if (pol := POLICIES.get(pid)) is not None:
+            pol.packs += n
+    for pid, slot, gen, numel, capacity in records:
+        if (pol := POLICIES.get(pid)) is not None:
+            pol._pending.append((slot, gen, numel, capacity, None))
 
 
 def claim_slot():
@@ -229,16 +259,18 @@ class CapacityPolicy:
         """Remember a pack whose count is on its way back (called at pack time);
         ``known``: its ``(status, nnz)`` where the pack ran on the host."""
         self.packs += 1
-        if known is not None or ticket.tolist()[0] >= 0:
-            self._pending.append((ticket, numel, capacity, known))
+        slot, gen = ticket.tolist()
+        if known is not None or slot >= 0:
+            self._pending.append((slot, gen, numel, capacity, known))
 
     def poll(self) -> None:
         """Take in every count that has landed (no CUDA call) and re-pick the bucket."""
+        drain_native_tracks()
         while self._pending:
-            ticket, numel, capacity, known = self._pending[0]
-            state = known or SLAB.read(ticket)
+            slot, gen, numel, capacity, known = self._pending[0]
+            state = known or SLAB.read_slot(slot, gen)
             if state is None:
-                if known is None and SLAB.lost(ticket):   # its slot was taken again
+                if known is None and SLAB.lost_slot(slot, gen):   # its slot was taken again
                     self._pending.popleft()
                     continue
                 break
@@ -269,6 +301,7 @@ class CapacityPolicy:
                         capacity, d)
 
     def stats(self) -> dict:
+        drain_native_tracks()
         return {"packs": self.packs, "overflows": self.overflows, "recomputes": self.recomputes,
                 "unknown": self.unknown, "waits": self.waits, "wait_s": self.wait_s,
                 "max_density": self.max_density,

@@ -10,11 +10,14 @@ sends :func:`~.functional.relu_linear` there when the C++ path applies: the forw
 pack launch and the whole backward then run in C++. The backward reads the pack's count
 from its pinned slot (:class:`.capacity.FlagSlab`) itself and calls back into Python
 (:func:`.ops._clean_state`, the capacity policy) only where the pack is not known clean
-there, and every 8th backward of a policy, whose poll moves the capacity. The same C++
-halves of the op, without the autograd node, are the dispatcher's CUDA kernels of
-``bitsparse::relu_linear`` and ``relu_linear_backward`` (:func:`relu_linear_kernel`,
-:func:`relu_linear_backward_kernel`, through ``ops.CUDA_KERNELS``): what torch.compile's
-graphs, CUDA graph captures and the Python autograd function reach.
+there, and every 8th backward of a policy, whose poll moves the capacity. A pack's
+pinned slot comes from the extension's own ring of the slab, and the pack is queued for
+its policy there (:func:`.capacity.drain_native_tracks` hands the queue over when the
+policy polls). The same C++ halves of the op, without the autograd node, are the
+dispatcher's CUDA kernels of ``bitsparse::relu_linear`` and ``relu_linear_backward``,
+registered with the dispatcher by the extension itself when it is loaded (and reached
+from the Python autograd function through ``ops.CUDA_KERNELS``): what torch.compile's
+graphs, CUDA graph captures and ``torch.ops`` calls run, with no Python on the way.
 
 The extension needs a C++ compiler and PyTorch's headers, not CUDA's: it launches the
 CuPy-compiled kernels through the driver entry points of
@@ -81,16 +84,20 @@ def emulate_on_host(entry_points):
     mod = module()
     if mod is None:
         raise RuntimeError(f"the C++ host path is not built: {_built.get('error')}")
-    mod.set_driver(*entry_points)
+    mod.set_driver(*entry_points, 0)   # no graph captures on the host
     mod.set_host_emulation(True)
     _hand_slab(mod)
+    _forget_handles(mod)   # plans of an earlier driver name kernels this one does not know
+    mod.register_kernels("CPU")
     # the CUDA entry points are handed over again on the next CUDA call
     _emulation, _cuda_ready = mod, False
     try:
         yield mod
     finally:
         _emulation = None
+        mod.unregister_kernels("CPU")
         mod.set_host_emulation(False)
+        _forget_handles(mod)
 
 
 @contextlib.contextmanager
@@ -101,11 +108,21 @@ def python_path():
     global _off
     with _lock:
         _off += 1
+        _tell_python_path()
     try:
         yield
     finally:
         with _lock:
             _off -= 1
+            _tell_python_path()
+
+
+def _tell_python_path() -> None:
+    """Hand the depth of python_path() blocks to the extension (its dispatcher kernels
+    read it)."""
+    mod = _built.get("module")
+    if mod is not None:
+        mod.set_python_path_depth(_off)
 
 
 def build():
@@ -126,6 +143,10 @@ def module():
                 try:
                     mod = build()
                     mod.set_state_fn(_pack_is_clean)
+                    mod.set_dispatch(_handle_for, _ops.relu_linear, _ops.relu_linear_backward,
+                                     DEFAULT_CHUNK_LOG2)
+                    mod.set_python_path_depth(_off)
+                    C.NATIVE_TRACKS = mod.drain_tracks
                 except Exception as exc:   # no compiler, no headers, a failed build
                     if mode == "on":
                         raise
@@ -149,17 +170,28 @@ def cuda_module():
             addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value   # noqa: E731
             mod.set_driver(addr(lib.cuLaunchKernel), addr(lib.cuLaunchCooperativeKernel),
                            addr(lib.cuMemsetD8Async), addr(lib.cuMemcpyDtoHAsync_v2),
-                           addr(lib.cuGetErrorName))
+                           addr(lib.cuGetErrorName), addr(lib.cuStreamIsCapturing))
             _hand_slab(mod)
+            # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
+            mod.register_kernels("CUDA")
+            _ops.CUDA_KERNELS.update(relu_linear=mod.relu_linear_kernel,
+                                     relu_linear_backward=mod.relu_linear_backward_kernel)
             _cuda_ready = True
     return mod
 
 
 def _hand_slab(mod) -> None:
-    """Where the pinned slots and their generations live: C++ finds a pack's slot from
-    its ticket."""
+    """Where the pinned slots and their generations live, and which of them are the
+    extension's own ring: C++ takes slots there and finds a pack's slot from its ticket."""
     slab = C.SLAB
-    mod.set_slab(slab.base(), slab.generations, slab.slots)
+    mod.set_slab(slab.base(), slab.generations, slab.total, slab.slots)
+
+
+def _forget_handles(mod) -> None:
+    """Drop every plan handle the extension and this module have looked up (the plans
+    themselves stay registered)."""
+    _handles.clear()
+    mod.forget_handles()
 
 
 def host_path(device) -> str:
@@ -321,51 +353,30 @@ def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encodin
     handle = _handle(mod, square, a.shape, a.dtype, capacity, encoding, a.get_device())
     if handle is None:
         return None
-    return mod.relu_linear(a, weight, bias, x, w1, b1, _ticket(policy, a.numel(), capacity),
-                           handle, square, mm_dtype, policy.id)
+    return mod.relu_linear(a, weight, bias, x, w1, b1, capacity, handle, square, mm_dtype,
+                           policy.id if policy is not None else 0)
 
 
-def _ticket(policy, numel: int, capacity: int) -> torch.Tensor:
-    """A pack's ticket (its pinned slot, where one is free), tracked by its policy."""
-    _, ticket = C.claim_slot()
-    if policy is not None:
-        policy.track(ticket, numel, capacity, None)
-    return ticket
+def _handle_for(square: bool, shape, dtype, capacity: int, encoding: int, device: int) -> int:
+    """The extension's question on a plan it has not seen: its handle, or -1 for the
+    Python path."""
+    handle = _handle(module(), square, shape, dtype, capacity, encoding, device)
+    return -1 if handle is None else handle
 
 
-# The dispatcher's CUDA kernels of bitsparse::relu_linear and relu_linear_backward
-# (what torch.compile's graphs, CUDA graph captures and torch.ops calls reach): the
-# C++ halves of the op without its autograd node, the Python kernels where the C++
-# path does not apply. Same arguments and results as ops.relu_linear(_backward).
-def relu_linear_kernel(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2,
-                       mm_dtype, policy):
-    mod = _module_for(a) if chunk_log2 == DEFAULT_CHUNK_LOG2 else None
-    handle = None
-    if mod is not None:
-        if not a.is_contiguous():
-            a = a.contiguous()
-        handle = _handle(mod, square, a.shape, a.dtype, capacity, encoding, a.get_device())
-    if handle is None:
-        return _ops.relu_linear(a, weight, bias, x, w1, b1, capacity, square, encoding,
-                                chunk_log2, mm_dtype, policy)
-    ticket = _ticket(C.POLICIES.get(policy), a.numel(), capacity)
-    out, block = mod.relu_linear_op(a, weight, bias, ticket, handle, mm_dtype)
-    return out, block, ticket
+# The dispatcher's CUDA kernels of bitsparse::relu_linear and relu_linear_backward until
+# the extension's own are registered: the first CUDA call builds (or loads) it, which
+# registers them and puts them into ops.CUDA_KERNELS in place of these. (Under
+# emulate_on_host, CPU tensors reach the extension's kernels through these too.)
+def relu_linear_kernel(*args):
+    mod = _module_for(args[0])
+    return (mod.relu_linear_kernel if mod is not None else _ops.relu_linear)(*args)
 
 
-def relu_linear_backward_kernel(grad_out, block, ticket, weight, x, w1, b1, a_shape, a_dtype,
-                                has_bias, capacity, square, encoding, chunk_log2, mm_dtype,
-                                policy, needs):
-    mod = _module_for(block) if chunk_log2 == DEFAULT_CHUNK_LOG2 else None
-    handle = None if mod is None else _handle(mod, square, a_shape, a_dtype, capacity,
-                                              encoding, block.get_device())
-    if handle is None:
-        return _ops.relu_linear_backward(grad_out, block, ticket, weight, x, w1, b1, a_shape,
-                                         a_dtype, has_bias, capacity, square, encoding,
-                                         chunk_log2, mm_dtype, policy, needs)
-    return mod.relu_linear_backward_op(grad_out, block, ticket, weight, x, w1, b1, a_shape,
-                                       a_dtype, has_bias, handle, square, mm_dtype, policy,
-                                       needs)
+def relu_linear_backward_kernel(*args):
+    mod = _module_for(args[1])
+    return (mod.relu_linear_backward_kernel if mod is not None
+            else _ops.relu_linear_backward)(*args)
 
 
 _ops.CUDA_KERNELS.update(relu_linear=relu_linear_kernel,

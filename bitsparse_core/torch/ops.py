@@ -257,11 +257,14 @@ CUDA_KERNELS: dict = {}
 
 
 def _register(name: str):
-    """Register a function as the CPU and CUDA kernel of ``bitsparse::name`` (on CUDA,
-    behind :data:`CUDA_KERNELS`)."""
+    """Register a function as the kernel of ``bitsparse::name`` for every backend (on
+    CUDA, behind :data:`CUDA_KERNELS`). It is the composite kernel, so that the C++ host
+    path (:mod:`.native`) can register the op's CUDA kernel itself, which then takes
+    precedence, without overriding a registration made here."""
     def deco(fn):
-        _LIB.impl(name, fn, "CPU")
-        _LIB.impl(name, lambda *args: CUDA_KERNELS.get(name, fn)(*args), "CUDA")
+        def kernel(*args):
+            return (CUDA_KERNELS.get(name, fn) if args[0].is_cuda else fn)(*args)
+        _LIB.impl(name, kernel, "CompositeExplicitAutograd")
         IMPLS[name] = fn
         return fn
     return deco
