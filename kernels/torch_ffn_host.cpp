@@ -511,7 +511,7 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
 // ---------------------------------------------------------------------------
 // The autograd function (eager mode)
 // ---------------------------------------------------------------------------
-constexpr size_t kInputs = 11;   // forward's arguments after ctx
+constexpr size_t kInputs = 12;   // forward's arguments after ctx
 
 // A pack's ticket, taken and tracked for its policy before the pack is queued.
 Tensor ticket_for(const Tensor& a, int64_t policy, int64_t capacity) {
@@ -520,17 +520,43 @@ Tensor ticket_for(const Tensor& a, int64_t policy, int64_t capacity) {
   return ticket;
 }
 
+// An offloaded block between forward and backward: what the Python Offloader's stash()
+// returned (offload.Stashed: the block in pinned host memory, its copy back queued
+// ahead of the backward by the offloader). Dropped with the node when no backward
+// comes, which hands the host buffer back to the offloader's pool.
+struct Stashed : torch::CustomClassHolder {
+  py::object stashed;
+  explicit Stashed(py::object s) : stashed(std::move(s)) {}
+  ~Stashed() override {
+    if (stashed && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      stashed = py::object();
+    }
+  }
+};
+
+constexpr const char* kTakenTwice =
+    "an offloaded packed block is taken back by one backward only: a second backward "
+    "through it (retain_graph=True) needs offload=None";
+
 struct ReLULinear : public torch::autograd::Function<ReLULinear> {
   // Optional tensors are std::optional (autograd records an input's metadata, which an
-  // undefined tensor does not have).
+  // undefined tensor does not have). ``offloader``: an offload.Offloader, or null.
   static Tensor forward(AutogradContext* ctx, Tensor a, Tensor weight,
                         std::optional<Tensor> bias, Tensor x, Tensor w1, std::optional<Tensor> b1,
                         int64_t capacity, int64_t handle, bool square, int64_t mm_dtype,
-                        int64_t policy) {
+                        int64_t policy, PyObject* offloader) {
     RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
     c10::DeviceGuard device_guard(a.device());
     const Tensor ticket = ticket_for(a, policy, capacity);
     auto [out, block] = forward_impl(a, weight, bias, plan_at(handle), ticket, mm_dtype);
+    if (offloader != nullptr) {   // the block goes to the host; backward takes it back
+      py::gil_scoped_acquire gil;
+      py::object stashed = py::handle(offloader).attr("stash")(block);
+      ctx->saved_data["stash"] = c10::IValue::make_capsule(
+          c10::make_intrusive<Stashed>(std::move(stashed)));
+      block = Tensor();
+    }
     ctx->save_for_backward({block, weight, x, w1, b1.value_or(Tensor())});
     ctx->saved_data["ticket"] = ticket;
     ctx->saved_data["a_shape"] = a.sizes().vec();
@@ -543,15 +569,26 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
     return out;
   }
 
+  // The offloaded block, back on the device (ordered before this backward's work).
+  static Tensor take_back(const c10::IValue& capsule) {
+    auto holder = c10::static_intrusive_pointer_cast<Stashed>(capsule.toCapsule());
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(holder->stashed, kTakenTwice);
+    Tensor block = holder->stashed.attr("take")().cast<Tensor>();
+    holder->stashed = py::object();
+    return block;
+  }
+
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list result(kInputs);
     const Tensor& grad_out = grads[0];
     if (!grad_out.defined()) return result;   // the output was not used
     RECORD_FUNCTION("bitsparse::relu_linear_backward", c10::ArrayRef<const c10::IValue>{});
     const auto saved = ctx->get_saved_variables();
-    const Tensor &block = saved[0], &weight = saved[1], &x = saved[2], &w1 = saved[3],
-                 &b1 = saved[4];
     const auto& data = ctx->saved_data;
+    const auto stash = data.find("stash");
+    const Tensor block = stash != data.end() ? take_back(stash->second) : saved[0];
+    const Tensor &weight = saved[1], &x = saved[2], &w1 = saved[3], &b1 = saved[4];
     const int64_t handle = data.at("handle").toInt(), policy = data.at("policy").toInt();
     const bool clean = decide_clean(data.at("ticket").toTensor(), policy, handle, block, true);
     const Grads g = backward_impl(
@@ -581,11 +618,13 @@ int64_t dtype_code(const py::handle& dtype) {
 Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
                    const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
                    int64_t capacity, int64_t handle, bool square, const py::handle& mm_dtype,
-                   int64_t policy) {
+                   int64_t policy, const py::handle& offloader) {
   check_input(a);
   const int64_t mm = dtype_code(mm_dtype);
+  PyObject* off = offloader.is_none() ? nullptr : offloader.ptr();   // the caller keeps it
   py::gil_scoped_release no_gil;   // as any ATen call from Python
-  return ReLULinear::apply(a, weight, bias, x, w1, b1, capacity, handle, square, mm, policy);
+  return ReLULinear::apply(a, weight, bias, x, w1, b1, capacity, handle, square, mm, policy,
+                           off);
 }
 
 // ---------------------------------------------------------------------------

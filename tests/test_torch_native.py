@@ -280,6 +280,11 @@ class HostDriver:
             ctypes.memmove(r["y"], y.data_ptr(), y.numel() * y.element_size())
         self.blocks[block] = plan
 
+    def moved(self, old: int, new: int) -> None:
+        """The block at ``old`` now also lives at ``new`` (an offloaded block's copy back)."""
+        plan = next(p for k, p in self.blocks.items() if k - p.spans[0][0] == old)
+        self.blocks[new + plan.spans[0][0]] = plan
+
     def _view(self, mask):
         from bitsparse_core.torch import ops
         plan = self.blocks[mask]
@@ -665,3 +670,49 @@ def test_emulated_compiled_training_runs_the_extension_kernels(emulated):
         torch._dynamo.reset()
     assert len(packs) >= 3 * 2
     assert_same_training(want, got)
+
+
+def test_emulated_native_offload_stashes_through_the_offloader(emulated, monkeypatch):
+    """offload= takes the C++ node too: its forward hands the block to the Offloader and
+    its backward takes it back (the next ones fetched ahead). Training is dense's bit
+    for bit, the offloader counts every block, a second backward says why it cannot
+    run, and a forward without backward gives its host buffers back."""
+    import gc
+    from bitsparse_core.torch.offload import Offloader, Stashed
+    from torch_models import assert_same_training, make_pair, train
+    origin, stash, take = {}, Offloader.stash, Stashed.take
+
+    def stash_noting_where(self, block):      # the emulated kernels find moved blocks
+        h = stash(self, block)
+        origin[id(h)] = block.data_ptr()
+        return h
+
+    def take_noting_where(h):
+        back = take(h)
+        emulated.moved(origin.pop(id(h)), back.data_ptr())
+        return back
+    monkeypatch.setattr(Offloader, "stash", stash_noting_where)
+    monkeypatch.setattr(Stashed, "take", take_noting_where)
+    dense, ours = make_pair("relu2", "nosign", layers=3)
+    off = Offloader(ahead=1)
+    for blk in ours.blocks:
+        blk.offload = off
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(3, 16, 32, generator=g), torch.randn(3, 16, 32, generator=g)
+    assert_same_training(train(dense, x, target), train(ours, x, target))
+    assert sum(k[0] == "pack" for k, _ in emulated.launches) == 3 * 3   # the C++ node packed
+    st = off.stats()
+    assert st["offloaded"] == 9 and st["kept_on_device"] == 0
+    assert st["late"] == 3 and st["prefetched"] == 6
+    assert off.pool.free_bytes() == off.pool.held
+    loss = ours(x).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+    del loss
+    gc.collect()
+    y = ours(x)
+    assert off.pool.free_bytes() < off.pool.held
+    del y
+    gc.collect()
+    assert off.pool.free_bytes() == off.pool.held

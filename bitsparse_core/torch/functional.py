@@ -141,10 +141,10 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     capacity, square, enc = pol.capacity(a.numel()), bool(square), _encoding_id(encoding)
     args = (a, weight, bias, x, w1, b1, capacity, square, enc, DEFAULT_CHUNK_LOG2, mm_dtype,
             pol.id, off)
-    if off is None and x is not None and not traced and _no_modes(args, 6):
+    if x is not None and not traced and _no_modes(args, 6):
         # the C++ host path (CUDA; None where it does not apply)
         out = _native.relu_linear(a, weight, bias, x, w1, b1, capacity, square, enc, mm_dtype,
-                                  pol)
+                                  pol, off)
         if out is not None:
             return out
     if traced:
@@ -209,7 +209,7 @@ _TAKEN = object()   # a backward took its offloaded block back (its host buffer 
 
 def _take_once(stashed):
     """What a backward takes back (a Stashed, or the gated op's pair); the second time, a
-    clear error."""
+    clear error (the C++ node's kTakenTwice says the same)."""
     if stashed is _TAKEN:
         raise RuntimeError("an offloaded packed block is taken back by one backward only: a "
                            "second backward through it (retain_graph=True) needs offload=None")

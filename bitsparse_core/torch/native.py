@@ -342,11 +342,13 @@ def _handle(mod, square: bool, shape, dtype, capacity: int, encoding: int, devic
 
 
 def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encoding: int,
-                mm_dtype, policy: C.CapacityPolicy):
+                mm_dtype, policy: C.CapacityPolicy, offload=None):
     """``F.linear(relu(a)[**2], weight, bias)`` through the C++ path, with the activation
     packed for a C++ backward; None where that path does not apply (the caller then
     takes the Python one). ``a`` is a contiguous CUDA tensor and ``(x, w1, b1)`` its
-    recompute source."""
+    recompute source; ``offload``: an :class:`.offload.Offloader` that keeps the block
+    in pinned host memory until the backward takes it back (its ``stash`` and the
+    stashed block's ``take`` are called from C++), or None."""
     mod = _module_for(a)
     if mod is None:
         return None
@@ -354,7 +356,7 @@ def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encodin
     if handle is None:
         return None
     return mod.relu_linear(a, weight, bias, x, w1, b1, capacity, handle, square, mm_dtype,
-                           policy.id if policy is not None else 0)
+                           policy.id if policy is not None else 0, offload)
 
 
 def _handle_for(square: bool, shape, dtype, capacity: int, encoding: int, device: int) -> int:
