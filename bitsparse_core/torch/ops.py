@@ -263,7 +263,12 @@ def _register(name: str):
     precedence, without overriding a registration made here."""
     def deco(fn):
         def kernel(*args):
-            return (CUDA_KERNELS.get(name, fn) if args[0].is_cuda else fn)(*args)
+            lead = args[0]
+            if lead.is_cuda:
+                return CUDA_KERNELS.get(name, fn)(*args)
+            if not lead.is_cpu:      # the composite kernel is also every other backend's
+                B.check_device(lead.device)
+            return fn(*args)
         _LIB.impl(name, kernel, "CompositeExplicitAutograd")
         IMPLS[name] = fn
         return fn
