@@ -23,6 +23,7 @@
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Dtype.h>
@@ -62,6 +63,10 @@ using MemsetFn = CUresult (*)(uint64_t, unsigned char, size_t, void*);
 using CopyToHostFn = CUresult (*)(void*, uint64_t, size_t, void*);
 using ErrorNameFn = CUresult (*)(CUresult, const char**);
 using IsCapturingFn = CUresult (*)(void*, int*);
+using EventCreateFn = CUresult (*)(void**, unsigned);
+using EventRecordFn = CUresult (*)(void*, void*);
+using StreamWaitEventFn = CUresult (*)(void*, void*, unsigned);
+using EventDestroyFn = CUresult (*)(void*);
 
 struct Driver {
   LaunchFn launch = nullptr;
@@ -70,6 +75,11 @@ struct Driver {
   CopyToHostFn copy_to_host = nullptr;
   ErrorNameFn error_name = nullptr;
   IsCapturingFn is_capturing = nullptr;   // absent under host emulation
+  // events, for the offload copies (set_event_driver)
+  EventCreateFn event_create = nullptr;
+  EventRecordFn event_record = nullptr;
+  StreamWaitEventFn stream_wait_event = nullptr;
+  EventDestroyFn event_destroy = nullptr;
 };
 Driver driver;
 // Host tensors with a driver whose entry points run the reference codec on host memory
@@ -737,6 +747,78 @@ Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
   return {g.a, g.weight, g.bias};
 }
 
+// ---------------------------------------------------------------------------
+// Offloading's copies (offload.Offloader's mechanics; its decisions stay in Python)
+// ---------------------------------------------------------------------------
+// The side stream waits for the work queued so far on the current stream, the copy runs
+// on the side stream, and the device tensor is marked as used there (record_stream), so
+// that the caching allocator hands its memory out again only once the copy is done: the
+// calls offload.py makes, in one call from Python. Events are the driver's, as
+// backends/cuda/driver.py makes them (CU_EVENT_DISABLE_TIMING), so either side may wait
+// on or release one the other made.
+void* record_event(void* stream) {
+  TORCH_CHECK(driver.event_create != nullptr, "bitsparse: native module used before "
+              "set_event_driver");
+  void* event = nullptr;
+  check(driver.event_create(&event, 2), "cuEventCreate");
+  const CUresult rc = driver.event_record(event, stream);
+  if (rc != 0) driver.event_destroy(event);
+  check(rc, "cuEventRecord");
+  return event;
+}
+
+// ``consumer`` waits for ``event``, which is then released (the driver keeps it until
+// the wait is satisfied).
+void wait_event(void* consumer, void* event) {
+  const CUresult rc = driver.stream_wait_event(consumer, event, 0);
+  driver.event_destroy(event);
+  check(rc, "cuStreamWaitEvent");
+}
+
+c10::Stream unpack_stream(int64_t stream_id, int64_t device_index, int64_t device_type) {
+  return c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                              static_cast<c10::DeviceType>(device_type));
+}
+
+// ``block`` into the first bytes of the pinned ``host`` buffer, on ``side`` after the work
+// queued on the current stream (the block's pack).
+void offload_out(const Tensor& block, const Tensor& host, int64_t stream_id,
+                 int64_t device_index, int64_t device_type) {
+  const c10::Stream side = unpack_stream(stream_id, device_index, device_type);
+  const bool cuda = block.is_cuda();
+  if (cuda) {
+    wait_event(reinterpret_cast<void*>(side.native_handle()),
+               record_event(current_stream(block.device())));
+  }
+  {
+    c10::StreamGuard on_side(side);
+    host.narrow(0, 0, block.numel()).copy_(block, /*non_blocking=*/true);
+  }
+  if (cuda) block.record_stream(side);
+}
+
+// The first ``nbytes`` of ``host`` back into a new tensor on ``device``, on ``side`` after
+// the work queued on the current stream; with the event the current stream must wait
+// on before it reads the tensor (0 on the CPU, where the copy is done on return).
+std::tuple<Tensor, uint64_t> offload_in(const Tensor& host, int64_t nbytes,
+                                        const c10::Device& device, int64_t stream_id,
+                                        int64_t device_index, int64_t device_type) {
+  const c10::Stream side = unpack_stream(stream_id, device_index, device_type);
+  Tensor back = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  if (!device.is_cuda()) {
+    back.copy_(host.narrow(0, 0, nbytes));
+    return {back, 0};
+  }
+  void* side_raw = reinterpret_cast<void*>(side.native_handle());
+  wait_event(side_raw, record_event(current_stream(device)));
+  {
+    c10::StreamGuard on_side(side);
+    back.copy_(host.narrow(0, 0, nbytes), /*non_blocking=*/true);
+  }
+  back.record_stream(side);
+  return {back, reinterpret_cast<uint64_t>(record_event(side_raw))};
+}
+
 // The kernels registered with the dispatcher, per dispatch key (CUDA; CPU only under the
 // tests' host emulation); dropping a key's library unregisters them.
 std::map<std::string, std::unique_ptr<torch::Library>> registered;
@@ -778,6 +860,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     driver.copy_to_host = reinterpret_cast<CopyToHostFn>(copy_to_host);
     driver.error_name = reinterpret_cast<ErrorNameFn>(error_name);
   });
+  m.def("set_event_driver", [](uint64_t create, uint64_t record, uint64_t wait,
+                               uint64_t destroy) {
+    driver.event_create = reinterpret_cast<EventCreateFn>(create);
+    driver.event_record = reinterpret_cast<EventRecordFn>(record);
+    driver.stream_wait_event = reinterpret_cast<StreamWaitEventFn>(wait);
+    driver.event_destroy = reinterpret_cast<EventDestroyFn>(destroy);
+  });
   m.def("set_host_emulation", [](bool on) { host_emulation = on; });
   m.def("set_state_fn", [](py::object fn) {
     auto* keep = new py::object(std::move(fn));
@@ -807,6 +896,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("register_kernels", &register_kernels);
   m.def("unregister_kernels", [](const std::string& key) { registered.erase(key); });
+  m.def("offload_out", &offload_out, py::call_guard<py::gil_scoped_release>());
+  m.def("offload_in", &offload_in, py::call_guard<py::gil_scoped_release>());
+  m.def("wait_event", [](uint64_t consumer, uint64_t event) {
+    wait_event(reinterpret_cast<void*>(consumer), reinterpret_cast<void*>(event));
+  });
   m.def("relu_linear", &relu_linear);
   m.def("relu_linear_kernel", &relu_linear_kernel, py::call_guard<py::gil_scoped_release>());
   m.def("relu_linear_backward_kernel", &relu_linear_backward_kernel,

@@ -681,9 +681,10 @@ def test_emulated_compiled_training_runs_the_extension_kernels(emulated):
 
 def test_emulated_native_offload_stashes_through_the_offloader(emulated, monkeypatch):
     """offload= takes the C++ node too: its forward hands the block to the Offloader and
-    its backward takes it back (the next ones fetched ahead). Training is dense's bit
-    for bit, the offloader counts every block, a second backward says why it cannot
-    run, and a forward without backward gives its host buffers back."""
+    its backward takes it back (the next ones fetched ahead), the copies made by the
+    extension. Training is dense's bit for bit, the offloader counts every block, a
+    second backward says why it cannot run, and a forward without backward gives its
+    host buffers back."""
     import gc
     from bitsparse_core.torch.offload import Offloader, Stashed
     from torch_models import assert_same_training, make_pair, train
@@ -700,6 +701,11 @@ def test_emulated_native_offload_stashes_through_the_offloader(emulated, monkeyp
         return back
     monkeypatch.setattr(Offloader, "stash", stash_noting_where)
     monkeypatch.setattr(Stashed, "take", take_noting_where)
+    copies = []                                # the offloader's copies run in C++ too
+    mod = native.module()
+    for name in ("offload_out", "offload_in"):
+        monkeypatch.setattr(mod, name, lambda *a, _f=getattr(mod, name), _n=name:
+                            copies.append(_n) or _f(*a))
     dense, ours = make_pair("relu2", "nosign", layers=3)
     off = Offloader(ahead=1)
     for blk in ours.blocks:
@@ -710,6 +716,7 @@ def test_emulated_native_offload_stashes_through_the_offloader(emulated, monkeyp
     assert sum(k[0] == "pack" for k, _ in emulated.launches) == 3 * 3   # the C++ node packed
     st = off.stats()
     assert st["offloaded"] == 9 and st["kept_on_device"] == 0
+    assert copies.count("offload_out") == copies.count("offload_in") == 9
     assert st["late"] == 3 and st["prefetched"] == 6
     assert off.pool.free_bytes() == off.pool.held
     loss = ours(x).sum()

@@ -171,6 +171,8 @@ def cuda_module():
             mod.set_driver(addr(lib.cuLaunchKernel), addr(lib.cuLaunchCooperativeKernel),
                            addr(lib.cuMemsetD8Async), addr(lib.cuMemcpyDtoHAsync_v2),
                            addr(lib.cuGetErrorName), addr(lib.cuStreamIsCapturing))
+            mod.set_event_driver(addr(lib.cuEventCreate), addr(lib.cuEventRecord),
+                                 addr(lib.cuStreamWaitEvent), addr(lib.cuEventDestroy_v2))
             _hand_slab(mod)
             # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
             mod.register_kernels("CUDA")
@@ -328,6 +330,17 @@ def _module_for(t: torch.Tensor):
     if not t.is_cuda:       # only a test's host emulation gets here (see emulate_on_host)
         return _emulation
     return cuda_module()
+
+
+def loaded_for(device: torch.device):
+    """The extension where it is already loaded for ``device`` (CUDA, or the CPU under
+    :func:`emulate_on_host`) and :func:`python_path` is not in force, else None; never
+    builds it (the offloader's copies use it when it is there)."""
+    if _off:
+        return None
+    if device.type == "cuda":
+        return _built.get("module") if _cuda_ready else None
+    return _emulation
 
 
 def _handle(mod, square: bool, shape, dtype, capacity: int, encoding: int, device: int):

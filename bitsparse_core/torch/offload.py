@@ -35,6 +35,7 @@ import torch
 
 from ..backends.cuda import driver
 from ..backends.cuda.interop import torch_stream
+from . import native as _native
 
 
 def size_class(nbytes: int) -> int:
@@ -54,12 +55,14 @@ class _SideStream:
     context makes (tens of µs per use on the host path of a training step) when the
     stream's device is the current one (torch's own context otherwise)."""
 
-    __slots__ = ("stream", "ids")
+    __slots__ = ("stream", "ids", "packed")
 
     def __init__(self, stream: torch.cuda.Stream):
         self.stream = stream
         self.ids = {"stream_id": stream.stream_id, "device_index": stream.device_index,
                     "device_type": stream.device_type}
+        # how the C++ host path's copies name it (c10::Stream::unpack3)
+        self.packed = (stream.stream_id, stream.device_index, stream.device_type)
 
     def current(self) -> "_Current":
         return _Current(self)
@@ -213,6 +216,13 @@ class Offloader:
             s = self._streams[index] = _SideStream(torch.cuda.Stream(index))
         return s
 
+    def _stream_of(self, device: torch.device) -> tuple:
+        """The copies' stream on ``device`` as the C++ host path names it: the device's side
+        stream, or the CPU's (plain copies)."""
+        if device.type == "cuda":
+            return self._side(device.index).packed
+        return (0, -1, 0)    # c10::Stream of the CPU
+
     def stash(self, block: torch.Tensor) -> Stashed:
         """Queue ``block``'s copy out (after the work queued so far on the current
         stream, which includes its pack); the caller then drops ``block``."""
@@ -221,7 +231,10 @@ class Offloader:
         if host is None:
             self._stats["kept_on_device"] += 1
             return self._track(Stashed(self, block.device, nbytes, kept=block))
-        if block.is_cuda:
+        native = _native.loaded_for(block.device)
+        if native is not None:     # the same calls as below, in one call into C++
+            native.offload_out(block, host, *self._stream_of(block.device))
+        elif block.is_cuda:
             dev = block.get_device()
             side = self._side(dev)
             driver.stream_wait(side.stream.cuda_stream, torch_stream(dev))   # after the pack
@@ -248,7 +261,13 @@ class Offloader:
         """Queue ``h``'s copy back (no-op when it is back, on its way, or was kept)."""
         if h.back is not None or h.host is None:
             return
-        if h.device.type == "cuda":
+        native = _native.loaded_for(h.device)
+        if native is not None:     # the same calls as below, in one call into C++
+            back, ready = native.offload_in(h.host, h.nbytes, h.device,
+                                            *self._stream_of(h.device))
+            if ready:
+                h.ready, h.fetched_on = ready, torch_stream(h.device.index)
+        elif h.device.type == "cuda":
             dev = h.device.index
             side = self._side(dev)
             # ``back`` comes from the compute stream's memory: the side stream writes it
@@ -293,7 +312,8 @@ class Offloader:
         back, ready, h.ready = h.back, h.ready, None
         if ready is not None:
             cur = torch_stream(h.device.index)
-            driver.wait_event(cur, ready)
+            native = _native.loaded_for(h.device)
+            (native.wait_event if native is not None else driver.wait_event)(cur, ready)
             if cur != h.fetched_on:      # allocated on another stream than the one using it
                 back.record_stream(torch.cuda.current_stream(h.device))
         host, h.host, h.back = h.host, None, None
