@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: warm the kernel cache, GPU tests, host-overhead bench, the GPT bench.
 # Usage (device machine, repo root): bash bench/gpu_run.sh
-#   parts: SKIP_TESTS / SKIP_HOST / SKIP_GPT=1, RUN_HF=1, RUN_OFFLOAD=1, RUN_JAX=1; TESTS (pytest paths;
+#   parts: SKIP_TESTS / SKIP_HOST / SKIP_GPT=1, RUN_HF=1, RUN_OFFLOAD=1, RUN_JAX=1, RUN_SPLIT=1
+#   (bench/step_split.py: host and GPU time of a step apart; SPLIT_ARGS); TESTS (pytest paths;
 #   default: every gpu test), PYTEST_ARGS, GPT_ARGS (train_gpt.py flags), HF_ARGS (bench_hf.py
 #   flags), OFFLOAD_ARGS, JAX_ARGS (bench_jax_ffn.py flags); logs and results go to $OUT (only 8 files come back from a device
 #   call: point OUT elsewhere and tar it into the call's $OUT).
@@ -41,6 +42,11 @@ fi
 if [ -n "${RUN_HF:-}" ]; then   # opt-in: the transformers benchmark (needs transformers installed)
   timeout "${HF_TIMEOUT:-300}" python3 bench/bench_hf.py ${HF_ARGS:---steps 5 --interleave 30 --time-limit 270} --out "$OUT" >"$OUT/hf.log" 2>&1
   echo "hf rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 40 "$OUT/hf.log" | cut -c1-300
+fi
+if [ -n "${RUN_SPLIT:-}" ]; then   # opt-in: which side paces each variant's step
+  mkdir -p "$OUT/split"
+  timeout "${SPLIT_TIMEOUT:-240}" python3 bench/step_split.py ${SPLIT_ARGS:---turns 10 --kernel-steps 0 --host-profile ours-compiled,ours-offload --time-limit 220} --out "$OUT/split" >"$OUT/split.log" 2>&1
+  echo "split rc=$? at $(( $(date +%s) - t0 )) s"; head -12 "$OUT/split/step_split.md" 2>/dev/null | tail -8
 fi
 if [ -n "${RUN_JAX:-}" ]; then   # opt-in: the JAX FFN stack, jax.numpy codec and FFI path side by side
   mkdir -p "$OUT/jax"

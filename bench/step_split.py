@@ -165,7 +165,8 @@ def run(args) -> dict:
                 samples[n]["step"].append(whole_step(call, opt, x, y, device))
                 for p, hg in split_step(call, opt, x, y, device, cycles).items():
                     samples[n][p].append(hg)
-            bench.check_time(f"turn {i}")
+            if i >= args.warmup and bench.remaining() <= 0:
+                break         # --time-limit: the turns timed so far are reported
     kernels = {n: top_kernels(*built[n][1:], batches, device, args.kernel_steps)
                for n in names} if args.kernel_steps else {}
     hosts = {}
@@ -182,12 +183,14 @@ def run(args) -> dict:
             row[f"{p}_queue_full"] = max(h for h, _ in s[p]) > 0.8 * args.sleep_ms
         row["host_ms"] = sum(row[f"{p}_host_ms"] for p in PHASES)
         row["gpu_ms"] = sum(row[f"{p}_gpu_ms"] for p in PHASES)
-        row["capacity"] = tg.capacity_stats(built[n][0], args.warmup + 2 * args.turns)
+        # per step: warm-up steps, and a whole and a split step per timed turn
+        row["capacity"] = tg.capacity_stats(built[n][0], args.warmup + 2 * len(s["step"]))
         row["kernels"] = kernels.get(n)
         row["host_profile"] = hosts.get(n)
         res[n] = row
     return {"device": torch.cuda.get_device_name(device), "shape": vars(shape),
-            "sleep_ms": args.sleep_ms, "turns": args.turns, "warmup": args.warmup,
+            "sleep_ms": args.sleep_ms, "turns": len(samples[names[0]]["step"]),
+            "warmup": args.warmup,
             "torch": torch.__version__, "variants": res}
 
 
