@@ -16,9 +16,26 @@ and bit identity, from their ordinary sequential runs.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
+
+
+def median_interval(values, level: float = 0.95):
+    """A distribution-free confidence interval of the median of ``values``: the order
+    statistics ``x_(j) <= x_(n+1-j)`` (1-based, sorted) with the largest ``j`` for which
+    ``P(j <= B <= n - j) >= level``, B binomial(n, 1/2) (the number of values below the
+    true median). ``(low, high, coverage)``, or None for too few values (n < 6 at 95 %)."""
+    x = sorted(values)
+    n = len(x)
+    best = None
+    for j in range(1, n // 2 + 1):
+        coverage = sum(math.comb(n, i) for i in range(j, n - j + 1)) / 2 ** n
+        if coverage < level:
+            break
+        best = (x[j - 1], x[n - j], coverage)
+    return best
 
 
 def run_turns(steps: dict, reference: str, turns: int, warmup: int,
@@ -67,11 +84,13 @@ def run_turns(steps: dict, reference: str, turns: int, warmup: int,
             ratios = [a / b for a, b in zip(times[name], times[reference]) if b]
             rec["ratios"] = ratios
             rec["median_ratio"] = statistics.median(ratios) if ratios else None
+            rec["median_ratio_ci95"] = median_interval(ratios)
         own = own_references.get(name)
         if own is not None and own != name:
             ratios = [a / b for a, b in zip(times[name], times[own]) if b]
             rec["own_reference"] = own
             rec["median_ratio_vs_own"] = statistics.median(ratios) if ratios else None
+            rec["median_ratio_vs_own_ci95"] = median_interval(ratios)
         out["variants"][name] = rec
     return out
 
@@ -117,19 +136,27 @@ def markdown(result: dict, title: str = "Interleaved steps") -> list:
              f"Every variant resident at once; each turn runs one step of every variant (the "
              f"order rotated each turn, a device sync around each step); {result['turns']} "
              f"timed turns after {result['warmup']} warm-up turns. × {ref}: the median over "
-             f"turns of the ratio within a turn.", "",
+             f"turns of the ratio within a turn; its 95 % interval is distribution-free (order "
+             f"statistics of the turns' ratios, `median_interval`).", "",
              f"| variant | median step (ms) | median host (ms) | × {ref} | × {ref}, quartiles "
-             "| × own reference |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"| × {ref}, 95 % interval of the median | × own reference (95 % interval) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, rec in result["variants"].items():
         r = rec.get("ratios") or []
         q = statistics.quantiles(r, n=4) if len(r) >= 2 else None
-        own = (f"{_f(rec.get('median_ratio_vs_own'), '.3f')} ({rec['own_reference']})"
+        own = (f"{_f(rec.get('median_ratio_vs_own'), '.3f')} ({rec['own_reference']}; "
+               f"{_interval(rec.get('median_ratio_vs_own_ci95'))})"
                if rec.get("own_reference") else "-")
         lines.append(f"| {name} | {_f(rec['median_step_ms'])} | {_f(rec['median_host_ms'])} | "
                      f"{_f(rec.get('median_ratio'), '.3f') if name != ref else '-'} | "
-                     f"{f'{q[0]:.3f} - {q[2]:.3f}' if q else '-'} | {own} |")
+                     f"{f'{q[0]:.3f} - {q[2]:.3f}' if q else '-'} | "
+                     f"{_interval(rec.get('median_ratio_ci95')) if name != ref else '-'} | "
+                     f"{own} |")
     return lines
+
+
+def _interval(ci) -> str:
+    return "-" if not ci else f"{ci[0]:.3f} - {ci[1]:.3f}"
 
 
 def _f(v, fmt: str = ".1f") -> str:

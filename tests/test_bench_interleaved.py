@@ -73,3 +73,13 @@ def test_time_limit_keeps_the_turns_timed(monkeypatch):
 def test_reference_must_be_a_variant():
     with pytest.raises(ValueError, match="reference"):
         interleaved.run_turns({"a": lambda i: None}, "dense", 1, 0, sync=lambda: None)
+
+
+def test_median_interval_is_the_binomial_order_statistics():
+    """n = 16: x_(4) .. x_(13) covers the median with probability 0.9787 (x_(5) .. x_(12)
+    only 0.923); n = 20: x_(6) .. x_(15); too few values: no interval."""
+    low, high, cov = interleaved.median_interval(range(16, 0, -1))
+    assert (low, high) == (4, 13) and abs(cov - 0.97873) < 1e-4
+    assert interleaved.median_interval(range(1, 21))[:2] == (6, 15)
+    assert interleaved.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    assert interleaved.median_interval([1.0] * 6)[:2] == (1.0, 1.0)
