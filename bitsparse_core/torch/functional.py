@@ -269,11 +269,15 @@ class ReLULinearFunction(torch.autograd.Function):
         a_shape, a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = \
             ctx.meta
         need = ctx.needs_input_grad
-        needs = ((_ops.NEED_A if need[0] else 0) | (_ops.NEED_W if need[1] else 0)
-                 | (_ops.NEED_B if has_bias and need[2] else 0))
-        grad_a, grad_w, grad_b = _call("relu_linear_backward", (
-            grad_out.contiguous(), block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias,
+        needs = (_ops.NEED_A if need[0] else 0) | (_ops.NEED_W if need[1] else 0)
+        grad_out = grad_out.contiguous()
+        grad_a, grad_w, _ = _call("relu_linear_backward", (
+            grad_out, block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias,
             capacity, square, encoding, chunk_log2, mm_dtype, policy, needs), 7)
+        # The bias gradient outside the op, PyTorch's linear's own: under torch.compile
+        # it is then the compiler's reduction, as in the dense model's graph.
+        _, grad_b = _ops._linear_bias_grad(grad_out, weight, has_bias,
+                                           _ops.NEED_B if has_bias and need[2] else 0)
         return (grad_a if need[0] else None, grad_w if need[1] else None,
                 grad_b if has_bias and need[2] else None) + (None,) * 10
 
@@ -329,12 +333,14 @@ class GatedReLULinearFunction(torch.autograd.Function):
         a_shape, a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, \
             policy = ctx.meta
         need = ctx.needs_input_grad
-        needs = ((_ops.NEED_A if need[0] or need[1] else 0) | (_ops.NEED_W if need[2] else 0)
-                 | (_ops.NEED_B if has_bias and need[3] else 0))
-        grad_g, grad_u, grad_w, grad_b = _call("gated_relu_linear_backward", (
-            grad_out.contiguous(), block_r, block_u, ticket, weight, x, wg, bg, wu, bu, a_shape,
+        needs = (_ops.NEED_A if need[0] or need[1] else 0) | (_ops.NEED_W if need[2] else 0)
+        grad_out = grad_out.contiguous()
+        grad_g, grad_u, grad_w, _ = _call("gated_relu_linear_backward", (
+            grad_out, block_r, block_u, ticket, weight, x, wg, bg, wu, bu, a_shape,
             a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, policy,
             needs), 10)
+        _, grad_b = _ops._linear_bias_grad(grad_out, weight, has_bias,   # as ReLU's, above
+                                           _ops.NEED_B if has_bias and need[3] else 0)
         return (grad_g if need[0] else None, grad_u if need[1] else None,
                 grad_w if need[2] else None, grad_b if has_bias and need[3] else None) \
             + (None,) * 12
