@@ -421,7 +421,8 @@ Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shap
 // has one) and return (linear(relu(a)[**2], weight, bias), block).
 std::pair<Tensor, Tensor> forward_impl(const Tensor& a, const Tensor& weight,
                                        const std::optional<Tensor>& bias, const Plan& P,
-                                       const Tensor& ticket, int64_t mm_dtype) {
+                                       const Tensor& ticket, int64_t mm_dtype,
+                                       bool count_here = true) {
   TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
               a.numel());
   c10::DeviceGuard device_guard(a.device());
@@ -440,7 +441,7 @@ std::pair<Tensor, Tensor> forward_impl(const Tensor& a, const Tensor& weight,
     memset0(scratch, P.scratch_bytes, stream);
     P.pack.run(stream, b, {address(a), y, scratch, 0, 0, 0});
   }
-  if (const int64_t slot = slot_of(ticket)) {
+  if (const int64_t slot = count_here ? slot_of(ticket) : 0) {
     // status word and count in one copy; the slot reads pending until it lands
     check(driver.copy_to_host(reinterpret_cast<void*>(slot), b + P.status_offset, 16, stream),
           "cuMemcpyDtoHAsync");
@@ -519,6 +520,94 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
 }
 
 // ---------------------------------------------------------------------------
+// Offloading's copies (offload.Offloader's mechanics; its decisions stay in Python)
+// ---------------------------------------------------------------------------
+// The side stream waits for the work queued so far on the current stream, the copy runs
+// on the side stream, and the device tensor is marked as used there (record_stream), so
+// that the caching allocator hands its memory out again only once the copy is done: the
+// calls offload.py makes, in one call from Python. Events are the driver's, as
+// backends/cuda/driver.py makes them (CU_EVENT_DISABLE_TIMING), so either side may wait
+// on or release one the other made.
+void* record_event(void* stream) {
+  TORCH_CHECK(driver.event_create != nullptr, "bitsparse: native module used before "
+              "set_event_driver");
+  void* event = nullptr;
+  check(driver.event_create(&event, 2), "cuEventCreate");
+  const CUresult rc = driver.event_record(event, stream);
+  if (rc != 0) driver.event_destroy(event);
+  check(rc, "cuEventRecord");
+  return event;
+}
+
+// ``consumer`` waits for ``event``, which is then released (the driver keeps it until
+// the wait is satisfied).
+void wait_event(void* consumer, void* event) {
+  const CUresult rc = driver.stream_wait_event(consumer, event, 0);
+  driver.event_destroy(event);
+  check(rc, "cuStreamWaitEvent");
+}
+
+c10::Stream unpack_stream(int64_t stream_id, int64_t device_index, int64_t device_type) {
+  return c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                              static_cast<c10::DeviceType>(device_type));
+}
+
+// ``block`` into the first bytes of the pinned ``host`` buffer, on ``side`` after the work
+// queued on the current stream (the block's pack).
+void offload_out(const Tensor& block, const Tensor& host, int64_t stream_id,
+                 int64_t device_index, int64_t device_type) {
+  const c10::Stream side = unpack_stream(stream_id, device_index, device_type);
+  const bool cuda = block.is_cuda();
+  if (cuda) {
+    wait_event(reinterpret_cast<void*>(side.native_handle()),
+               record_event(current_stream(block.device())));
+  }
+  {
+    c10::StreamGuard on_side(side);
+    host.narrow(0, 0, block.numel()).copy_(block, /*non_blocking=*/true);
+  }
+  if (cuda) block.record_stream(side);
+}
+
+// The first ``nbytes`` of ``host`` back into a new tensor on ``device``, on ``side`` after
+// the work queued on the current stream; with the event the current stream must wait
+// on before it reads the tensor (0 on the CPU, where the copy is done on return).
+std::tuple<Tensor, uint64_t> offload_in(const Tensor& host, int64_t nbytes,
+                                        const c10::Device& device, int64_t stream_id,
+                                        int64_t device_index, int64_t device_type) {
+  const c10::Stream side = unpack_stream(stream_id, device_index, device_type);
+  Tensor back = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  if (!device.is_cuda()) {
+    back.copy_(host.narrow(0, 0, nbytes));
+    return {back, 0};
+  }
+  void* side_raw = reinterpret_cast<void*>(side.native_handle());
+  wait_event(side_raw, record_event(current_stream(device)));
+  {
+    c10::StreamGuard on_side(side);
+    back.copy_(host.narrow(0, 0, nbytes), /*non_blocking=*/true);
+  }
+  back.record_stream(side);
+  return {back, reinterpret_cast<uint64_t>(record_event(side_raw))};
+}
+
+// A pack's status and count into its pinned slot, on ``side`` after the work queued on the
+// current stream (the pack). The offloaded node sends it ahead of the block on the
+// offloader's stream: on the compute stream this small copy would queue in the copy
+// engine behind the previous layer's block copy, and hold the compute stream up with it.
+void copy_count(const Tensor& block, int64_t slot, int64_t status_offset,
+                const c10::Stream& side) {
+  void* side_raw = nullptr;
+  if (block.is_cuda()) {
+    side_raw = reinterpret_cast<void*>(side.native_handle());
+    wait_event(side_raw, record_event(current_stream(block.device())));
+  }
+  check(driver.copy_to_host(reinterpret_cast<void*>(slot), address(block) + status_offset, 16,
+                            side_raw),
+        "cuMemcpyDtoHAsync");
+}
+
+// ---------------------------------------------------------------------------
 // The autograd function (eager mode)
 // ---------------------------------------------------------------------------
 constexpr size_t kInputs = 12;   // forward's arguments after ctx
@@ -559,10 +648,17 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
     RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
     c10::DeviceGuard device_guard(a.device());
     const Tensor ticket = ticket_for(a, policy, capacity);
-    auto [out, block] = forward_impl(a, weight, bias, plan_at(handle), ticket, mm_dtype);
+    const Plan& P = plan_at(handle);
+    auto [out, block] = forward_impl(a, weight, bias, P, ticket, mm_dtype, offloader == nullptr);
     if (offloader != nullptr) {   // the block goes to the host; backward takes it back
       py::gil_scoped_acquire gil;
-      py::object stashed = py::handle(offloader).attr("stash")(block);
+      const py::handle off(offloader);
+      if (const int64_t slot = slot_of(ticket)) {
+        const auto [id, index, type] =
+            off.attr("copy_stream")(block.device()).cast<std::tuple<int64_t, int64_t, int64_t>>();
+        copy_count(block, slot, P.status_offset, unpack_stream(id, index, type));
+      }
+      py::object stashed = off.attr("stash")(block);
       ctx->saved_data["stash"] = c10::IValue::make_capsule(
           c10::make_intrusive<Stashed>(std::move(stashed)));
       block = Tensor();
@@ -745,78 +841,6 @@ Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
   if (!g.weight.defined()) g.weight = at::empty({0}, weight.options());
   if (!g.bias.defined()) g.bias = at::empty({0}, weight.options());
   return {g.a, g.weight, g.bias};
-}
-
-// ---------------------------------------------------------------------------
-// Offloading's copies (offload.Offloader's mechanics; its decisions stay in Python)
-// ---------------------------------------------------------------------------
-// The side stream waits for the work queued so far on the current stream, the copy runs
-// on the side stream, and the device tensor is marked as used there (record_stream), so
-// that the caching allocator hands its memory out again only once the copy is done: the
-// calls offload.py makes, in one call from Python. Events are the driver's, as
-// backends/cuda/driver.py makes them (CU_EVENT_DISABLE_TIMING), so either side may wait
-// on or release one the other made.
-void* record_event(void* stream) {
-  TORCH_CHECK(driver.event_create != nullptr, "bitsparse: native module used before "
-              "set_event_driver");
-  void* event = nullptr;
-  check(driver.event_create(&event, 2), "cuEventCreate");
-  const CUresult rc = driver.event_record(event, stream);
-  if (rc != 0) driver.event_destroy(event);
-  check(rc, "cuEventRecord");
-  return event;
-}
-
-// ``consumer`` waits for ``event``, which is then released (the driver keeps it until
-// the wait is satisfied).
-void wait_event(void* consumer, void* event) {
-  const CUresult rc = driver.stream_wait_event(consumer, event, 0);
-  driver.event_destroy(event);
-  check(rc, "cuStreamWaitEvent");
-}
-
-c10::Stream unpack_stream(int64_t stream_id, int64_t device_index, int64_t device_type) {
-  return c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
-                              static_cast<c10::DeviceType>(device_type));
-}
-
-// ``block`` into the first bytes of the pinned ``host`` buffer, on ``side`` after the work
-// queued on the current stream (the block's pack).
-void offload_out(const Tensor& block, const Tensor& host, int64_t stream_id,
-                 int64_t device_index, int64_t device_type) {
-  const c10::Stream side = unpack_stream(stream_id, device_index, device_type);
-  const bool cuda = block.is_cuda();
-  if (cuda) {
-    wait_event(reinterpret_cast<void*>(side.native_handle()),
-               record_event(current_stream(block.device())));
-  }
-  {
-    c10::StreamGuard on_side(side);
-    host.narrow(0, 0, block.numel()).copy_(block, /*non_blocking=*/true);
-  }
-  if (cuda) block.record_stream(side);
-}
-
-// The first ``nbytes`` of ``host`` back into a new tensor on ``device``, on ``side`` after
-// the work queued on the current stream; with the event the current stream must wait
-// on before it reads the tensor (0 on the CPU, where the copy is done on return).
-std::tuple<Tensor, uint64_t> offload_in(const Tensor& host, int64_t nbytes,
-                                        const c10::Device& device, int64_t stream_id,
-                                        int64_t device_index, int64_t device_type) {
-  const c10::Stream side = unpack_stream(stream_id, device_index, device_type);
-  Tensor back = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
-  if (!device.is_cuda()) {
-    back.copy_(host.narrow(0, 0, nbytes));
-    return {back, 0};
-  }
-  void* side_raw = reinterpret_cast<void*>(side.native_handle());
-  wait_event(side_raw, record_event(current_stream(device)));
-  {
-    c10::StreamGuard on_side(side);
-    back.copy_(host.narrow(0, 0, nbytes), /*non_blocking=*/true);
-  }
-  back.record_stream(side);
-  return {back, reinterpret_cast<uint64_t>(record_event(side_raw))};
 }
 
 // The kernels registered with the dispatcher, per dispatch key (CUDA; CPU only under the

@@ -682,7 +682,7 @@ def test_emulated_compiled_training_runs_the_extension_kernels(emulated):
 def test_emulated_native_offload_stashes_through_the_offloader(emulated, monkeypatch):
     """offload= takes the C++ node too: its forward hands the block to the Offloader and
     its backward takes it back (the next ones fetched ahead), the copies made by the
-    extension. Training is dense's bit for bit, the offloader counts every block, a
+    extension, the pack's count sent ahead of the block. Training is dense's bit for bit, the offloader counts every block, a
     second backward says why it cannot run, and a forward without backward gives its
     host buffers back."""
     import gc
@@ -717,6 +717,9 @@ def test_emulated_native_offload_stashes_through_the_offloader(emulated, monkeyp
     st = off.stats()
     assert st["offloaded"] == 9 and st["kept_on_device"] == 0
     assert copies.count("offload_out") == copies.count("offload_in") == 9
+    # each pack's count reached its slot (sent on the offloader's stream): read there,
+    # neither waited for nor recomputed
+    assert all(blk.stats()["recomputes"] == blk.stats()["waits"] == 0 for blk in ours.blocks)
     assert st["late"] == 3 and st["prefetched"] == 6
     assert off.pool.free_bytes() == off.pool.held
     loss = ours(x).sum()

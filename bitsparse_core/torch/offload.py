@@ -216,9 +216,10 @@ class Offloader:
             s = self._streams[index] = _SideStream(torch.cuda.Stream(index))
         return s
 
-    def _stream_of(self, device: torch.device) -> tuple:
-        """The copies' stream on ``device`` as the C++ host path names it: the device's side
-        stream, or the CPU's (plain copies)."""
+    def copy_stream(self, device: torch.device) -> tuple:
+        """The stream this offloader's copies on ``device`` run on, as the C++ host path
+        names it (``(stream_id, device_index, device_type)``): the device's side stream, or
+        the CPU's (plain copies)."""
         if device.type == "cuda":
             return self._side(device.index).packed
         return (0, -1, 0)    # c10::Stream of the CPU
@@ -233,7 +234,7 @@ class Offloader:
             return self._track(Stashed(self, block.device, nbytes, kept=block))
         native = _native.loaded_for(block.device)
         if native is not None:     # the same calls as below, in one call into C++
-            native.offload_out(block, host, *self._stream_of(block.device))
+            native.offload_out(block, host, *self.copy_stream(block.device))
         elif block.is_cuda:
             dev = block.get_device()
             side = self._side(dev)
@@ -264,7 +265,7 @@ class Offloader:
         native = _native.loaded_for(h.device)
         if native is not None:     # the same calls as below, in one call into C++
             back, ready = native.offload_in(h.host, h.nbytes, h.device,
-                                            *self._stream_of(h.device))
+                                            *self.copy_stream(h.device))
             if ready:
                 h.ready, h.fetched_on = ready, torch_stream(h.device.index)
         elif h.device.type == "cuda":
