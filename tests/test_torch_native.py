@@ -733,3 +733,25 @@ def test_emulated_native_offload_stashes_through_the_offloader(emulated, monkeyp
     del y
     gc.collect()
     assert off.pool.free_bytes() == off.pool.held
+
+
+def test_a_plan_the_extension_does_not_take_runs_the_python_kernel(emulated, monkeypatch):
+    """The extension asks Python for a plan it has not seen; where none is made (the plan
+    table full, say) the op's Python kernel runs, and the answer is kept: Python is not
+    asked again for the same plan."""
+    from bitsparse_core.torch import capacity as C
+    asked = []
+
+    def refuse(mod, plan, device):
+        asked.append(plan.lay.numel)
+        return None
+    monkeypatch.setattr(native, "register", refuse)
+    a = torch.randn(8, 48).to(torch.bfloat16)
+    w = torch.randn(4, 48).to(torch.bfloat16)
+    pol = C.CapacityPolicy(density=1.0)
+    args = _op_args(pol, a, w, None)
+    for _ in range(2):
+        emulated.launches.clear()
+        out, block, ticket = torch.ops.bitsparse.relu_linear(*args)
+        assert ticket[0] == C.HOST_FINAL and not emulated.launches
+    assert asked == [a.numel()]
