@@ -330,6 +330,35 @@ def test_offloaded_training_cuda(kind):
             (ours(x).float() - target).pow(2).mean().backward()
 
 
+def test_offloaded_forward_leaves_no_copy_on_the_compute_stream_cuda():
+    """An offloaded C++ node's forward: every device-to-host copy (the blocks, and the
+    packs' counts sent ahead of them) runs on the offloader's stream, none on the stream
+    the kernels run on (a small copy there would wait in the copy engine behind the
+    previous layer's block copy, holding the compute stream up)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    from bitsparse_core.torch import native
+    from bitsparse_core.torch.offload import Offloader
+    _native_built()
+    _, ours = make_pair("relu2", "nosign", d=64, f=1024, layers=4, dtype=torch.bfloat16,
+                        device="cuda")
+    off = Offloader(ahead=2)
+    for blk in ours.blocks:
+        blk.offload = off
+    x, _ = _data((8, 128), 64, torch.bfloat16)
+    ours(x).float().sum().backward()            # warm up: kernels loaded, pool filled
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours(x).float().sum().backward()
+        torch.cuda.synchronize()
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    packs = {e.device_resource_id for e in gpu if "bitsparse_pack" in e.name}
+    to_host = [e for e in gpu if e.name.startswith("Memcpy DtoH")]
+    assert native.loaded_for(x.device) is not None and packs
+    assert len(to_host) >= 2 * 4                 # a block and a count per layer
+    assert not packs & {e.device_resource_id for e in to_host}
+
+
 def test_offload_refuses_graph_capture_cuda():
     from bitsparse_core.errors import UnsupportedTransformError
     a = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) - 0.5
