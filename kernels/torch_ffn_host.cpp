@@ -417,16 +417,23 @@ Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shap
 // ---------------------------------------------------------------------------
 // The op's two halves (shared by the autograd node and the dispatcher's kernels)
 // ---------------------------------------------------------------------------
-// Forward: pack relu(a) into a new block (its count copied to the ticket's slot where it
-// has one) and return (linear(relu(a)[**2], weight, bias), block).
-std::pair<Tensor, Tensor> forward_impl(const Tensor& a, const Tensor& weight,
-                                       const std::optional<Tensor>& bias, const Plan& P,
-                                       const Tensor& ticket, int64_t mm_dtype,
-                                       bool count_here = true) {
+struct Forward {
+  Tensor out, block, ticket;
+};
+
+// Forward: take the pack's ticket (tracked for ``policy``), pack relu(a) into a new block
+// (its count copied to the ticket's slot where it has one, unless ``count_here`` is false:
+// the caller copies it) and return linear(relu(a)[**2], weight, bias), the block and the
+// ticket.
+Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
+                     const Plan& P, int64_t policy, int64_t capacity, int64_t mm_dtype,
+                     bool count_here = true) {
   TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
               a.numel());
   c10::DeviceGuard device_guard(a.device());
   void* stream = current_stream(a.device());
+  Tensor ticket = claim_ticket(stream);
+  track(policy, ticket, a.numel(), capacity);
   const int64_t item = a.element_size();
   const int64_t yelems = ceil_div(a.numel() * item, 16) * 16 / item;
   // One allocation for y and the pack's scratch (dead once the kernel ran; y dies
@@ -449,7 +456,7 @@ std::pair<Tensor, Tensor> forward_impl(const Tensor& a, const Tensor& weight,
   const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
   Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
                           weight, bias);
-  return {out, block};
+  return {out, block, ticket};
 }
 
 // Whether the backward may read the packed values: the slot says clean (and the policy's
@@ -612,13 +619,6 @@ void copy_count(const Tensor& block, int64_t slot, int64_t status_offset,
 // ---------------------------------------------------------------------------
 constexpr size_t kInputs = 12;   // forward's arguments after ctx
 
-// A pack's ticket, taken and tracked for its policy before the pack is queued.
-Tensor ticket_for(const Tensor& a, int64_t policy, int64_t capacity) {
-  Tensor ticket = claim_ticket(current_stream(a.device()));
-  track(policy, ticket, a.numel(), capacity);
-  return ticket;
-}
-
 // An offloaded block between forward and backward: what the Python Offloader's stash()
 // returned (offload.Stashed: the block in pinned host memory, its copy back queued
 // ahead of the backward by the offloader). Dropped with the node when no backward
@@ -634,10 +634,6 @@ struct Stashed : torch::CustomClassHolder {
   }
 };
 
-constexpr const char* kTakenTwice =
-    "an offloaded packed block is taken back by one backward only: a second backward "
-    "through it (retain_graph=True) needs offload=None";
-
 struct ReLULinear : public torch::autograd::Function<ReLULinear> {
   // Optional tensors are std::optional (autograd records an input's metadata, which an
   // undefined tensor does not have). ``offloader``: an offload.Offloader, or null.
@@ -646,10 +642,10 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
                         int64_t capacity, int64_t handle, bool square, int64_t mm_dtype,
                         int64_t policy, PyObject* offloader) {
     RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
-    c10::DeviceGuard device_guard(a.device());
-    const Tensor ticket = ticket_for(a, policy, capacity);
+    c10::DeviceGuard device_guard(a.device());   // the offloader's calls too
     const Plan& P = plan_at(handle);
-    auto [out, block] = forward_impl(a, weight, bias, P, ticket, mm_dtype, offloader == nullptr);
+    auto [out, block, ticket] =
+        forward_impl(a, weight, bias, P, policy, capacity, mm_dtype, offloader == nullptr);
     if (offloader != nullptr) {   // the block goes to the host; backward takes it back
       py::gil_scoped_acquire gil;
       const py::handle off(offloader);
@@ -675,14 +671,12 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
     return out;
   }
 
-  // The offloaded block, back on the device (ordered before this backward's work).
+  // The offloaded block, back on the device (ordered before this backward's work); a
+  // second take, a second backward through the graph, raises the offloader's error.
   static Tensor take_back(const c10::IValue& capsule) {
     auto holder = c10::static_intrusive_pointer_cast<Stashed>(capsule.toCapsule());
     py::gil_scoped_acquire gil;
-    TORCH_CHECK(holder->stashed, kTakenTwice);
-    Tensor block = holder->stashed.attr("take")().cast<Tensor>();
-    holder->stashed = py::object();
-    return block;
+    return holder->stashed.attr("take")().cast<Tensor>();
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -805,10 +799,8 @@ Result3 relu_linear_kernel(const Tensor& a_in, const Tensor& weight,
                        py::make_tuple(a_in, weight, bias, x, w1, b1, capacity, square, encoding,
                                       chunk_log2, mm_dtype, policy));
   }
-  c10::DeviceGuard device_guard(a.device());
-  const Tensor ticket = ticket_for(a, policy, capacity);
-  auto [out, block] = forward_impl(a, weight, bias, plan_at(handle), ticket,
-                                   mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1);
+  auto [out, block, ticket] = forward_impl(a, weight, bias, plan_at(handle), policy, capacity,
+                                           mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1);
   return {out, block, ticket};
 }
 

@@ -204,18 +204,6 @@ def _no_zero_grads(ctx) -> None:
         ctx.set_materialize_grads(False)
 
 
-_TAKEN = object()   # a backward took its offloaded block back (its host buffer is reused)
-
-
-def _take_once(stashed):
-    """What a backward takes back (a Stashed, or the gated op's pair); the second time, a
-    clear error (the C++ node's kTakenTwice says the same)."""
-    if stashed is _TAKEN:
-        raise RuntimeError("an offloaded packed block is taken back by one backward only: a "
-                           "second backward through it (retain_graph=True) needs offload=None")
-    return stashed
-
-
 def _offloader(offload, traced: bool, device: torch.device):
     """The call's :class:`~.offload.Offloader`, or None; offloading is eager-only (its
     copies are ordered by events on a side stream, which neither a trace nor a CUDA
@@ -263,7 +251,7 @@ class ReLULinearFunction(torch.autograd.Function):
             return (None,) * 13
         if ctx.stashed is not None:
             ticket, weight, x, w1, b1 = ctx.saved_tensors
-            block, ctx.stashed = _take_once(ctx.stashed).take(), _TAKEN
+            block = ctx.stashed.take()   # a second backward through it raises
         else:
             block, ticket, weight, x, w1, b1 = ctx.saved_tensors
         a_shape, a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = \
@@ -326,8 +314,7 @@ class GatedReLULinearFunction(torch.autograd.Function):
             return (None,) * 16
         if ctx.stashed is not None:  # taken in the reverse of the order they were stashed
             ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
-            stashed, ctx.stashed = _take_once(ctx.stashed), _TAKEN
-            block_u, block_r = stashed[1].take(), stashed[0].take()
+            block_u, block_r = ctx.stashed[1].take(), ctx.stashed[0].take()
         else:
             block_r, block_u, ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
         a_shape, a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, \

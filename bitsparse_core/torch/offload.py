@@ -151,16 +151,24 @@ class Stashed:
     """One packed block between its forward and its backward: on the host (``host``),
     on its way back (``back`` and its ``ready`` event), or kept on the device."""
 
-    __slots__ = ("owner", "host", "back", "ready", "fetched_on", "device", "nbytes",
+    __slots__ = ("owner", "host", "back", "ready", "fetched_on", "device", "nbytes", "taken",
                  "__weakref__")
 
     def __init__(self, owner: "Offloader", device: torch.device, nbytes: int,
                  host: Optional[torch.Tensor] = None, kept: Optional[torch.Tensor] = None):
         self.owner, self.device, self.nbytes = owner, device, nbytes
         self.host, self.back, self.ready, self.fetched_on = host, kept, None, 0
+        self.taken = False
 
     def take(self) -> torch.Tensor:
-        """The block on its device, ordered before what the current stream runs next."""
+        """The block on its device, ordered before what the current stream runs next. Once
+        only: the host buffer is reused after that, so a second take (a second backward
+        through the graph, ``retain_graph=True``) raises."""
+        if self.taken:
+            raise RuntimeError("an offloaded packed block is taken back by one backward only: "
+                               "a second backward through it (retain_graph=True) needs "
+                               "offload=None")
+        self.taken = True
         return self.owner._take(self)
 
     def __del__(self):
