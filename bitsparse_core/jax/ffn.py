@@ -99,10 +99,13 @@ def _up(x, w, b):
 
 
 def _recompute_up(x, w, b):
-    """The up projection again, for the overflow path. The barrier keeps XLA from
-    fusing the activation into this matmul's epilogue, so the recomputed matmul is
-    compiled like the forward one, whose output has several users (an attempt at
-    the same bits on GPU; see docs/jax.md)."""
+    """The up projection again, for the overflow path, compiled like the forward's.
+    Inside the ``lax.cond`` branch XLA would otherwise fuse the bias add into the
+    cuBLAS epilogue (fp32 accumulator + bias, rounded once) where the forward rounds
+    the product before adding (measured on the H200 with
+    ``bench/jax_recompute_probe.py``): barriers around the inputs and the result keep
+    the matmul, the add and the activation apart as in the forward."""
+    x, w, b = lax.optimization_barrier((x, w, b))
     return lax.optimization_barrier(_up(x, w, b))
 
 
