@@ -231,6 +231,31 @@ def test_vmapped_custom_calls_pack_each_block():
             assert same_bits(dense[i], r, D.BFLOAT16)
 
 
+def _check_relu_backward(dtype, shapes, dev=None):
+    """The relu_backward custom call is grad where the pack's mask bit is set, else
+    +0, bit for bit (NaN payloads of grad kept), for one block and for vmapped blocks
+    (an overflowed pack's mask included: it is always complete)."""
+    rng = np.random.default_rng(dtype.bits + 7)
+    put = (lambda t: jax.device_put(jnp.asarray(t), dev)) if dev else jnp.asarray
+    for shape in shapes:
+        a = _relu_input(rng, (3, *shape), dtype)
+        g = random_tensor(rng, (3, *shape), dtype, 0.0)
+        n = int(np.prod(shape))
+        for cap in (n, n // 10):
+            planes = jax.jit(jax.vmap(lambda t: custom_calls.relu_pack(
+                t, capacity=cap, encoding=Encoding.RAW, chunk_log2=9)))(put(a))
+            got = jax.jit(jax.vmap(lambda gb, m: custom_calls.relu_backward(
+                gb, m, encoding=Encoding.RAW, capacity=cap, chunk_log2=9)))(put(g), planes[0])
+            keep = reference_ops.relu_bits(a, dtype).view(dtype.uint) != 0
+            want = np.where(keep, g.view(dtype.uint), np.zeros((), dtype.uint))
+            assert np.asarray(got).view(dtype.uint).tobytes() == want.tobytes(), (shape, cap)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
+def test_relu_backward_custom_call_selects_by_the_mask(dtype):
+    _check_relu_backward(dtype, [(0,), (7, 33), (5, 777)])
+
+
 def test_impl_is_checked():
     with pytest.raises(ValueError, match="impl"):
         ffn.PackConfig(impl="cuda")
@@ -274,6 +299,14 @@ def test_gpu_relu_pack_planes_equal_reference(dtype):
                     dense = custom_calls.unpack(*got[:4], shape=shape, dtype=dtype, encoding=enc,
                                                 capacity=cap, chunk_log2=12)
                     assert same_bits(dense, reference_ops.relu_bits(a, dtype), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
+def test_gpu_relu_backward_custom_call_selects_by_the_mask(dtype):
+    dev = jax_gpu()
+    pytest.importorskip("cupy")
+    _check_relu_backward(dtype, [(0,), (7, 33), (64, 3001)], dev)
 
 
 @pytest.mark.gpu
@@ -423,3 +456,28 @@ def test_cuda_engine_unpacks_each_block(fake_driver):
         assert (r["mask_len"], r["values_len"], r["signs_len"]) == (lay.mask[1], lay.values[1],
                                                                       lay.signs[1])
         assert r["out"] == rets[0].data + i * 4 * 512 * 2 and r["prefix"] == 0
+
+
+def test_cuda_engine_relu_backward_selects_each_block(fake_driver, monkeypatch):
+    """One mask-select launch per block on XLA's stream: that block's grad, mask row and
+    output, the mask's length from the layout."""
+    from bitsparse_core.backends.cuda import host
+    monkeypatch.setattr(host.driver, "sm_count", lambda device: 132)
+    shape, cap = (4, 513), 900
+    lay = custom_calls._fmt.cached_layout(shape, D.BFLOAT16, Encoding.NOSIGN, cap, 9)
+    spec = custom_calls.plane_spec(shape, D.BFLOAT16, Encoding.NOSIGN, cap, 9, None)
+    u8, bf16 = (xla_ffi.DTYPE_CODES[n] for n in ("uint8", "bfloat16"))
+    args = _buffers([((3, *shape), bf16), ((3, spec.mask), u8)], 0x10_0000_0000)
+    rets = _buffers([((3, *shape), bf16)], 0x20_0000_0000)
+    attrs = {"capacity": cap, "chunk_log2": 9, "encoding": int(Encoding.NOSIGN)}
+    custom_calls._relu_backward_handler(custom_calls._CudaEngine())(
+        _FakeFrame(args, rets, attrs))
+    launches = [c for c in fake_driver if c[0] == "launch"]
+    assert len(launches) == 3
+    elem = 4 * 513 * 2
+    for i, (_, _, stream, r) in enumerate(launches):
+        assert stream == 0x5EED
+        assert (r["g"], r["mask"], r["out"]) == (args[0].data + i * elem,
+                                                 args[1].data + i * args[1].row_bytes,
+                                                 rets[0].data + i * elem)
+        assert (r["mask_len"], r["numel"]) == (lay.mask[1], 4 * 513)

@@ -362,15 +362,8 @@ def decode_dense(p: JaxPacked) -> jax.Array:
 
 
 def mask_of(p: JaxPacked) -> jax.Array:
-    """Bool tensor, True where the element is nonzero (complete even after overflow).
-
-    Read bytewise (element i is bit i % 8 of byte i // 8, the little-endian words'
-    bit order): elementwise, so XLA fuses it into each consumer, where assembling
-    32-bit words first is a reduction whose result XLA may keep in memory."""
-    n = p.numel
-    padded = _fit(p.mask, -(-n // 8))
-    bit = (padded[:, None] >> jnp.arange(8, dtype=jnp.uint8)[None, :]) & jnp.uint8(1)
-    return bit.reshape(-1)[:n].astype(bool).reshape(p.shape)
+    """Bool tensor, True where the element is nonzero (complete even after overflow)."""
+    return _flags_of_words(_words_from_mask(p.mask, p.numel), p.numel).reshape(p.shape)
 
 
 # --------------------------------------------------------------------------- #

@@ -1,7 +1,7 @@
 """The project's pack and unpack kernels as XLA custom calls (``jax.ffi``): the FFN ops'
 ``impl="ffi"`` path.
 
-Two targets, each registered for ``cuda`` and ``cpu``:
+Three targets, each registered for ``cuda`` and ``cpu``:
 
 ``bitsparse_relu_pack``  ``a [, u]`` -> ``mask, offsets, values, signs, status``
     ``[, u values, u signs, u status], scratch``: ``pack(relu(a))`` at a fixed capacity
@@ -10,6 +10,9 @@ Two targets, each registered for ``cuda`` and ``cpu``:
     queued on XLA's stream through :mod:`bitsparse_core.backends.cuda.host`; ``scratch``
     is theirs, a result only so that XLA allocates it.
 ``bitsparse_unpack``     ``mask, offsets, values, signs`` -> the dense tensor.
+``bitsparse_relu_backward``  ``grad, mask`` -> ReLU's input gradient: ``grad`` where the
+    mask's bit is set, else zero (the mask-select kernel). It reads the mask plane as it
+    is, so XLA keeps no decoded form of the mask in memory.
 
 On CPU the handlers run the NumPy reference functions on host memory: the same planes,
 through the same custom-call plumbing, so CI tests the FFI path without a GPU.
@@ -43,6 +46,7 @@ from .codec import NAN_ABOVE
 
 PACK_TARGET = "bitsparse_relu_pack"
 UNPACK_TARGET = "bitsparse_unpack"
+RELU_BACKWARD_TARGET = "bitsparse_relu_backward"
 STATUS_WORDS = abi.STATUS_BYTES // 4
 _WORD = 4
 
@@ -134,6 +138,17 @@ def unpack(mask, offsets, values, signs, *, shape: tuple, dtype: _dt.DType,
                             vmap_method="broadcast_all")
     return call(mask, offsets, values, signs, capacity=np.int64(capacity),
                 chunk_log2=np.int32(chunk_log2), encoding=np.int32(int(encoding)))
+
+
+def relu_backward(grad, mask, *, encoding: Encoding, capacity: int, chunk_log2: int):
+    """ReLU's input gradient from the mask plane alone: ``grad`` where the bit is set,
+    else zero (complete after an overflow too: the mask always is). ``grad`` has the
+    packed tensor's shape and dtype; the layout arguments are the pack's."""
+    register()
+    call = jax.ffi.ffi_call(RELU_BACKWARD_TARGET, jax.ShapeDtypeStruct(grad.shape, grad.dtype),
+                            vmap_method="broadcast_all")
+    return call(grad, mask, capacity=np.int64(capacity), chunk_log2=np.int32(chunk_log2),
+                encoding=np.int32(int(encoding)))
 
 
 def blockwise(fn, *args):
@@ -228,6 +243,18 @@ def _unpack_handler(engine):
     return handle
 
 
+def _relu_backward_handler(engine):
+    def handle(frame: xla_ffi.CallFrame) -> None:
+        at = frame.attrs
+        out = frame.rets[0]
+        dtype = _dt.resolve(_DTYPE_OF_CODE[out.dtype])
+        shape, blocks = _block(out, len(out.shape) - (len(frame.args[1].shape) - 1))
+        lay = _fmt.cached_layout(shape, dtype, Encoding(at["encoding"]), at["capacity"],
+                                 at["chunk_log2"])
+        engine.relu_backward(frame, lay, blocks)
+    return handle
+
+
 def _strides(*buffers):
     """Bytes from one block's plane to the next's, per buffer."""
     return [b.row_bytes for b in buffers]
@@ -275,6 +302,17 @@ class _CudaEngine:
                 planes = host.Planes(m, lay.mask[1], o, 0, v, lay.values[1], s, lay.signs[1])
                 host.enqueue_unpack(lay, planes, abi.Op.UNPACK, device, stream,
                                     frame.rets[0].data + i * elem)
+
+    def relu_backward(self, frame, lay, blocks):
+        device, stream = frame.device_ordinal, frame.stream
+        grad, mask = frame.args
+        elem = lay.dtype.itemsize * lay.numel
+        with _OnDevice(device):
+            for i in range(blocks):
+                planes = host.Planes(mask.data + i * mask.row_bytes, lay.mask[1], 0, 0, 0, 0,
+                                     0, 0)
+                host.enqueue_relu_backward(lay, planes, device, stream, grad.data + i * elem,
+                                           frame.rets[0].data + i * elem)
 
 
 class _OnDevice:
@@ -355,6 +393,16 @@ class _CpuEngine:
             out[...] = 0
             out[nonzero] = full
 
+    def relu_backward(self, frame, lay, blocks):
+        grad, mask = frame.args
+        dtype, numel = lay.dtype, lay.numel
+        for i in range(blocks):
+            bits = np.unpackbits(_host_array(mask, np.uint8, lay.mask[1], i * mask.row_bytes),
+                                 count=numel, bitorder="little").view(bool)
+            g = _host_array(grad, dtype.uint, numel, i * numel * dtype.itemsize)
+            out = _host_array(frame.rets[0], dtype.uint, numel, i * numel * dtype.itemsize)
+            out[...] = np.where(bits, g, np.zeros((), dtype.uint))
+
 
 def _relu_bits(bits: np.ndarray, dtype: _dt.DType) -> np.ndarray:
     """reference_ops.relu_bits decided on the bit patterns: XLA's CPU threads run with
@@ -384,7 +432,7 @@ _REGISTER_LOCK = threading.Lock()
 
 
 def register() -> None:
-    """Register both targets' handlers for ``cpu`` and ``cuda`` (once per process)."""
+    """Register the targets' handlers for ``cpu`` and ``cuda`` (once per process)."""
     if _REGISTERED.is_set():
         return
     with _REGISTER_LOCK:
@@ -393,4 +441,5 @@ def register() -> None:
         for platform, engine in (("cpu", _CpuEngine()), ("CUDA", _CudaEngine())):
             xla_ffi.register(PACK_TARGET, _pack_handler(engine), platform)
             xla_ffi.register(UNPACK_TARGET, _unpack_handler(engine), platform)
+            xla_ffi.register(RELU_BACKWARD_TARGET, _relu_backward_handler(engine), platform)
         _REGISTERED.set()

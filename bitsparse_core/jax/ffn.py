@@ -201,6 +201,21 @@ def _mask(p, cfg: PackConfig, shape):
     return _per_block(codec.mask_of, p, cfg).reshape(shape)
 
 
+def _relu_grad(p, cfg: PackConfig, g, shape):
+    """ReLU's input gradient by the mask alone: ``g`` where the bit is set, else zero.
+    The FFI path reads the mask plane in one custom call; the jax.numpy path selects
+    by :func:`codec.mask_of`, which XLA fuses into its consumers."""
+    if cfg.impl != "ffi":
+        return jnp.where(_mask(p, cfg, shape), g, jnp.zeros((), g.dtype))
+
+    def one(q, gb):
+        return custom_calls.relu_backward(gb, q.mask, encoding=q.encoding,
+                                          capacity=q.capacity, chunk_log2=q.chunk_log2)
+    if cfg.shards == 1:
+        return one(p, g)
+    return _blocks(jax.vmap(one), cfg, p, g.reshape(cfg.shards, *cfg.blocks(shape))).reshape(shape)
+
+
 # --------------------------------------------------------------------------- #
 # ReLU and ReLU² FFN                                                          #
 # --------------------------------------------------------------------------- #
@@ -232,7 +247,7 @@ def _relu_ffn_bwd(cfg, square, res, g):
         da = jnp.where(r > 0, dr, jnp.zeros((), dr.dtype))
     else:
         # The mask alone decides (complete even after an overflow).
-        da = jnp.where(_mask(p, cfg, shape), dy, jnp.zeros((), dy.dtype))
+        da = _relu_grad(p, cfg, dy, shape)
     dx, dw1, db1 = _vjp(_up, x, w1, b1)(da)
     return dx, dw1, db1, dw2
 
