@@ -21,6 +21,7 @@
 // the pointer fields a call fills. C++ never restates the kernel ABI.
 
 #include <ATen/ATen.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
@@ -61,6 +62,7 @@ using CoopLaunchFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigned,
                                   unsigned, unsigned, void*, void**);
 using MemsetFn = CUresult (*)(uint64_t, unsigned char, size_t, void*);
 using CopyToHostFn = CUresult (*)(void*, uint64_t, size_t, void*);
+using CopyToDeviceFn = CUresult (*)(uint64_t, const void*, size_t, void*);
 using ErrorNameFn = CUresult (*)(CUresult, const char**);
 using IsCapturingFn = CUresult (*)(void*, int*);
 using EventCreateFn = CUresult (*)(void**, unsigned);
@@ -75,11 +77,12 @@ struct Driver {
   CopyToHostFn copy_to_host = nullptr;
   ErrorNameFn error_name = nullptr;
   IsCapturingFn is_capturing = nullptr;   // absent under host emulation
-  // events, for the offload copies (set_event_driver)
+  // events and the host-to-device copy, for offloading (set_offload_driver)
   EventCreateFn event_create = nullptr;
   EventRecordFn event_record = nullptr;
   StreamWaitEventFn stream_wait_event = nullptr;
   EventDestroyFn event_destroy = nullptr;
+  CopyToDeviceFn copy_to_device = nullptr;
 };
 Driver driver;
 // Host tensors with a driver whose entry points run the reference codec on host memory
@@ -529,15 +532,19 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
 // ---------------------------------------------------------------------------
 // Offloading's copies (offload.Offloader's mechanics; its decisions stay in Python)
 // ---------------------------------------------------------------------------
-// The side stream waits for the work queued so far on the current stream, the copy runs
-// on the side stream, and the device tensor is marked as used there (record_stream), so
-// that the caching allocator hands its memory out again only once the copy is done: the
-// calls offload.py makes, in one call from Python. Events are the driver's, as
-// backends/cuda/driver.py makes them (CU_EVENT_DISABLE_TIMING), so either side may wait
-// on or release one the other made.
+// The side stream waits for the work queued so far on the current stream and the copy
+// runs there, one driver call (ATen's copy_ costs several times its host time). Out: the
+// device block is marked as used on the side stream (record_stream), so the caching
+// allocator hands its memory out again only once the copy is done. In: the caller's
+// stream waits on the returned event before any use of the tensor, and before dropping
+// it unused (offload.Stashed), so no record_stream is needed. Either way the pinned
+// buffer is marked as used by the side stream for torch's pinned allocator, as copy_
+// does (the pool may drop a buffer whose last copy is still running). Events are the
+// driver's, as backends/cuda/driver.py makes them (CU_EVENT_DISABLE_TIMING), so either
+// side may wait on or release one the other made.
 void* record_event(void* stream) {
   TORCH_CHECK(driver.event_create != nullptr, "bitsparse: native module used before "
-              "set_event_driver");
+              "set_offload_driver");
   void* event = nullptr;
   check(driver.event_create(&event, 2), "cuEventCreate");
   const CUresult rc = driver.event_record(event, stream);
@@ -559,21 +566,29 @@ c10::Stream unpack_stream(int64_t stream_id, int64_t device_index, int64_t devic
                               static_cast<c10::DeviceType>(device_type));
 }
 
+void note_host_use(const Tensor& host, const c10::Stream& side) {
+  at::getHostAllocator(side.device_type())
+      ->record_event(host.storage().mutable_data(), host.storage().data_ptr().get_context(),
+                     side);
+}
+
 // ``block`` into the first bytes of the pinned ``host`` buffer, on ``side`` after the work
 // queued on the current stream (the block's pack).
 void offload_out(const Tensor& block, const Tensor& host, int64_t stream_id,
                  int64_t device_index, int64_t device_type) {
+  TORCH_CHECK(host.numel() >= block.numel() && host.is_contiguous() && block.is_contiguous(),
+              "bitsparse: offload_out needs contiguous tensors and a host buffer as large");
+  if (!block.is_cuda()) {
+    host.narrow(0, 0, block.numel()).copy_(block);
+    return;
+  }
   const c10::Stream side = unpack_stream(stream_id, device_index, device_type);
-  const bool cuda = block.is_cuda();
-  if (cuda) {
-    wait_event(reinterpret_cast<void*>(side.native_handle()),
-               record_event(current_stream(block.device())));
-  }
-  {
-    c10::StreamGuard on_side(side);
-    host.narrow(0, 0, block.numel()).copy_(block, /*non_blocking=*/true);
-  }
-  if (cuda) block.record_stream(side);
+  void* side_raw = reinterpret_cast<void*>(side.native_handle());
+  wait_event(side_raw, record_event(current_stream(block.device())));
+  check(driver.copy_to_host(host.data_ptr(), address(block), block.numel(), side_raw),
+        "cuMemcpyDtoHAsync");
+  note_host_use(host, side);
+  block.record_stream(side);
 }
 
 // The first ``nbytes`` of ``host`` back into a new tensor on ``device``, on ``side`` after
@@ -588,13 +603,16 @@ std::tuple<Tensor, uint64_t> offload_in(const Tensor& host, int64_t nbytes,
     back.copy_(host.narrow(0, 0, nbytes));
     return {back, 0};
   }
+  TORCH_CHECK(driver.copy_to_device != nullptr, "bitsparse: native module used before "
+              "set_offload_driver");
+  TORCH_CHECK(host.numel() >= nbytes && host.is_contiguous(),
+              "bitsparse: offload_in needs a contiguous host buffer of nbytes");
   void* side_raw = reinterpret_cast<void*>(side.native_handle());
   wait_event(side_raw, record_event(current_stream(device)));
-  {
-    c10::StreamGuard on_side(side);
-    back.copy_(host.narrow(0, 0, nbytes), /*non_blocking=*/true);
-  }
-  back.record_stream(side);
+  check(driver.copy_to_device(address(back), host.data_ptr(), static_cast<size_t>(nbytes),
+                              side_raw),
+        "cuMemcpyHtoDAsync");
+  note_host_use(host, side);
   return {back, reinterpret_cast<uint64_t>(record_event(side_raw))};
 }
 
@@ -876,12 +894,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     driver.copy_to_host = reinterpret_cast<CopyToHostFn>(copy_to_host);
     driver.error_name = reinterpret_cast<ErrorNameFn>(error_name);
   });
-  m.def("set_event_driver", [](uint64_t create, uint64_t record, uint64_t wait,
-                               uint64_t destroy) {
+  m.def("set_offload_driver", [](uint64_t create, uint64_t record, uint64_t wait,
+                                 uint64_t destroy, uint64_t copy_to_device) {
     driver.event_create = reinterpret_cast<EventCreateFn>(create);
     driver.event_record = reinterpret_cast<EventRecordFn>(record);
     driver.stream_wait_event = reinterpret_cast<StreamWaitEventFn>(wait);
     driver.event_destroy = reinterpret_cast<EventDestroyFn>(destroy);
+    driver.copy_to_device = reinterpret_cast<CopyToDeviceFn>(copy_to_device);
   });
   m.def("set_host_emulation", [](bool on) { host_emulation = on; });
   m.def("set_state_fn", [](py::object fn) {

@@ -171,8 +171,9 @@ def cuda_module():
             mod.set_driver(addr(lib.cuLaunchKernel), addr(lib.cuLaunchCooperativeKernel),
                            addr(lib.cuMemsetD8Async), addr(lib.cuMemcpyDtoHAsync_v2),
                            addr(lib.cuGetErrorName), addr(lib.cuStreamIsCapturing))
-            mod.set_event_driver(addr(lib.cuEventCreate), addr(lib.cuEventRecord),
-                                 addr(lib.cuStreamWaitEvent), addr(lib.cuEventDestroy_v2))
+            mod.set_offload_driver(addr(lib.cuEventCreate), addr(lib.cuEventRecord),
+                                   addr(lib.cuStreamWaitEvent), addr(lib.cuEventDestroy_v2),
+                                   addr(lib.cuMemcpyHtoDAsync_v2))
             _hand_slab(mod)
             # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
             mod.register_kernels("CUDA")

@@ -174,8 +174,9 @@ class Stashed:
     def __del__(self):
         host, self.host = self.host, None
         ready, self.ready = self.ready, None
-        if ready is not None:                # fetched, never taken (``back`` carries a
-            driver.release_event(ready)      # record_stream of the copy's stream)
+        if ready is not None:                # fetched, never taken: ``back``'s memory goes
+            driver.release_event(ready)      # back to its stream once the copy is done
+            self.back.record_stream(self.owner._side(self.device.index).stream)
         if host is not None:
             self.owner.pool.give(host, self.device)
 
@@ -280,15 +281,14 @@ class Offloader:
             dev = h.device.index
             side = self._side(dev)
             # ``back`` comes from the compute stream's memory: the side stream writes it
-            # after the work queued there so far, the compute stream reads it after the copy
-            # (and should the handle die before its backward takes it, record_stream keeps
-            # the allocator from reusing the memory under a copy still running)
+            # after the work queued there so far, the compute stream waits on ``ready``
+            # before it reads it (and should the handle die before its backward takes it,
+            # Stashed.__del__ keeps the allocator from reusing it under the copy)
             cur = torch_stream(dev)
             back = torch.empty(h.nbytes, dtype=torch.uint8, device=h.device)
             driver.stream_wait(side.stream.cuda_stream, cur)
             with side.current():
                 back.copy_(h.host[:h.nbytes], non_blocking=True)
-            back.record_stream(side.stream)
             h.ready, h.fetched_on = driver.record_event(side.stream.cuda_stream), cur
         else:
             back = h.host[:h.nbytes].clone()
