@@ -180,15 +180,11 @@ def readme() -> list:
         f"{mib(hv['checkpointing']['peak_mib'])} MiB vs {mib(hv['plain']['peak_mib'])} plain "
         f"(a fresh model: {hf_zeros} % zeros in its FFN activations) | `bench/results/bench_hf.md` |",
 
-        f"| same GPT, the FFN op's host path in C++ (the default) against Python, steps in "
-        f"turn ({tiv['turns']} turns) | step "
-        f"{pct(tiv['variants']['ours-nosign']['median_ratio'], 1)} (C++) / "
-        f"{pct(tiv['variants']['ours-python']['median_ratio'], 1)} (Python) vs dense, "
-        f"checkpointing {pct(tiv['variants']['checkpoint']['median_ratio'], 1)}; host time of "
-        "one layer's forward and "
+        f"| one layer of the same GPT, the FFN op's host path in C++ (the default) against "
+        f"Python | host time of one layer's forward and "
         f"backward ({mh['config']['tokens']} tokens): {mhr['packed-nosign']['train_x_dense']:.2f} × "
         f"dense's (C++) / {mhr['packed-python']['train_x_dense']:.2f} × (Python) "
-        "| `bench/results/train_gpt.md`, `bench/results/module_host.md` |",
+        "| `bench/results/module_host.md` |",
 
         f"| {g16s['layers']}-layer GPT, d={g16s['d']}, {g16s['seq'] * g16s['batch']} tokens/step "
         f"(GPU-bound) | step {pct(g16['ours-nosign']['step_ratio_vs_dense'], 1)} vs dense "
@@ -227,7 +223,10 @@ def readme() -> list:
         f"{pct(jm['checkpoint']['step_ms_median'] / jm['dense']['step_ms_median'])}; through "
         f"the project's kernels as XLA custom calls (`impl=\"ffi\"`): step "
         f"{pct(jm['packed-ffi']['step_ms_median'] / jm['dense']['step_ms_median'])}, "
-        f"{gib(jm['packed-ffi']['temp_size_in_bytes'])} GiB "
+        f"{gib(jm['packed-ffi']['temp_size_in_bytes'])} GiB; gradients "
+        f"{identical(*(jm[m]['bit_identical_to_dense'] for m in ('packed', 'packed-ffi')))} "
+        "to plain JAX's, and on batches that overflow the capacity (every layer recomputes) "
+        f"{identical(*(jm[m]['bit_identical_to_dense'] for m in ('packed-overflow', 'packed-ffi-overflow')))} "
         "| `bench/results/jax_ffn.md` |",
 
         f"| codec kernels, 2^{int(math.log2(cd['numel']))} bf16 / fp8 elements | CuPy: unpack "
@@ -256,6 +255,7 @@ def guide() -> list:
     bu = result("train_gpt_budget.json")
     cd = result("codecs.json")
     tiv = tg["interleaved"]["variants"]
+    mhr = {row["variant"]: row for row in result("module_host.json")["rows"]}
     return [
         f"plus {fmt.ALIGN}-byte alignment and the chunk offsets ({offsets:.1f} % of the mask at "
         f"the default {1 << fmt.DEFAULT_CHUNK_LOG2}-element chunks).",
@@ -298,9 +298,10 @@ def guide() -> list:
         f"packing fits batch {bu['largest_batch']['ours-nosign']} where dense fits "
         f"{bu['largest_batch']['dense']} ([train_gpt_budget.md](../bench/results/train_gpt_budget.md)).",
 
-        f"The FFN op's host path in C++ is the default; the same run's steps on the Python "
-        f"path (`native.python_path()`) took {pct(tiv['ours-python']['median_ratio'], 1)} over "
-        f"dense's, and under `torch.compile` ours took "
+        f"The FFN op's host path in C++ is the default (the Python path, "
+        f"`native.python_path()`, costs {mhr['packed-python']['train_x_dense']:.2f} × dense's "
+        f"host time per layer against {mhr['packed-nosign']['train_x_dense']:.2f} ×: "
+        "[module_host.md](../bench/results/module_host.md)); under `torch.compile` ours took "
         f"{pct(tiv['ours-compiled']['median_ratio_vs_own'], 1)} over compiled dense's "
         "([train_gpt.md](../bench/results/train_gpt.md)).",
     ]
@@ -366,7 +367,7 @@ def jax_md() -> list:
         table.append(f"| {labels[mode]} | {gib(m['temp_size_in_bytes'])} | "
                      f"{m['step_ms_median']:.1f} | "
                      + ("–" if mode == "dense" else pct(m["step_ms_median"] / dense_ms))
-                     + f" | {'–' if same is None else ('yes' if same else 'no (see above)')} |")
+                     + f" | {'–' if same is None else ('yes' if same else 'no')} |")
     pos = r["positive_fraction"]
     elems = co["elements"]
     block_in = c["tokens"] * c["d"] * 2 / 2**20
@@ -397,8 +398,8 @@ def jax_md() -> list:
         f"{jm['packed']['step_ms_median'] - dense_ms:.1f} ms per step",
         f"The overflow run (capacity bound {c['overflow_density']} < the real "
         f"{max(pos):.2f}, so every layer recomputed) was "
-        f"{'**not**' if not jm['packed-overflow']['bit_identical_to_dense'] else ''} "
-        "bit-identical.",
+        + ("bit-identical too." if jm["packed-overflow"]["bit_identical_to_dense"]
+           else "**not** bit-identical."),
         f"{c['layers']} residual blocks `x + relu(x @ w1 + b1) @ w2`, bf16, d = {c['d']}, "
         f"f = {c['f']}, {c['tokens']} tokens. `b1` is calibrated per layer "
         f"for {100 - round(100 * sum(pos) / len(pos))} % negative pre-activations (measured: "
