@@ -533,11 +533,11 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
 // Offloading's copies (offload.Offloader's mechanics; its decisions stay in Python)
 // ---------------------------------------------------------------------------
 // The side stream waits for the work queued so far on the current stream and the copy
-// runs there, one driver call (ATen's copy_ costs several times its host time). Out: the
-// device block is marked as used on the side stream (record_stream), so the caching
-// allocator hands its memory out again only once the copy is done. In: the caller's
-// stream waits on the returned event before any use of the tensor, and before dropping
-// it unused (offload.Stashed), so no record_stream is needed. Either way the pinned
+// runs there, one driver call (ATen's copy_ costs several times its host time). Out: an
+// event marks the copy's end; the caller holds the device block until it has passed
+// (offload.Offloader), so the caching allocator never sees the side stream. In: the
+// caller's stream waits on the returned event before any use of the tensor, and before
+// dropping it unused (offload.Stashed), so no record_stream is needed. Either way the pinned
 // buffer is marked as used by the side stream for torch's pinned allocator, as copy_
 // does (the pool may drop a buffer whose last copy is still running). Events are the
 // driver's, as backends/cuda/driver.py makes them (CU_EVENT_DISABLE_TIMING), so either
@@ -573,14 +573,15 @@ void note_host_use(const Tensor& host, const c10::Stream& side) {
 }
 
 // ``block`` into the first bytes of the pinned ``host`` buffer, on ``side`` after the work
-// queued on the current stream (the block's pack).
-void offload_out(const Tensor& block, const Tensor& host, int64_t stream_id,
-                 int64_t device_index, int64_t device_type) {
+// queued on the current stream (the block's pack); returns the event recorded after the
+// copy (0 on the CPU, where the copy is done on return). The block must outlive the copy.
+uint64_t offload_out(const Tensor& block, const Tensor& host, int64_t stream_id,
+                     int64_t device_index, int64_t device_type) {
   TORCH_CHECK(host.numel() >= block.numel() && host.is_contiguous() && block.is_contiguous(),
               "bitsparse: offload_out needs contiguous tensors and a host buffer as large");
   if (!block.is_cuda()) {
     host.narrow(0, 0, block.numel()).copy_(block);
-    return;
+    return 0;
   }
   const c10::Stream side = unpack_stream(stream_id, device_index, device_type);
   void* side_raw = reinterpret_cast<void*>(side.native_handle());
@@ -588,7 +589,7 @@ void offload_out(const Tensor& block, const Tensor& host, int64_t stream_id,
   check(driver.copy_to_host(host.data_ptr(), address(block), block.numel(), side_raw),
         "cuMemcpyDtoHAsync");
   note_host_use(host, side);
-  block.record_stream(side);
+  return reinterpret_cast<uint64_t>(record_event(side_raw));
 }
 
 // The first ``nbytes`` of ``host`` back into a new tensor on ``device``, on ``side`` after

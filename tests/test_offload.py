@@ -48,6 +48,69 @@ def test_offloaded_training_is_bit_identical(kind):
     assert off.pool.free_bytes() == off.pool.held    # every buffer back after backward
 
 
+class _PendingCopies(Offloader):
+    """CPU copies whose end the test decides: each copy out returns a token that reads
+    as not done until the test adds it to ``done`` (on a GPU: an event on the side
+    stream). Every token forgotten is recorded."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.done, self.tokens, self.forgotten = set(), 0, []
+
+    def _copy_out(self, block, host):
+        assert super()._copy_out(block, host) == 0       # the CPU copy ran
+        self.tokens += 1
+        return self.tokens
+
+    def _copied(self, event):
+        return event in self.done
+
+    def _forget(self, event):
+        self.forgotten.append(event)
+
+
+@pytest.mark.parametrize("hold", [0, 2])
+def test_blocks_whose_copy_may_still_run_are_held_and_taken_from_the_device(hold):
+    """With every copy still running, the last ``hold`` blocks of each forward stay on
+    the device and backward takes them from there; training stays bit-identical and
+    every copy's event is let go exactly once."""
+    dense, ours = make_pair("relu2", "nosign", layers=3)
+    off = _PendingCopies(ahead=1, hold=hold)
+    _offloaded(ours, off)
+    x, target = _data((3, 16), 32)
+    steps = 3
+    assert_same_training(train(dense, x, target, steps=steps), train(ours, x, target, steps=steps))
+    st = off.stats()
+    assert st["offloaded"] == 3 * steps and st["taken_on_device"] == hold * steps
+    # hold=0: backward asks for the last block before anything was fetched (late), the
+    # rest were fetched ahead; hold=2: the last two come from the device, and taking the
+    # second of them fetches the first block ahead, so nothing is late
+    late, ahead = (1, 2) if hold == 0 else (0, 1)
+    assert st["late"] == late * steps and st["prefetched"] == ahead * steps
+    gc.collect()
+    assert sorted(off.forgotten) == list(range(1, off.tokens + 1))
+    assert off.pool.free_bytes() == off.pool.held
+
+
+def test_held_blocks_go_once_their_copy_has_run():
+    off = _PendingCopies(hold=3)
+    blocks = [torch.full((64,), i, dtype=torch.uint8) for i in range(3)]
+    handles = [off.stash(b) for b in blocks]
+    assert all(h.block is not None for h in handles)
+    off.done |= {1, 2}             # copies run in stash order: the next stash sees two done
+    extra = off.stash(torch.zeros(64, dtype=torch.uint8))
+    assert [h.block is None for h in handles] == [True, True, False]
+    assert off.forgotten == [1, 2]
+    assert torch.equal(handles[2].take(), blocks[2])            # still on the device
+    assert torch.equal(handles[1].take(), blocks[1])            # back from its host copy
+    assert off.stats()["taken_on_device"] == 1
+    del extra                      # a stash whose backward never comes lets its block go
+    gc.collect()
+    assert sorted(off.forgotten) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="hold"):
+        Offloader(hold=-1)
+
+
 def test_the_pool_is_reused_step_after_step():
     _, ours = make_pair("relu", "nosign", layers=3)
     off = Offloader()

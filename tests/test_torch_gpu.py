@@ -303,7 +303,7 @@ def test_offloaded_training_cuda(kind):
                             device="cuda")
     _, kept = make_pair(kind, "nosign", d=64, f=1024, layers=4, dtype=torch.bfloat16,
                         device="cuda")
-    off = Offloader(ahead=2)
+    off = Offloader(ahead=2, hold=0)      # every block released at once: counts exact
     offloaded(ours, off)
     x, target = _data((8, 128), 64, torch.bfloat16)
     assert_same_training(train(dense, x, target), train(ours, x, target))
@@ -311,6 +311,15 @@ def test_offloaded_training_cuda(kind):
     per_layer = 2 if kind == "reglu" else 1
     assert st["offloaded"] == 4 * per_layer * 3 and st["kept_on_device"] == 0
     assert st["late"] == 3 and st["prefetched"] == st["offloaded"] - 3
+    assert st["taken_on_device"] == 0
+    # held until their copies are seen done (the default): as exact, at most ``hold``
+    # blocks per step taken from the device, how many depends on how far copies got
+    held = Offloader(ahead=2, hold=2)
+    dense2, again = make_pair(kind, "nosign", d=64, f=1024, layers=4, dtype=torch.bfloat16,
+                              device="cuda")
+    offloaded(again, held)
+    assert_same_training(train(dense2, x, target), train(again, x, target))
+    assert held.stats()["taken_on_device"] <= 2 * 3
 
     def saved_bytes(model):
         torch.cuda.synchronize()

@@ -7,8 +7,12 @@ backward are copied back on the same side stream, so those copies run while the
 GPU computes this layer. Streams are ordered by events, never by the host: nothing
 here synchronizes.
 
-* The device block is released once its copy is queued: ``record_stream`` keeps the
-  caching allocator from reusing the memory before the side stream has read it.
+* The device block is held until its copy out has run (an event, queried without
+  waiting at the next stash), then released. At most ``hold`` blocks are held; an older
+  one is released early with ``record_stream``, which keeps the caching allocator from
+  reusing its memory before the side stream has read it. A block still held when its
+  backward comes (the last layers' at the turn from forward to backward, whose copies
+  are still running) is taken from the device as it is: no copy back to wait for.
 * Host buffers come from a :class:`PinnedPool` reused step after step, bounded by
   ``max_host_bytes``, in power-of-two size classes (a block whose adaptive capacity
   moves a little finds its buffer again); a block that does not fit stays on the
@@ -27,6 +31,7 @@ all the same (plain copies), which is what the CPU tests exercise.
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from typing import Optional
@@ -152,13 +157,15 @@ class Stashed:
     on its way back (``back`` and its ``ready`` event), or kept on the device."""
 
     __slots__ = ("owner", "host", "back", "ready", "fetched_on", "device", "nbytes", "taken",
-                 "__weakref__")
+                 "block", "out_done", "__weakref__")
 
     def __init__(self, owner: "Offloader", device: torch.device, nbytes: int,
                  host: Optional[torch.Tensor] = None, kept: Optional[torch.Tensor] = None):
         self.owner, self.device, self.nbytes = owner, device, nbytes
         self.host, self.back, self.ready, self.fetched_on = host, kept, None, 0
         self.taken = False
+        # the device block while its copy out may still run, and the event after that copy
+        self.block, self.out_done = None, 0
 
     def take(self) -> torch.Tensor:
         """The block on its device, ordered before what the current stream runs next. Once
@@ -172,6 +179,8 @@ class Stashed:
         return self.owner._take(self)
 
     def __del__(self):
+        if self.block is not None:
+            self.owner._drop_block(self, copied=False)
         host, self.host = self.host, None
         ready, self.ready = self.ready, None
         if ready is not None:                # fetched, never taken: ``back``'s memory goes
@@ -186,29 +195,37 @@ class Offloader:
 
     ``ahead``: how many layers' blocks (in backward order) are on their way back
     while a layer's backward runs. ``max_host_bytes``: the pinned pool's bound (None:
-    none). One offloader serves every layer of a model: it sees the order blocks
-    were stashed in, which is the reverse of the order backward takes them.
+    none). ``hold``: how many device blocks at most wait for their copy out to run
+    before they are released (see the module docstring; 0 releases each at once).
+    One offloader serves every layer of a model: it sees the order blocks were stashed
+    in, which is the reverse of the order backward takes them.
     """
 
-    def __init__(self, ahead: int = 2, max_host_bytes: Optional[int] = None):
+    def __init__(self, ahead: int = 2, max_host_bytes: Optional[int] = None, hold: int = 2):
         if ahead < 0:
             raise ValueError(f"ahead={ahead} must be >= 0")
-        self.ahead = ahead
+        if hold < 0:
+            raise ValueError(f"hold={hold} must be >= 0")
+        self.ahead, self.hold = ahead, hold
         self.pool = PinnedPool(max_host_bytes)
         self._stashed: list = []        # weakrefs, in stash order
+        self._held = collections.deque()  # weakrefs of stashes holding their block, in order
         self._prune_at = _PRUNE_MIN
         self._streams: dict = {}
-        self._lock = threading.Lock()
+        # reentrant: a Stashed collected inside a locked section releases its block here
+        self._lock = threading.RLock()
         self._stats = {"offloaded": 0, "kept_on_device": 0, "prefetched": 0, "late": 0,
-                       "bytes_offloaded": 0}
+                       "taken_on_device": 0, "bytes_offloaded": 0}
 
     def stats(self) -> dict:
         """Blocks offloaded, kept on the device (pool full), fetched ahead of their
-        backward or only when asked for (late), and the bytes moved out."""
+        backward or only when asked for (late), taken from the device because their copy
+        out had not been seen to finish (taken_on_device), and the bytes moved out."""
         return {**self._stats, "pool_held_bytes": self.pool.held}
 
     def __repr__(self) -> str:
-        return f"Offloader(ahead={self.ahead}, max_host_bytes={self.pool.max_bytes})"
+        return (f"Offloader(ahead={self.ahead}, max_host_bytes={self.pool.max_bytes}, "
+                f"hold={self.hold})")
 
     # A model's layers share one offloader, a resource like a stream: a deep copy of the
     # model shares it too, and pickling makes a fresh one with the same settings.
@@ -216,7 +233,7 @@ class Offloader:
         return self
 
     def __reduce__(self):
-        return (Offloader, (self.ahead, self.pool.max_bytes))
+        return (Offloader, (self.ahead, self.pool.max_bytes, self.hold))
 
     def _side(self, index: int) -> _SideStream:
         """The side stream of CUDA device ``index``."""
@@ -236,26 +253,74 @@ class Offloader:
     def stash(self, block: torch.Tensor) -> Stashed:
         """Queue ``block``'s copy out (after the work queued so far on the current
         stream, which includes its pack); the caller then drops ``block``."""
+        self._release_copied()
         nbytes = block.numel()
         host = self.pool.take(nbytes, block.device)
         if host is None:
             self._stats["kept_on_device"] += 1
             return self._track(Stashed(self, block.device, nbytes, kept=block))
+        done = self._copy_out(block, host)
+        self._stats["offloaded"] += 1
+        self._stats["bytes_offloaded"] += nbytes
+        h = self._track(Stashed(self, block.device, nbytes, host=host))
+        if done:
+            h.block, h.out_done = block, done
+            with self._lock:
+                self._held.append(weakref.ref(h))
+                over = len(self._held) - self.hold
+                early = [self._held.popleft() for _ in range(max(over, 0))]
+            for ref in early:
+                s = ref()
+                if s is not None and s.block is not None:
+                    self._drop_block(s, copied=False)
+        return h
+
+    def _copy_out(self, block: torch.Tensor, host: torch.Tensor) -> int:
+        """Queue the copy of ``block`` into ``host``; the event after it (0: done now)."""
         native = _native.loaded_for(block.device)
         if native is not None:     # the same calls as below, in one call into C++
-            native.offload_out(block, host, *self.copy_stream(block.device))
-        elif block.is_cuda:
+            return native.offload_out(block, host, *self.copy_stream(block.device))
+        if block.is_cuda:
             dev = block.get_device()
             side = self._side(dev)
             driver.stream_wait(side.stream.cuda_stream, torch_stream(dev))   # after the pack
             with side.current():
-                host[:nbytes].copy_(block, non_blocking=True)
-            block.record_stream(side.stream)
-        else:
-            host[:nbytes].copy_(block)
-        self._stats["offloaded"] += 1
-        self._stats["bytes_offloaded"] += nbytes
-        return self._track(Stashed(self, block.device, nbytes, host=host))
+                host[:block.numel()].copy_(block, non_blocking=True)
+            return driver.record_event(side.stream.cuda_stream)
+        host[:block.numel()].copy_(block)
+        return 0
+
+    def _copied(self, event: int) -> bool:
+        return driver.event_done(event)
+
+    def _release_copied(self) -> None:
+        """Release the held blocks whose copy out has run (in stash order: copies on one
+        stream run in order, so the first still running ends the search)."""
+        while True:
+            with self._lock:
+                if not self._held:
+                    return
+                h = self._held[0]()
+                if h is not None and h.block is not None and not self._copied(h.out_done):
+                    return
+                self._held.popleft()
+            if h is not None and h.block is not None:
+                self._drop_block(h, copied=True)
+
+    def _drop_block(self, h: Stashed, copied: bool) -> None:
+        """Let ``h``'s device block go (once, whichever thread comes first); where its
+        copy out may still run, the caching allocator is told to wait for the side
+        stream first."""
+        with self._lock:
+            block, event, h.block, h.out_done = h.block, h.out_done, None, 0
+        if block is None:
+            return
+        if not copied and block.is_cuda:
+            block.record_stream(self._side(block.device.index).stream)
+        self._forget(event)
+
+    def _forget(self, event: int) -> None:
+        driver.release_event(event)
 
     def _track(self, h: Stashed) -> Stashed:
         """Remember ``h`` in stash order (kept ones too: a backward that takes one still
@@ -268,8 +333,9 @@ class Offloader:
         return h
 
     def _fetch(self, h: Stashed) -> None:
-        """Queue ``h``'s copy back (no-op when it is back, on its way, or was kept)."""
-        if h.back is not None or h.host is None:
+        """Queue ``h``'s copy back (no-op when it is back, on its way, was kept, or still
+        holds its block)."""
+        if h.back is not None or h.host is None or h.block is not None:
             return
         native = _native.loaded_for(h.device)
         if native is not None:     # the same calls as below, in one call into C++
@@ -295,6 +361,11 @@ class Offloader:
         h.back = back
 
     def _take(self, h: Stashed) -> torch.Tensor:
+        block = h.block
+        on_device = block is not None
+        if on_device:              # its copy out was not seen to finish: use it as it is
+            h.back = block
+            self._drop_block(h, copied=False)
         late = h.back is None and h.host is not None
         self._fetch(h)
         nxt = []
@@ -314,10 +385,11 @@ class Offloader:
             if mine is not None:
                 del self._stashed[mine]
         for s in nxt:                    # the blocks whose backward comes next
-            if s.back is None and s.host is not None:
+            if s.back is None and s.host is not None and s.block is None:
                 self._fetch(s)
                 self._stats["prefetched"] += 1
         self._stats["late"] += int(late)
+        self._stats["taken_on_device"] += int(on_device)
         back, ready, h.ready = h.back, h.ready, None
         if ready is not None:
             cur = torch_stream(h.device.index)
