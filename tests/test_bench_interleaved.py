@@ -83,3 +83,34 @@ def test_median_interval_is_the_binomial_order_statistics():
     assert interleaved.median_interval(range(1, 21))[:2] == (6, 15)
     assert interleaved.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
     assert interleaved.median_interval([1.0] * 6)[:2] == (1.0, 1.0)
+
+
+def test_trace_ops_self_time_and_difference(tmp_path):
+    """bench/trace_ops.py: an op's self time is its duration less what is nested in it on
+    its thread (other threads and device events do not count), and two traces compare
+    per step."""
+    import gzip
+    import json
+    import trace_ops
+
+    def trace(extra_us):
+        ev = [
+            {"ph": "X", "cat": "cpu_op", "name": "outer", "ts": 0, "dur": 100, "pid": 1, "tid": 1},
+            {"ph": "X", "cat": "cpu_op", "name": "inner", "ts": 10, "dur": 30, "pid": 1, "tid": 1},
+            {"ph": "X", "cat": "cuda_runtime", "name": "launch", "ts": 15, "dur": 5,
+             "pid": 1, "tid": 1},
+            {"ph": "X", "cat": "cpu_op", "name": "inner", "ts": 50, "dur": 20 + extra_us,
+             "pid": 1, "tid": 1},
+            {"ph": "X", "cat": "cpu_op", "name": "other", "ts": 20, "dur": 500, "pid": 1, "tid": 2},
+            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 900, "pid": 0, "tid": 7},
+        ]
+        path = tmp_path / f"t{extra_us}.json.gz"
+        with gzip.open(path, "wt") as fh:
+            json.dump({"traceEvents": ev}, fh)
+        return str(path)
+    a = trace_ops.self_times(trace_ops.load(trace(0)))
+    assert a == {"outer": (1, 50.0), "inner": (2, 45.0), "launch": (1, 5.0), "other": (1, 500.0)}
+    b = trace_ops.self_times(trace_ops.load(trace(8)))
+    rows = trace_ops.compare(a, b, steps=2, top=2)        # the two that moved, per step
+    assert {r[0]: r[5] for r in rows} == {"inner": 4.0, "outer": -4.0}
+    assert rows[0][1:5] in [(2 / 2, 22.5, 2 / 2, 26.5), (1 / 2, 25.0, 1 / 2, 21.0)]
