@@ -1,16 +1,18 @@
-"""Which overflow recompute gives the forward's bits back on this GPU (issue 19)?
+"""Does the overflow recompute give the forward's bits back on this GPU (issue 19)?
 
-On an overflowing batch the packed JAX FFN's backward recomputes ``relu(x @ w1 + b1)``
-under ``lax.cond``. On the H200 at full size the step's gradients then differed from
-plain JAX's: XLA compiled the recomputed matmul unlike the forward's. This compiles the
-bench's residual stack (``bench_jax_ffn.stack_loss``) with the FFI path at a capacity
-below the real density, once per candidate way of writing the forward and the
-recompute, and reports for each: are the gradients bit-identical to plain JAX's, and
-which matmuls the optimized HLO holds (cuBLAS calls with their epilogue and algorithm,
-Triton GEMM fusions with their tiling). The optimized HLO of plain and of each
-candidate is written beside the report.
+On an overflowing batch the packed JAX FFN's backward recomputes ``x @ w1 + b1`` under
+``lax.cond``, a computation XLA compiles apart from the forward's. This compiles a
+residual FFN stack (the layers under ``lax.scan``, and unrolled) with a capacity below
+the real density, so every layer recomputes, and reports whether the gradients are
+bit-identical to plain JAX's: for ReLU once per candidate way of writing the recompute
+(the adapter's own among them), for ReLU² and gated with the adapter's. Beside each,
+the matmuls of the optimized HLO (cuBLAS calls with their epilogue and algorithm,
+Triton GEMM fusions with their tiling); ``--hlo`` also writes each optimized HLO.
+On the H200 this found the bias fused into the recompute's cuBLAS epilogue
+(bench/NOTES.md, session 15).
 
-    python3 bench/jax_recompute_probe.py --out OUT [--hlo]   # GPU; small: --d 256 --f 1024 --tokens 512
+    python3 bench/jax_recompute_probe.py --out OUT [--hlo]
+    python3 bench/jax_recompute_probe.py --d 256 --f 1024 --tokens 512 --out OUT   # small
 """
 
 from __future__ import annotations
