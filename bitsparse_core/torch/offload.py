@@ -60,13 +60,12 @@ class _SideStream:
     context makes (tens of µs per use on the host path of a training step) when the
     stream's device is the current one (torch's own context otherwise)."""
 
-    __slots__ = ("stream", "ids", "packed")
+    __slots__ = ("stream", "packed")
 
     def __init__(self, stream: torch.cuda.Stream):
         self.stream = stream
-        self.ids = {"stream_id": stream.stream_id, "device_index": stream.device_index,
-                    "device_type": stream.device_type}
-        # how the C++ host path's copies name it (c10::Stream::unpack3)
+        # (stream_id, device_index, device_type): how torch._C and the C++ host path's
+        # copies (c10::Stream::unpack3) name it
         self.packed = (stream.stream_id, stream.device_index, stream.device_type)
 
     def current(self) -> "_Current":
@@ -86,7 +85,8 @@ class _Current:
         if torch._C._cuda_getDevice() == dev:
             self.ctx = None
             self.prev = torch._C._cuda_getCurrentStream(dev)    # (id, device, type)
-            torch._C._cuda_setStream(**self.side.ids)
+            sid, dev, dtype = self.side.packed
+            torch._C._cuda_setStream(stream_id=sid, device_index=dev, device_type=dtype)
         else:
             self.ctx = torch.cuda.stream(self.side.stream)
             self.ctx.__enter__()
