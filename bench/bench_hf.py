@@ -12,7 +12,10 @@ copy of one CPU model built once:
   activation packed);
 * ``checkpointing``  -- ``model.gradient_checkpointing_enable()`` (use_reentrant=False);
 * ``hooks-offload``  -- (opt-in) ``hooks`` with ``offload=``: clean packed blocks wait for
-  backward in pinned host memory.
+  backward in pinned host memory;
+* ``noop-hooks``     -- (opt-in) the forward inside saved-tensor hooks that return what
+  they are given: what PyTorch's hook calls alone cost, the floor of any approach built
+  on them (``hooks`` included).
 
 Per variant: median step time and host time, peak memory, the memory the forward leaves
 for backward, losses and final parameters bit for bit against plain, host syncs per step
@@ -53,7 +56,7 @@ from profile_syncs import profile_steps  # noqa: E402
 
 VOCAB = 256
 VARIANTS = ("plain", "hooks", "converted", "checkpointing")
-KNOWN_VARIANTS = VARIANTS + ("hooks-offload",)    # the rest run when asked for
+KNOWN_VARIANTS = VARIANTS + ("hooks-offload", "noop-hooks")   # the rest run when asked for
 SIZES = {"opt12": tg.Shape(layers=12, d=1024, heads=16, d_ff=4096, seq=1024, batch=8)}
 SMALL = tg.Shape(layers=2, d=64, heads=2, d_ff=256, seq=64, batch=2)
 # A freshly initialised OPT's FFN activations are about half zero (fc1's bias starts at 0),
@@ -94,6 +97,10 @@ def lm_loss(model, x, y):
     return F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
 
 
+def _same(t):
+    return t
+
+
 def prepare(bench: HFBench, name: str):
     """The variant's model (bf16 copy of the base), its forward ``(x, y) -> loss``, its
     optimizer (AdamW, defaults), and what the variant packs with."""
@@ -113,6 +120,10 @@ def prepare(bench: HFBench, name: str):
 
         def forward(x, y):   # the hooks variant's forward
             with hooks:
+                return lm_loss(model, x, y)
+    elif name == "noop-hooks":
+        def forward(x, y):   # every saved tensor through a Python call each way, kept as is
+            with torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 return lm_loss(model, x, y)
     elif name == "converted":
         extra["report"] = bst.convert(model, **bench.args.ours_kwargs)
