@@ -224,6 +224,32 @@ def test_hooks_offload_cuda_bit_identical_and_sync_free():
     assert st["offloaded"] == 0 or st["bytes_offloaded"] > 0
 
 
+def test_hooks_offload_sends_counts_off_the_compute_stream_cuda():
+    """compress_saved_tensors(offload=): the packs' counts go to the host on the
+    offloader's stream, as the blocks do: no device-to-host copy runs on the stream the
+    pack kernels run on."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    from bitsparse_core.torch.offload import Offloader
+    hooks = compress_saved_tensors(min_numel=4096, offload=Offloader())
+    ours = Hooked(relu_mlp(0, 64, 512, shift=0.6).cuda().bfloat16(), hooks)
+    x, target = _data((8, 64), 64, torch.bfloat16)
+
+    def step():
+        ours.zero_grad(set_to_none=True)
+        (ours(x).float() - target).pow(2).mean().backward()
+    step()                                   # warm up: kernels loaded, sites sized
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    packs = {e.device_resource_id for e in gpu if "bitsparse_pack" in e.name}
+    to_host = [e for e in gpu if e.name.startswith("Memcpy DtoH")]
+    assert packs and to_host and hooks.stats.tried > 0
+    assert not packs & {e.device_resource_id for e in to_host}
+
+
 def test_hooks_make_no_sync_cuda():
     """Forward and backward under the hooks never synchronize with the GPU."""
     def mlp():

@@ -250,6 +250,10 @@ class Offloader:
             return self._side(device.index).packed
         return (0, -1, 0)    # c10::Stream of the CPU
 
+    def copy_stream_handle(self, device: torch.device) -> int:
+        """The raw CUDA stream (``cudaStream_t``) of this offloader's copies on ``device``."""
+        return self._side(device.index).stream.cuda_stream
+
     def stash(self, block: torch.Tensor) -> Stashed:
         """Queue ``block``'s copy out (after the work queued so far on the current
         stream, which includes its pack); the caller then drops ``block``."""

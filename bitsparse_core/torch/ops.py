@@ -164,10 +164,11 @@ def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
 
 
 def _enqueue_pack(a: torch.Tensor, plan: host.PackPlan, block: torch.Tensor, stream: int,
-                  scratch: int, claimed, y: int = 0) -> torch.Tensor:
+                  scratch: int, claimed, y: int = 0, count_stream: int = 0) -> torch.Tensor:
     """Queue the pack of ``a`` into ``block`` on ``stream`` and the copy of its status and
     count into the slot ``claimed`` (:func:`.capacity.claim_slot`: ``(address, ticket)``,
-    address 0 for none) behind it; returns the ticket."""
+    address 0 for none) behind it, on ``count_stream`` where given (after the pack);
+    returns the ticket."""
     bptr = block.data_ptr()
     # zero_tail=False: nothing reads a block's value slots past its count (the block is
     # never serialized), so the fixed-capacity zeroing of the public pack is skipped.
@@ -175,6 +176,9 @@ def _enqueue_pack(a: torch.Tensor, plan: host.PackPlan, block: torch.Tensor, str
                       zero_tail=False)
     slot, ticket = claimed
     if slot:   # status word and count in one copy; the slot reads pending until both land
+        if count_stream and count_stream != stream:
+            driver.stream_wait(count_stream, stream)
+            stream = count_stream
         driver.copy_to_host(slot, plan.status(bptr), 16, stream)
     return ticket
 
@@ -184,12 +188,14 @@ def plain_block_bytes(plan: host.PackPlan, cuda: bool) -> int:
     return plan.nbytes + (plan.scratch_bytes if cuda else 0)
 
 
-def pack_plain(a: torch.Tensor, plan: host.PackPlan):
+def pack_plain(a: torch.Tensor, plan: host.PackPlan, count_stream: int = 0):
     """``(block, ticket, known)``: ``a`` packed by ``plan`` (mode PACK) without a sync. On
-    CUDA ``known`` is None and the ticket's slot receives the status and count; where
-    every pinned slot is in flight (or a graph is being captured) nothing is queued and
-    ``block`` is None: a pack whose count cannot come back is of no use to the hooks. On
-    CPU the NumPy reference packs at once and ``known`` is its ``(status, nnz)``."""
+    CUDA ``known`` is None and the ticket's slot receives the status and count (copied on
+    ``count_stream`` where given: an offloader's, so that the small copy, queued in the
+    copy engine behind its block copies, holds no compute stream up); where every pinned
+    slot is in flight (or a graph is being captured) nothing is queued and ``block`` is
+    None: a pack whose count cannot come back is of no use to the hooks. On CPU the NumPy
+    reference packs at once and ``known`` is its ``(status, nnz)``."""
     if a.device.type != "cuda":
         block = _plain_pack_cpu(a, plan)
         return block, C.fixed_ticket(C.HOST_FINAL), _host_status(block, plan)
@@ -202,7 +208,8 @@ def pack_plain(a: torch.Tensor, plan: host.PackPlan):
     whole = torch.empty(plan.nbytes + plan.scratch_bytes, dtype=torch.uint8, device=a.device)
     block = whole[:plan.nbytes]
     return block, _enqueue_pack(a, plan, block, _stream(a.device),
-                                block.data_ptr() + plan.nbytes, claimed), None
+                                block.data_ptr() + plan.nbytes, claimed,
+                                count_stream=count_stream), None
 
 
 def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torch.Tensor,
