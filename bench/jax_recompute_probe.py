@@ -4,8 +4,8 @@ On an overflowing batch the packed JAX FFN's backward recomputes ``x @ w1 + b1``
 ``lax.cond``, a computation XLA compiles apart from the forward's. This compiles a
 residual FFN stack (the layers under ``lax.scan``, and unrolled) with a capacity below
 the real density, so every layer recomputes, and reports whether the gradients are
-bit-identical to plain JAX's: for ReLU once per candidate way of writing the recompute
-(the adapter's own among them), for ReLU² and gated with the adapter's. Beside each,
+bit-identical to plain JAX's, once per candidate way of writing the recompute (the
+adapter's own among them) put in place of ``ffn._recompute_up``. Beside each,
 the matmuls of the optimized HLO (cuBLAS calls with their epilogue and algorithm,
 Triton GEMM fusions with their tiling); ``--hlo`` also writes each optimized HLO.
 On the H200 this found the bias fused into the recompute's cuBLAS epilogue
@@ -37,56 +37,17 @@ from bitsparse_core.jax import ffn  # noqa: E402
 barrier = lax.optimization_barrier
 
 
-def _fwd(up):
-    def fwd(x, w1, b1, w2, cfg, square):
-        a = up(x, w1, b1)
-        out = jnp.dot(ffn._act(jax.nn.relu(a), square), w2)
-        return out, (x, w1, b1, w2, ffn._pack(a, cfg))
-    return fwd
-
-
-def _bwd(recompute, use_cond=True):
-    """``ffn._relu_ffn_bwd`` with the recomputed activation ``recompute(x, w1, b1)``."""
-    def bwd(cfg, square, res, g):
-        x, w1, b1, w2, p = res
-        shape = (*x.shape[:-1], w1.shape[-1])
-        if use_cond:
-            r = lax.cond(ffn._overflowed(p, cfg), lambda: recompute(x, w1, b1),
-                         lambda: ffn._dense(p, cfg, shape))
-        else:
-            r = jnp.where(ffn._overflowed(p, cfg), recompute(x, w1, b1),
-                          ffn._dense(p, cfg, shape))
-        y = ffn._act(r, square)
-        dy, dw2 = ffn._vjp(jnp.dot, y, w2)(g)
-        if square:
-            (dr,) = ffn._vjp(jnp.square, r)(dy)
-            da = jnp.where(r > 0, dr, jnp.zeros((), dr.dtype))
-        else:
-            da = jnp.where(ffn._mask(p, cfg, shape), dy, jnp.zeros((), dy.dtype))
-        dx, dw1, db1 = ffn._vjp(ffn._up, x, w1, b1)(da)
-        return dx, dw1, db1, dw2
-    return bwd
-
-
-def _relu_of(up):
-    return lambda x, w, b: jax.nn.relu(up(x, w, b))
-
-
+# Ways of writing the recomputed pre-activation ``x @ w1 + b1``, each put in place of the
+# adapter's ``ffn._recompute_up`` (which the FFN ops' backwards call under ``lax.cond``).
 CANDIDATES = {
     # what the adapter does (barriers around the recompute's inputs and result)
-    "current": (ffn._relu_ffn_fwd, ffn._relu_ffn_bwd),
+    "current": ffn._recompute_up,
     # a barrier around the result only (the adapter before session 15)
-    "output-barrier": (ffn._relu_ffn_fwd,
-                       _bwd(_relu_of(lambda x, w, b: barrier(ffn._up(x, w, b))))),
-    # the forward's matmul behind the same barriers as the recompute's
-    "barrier-both": (_fwd(ffn._recompute_up), ffn._relu_ffn_bwd),
+    "output-barrier": lambda x, w, b: barrier(ffn._up(x, w, b)),
     # relu inside the barrier (the dense forward's dot + bias + relu pattern)
-    "relu-in-barrier": (ffn._relu_ffn_fwd,
-                        _bwd(lambda x, w, b: barrier(jax.nn.relu(ffn._up(x, w, b))))),
+    "relu-in-barrier": lambda x, w, b: barrier(jax.nn.relu(ffn._up(x, w, b))),
     # no barrier at all
-    "plain-recompute": (ffn._relu_ffn_fwd, _bwd(_relu_of(ffn._up))),
-    # outside lax.cond (always recomputed: a diagnosis, not a candidate)
-    "no-cond": (ffn._relu_ffn_fwd, _bwd(_relu_of(ffn._recompute_up), use_cond=False)),
+    "plain-recompute": ffn._up,
 }
 
 
@@ -122,7 +83,7 @@ def matmuls(hlo: str) -> list:
             dims = re.search(r'"lhs_contracting_dimensions":\[[^\]]*\][^}]*', line)
             out.append(f"{m.group(1)} {shape} epilogue={epi.group(1) if epi else '-'} "
                        f"alg={alg.group(1) if alg else '-'} {dims.group(0)[:90] if dims else ''}")
-        elif '"kind":"__triton_gemm"' in line or "__triton_gemm" in line and "fusion(" in line:
+        elif "__triton_gemm" in line and "fusion(" in line:
             shape = line.split("=", 1)[1].split(" fusion(")[0].strip()[:80]
             tiling = re.search(r'"triton_gemm_config":\{[^}]*\}', line)
             out.append(f"triton_gemm {shape} {tiling.group(0)[:160] if tiling else ''}")
@@ -138,8 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--overflow-density", type=float, default=0.15)
     ap.add_argument("--impl", default="ffi", choices=ffn.IMPLS)
     ap.add_argument("--candidates", default=",".join(CANDIDATES),
-                    help="ways of writing the ReLU FFN's recompute (the other kinds run the "
-                         "adapter's own)")
+                    help="ways of writing the recompute, tried for every kind")
     ap.add_argument("--kinds", default="relu,relu2,gated")
     ap.add_argument("--contexts", default="scan,unrolled")
     ap.add_argument("--hlo", action="store_true", help="also write each optimized HLO")
@@ -154,7 +114,7 @@ def main(argv=None) -> int:
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "config": vars(args), "positive_fraction": dens, "rows": []}
     cfg = ffn.PackConfig(density=args.overflow_density, impl=args.impl)
-    own = (ffn._relu_ffn.fwd, ffn._relu_ffn.bwd)
+    own = ffn._recompute_up
 
     def step(kind, mode, scan):
         used = params if kind == "gated" else {k: v for k, v in params.items() if k != "wu"}
@@ -175,8 +135,8 @@ def main(argv=None) -> int:
                 dense, ref = step(kind, "dense", scan)
                 save(f"{context}_{kind}_dense", dense.as_text())
                 res.setdefault("dense_matmuls", {})[f"{context} {kind}"] = matmuls(dense.as_text())
-                for name in (args.candidates.split(",") if kind == "relu" else ["current"]):
-                    ffn._relu_ffn.defvjp(*CANDIDATES[name])
+                for name in args.candidates.split(","):
+                    ffn._recompute_up = CANDIDATES[name]
                     c, grads = step(kind, "packed", scan)
                     same = {k: bench.bits_identical(ref[k], grads[k]) for k in ref}
                     save(f"{context}_{kind}_{name}", c.as_text())
@@ -187,10 +147,10 @@ def main(argv=None) -> int:
                     print(json.dumps({k: v for k, v in row.items() if k != "matmuls"}),
                           flush=True)
                     del grads
-                ffn._relu_ffn.defvjp(*own)
+                ffn._recompute_up = own
                 del ref
     finally:
-        ffn._relu_ffn.defvjp(*own)
+        ffn._recompute_up = own
     with open(os.path.join(args.out, "jax_recompute_probe.json"), "w") as fh:
         json.dump(res, fh, indent=1)
     lines = [f"# Overflow recompute candidates ({res['device']}, jax {res['jax']})", "",

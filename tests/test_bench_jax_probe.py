@@ -17,13 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 def test_probe_reports_each_candidate_and_restores_the_adapter(tmp_path):
     import jax_recompute_probe as probe
     from bitsparse_core.jax import ffn
-    own = (ffn._relu_ffn.fwd, ffn._relu_ffn.bwd)
+    own = ffn._recompute_up
     assert probe.main(["--layers", "1", "--d", "64", "--f", "256", "--tokens", "128",
                        "--kinds", "relu,gated", "--contexts", "scan",
                        "--candidates", "current,output-barrier", "--out", str(tmp_path)]) == 0
-    assert (ffn._relu_ffn.fwd, ffn._relu_ffn.bwd) == own
+    assert ffn._recompute_up is own
     rows = json.loads((tmp_path / "jax_recompute_probe.json").read_text())["rows"]
     assert [(r["kind"], r["candidate"]) for r in rows] == [
-        ("relu", "current"), ("relu", "output-barrier"), ("gated", "current")]
+        ("relu", "current"), ("relu", "output-barrier"), ("gated", "current"),
+        ("gated", "output-barrier")]
     assert all(r["bit_identical"] for r in rows)
     assert "| scan | gated | current | True |" in (tmp_path / "jax_recompute_probe.md").read_text()
