@@ -69,6 +69,7 @@ using EventCreateFn = CUresult (*)(void**, unsigned);
 using EventRecordFn = CUresult (*)(void*, void*);
 using StreamWaitEventFn = CUresult (*)(void*, void*, unsigned);
 using EventDestroyFn = CUresult (*)(void*);
+using EventQueryFn = CUresult (*)(void*);
 
 struct Driver {
   LaunchFn launch = nullptr;
@@ -82,6 +83,7 @@ struct Driver {
   EventRecordFn event_record = nullptr;
   StreamWaitEventFn stream_wait_event = nullptr;
   EventDestroyFn event_destroy = nullptr;
+  EventQueryFn event_query = nullptr;
   CopyToDeviceFn copy_to_device = nullptr;
 };
 Driver driver;
@@ -530,18 +532,14 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
 }
 
 // ---------------------------------------------------------------------------
-// Offloading's copies (offload.Offloader's mechanics; its decisions stay in Python)
+// Offloading: packed blocks in pinned host memory between forward and backward
 // ---------------------------------------------------------------------------
-// The side stream waits for the work queued so far on the current stream and the copy
-// runs there, one driver call (ATen's copy_ costs several times its host time). Out: an
-// event marks the copy's end; the caller holds the device block until it has passed
-// (offload.Offloader), so the caching allocator never sees the side stream. In: the
-// caller's stream waits on the returned event before any use of the tensor, and before
-// dropping it unused (offload.Stashed), so no record_stream is needed. Either way the pinned
-// buffer is marked as used by the side stream for torch's pinned allocator, as copy_
-// does (the pool may drop a buffer whose last copy is still running). Events are the
-// driver's, as backends/cuda/driver.py makes them (CU_EVENT_DISABLE_TIMING), so either
-// side may wait on or release one the other made.
+// bitsparse_core/torch/offload.py documents the behaviour (its Offloader is this engine's
+// Python face); here is the whole mechanism, so that a stash or a take costs no Python.
+// Streams are ordered by events, never by the host. Events are the driver's, as
+// backends/cuda/driver.py makes them (CU_EVENT_DISABLE_TIMING).
+constexpr CUresult kNotReady = 600;   // CUDA_ERROR_NOT_READY
+
 void* record_event(void* stream) {
   TORCH_CHECK(driver.event_create != nullptr, "bitsparse: native module used before "
               "set_offload_driver");
@@ -561,72 +559,411 @@ void wait_event(void* consumer, void* event) {
   check(rc, "cuStreamWaitEvent");
 }
 
-c10::Stream unpack_stream(int64_t stream_id, int64_t device_index, int64_t device_type) {
-  return c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
-                              static_cast<c10::DeviceType>(device_type));
+// ``side`` runs what is queued next after the work queued so far on ``device``'s
+// current stream.
+void follow_current(void* side, const c10::Device& device) {
+  wait_event(side, record_event(current_stream(device)));
 }
 
+// The pinned buffer is in use by ``side`` until the work queued there so far has run:
+// torch's pinned allocator must not hand its memory out again before (as copy_ tells it).
 void note_host_use(const Tensor& host, const c10::Stream& side) {
   at::getHostAllocator(side.device_type())
       ->record_event(host.storage().mutable_data(), host.storage().data_ptr().get_context(),
                      side);
 }
 
-// ``block`` into the first bytes of the pinned ``host`` buffer, on ``side`` after the work
-// queued on the current stream (the block's pack); returns the event recorded after the
-// copy (0 on the CPU, where the copy is done on return). The block must outlive the copy.
-uint64_t offload_out(const Tensor& block, const Tensor& host, int64_t stream_id,
-                     int64_t device_index, int64_t device_type) {
-  TORCH_CHECK(host.numel() >= block.numel() && host.is_contiguous() && block.is_contiguous(),
-              "bitsparse: offload_out needs contiguous tensors and a host buffer as large");
-  if (!block.is_cuda()) {
-    host.narrow(0, 0, block.numel()).copy_(block);
-    return 0;
-  }
-  const c10::Stream side = unpack_stream(stream_id, device_index, device_type);
-  void* side_raw = reinterpret_cast<void*>(side.native_handle());
-  wait_event(side_raw, record_event(current_stream(block.device())));
-  check(driver.copy_to_host(host.data_ptr(), address(block), block.numel(), side_raw),
-        "cuMemcpyDtoHAsync");
-  note_host_use(host, side);
-  return reinterpret_cast<uint64_t>(record_event(side_raw));
+// The buffer size that serves ``nbytes``: the next power of two, at least 4 KiB (torch's
+// caching host allocator rounds pinned allocations so anyway).
+int64_t size_class(int64_t nbytes) {
+  int64_t c = 4096;
+  while (c < nbytes) c <<= 1;
+  return c;
 }
 
-// The first ``nbytes`` of ``host`` back into a new tensor on ``device``, on ``side`` after
-// the work queued on the current stream; with the event the current stream must wait
-// on before it reads the tensor (0 on the CPU, where the copy is done on return).
-std::tuple<Tensor, uint64_t> offload_in(const Tensor& host, int64_t nbytes,
-                                        const c10::Device& device, int64_t stream_id,
-                                        int64_t device_index, int64_t device_type) {
-  const c10::Stream side = unpack_stream(stream_id, device_index, device_type);
-  Tensor back = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
-  if (!device.is_cuda()) {
-    back.copy_(host.narrow(0, 0, nbytes));
-    return {back, 0};
+// Host buffers by size class, pinned where CUDA is, reused; at most ``max_bytes`` held (-1:
+// no bound). A buffer comes back with the ``lane`` its last copy ran on (one device's
+// side stream, -1 for the CPU) and goes out again only for that lane: copies on one
+// stream run in order, copies on two do not.
+struct PinnedPool {
+  const int64_t max_bytes;
+  int64_t held = 0;   // bytes allocated, free or in use
+  std::map<std::pair<int64_t, int64_t>, std::vector<Tensor>> free;   // (lane, bytes)
+  std::mutex mutex;
+
+  explicit PinnedPool(int64_t max) : max_bytes(max) {
+    TORCH_CHECK_VALUE(max >= -1, "max_bytes=", max, " must be >= 0 or None (no bound)");
   }
-  TORCH_CHECK(driver.copy_to_device != nullptr, "bitsparse: native module used before "
-              "set_offload_driver");
-  TORCH_CHECK(host.numel() >= nbytes && host.is_contiguous(),
-              "bitsparse: offload_in needs a contiguous host buffer of nbytes");
-  void* side_raw = reinterpret_cast<void*>(side.native_handle());
-  wait_event(side_raw, record_event(current_stream(device)));
-  check(driver.copy_to_device(address(back), host.data_ptr(), static_cast<size_t>(nbytes),
-                              side_raw),
-        "cuMemcpyHtoDAsync");
-  note_host_use(host, side);
-  return {back, reinterpret_cast<uint64_t>(record_event(side_raw))};
+
+  // A buffer of at least ``nbytes`` free for ``lane``, undefined when the bound leaves
+  // no room for one.
+  Tensor take(int64_t nbytes, int64_t lane) {
+    const int64_t size = size_class(nbytes);
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto it = free.find({lane, size});
+      if (it != free.end() && !it->second.empty()) {
+        Tensor buf = std::move(it->second.back());
+        it->second.pop_back();
+        return buf;
+      }
+      if (max_bytes >= 0 && held + size > max_bytes) {
+        evict(held + size - max_bytes);
+        if (held + size > max_bytes) return Tensor();
+      }
+      held += size;
+    }
+    return at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(at::hasCUDA()));
+  }
+
+  void give(Tensor buf, int64_t lane) {
+    std::lock_guard<std::mutex> lock(mutex);
+    free[{lane, buf.numel()}].push_back(std::move(buf));
+  }
+
+  int64_t free_bytes() {
+    std::lock_guard<std::mutex> lock(mutex);
+    int64_t n = 0;
+    for (const auto& item : free) n += item.first.second * static_cast<int64_t>(item.second.size());
+    return n;
+  }
+
+ private:
+  // Drop free buffers, largest first, until ``need`` bytes are gone (back to torch's
+  // pinned-memory cache). Called with the lock held.
+  void evict(int64_t need) {
+    for (auto it = free.rbegin(); it != free.rend() && need > 0; ++it) {
+      auto& bufs = it->second;
+      while (!bufs.empty() && need > 0) {
+        bufs.pop_back();
+        held -= it->first.second;
+        need -= it->first.second;
+      }
+    }
+  }
+};
+
+struct OffloadEngine;
+
+// One packed block between its forward and its backward: its pinned copy (``host``), on
+// its way back or back (``back``, readable after ``ready``), or kept on the device
+// (``back`` alone: the pool was full). ``block`` is the device block held while its copy
+// out may still run (until ``out_done``).
+struct Stash {
+  std::shared_ptr<OffloadEngine> engine;
+  c10::Device device;
+  int64_t nbytes;
+  Tensor host, back, block;
+  void* ready = nullptr;        // the copy back's event
+  void* fetched_on = nullptr;   // the stream ``back`` was allocated on
+  uint64_t out_done = 0;        // the copy out's event (a token under emulated copies)
+  bool taken = false;
+
+  Stash(std::shared_ptr<OffloadEngine> e, c10::Device d, int64_t n)
+      : engine(std::move(e)), device(d), nbytes(n) {}
+  ~Stash();
+
+  // For tests and reports: where the block is now.
+  std::string state() const {
+    if (taken) return "taken";
+    if (block.defined()) return "held";
+    if (back.defined()) return host.defined() ? "fetched" : "kept";
+    return "on_host";
+  }
+};
+
+struct OffloadStats {
+  int64_t offloaded = 0, kept_on_device = 0, prefetched = 0, late = 0, taken_on_device = 0,
+          bytes_offloaded = 0;
+};
+
+constexpr size_t kPruneMin = 256;   // stash entries before dead ones are dropped
+
+// See offload.py's Offloader: one engine serves every layer of a model, which stashes
+// blocks in forward order and takes them back in the reverse order.
+struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
+  const int64_t ahead, hold;
+  const std::shared_ptr<PinnedPool> pool;
+  // recursive: a Stash whose last owner goes inside a locked section locks it again
+  std::recursive_mutex mutex;
+  std::vector<std::weak_ptr<Stash>> stashed;   // in stash order
+  size_t prune_at = kPruneMin;
+  std::deque<std::weak_ptr<Stash>> held;       // stashes holding their device block
+  std::map<int, c10::Stream> sides;
+  OffloadStats stats;
+  // Tests on the CPU, where a copy is done on return: emulated copies end when the test
+  // says (in order, as copies on one stream do); their tokens, once released, are noted.
+  bool emulate_copies = false;
+  uint64_t tokens = 0, done_upto = 0;
+  std::vector<uint64_t> released;
+
+  OffloadEngine(int64_t ahead_, int64_t max_bytes, int64_t hold_)
+      : ahead(ahead_), hold(hold_), pool(std::make_shared<PinnedPool>(max_bytes)) {
+    TORCH_CHECK_VALUE(ahead >= 0, "ahead=", ahead, " must be >= 0");
+    TORCH_CHECK_VALUE(hold >= 0, "hold=", hold, " must be >= 0");
+  }
+
+  // The side stream of CUDA device ``index``: both directions' copies and the packs'
+  // counts of offloaded blocks run there.
+  c10::Stream side(int index) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    auto it = sides.find(index);
+    if (it == sides.end()) {
+      c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+      it = sides.emplace(index, impl.getStreamFromGlobalPool(
+                                    c10::Device(c10::DeviceType::CUDA, index))).first;
+    }
+    return it->second;
+  }
+  void* side_raw(int index) { return reinterpret_cast<void*>(side(index).native_handle()); }
+
+  static int64_t lane(const c10::Device& d) { return d.is_cuda() ? d.index() : -1; }
+  // Blocks on the host under the tests' host emulation go through the driver's copy (its
+  // emulation sees them move); plain CPU blocks are copied by ATen.
+  static bool emulated_device(const Tensor& t) { return !t.is_cuda() && host_emulation; }
+
+  // ``block`` into ``host``, after the work queued so far on the current stream (its
+  // pack); the event after the copy, 0 where it is done on return.
+  uint64_t copy_out(const Tensor& block, const Tensor& host) {
+    const int64_t n = block.numel();
+    if (!block.is_cuda()) {
+      if (emulated_device(block)) {
+        check(driver.copy_to_host(host.data_ptr(), address(block), n, nullptr), "copy");
+      } else {
+        host.narrow(0, 0, n).copy_(block);
+      }
+      return emulate_copies ? ++tokens : 0;
+    }
+    const int dev = block.device().index();
+    void* s = side_raw(dev);
+    follow_current(s, block.device());
+    check(driver.copy_to_host(host.data_ptr(), address(block), n, s), "cuMemcpyDtoHAsync");
+    note_host_use(host, side(dev));
+    return reinterpret_cast<uint64_t>(record_event(s));
+  }
+
+  bool copied(const Stash& h) {
+    if (h.device.is_cuda()) {
+      const CUresult rc = driver.event_query(reinterpret_cast<void*>(h.out_done));
+      if (rc == kNotReady) return false;
+      check(rc, "cuEventQuery");
+      return true;
+    }
+    return h.out_done <= done_upto;
+  }
+
+  void forget(const c10::Device& device, uint64_t event) {
+    if (event == 0) return;
+    if (device.is_cuda()) {
+      driver.event_destroy(reinterpret_cast<void*>(event));
+    } else {
+      std::lock_guard<std::recursive_mutex> lock(mutex);
+      released.push_back(event);
+    }
+  }
+
+  // Let ``h``'s device block go (once); where its copy out may still run, the caching
+  // allocator is told to wait for the side stream first.
+  void drop_block(Stash& h, bool was_copied) {
+    Tensor block;
+    uint64_t event;
+    {
+      std::lock_guard<std::recursive_mutex> lock(mutex);
+      block = std::move(h.block);
+      h.block = Tensor();
+      event = h.out_done;
+      h.out_done = 0;
+    }
+    if (!block.defined()) return;
+    if (!was_copied && block.is_cuda()) block.record_stream(side(block.device().index()));
+    forget(h.device, event);
+  }
+
+  // Release the held blocks whose copy out has run (in stash order: copies on one stream
+  // run in order, so the first still running ends the search).
+  void release_copied() {
+    while (true) {
+      std::shared_ptr<Stash> h;
+      {
+        std::lock_guard<std::recursive_mutex> lock(mutex);
+        if (held.empty()) return;
+        h = held.front().lock();
+        if (h && h->block.defined() && !copied(*h)) return;
+        held.pop_front();
+      }
+      if (h && h->block.defined()) drop_block(*h, true);
+    }
+  }
+
+  void track(const std::shared_ptr<Stash>& h) {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    if (stashed.size() >= prune_at) {   // forwards whose backward never came
+      std::vector<std::weak_ptr<Stash>> live;
+      for (auto& w : stashed) {
+        if (!w.expired()) live.push_back(std::move(w));
+      }
+      stashed.swap(live);
+      prune_at = std::max(kPruneMin, 2 * stashed.size());
+    }
+    stashed.push_back(h);
+  }
+
+  // Queue ``block``'s copy out; the caller then drops ``block``.
+  std::shared_ptr<Stash> stash(const Tensor& block) {
+    TORCH_CHECK(block.is_contiguous() && block.scalar_type() == at::kByte && block.dim() == 1,
+                "bitsparse: an offloaded block is a contiguous 1-D uint8 tensor");
+    release_copied();
+    auto h = std::make_shared<Stash>(shared_from_this(), block.device(), block.numel());
+    Tensor host = pool->take(h->nbytes, lane(block.device()));
+    if (!host.defined()) {   // no room in the pool: it stays on the device
+      h->back = block;
+      {
+        std::lock_guard<std::recursive_mutex> lock(mutex);
+        ++stats.kept_on_device;
+      }
+      track(h);
+      return h;
+    }
+    const uint64_t done = copy_out(block, host);
+    h->host = std::move(host);
+    track(h);
+    std::vector<std::shared_ptr<Stash>> early;
+    {
+      std::lock_guard<std::recursive_mutex> lock(mutex);
+      ++stats.offloaded;
+      stats.bytes_offloaded += h->nbytes;
+      if (done) {
+        h->block = block;
+        h->out_done = done;
+        held.push_back(h);
+        while (static_cast<int64_t>(held.size()) > hold) {
+          if (auto s = held.front().lock()) early.push_back(std::move(s));
+          held.pop_front();
+        }
+      }
+    }
+    for (auto& s : early) drop_block(*s, false);
+    return h;
+  }
+
+  // Queue ``h``'s copy back (not when it is back, on its way, kept, or holds its block).
+  void fetch(Stash& h) {
+    if (h.back.defined() || !h.host.defined() || h.block.defined()) return;
+    if (!h.device.is_cuda()) {
+      Tensor back = at::empty({h.nbytes}, at::TensorOptions().dtype(at::kByte));
+      if (host_emulation) {
+        check(driver.copy_to_host(back.data_ptr(), address(h.host), h.nbytes, nullptr), "copy");
+      } else {
+        back.copy_(h.host.narrow(0, 0, h.nbytes));
+      }
+      h.back = back;
+      return;
+    }
+    TORCH_CHECK(driver.copy_to_device != nullptr, "bitsparse: native module used before "
+                "set_offload_driver");
+    // ``back`` comes from the compute stream's memory: the side stream writes it after
+    // the work queued there so far, the compute stream waits on ``ready`` before it reads
+    // it (and should the stash go before its backward, ~Stash keeps the allocator from
+    // reusing it under the copy)
+    const int dev = h.device.index();
+    void* s = side_raw(dev);
+    Tensor back = at::empty({h.nbytes}, at::TensorOptions().dtype(at::kByte).device(h.device));
+    h.fetched_on = current_stream(h.device);
+    follow_current(s, h.device);
+    check(driver.copy_to_device(address(back), h.host.data_ptr(), static_cast<size_t>(h.nbytes),
+                                s),
+          "cuMemcpyHtoDAsync");
+    note_host_use(h.host, side(dev));
+    h.ready = record_event(s);
+    h.back = back;
+  }
+
+  // The block on its device, ordered before what the current stream runs next; the
+  // blocks of the next ``ahead`` layers to run backward start on their way back.
+  Tensor take(const std::shared_ptr<Stash>& h) {
+    TORCH_CHECK(!h->taken, "an offloaded packed block is taken back by one backward only: a "
+                "second backward through it (retain_graph=True) needs offload=None");
+    h->taken = true;
+    const bool on_device = h->block.defined();
+    if (on_device) {   // its copy out was not seen to finish: used as it is
+      h->back = h->block;
+      drop_block(*h, false);
+    }
+    const bool late = !h->back.defined() && h->host.defined();
+    fetch(*h);
+    std::vector<std::shared_ptr<Stash>> next;
+    {
+      std::lock_guard<std::recursive_mutex> lock(mutex);
+      // backward takes blocks in the reverse of stash order: ``h`` is (nearly) the last
+      // entry, and the next ones to fetch are just before it
+      int64_t mine = -1;
+      for (int64_t i = static_cast<int64_t>(stashed.size()) - 1; i >= 0; --i) {
+        auto s = stashed[i].lock();
+        if (mine < 0) {
+          if (s == h) mine = i;
+        } else if (s) {
+          next.push_back(std::move(s));
+          if (static_cast<int64_t>(next.size()) == ahead) break;
+        }
+      }
+      if (mine >= 0) stashed.erase(stashed.begin() + mine);
+    }
+    int64_t fetched = 0;
+    for (auto& s : next) {
+      if (!s->back.defined() && s->host.defined() && !s->block.defined()) {
+        fetch(*s);
+        ++fetched;
+      }
+    }
+    Tensor back = std::move(h->back);
+    h->back = Tensor();
+    void* ready = h->ready;
+    h->ready = nullptr;
+    if (ready != nullptr) {
+      void* cur = current_stream(h->device);
+      wait_event(cur, ready);
+      if (cur != h->fetched_on) {   // allocated on another stream than the one using it
+        c10::impl::VirtualGuardImpl impl(h->device.type());
+        back.record_stream(impl.getStream(h->device));
+      }
+    }
+    if (h->host.defined()) {   // its next copy in runs after this one (one stream)
+      pool->give(std::move(h->host), lane(h->device));
+      h->host = Tensor();
+    }
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    stats.prefetched += fetched;
+    stats.late += late;
+    stats.taken_on_device += on_device;
+    return back;
+  }
+};
+
+// A stash whose backward never comes (a forward without backward): its device block
+// goes, a copy back queued for it finishes before its memory is reused, its buffer goes
+// back to the pool.
+Stash::~Stash() {
+  try {
+    if (block.defined()) engine->drop_block(*this, false);
+    if (ready != nullptr) {
+      driver.event_destroy(ready);
+      back.record_stream(engine->side(device.index()));
+    }
+    if (host.defined()) engine->pool->give(std::move(host), OffloadEngine::lane(device));
+  } catch (const std::exception& e) {
+    TORCH_WARN("bitsparse: releasing an offloaded block failed: ", e.what());
+  }
 }
 
 // A pack's status and count into its pinned slot, on ``side`` after the work queued on the
 // current stream (the pack). The offloaded node sends it ahead of the block on the
 // offloader's stream: on the compute stream this small copy would queue in the copy
 // engine behind the previous layer's block copy, and hold the compute stream up with it.
-void copy_count(const Tensor& block, int64_t slot, int64_t status_offset,
-                const c10::Stream& side) {
+void copy_count(const Tensor& block, int64_t slot, int64_t status_offset, OffloadEngine& engine) {
   void* side_raw = nullptr;
   if (block.is_cuda()) {
-    side_raw = reinterpret_cast<void*>(side.native_handle());
-    wait_event(side_raw, record_event(current_stream(block.device())));
+    side_raw = engine.side_raw(block.device().index());
+    follow_current(side_raw, block.device());
   }
   check(driver.copy_to_host(reinterpret_cast<void*>(slot), address(block) + status_offset, 16,
                             side_raw),
@@ -638,44 +975,29 @@ void copy_count(const Tensor& block, int64_t slot, int64_t status_offset,
 // ---------------------------------------------------------------------------
 constexpr size_t kInputs = 12;   // forward's arguments after ctx
 
-// An offloaded block between forward and backward: what the Python Offloader's stash()
-// returned (offload.Stashed: the block in pinned host memory, its copy back queued
-// ahead of the backward by the offloader). Dropped with the node when no backward
-// comes, which hands the host buffer back to the offloader's pool.
-struct Stashed : torch::CustomClassHolder {
-  py::object stashed;
-  explicit Stashed(py::object s) : stashed(std::move(s)) {}
-  ~Stashed() override {
-    if (stashed && Py_IsInitialized()) {
-      py::gil_scoped_acquire gil;
-      stashed = py::object();
-    }
-  }
+// An offloaded block between forward and backward, as the node's saved data holds it.
+// Dropped with the node when no backward comes (~Stash gives its buffer back).
+struct StashHolder : torch::CustomClassHolder {
+  std::shared_ptr<Stash> stash;
+  explicit StashHolder(std::shared_ptr<Stash> s) : stash(std::move(s)) {}
 };
 
 struct ReLULinear : public torch::autograd::Function<ReLULinear> {
   // Optional tensors are std::optional (autograd records an input's metadata, which an
-  // undefined tensor does not have). ``offloader``: an offload.Offloader, or null.
+  // undefined tensor does not have). ``offloader``: the model's offload engine, or null.
   static Tensor forward(AutogradContext* ctx, Tensor a, Tensor weight,
                         std::optional<Tensor> bias, Tensor x, Tensor w1, std::optional<Tensor> b1,
                         int64_t capacity, int64_t handle, bool square, int64_t mm_dtype,
-                        int64_t policy, PyObject* offloader) {
+                        int64_t policy, OffloadEngine* offloader) {
     RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
     c10::DeviceGuard device_guard(a.device());   // the offloader's calls too
     const Plan& P = plan_at(handle);
     auto [out, block, ticket] =
         forward_impl(a, weight, bias, P, policy, capacity, mm_dtype, offloader == nullptr);
     if (offloader != nullptr) {   // the block goes to the host; backward takes it back
-      py::gil_scoped_acquire gil;
-      const py::handle off(offloader);
-      if (const int64_t slot = slot_of(ticket)) {
-        const auto [id, index, type] =
-            off.attr("copy_stream")(block.device()).cast<std::tuple<int64_t, int64_t, int64_t>>();
-        copy_count(block, slot, P.status_offset, unpack_stream(id, index, type));
-      }
-      py::object stashed = off.attr("stash")(block);
-      ctx->saved_data["stash"] = c10::IValue::make_capsule(
-          c10::make_intrusive<Stashed>(std::move(stashed)));
+      if (const int64_t slot = slot_of(ticket)) copy_count(block, slot, P.status_offset, *offloader);
+      ctx->saved_data["stash"] =
+          c10::IValue::make_capsule(c10::make_intrusive<StashHolder>(offloader->stash(block)));
       block = Tensor();
     }
     ctx->save_for_backward({block, weight, x, w1, b1.value_or(Tensor())});
@@ -691,11 +1013,10 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
   }
 
   // The offloaded block, back on the device (ordered before this backward's work); a
-  // second take, a second backward through the graph, raises the offloader's error.
+  // second take, a second backward through the graph, raises.
   static Tensor take_back(const c10::IValue& capsule) {
-    auto holder = c10::static_intrusive_pointer_cast<Stashed>(capsule.toCapsule());
-    py::gil_scoped_acquire gil;
-    return holder->stashed.attr("take")().cast<Tensor>();
+    auto holder = c10::static_intrusive_pointer_cast<StashHolder>(capsule.toCapsule());
+    return holder->stash->engine->take(holder->stash);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -737,10 +1058,10 @@ int64_t dtype_code(const py::handle& dtype) {
 Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
                    const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
                    int64_t capacity, int64_t handle, bool square, const py::handle& mm_dtype,
-                   int64_t policy, const py::handle& offloader) {
+                   int64_t policy, const std::shared_ptr<OffloadEngine>& offloader) {
   check_input(a);
   const int64_t mm = dtype_code(mm_dtype);
-  PyObject* off = offloader.is_none() ? nullptr : offloader.ptr();   // the caller keeps it
+  OffloadEngine* off = offloader.get();   // the caller keeps it
   py::gil_scoped_release no_gil;   // as any ATen call from Python
   return ReLULinear::apply(a, weight, bias, x, w1, b1, capacity, handle, square, mm, policy,
                            off);
@@ -896,11 +1217,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     driver.error_name = reinterpret_cast<ErrorNameFn>(error_name);
   });
   m.def("set_offload_driver", [](uint64_t create, uint64_t record, uint64_t wait,
-                                 uint64_t destroy, uint64_t copy_to_device) {
+                                 uint64_t destroy, uint64_t query, uint64_t copy_to_device) {
     driver.event_create = reinterpret_cast<EventCreateFn>(create);
     driver.event_record = reinterpret_cast<EventRecordFn>(record);
     driver.stream_wait_event = reinterpret_cast<StreamWaitEventFn>(wait);
     driver.event_destroy = reinterpret_cast<EventDestroyFn>(destroy);
+    driver.event_query = reinterpret_cast<EventQueryFn>(query);
     driver.copy_to_device = reinterpret_cast<CopyToDeviceFn>(copy_to_device);
   });
   m.def("set_host_emulation", [](bool on) { host_emulation = on; });
@@ -932,11 +1254,64 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("register_kernels", &register_kernels);
   m.def("unregister_kernels", [](const std::string& key) { registered.erase(key); });
-  m.def("offload_out", &offload_out, py::call_guard<py::gil_scoped_release>());
-  m.def("offload_in", &offload_in, py::call_guard<py::gil_scoped_release>());
-  m.def("wait_event", [](uint64_t consumer, uint64_t event) {
-    wait_event(reinterpret_cast<void*>(consumer), reinterpret_cast<void*>(event));
-  });
+  // offload.py's Offloader drives these (its docstring says what they do)
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::class_<PinnedPool, std::shared_ptr<PinnedPool>>(m, "PinnedPool")
+      .def(py::init<int64_t>(), py::arg("max_bytes") = -1)
+      .def("take", [](PinnedPool& p, int64_t nbytes, int64_t lane) -> py::object {
+             Tensor t;
+             {
+               py::gil_scoped_release no_gil;
+               t = p.take(nbytes, lane);
+             }
+             return t.defined() ? py::cast(t) : py::none();
+           }, py::arg("nbytes"), py::arg("lane") = -1)
+      .def("give", &PinnedPool::give, py::arg("buf"), py::arg("lane") = -1, release())
+      .def("free_bytes", &PinnedPool::free_bytes, release())
+      .def("free_buffers", [](PinnedPool& p) {
+             std::lock_guard<std::mutex> lock(p.mutex);
+             std::map<std::pair<int64_t, int64_t>, size_t> out;
+             for (const auto& item : p.free) {
+               if (!item.second.empty()) out[item.first] = item.second.size();
+             }
+             return out;
+           })
+      .def_property_readonly("held", [](PinnedPool& p) {
+             std::lock_guard<std::mutex> lock(p.mutex);
+             return p.held;
+           })
+      .def_property_readonly("max_bytes", [](const PinnedPool& p) -> py::object {
+             return p.max_bytes < 0 ? py::none() : py::cast(p.max_bytes);
+           });
+  py::class_<Stash, std::shared_ptr<Stash>>(m, "Stash")
+      .def("take", [](const std::shared_ptr<Stash>& h) { return h->engine->take(h); }, release())
+      .def_property_readonly("state", &Stash::state)
+      .def_readonly("nbytes", &Stash::nbytes);
+  py::class_<OffloadEngine, std::shared_ptr<OffloadEngine>>(m, "OffloadEngine")
+      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("ahead"), py::arg("max_bytes"),
+           py::arg("hold"))
+      .def("stash", &OffloadEngine::stash, release())
+      .def("stats", [](OffloadEngine& e) {
+             std::lock_guard<std::recursive_mutex> lock(e.mutex);
+             const OffloadStats& s = e.stats;
+             return std::map<std::string, int64_t>{
+                 {"offloaded", s.offloaded}, {"kept_on_device", s.kept_on_device},
+                 {"prefetched", s.prefetched}, {"late", s.late},
+                 {"taken_on_device", s.taken_on_device}, {"bytes_offloaded", s.bytes_offloaded}};
+           })
+      .def_readonly("pool", &OffloadEngine::pool)
+      .def("side_stream", [](OffloadEngine& e, int index) {
+             return reinterpret_cast<uint64_t>(e.side_raw(index));
+           })
+      .def("emulate_copies", [](OffloadEngine& e, bool on) { e.emulate_copies = on; })
+      .def("copies_done", [](OffloadEngine& e, uint64_t upto) {
+             std::lock_guard<std::recursive_mutex> lock(e.mutex);
+             e.done_upto = std::max(e.done_upto, upto);
+           })
+      .def("released_tokens", [](OffloadEngine& e) {
+             std::lock_guard<std::recursive_mutex> lock(e.mutex);
+             return std::make_pair(e.tokens, e.released);
+           });
   m.def("relu_linear", &relu_linear);
   m.def("relu_linear_kernel", &relu_linear_kernel, py::call_guard<py::gil_scoped_release>());
   m.def("relu_linear_backward_kernel", &relu_linear_backward_kernel,

@@ -1,7 +1,8 @@
-"""Compress, then offload (bitsparse_core.torch.offload) on the CPU: training is
-bit-identical with and without it, blocks come back in backward order with the next
-ones fetched ahead, the pool is reused step after step and bounded, and what cannot
-be offloaded says why. The CUDA side streams and events are exercised on the GPU."""
+"""Compress, then offload (bitsparse_core.torch.offload, its engine in the C++ host path)
+on the CPU: training is bit-identical with and without it, blocks come back in backward
+order with the next ones fetched ahead, the pool is reused step after step and bounded,
+and what cannot be offloaded says why. The CUDA side streams and events are exercised
+on the GPU; here copies still running are emulated (the engine's ``emulate_copies``)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bitsparse_core.errors import UnsupportedTransformError  # noqa: E402
-from bitsparse_core.torch import relu_linear  # noqa: E402
-from bitsparse_core.torch.offload import Offloader, PinnedPool, resolve, size_class  # noqa: E402
+from bitsparse_core.errors import BackendUnavailableError, UnsupportedTransformError  # noqa: E402
+from bitsparse_core.torch import native, relu_linear  # noqa: E402
+from bitsparse_core.torch.offload import Offloader, pinned_pool, resolve, size_class  # noqa: E402
 from torch_models import KINDS, assert_same_training, make_pair, train  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _engine_built():
+    """The offload engine lives in the C++ host path: built once (cached), or skipped
+    where this machine cannot build it."""
+    if native.module() is None:
+        pytest.skip(f"the C++ host path could not be built: {native.build_error()}")
 
 
 def _data(shape, d, seed=1):
@@ -48,25 +57,13 @@ def test_offloaded_training_is_bit_identical(kind):
     assert off.pool.free_bytes() == off.pool.held    # every buffer back after backward
 
 
-class _PendingCopies(Offloader):
-    """CPU copies whose end the test decides: each copy out returns a token that reads
-    as not done until the test adds it to ``done`` (on a GPU: an event on the side
-    stream). Every token forgotten is recorded."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.done, self.tokens, self.forgotten = set(), 0, []
-
-    def _copy_out(self, block, host):
-        assert super()._copy_out(block, host) == 0       # the CPU copy ran
-        self.tokens += 1
-        return self.tokens
-
-    def _copied(self, event):
-        return event in self.done
-
-    def _forget(self, event):
-        self.forgotten.append(event)
+def _pending(**kw):
+    """An Offloader whose CPU copies out end when the test says (``engine.copies_done``;
+    on a GPU: an event on the side stream). ``engine.released_tokens()`` gives the
+    number of copies and the tokens let go."""
+    off = Offloader(**kw)
+    off.engine.emulate_copies(True)
+    return off
 
 
 @pytest.mark.parametrize("hold", [0, 2])
@@ -75,7 +72,7 @@ def test_blocks_whose_copy_may_still_run_are_held_and_taken_from_the_device(hold
     the device and backward takes them from there; training stays bit-identical and
     every copy's event is let go exactly once."""
     dense, ours = make_pair("relu2", "nosign", layers=3)
-    off = _PendingCopies(ahead=1, hold=hold)
+    off = _pending(ahead=1, hold=hold)
     _offloaded(ours, off)
     x, target = _data((3, 16), 32)
     steps = 3
@@ -88,27 +85,31 @@ def test_blocks_whose_copy_may_still_run_are_held_and_taken_from_the_device(hold
     late, ahead = (1, 2) if hold == 0 else (0, 1)
     assert st["late"] == late * steps and st["prefetched"] == ahead * steps
     gc.collect()
-    assert sorted(off.forgotten) == list(range(1, off.tokens + 1))
+    tokens, released = off.engine.released_tokens()
+    assert sorted(released) == list(range(1, tokens + 1))
     assert off.pool.free_bytes() == off.pool.held
 
 
 def test_held_blocks_go_once_their_copy_has_run():
-    off = _PendingCopies(hold=3)
+    off = _pending(hold=3)
     blocks = [torch.full((64,), i, dtype=torch.uint8) for i in range(3)]
     handles = [off.stash(b) for b in blocks]
-    assert all(h.block is not None for h in handles)
-    off.done |= {1, 2}             # copies run in stash order: the next stash sees two done
+    assert [h.state for h in handles] == ["held"] * 3
+    off.engine.copies_done(2)      # copies run in stash order: the next stash sees two done
     extra = off.stash(torch.zeros(64, dtype=torch.uint8))
-    assert [h.block is None for h in handles] == [True, True, False]
-    assert off.forgotten == [1, 2]
+    assert [h.state for h in handles] == ["on_host", "on_host", "held"]
+    assert off.engine.released_tokens() == (4, [1, 2])
     assert torch.equal(handles[2].take(), blocks[2])            # still on the device
+    assert handles[1].state == "fetched"                        # on its way back
     assert torch.equal(handles[1].take(), blocks[1])            # back from its host copy
-    assert off.stats()["taken_on_device"] == 1
+    assert handles[1].state == "taken" and off.stats()["taken_on_device"] == 1
     del extra                      # a stash whose backward never comes lets its block go
     gc.collect()
-    assert sorted(off.forgotten) == [1, 2, 3, 4]
+    assert sorted(off.engine.released_tokens()[1]) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="hold"):
         Offloader(hold=-1)
+    with pytest.raises(RuntimeError, match="1-D uint8"):
+        off.stash(torch.zeros(4, 16))
 
 
 def test_the_pool_is_reused_step_after_step():
@@ -128,12 +129,12 @@ def test_blocks_come_back_in_backward_order_with_the_next_ones_ahead():
     off = Offloader(ahead=2)
     blocks = [torch.full((64,), i, dtype=torch.uint8) for i in range(5)]
     handles = [off.stash(b) for b in blocks]
-    assert all(h.back is None for h in handles)
+    assert all(h.state == "on_host" for h in handles)
     got = handles[4].take()
     assert torch.equal(got, blocks[4])
-    assert [h.back is not None for h in handles[:4]] == [False, False, True, True]
+    assert [h.state for h in handles[:4]] == ["on_host", "on_host", "fetched", "fetched"]
     assert torch.equal(handles[3].take(), blocks[3])
-    assert handles[1].back is not None and handles[0].back is None
+    assert handles[1].state == "fetched" and handles[0].state == "on_host"
     assert off.stats()["late"] == 1
     for h in (handles[2], handles[1], handles[0]):
         assert torch.equal(h.take(), blocks[handles.index(h)])
@@ -161,9 +162,9 @@ def test_a_block_kept_on_the_device_still_fetches_the_next_ones():
     off = Offloader(ahead=1, max_host_bytes=2 * size_class(64))
     blocks = [torch.full((64,), i, dtype=torch.uint8) for i in range(3)]
     handles = [off.stash(b) for b in blocks]          # the third does not fit: kept
-    assert off.stats()["kept_on_device"] == 1 and handles[2].host is None
+    assert off.stats()["kept_on_device"] == 1 and handles[2].state == "kept"
     assert torch.equal(handles[2].take(), blocks[2])
-    assert handles[1].back is not None                # on its way back all the same
+    assert handles[1].state == "fetched"              # on its way back all the same
 
 
 @pytest.mark.parametrize("kind", ["relu", "reglu"])
@@ -193,20 +194,27 @@ def test_pool_reuses_size_classes_and_evicts_free_buffers_for_new_ones():
     # power-of-two size classes (torch's pinned allocator rounds to them anyway)
     assert [size_class(n) for n in (1, 4096, 4097, 65536, 65537, 70000)] == [
         4096, 4096, 8192, 65536, 131072, 131072]
-    pool = PinnedPool(max_bytes=200_000)
+    pool = pinned_pool(max_bytes=200_000)
+    assert pool.max_bytes == 200_000 and pinned_pool().max_bytes is None
+    for n in (1, 4097, 65537):                       # the C++ pool's classes are these
+        buf = pinned_pool().take(n)
+        assert buf.numel() == size_class(n) and buf.dtype == torch.uint8
     a = pool.take(65537)                             # a 131072-byte buffer
     assert a.numel() == 131072 and pool.held == 131072
     assert pool.take(70000) is None                  # a second one would pass the bound
-    pool.give(a, "dev0")
-    assert pool.take(70000, "dev0") is a             # same class and lane: the same buffer
-    pool.give(a, "dev0")
-    c = pool.take(70000, "dev1")                     # free, but another lane's: not handed out
-    assert c is not a and pool.held == 131072        # (a was dropped to make room for c)
-    pool.give(c, "dev1")
+    pool.give(a, 0)
+    assert pool.free_buffers() == {(0, 131072): 1}
+    assert pool.take(70000, 0).data_ptr() == a.data_ptr()   # same class and lane: same buffer
+    pool.give(a, 0)
+    c = pool.take(70000, 1)                          # free, but another lane's: not handed out
+    assert c.data_ptr() != a.data_ptr() and pool.free_buffers() == {}
+    assert pool.held == 131072                       # (a was dropped to make room for c)
+    pool.give(c, 1)
     b = pool.take(100_000)                           # the free buffer is dropped for it
     assert b is not None and b.numel() == size_class(100_000) == pool.held
+    assert pool.free_bytes() == 0
     with pytest.raises(ValueError):
-        PinnedPool(max_bytes=-1)
+        pinned_pool(max_bytes=-1)
 
 
 def test_offload_arguments_and_where_it_cannot_run():
@@ -218,6 +226,8 @@ def test_offload_arguments_and_where_it_cannot_run():
         resolve("yes")
     with pytest.raises(ValueError):
         Offloader(ahead=-1)
+    with pytest.raises(ValueError):
+        Offloader(max_host_bytes=-5)
     # a model's copy shares its offloader; a pickled one gets a fresh one, same settings
     assert copy.deepcopy(off) is off
     again = pickle.loads(pickle.dumps(off))
@@ -228,48 +238,10 @@ def test_offload_arguments_and_where_it_cannot_run():
         torch.func.grad(lambda w: relu_linear(a, w, offload=off).sum())(w)
 
 
-def test_side_stream_context_sets_and_restores_torchs_current_stream(monkeypatch):
-    """The side stream's slim context (torch._C's stream set / get on the current device)
-    restores the stream it found, each ``with`` on its own state, and leaves a stream of
-    another device to torch's own context. CUDA-free: torch._C's calls are recorded."""
-    from types import SimpleNamespace
-
-    from bitsparse_core.torch import offload as O
-    calls, current = [], {"dev": 0, "stream": (5, 0, 1)}
-
-    def set_stream(stream_id, device_index, device_type):
-        calls.append(("set", stream_id, device_index))
-        current["stream"] = (stream_id, device_index, device_type)
-
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current["dev"], raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream",
-                        lambda dev: current["stream"], raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_setStream", set_stream, raising=False)
-    side = O._SideStream(SimpleNamespace(stream_id=9, device_index=0, device_type=1))
-    with side.current():
-        assert current["stream"] == (9, 0, 1)
-        with side.current():                       # nested: restores the side stream
-            pass
-        assert current["stream"] == (9, 0, 1)
-    assert current["stream"] == (5, 0, 1)
-    assert calls == [("set", 9, 0), ("set", 9, 0), ("set", 9, 0), ("set", 5, 0)]
-
-    entered = []
-
-    class TorchContext:
-        def __init__(self, stream):
-            self.stream = stream
-
-        def __enter__(self):
-            entered.append(("enter", self.stream.device_index))
-
-        def __exit__(self, *exc):
-            entered.append(("exit", self.stream.device_index))
-            return False
-
-    monkeypatch.setattr(torch.cuda, "stream", TorchContext)
-    other = O._SideStream(SimpleNamespace(stream_id=3, device_index=1, device_type=1))
-    calls.clear()
-    with other.current():
-        pass
-    assert entered == [("enter", 1), ("exit", 1)] and calls == []
+def test_offload_says_why_without_the_cpp_host_path(monkeypatch):
+    monkeypatch.setattr(native, "module", lambda: None)
+    monkeypatch.setattr(native, "_built", {"error": OSError("no compiler here")})
+    with pytest.raises(BackendUnavailableError, match="no compiler here"):
+        Offloader()
+    with pytest.raises(BackendUnavailableError, match="offload=None"):
+        pinned_pool()

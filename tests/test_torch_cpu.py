@@ -312,8 +312,8 @@ def test_hooks_offload_clean_blocks_and_stay_bit_identical():
     assert st["prefetched"] + st["late"] == st["offloaded"]
     # buffers are taken again by later steps: of each size class (the first step's blocks
     # are larger, sized from min_sparsity) at most the two that one step needs
-    free = off.pool._free
-    assert free and all(len(bufs) <= 2 for bufs in free.values()), free.keys()
+    free = off.pool.free_buffers()
+    assert free and all(n <= 2 for n in free.values()), free
     assert st["pool_held_bytes"] == off.pool.free_bytes()        # all back after backward
 
 

@@ -158,6 +158,11 @@ def module():
     return _built["module"]
 
 
+def build_error():
+    """Why :func:`module` gave None (the build's exception), or None."""
+    return _built.get("error")
+
+
 def cuda_module():
     """:func:`module` with the CUDA driver's entry points handed over, or None."""
     global _cuda_ready
@@ -173,7 +178,7 @@ def cuda_module():
                            addr(lib.cuGetErrorName), addr(lib.cuStreamIsCapturing))
             mod.set_offload_driver(addr(lib.cuEventCreate), addr(lib.cuEventRecord),
                                    addr(lib.cuStreamWaitEvent), addr(lib.cuEventDestroy_v2),
-                                   addr(lib.cuMemcpyHtoDAsync_v2))
+                                   addr(lib.cuEventQuery), addr(lib.cuMemcpyHtoDAsync_v2))
             _hand_slab(mod)
             # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
             mod.register_kernels("CUDA")
@@ -333,17 +338,6 @@ def _module_for(t: torch.Tensor):
     return cuda_module()
 
 
-def loaded_for(device: torch.device):
-    """The extension where it is already loaded for ``device`` (CUDA, or the CPU under
-    :func:`emulate_on_host`) and :func:`python_path` is not in force, else None; never
-    builds it (the offloader's copies use it when it is there)."""
-    if _off:
-        return None
-    if device.type == "cuda":
-        return _built.get("module") if _cuda_ready else None
-    return _emulation
-
-
 def _handle(mod, square: bool, shape, dtype, capacity: int, encoding: int, device: int):
     """The C++ handle of a plan (registered on its first use), or None where the C++
     path does not take it."""
@@ -361,8 +355,8 @@ def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encodin
     packed for a C++ backward; None where that path does not apply (the caller then
     takes the Python one). ``a`` is a contiguous CUDA tensor and ``(x, w1, b1)`` its
     recompute source; ``offload``: an :class:`.offload.Offloader` that keeps the block
-    in pinned host memory until the backward takes it back (its ``stash`` and the
-    stashed block's ``take`` are called from C++), or None."""
+    in pinned host memory until the backward takes it back (its C++ engine, called from
+    the C++ node), or None."""
     mod = _module_for(a)
     if mod is None:
         return None
@@ -370,7 +364,8 @@ def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encodin
     if handle is None:
         return None
     return mod.relu_linear(a, weight, bias, x, w1, b1, capacity, handle, square, mm_dtype,
-                           policy.id if policy is not None else 0, offload)
+                           policy.id if policy is not None else 0,
+                           offload.engine if offload is not None else None)
 
 
 def _handle_for(square: bool, shape, dtype, capacity: int, encoding: int, device: int) -> int:

@@ -105,18 +105,6 @@ def release_event(event: int) -> None:
     lib().cuEventDestroy_v2(_P(event))
 
 
-CUDA_ERROR_NOT_READY = 600
-
-
-def event_done(event: int) -> bool:
-    """Whether the work before ``event`` has run (a query: never waits)."""
-    rc = lib().cuEventQuery(_P(event))
-    if rc == CUDA_ERROR_NOT_READY:
-        return False
-    check(rc, "cuEventQuery")
-    return True
-
-
 @functools.lru_cache(maxsize=None)
 def sm_count(device: int) -> int:
     n = ctypes.c_int()
