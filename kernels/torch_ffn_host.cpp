@@ -812,6 +812,7 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
   std::shared_ptr<Stash> stash(const Tensor& block) {
     TORCH_CHECK(block.is_contiguous() && block.scalar_type() == at::kByte && block.dim() == 1,
                 "bitsparse: an offloaded block is a contiguous 1-D uint8 tensor");
+    c10::DeviceGuard device_guard(block.device());   // events belong to the current device
     release_copied();
     auto h = std::make_shared<Stash>(shared_from_this(), block.device(), block.numel());
     Tensor host = pool->take(h->nbytes, lane(block.device()));
@@ -884,6 +885,7 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
     TORCH_CHECK(!h->taken, "an offloaded packed block is taken back by one backward only: a "
                 "second backward through it (retain_graph=True) needs offload=None");
     h->taken = true;
+    c10::DeviceGuard device_guard(h->device);   // events belong to the current device
     const bool on_device = h->block.defined();
     if (on_device) {   // its copy out was not seen to finish: used as it is
       h->back = h->block;
