@@ -420,118 +420,6 @@ Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shap
 }
 
 // ---------------------------------------------------------------------------
-// The op's two halves (shared by the autograd node and the dispatcher's kernels)
-// ---------------------------------------------------------------------------
-struct Forward {
-  Tensor out, block, ticket;
-};
-
-// Forward: take the pack's ticket (tracked for ``policy``), pack relu(a) into a new block
-// (its count copied to the ticket's slot where it has one, unless ``count_here`` is false:
-// the caller copies it) and return linear(relu(a)[**2], weight, bias), the block and the
-// ticket.
-Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
-                     const Plan& P, int64_t policy, int64_t capacity, int64_t mm_dtype,
-                     bool count_here = true) {
-  TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
-              a.numel());
-  c10::DeviceGuard device_guard(a.device());
-  void* stream = current_stream(a.device());
-  Tensor ticket = claim_ticket(stream);
-  track(policy, ticket, a.numel(), capacity);
-  const int64_t item = a.element_size();
-  const int64_t yelems = ceil_div(a.numel() * item, 16) * 16 / item;
-  // One allocation for y and the pack's scratch (dead once the kernel ran; y dies
-  // after the second GEMM), one for the block.
-  Tensor ystore = at::empty({yelems + ceil_div(P.scratch_bytes, item)}, a.options());
-  Tensor block = at::empty({P.nbytes}, a.options().dtype(at::kByte));
-  const uint64_t y = address(ystore), b = address(block);
-  if (P.numel == 0) {
-    memset0(b, P.nbytes, stream);
-  } else {
-    const uint64_t scratch = y + static_cast<uint64_t>(yelems * item);
-    memset0(scratch, P.scratch_bytes, stream);
-    P.pack.run(stream, b, {address(a), y, scratch, 0, 0, 0});
-  }
-  if (const int64_t slot = count_here ? slot_of(ticket) : 0) {
-    // status word and count in one copy; the slot reads pending until it lands
-    check(driver.copy_to_host(reinterpret_cast<void*>(slot), b + P.status_offset, 16, stream),
-          "cuMemcpyDtoHAsync");
-  }
-  const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
-  Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
-                          weight, bias);
-  return {out, block, ticket};
-}
-
-// Whether the backward may read the packed values: the slot says clean (and the policy's
-// poll is not due), else Python's policy decides (waits, recomputes, or raises where
-// there is no recompute source).
-bool decide_clean(const Tensor& ticket, int64_t policy, int64_t handle, const Tensor& block,
-                  bool recompute_source) {
-  return (slot_shows_clean(ticket) && !poll_due(policy))
-         || pack_is_clean(handle, policy, ticket, block, recompute_source);
-}
-
-struct Grads {
-  Tensor a, weight, bias;   // undefined where not asked for
-};
-
-// Backward: PyTorch's linear backward on the 2-D views, relu's (or relu²'s) gradient and
-// the second GEMM's input from the packed block when clean, else from the forward's own
-// first GEMM recomputed (x, w1, b1).
-Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& weight,
-                    const Tensor& x, const Tensor& w1, const Tensor& b1,
-                    at::IntArrayRef a_shape, at::ScalarType a_dtype, const Plan& P, bool clean,
-                    bool square, int64_t mm_dtype, bool need_a, bool need_w, bool need_b) {
-  Grads g;
-  const Tensor g2 = grad_out.contiguous().reshape({-1, grad_out.size(-1)});
-  if (need_b) g.bias = g2.sum({0}, true).view({g2.size(-1)});
-  if (!need_a && !need_w) return g;
-  c10::DeviceGuard device_guard(block.device());
-  void* stream = current_stream(block.device());
-  const uint64_t b = address(block);
-
-  if (clean && square && need_a && need_w) {
-    // one decode gives both the input gradient and the second GEMM's input
-    const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype).contiguous();
-    Tensor grad_a = at::empty_like(grad_h), h = at::empty_like(grad_h);
-    P.relu2_and_square.run(stream, b, {0, 0, 0, address(grad_h), address(grad_a), address(h)});
-    g.a = grad_a;
-    g.weight = weight_grad(g2, h, mm_dtype);
-    return g;
-  }
-  Tensor r;
-  if (clean) {
-    r = at::empty(a_shape, grad_out.options().dtype(a_dtype));
-    P.unpack.run(stream, b, {0, 0, 0, 0, address(r), 0});
-  } else {   // overflowed or count unknown: the forward's own GEMM, autocast off as there
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    r = at::relu(at::linear(x, w1, maybe(b1)));
-  }
-  if (need_w) {
-    // the forward's relu(a)**2, rounded the same single way; in place where r is
-    // not needed again (the clean gradient reads the packed block)
-    g.weight = weight_grad(g2, square ? (clean ? r.mul_(r) : r * r) : r, mm_dtype);
-  }
-  if (need_a) {
-    const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype);
-    if (clean) {
-      const Tensor gh = grad_h.contiguous();
-      Tensor grad_a = at::empty_like(gh);
-      const Launch& grad_of_mask = square ? P.relu2 : P.mask_select;
-      grad_of_mask.run(stream, b, {0, 0, 0, address(gh), address(grad_a), 0});
-      g.a = grad_a;
-    } else if (square) {
-      g.a = at::threshold_backward(grad_h * (2 * r), r, 0);
-    } else {
-      g.a = at::threshold_backward(grad_h, r, 0);
-    }
-  }
-  return g;
-}
-
-// ---------------------------------------------------------------------------
 // Offloading: packed blocks in pinned host memory between forward and backward
 // ---------------------------------------------------------------------------
 // bitsparse_core/torch/offload.py documents the behaviour (its Offloader is this engine's
@@ -723,8 +611,9 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
   static bool emulated_device(const Tensor& t) { return !t.is_cuda() && host_emulation; }
 
   // ``block`` into ``host``, after the work queued so far on the current stream (its
-  // pack); the event after the copy, 0 where it is done on return.
-  uint64_t copy_out(const Tensor& block, const Tensor& host) {
+  // pack), which the side stream already waits for where ``side_follows``; the event
+  // after the copy, 0 where it is done on return.
+  uint64_t copy_out(const Tensor& block, const Tensor& host, bool side_follows) {
     const int64_t n = block.numel();
     if (!block.is_cuda()) {
       if (emulated_device(block)) {
@@ -736,7 +625,7 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
     }
     const int dev = block.device().index();
     void* s = side_raw(dev);
-    follow_current(s, block.device());
+    if (!side_follows) follow_current(s, block.device());
     check(driver.copy_to_host(host.data_ptr(), address(block), n, s), "cuMemcpyDtoHAsync");
     note_host_use(host, side(dev));
     return reinterpret_cast<uint64_t>(record_event(s));
@@ -809,7 +698,7 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
   }
 
   // Queue ``block``'s copy out; the caller then drops ``block``.
-  std::shared_ptr<Stash> stash(const Tensor& block) {
+  std::shared_ptr<Stash> stash(const Tensor& block, bool side_follows = false) {
     TORCH_CHECK(block.is_contiguous() && block.scalar_type() == at::kByte && block.dim() == 1,
                 "bitsparse: an offloaded block is a contiguous 1-D uint8 tensor");
     c10::DeviceGuard device_guard(block.device());   // events belong to the current device
@@ -825,7 +714,7 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
       track(h);
       return h;
     }
-    const uint64_t done = copy_out(block, host);
+    const uint64_t done = copy_out(block, host, side_follows);
     h->host = std::move(host);
     track(h);
     std::vector<std::shared_ptr<Stash>> early;
@@ -957,19 +846,130 @@ Stash::~Stash() {
   }
 }
 
-// A pack's status and count into its pinned slot, on ``side`` after the work queued on the
-// current stream (the pack). The offloaded node sends it ahead of the block on the
-// offloader's stream: on the compute stream this small copy would queue in the copy
+// ---------------------------------------------------------------------------
+// The op's two halves (shared by the autograd node and the dispatcher's kernels)
+// ---------------------------------------------------------------------------
+struct Forward {
+  Tensor out, block, ticket;
+  std::shared_ptr<Stash> stash;   // the block's, when offloaded (``block`` is then undefined)
+};
+
+// Forward: take the pack's ticket (tracked for ``policy``), pack relu(a) into a new block
+// (its count copied to the ticket's slot where it has one) and return linear(relu(a)[**2],
+// weight, bias), the block and the ticket. With an ``offloader``, the count and then the
+// block go out on its side stream, queued behind the pack and ahead of the GEMM (so the
+// copies overlap it): on the compute stream the small count copy would wait in the copy
 // engine behind the previous layer's block copy, and hold the compute stream up with it.
-void copy_count(const Tensor& block, int64_t slot, int64_t status_offset, OffloadEngine& engine) {
-  void* side_raw = nullptr;
-  if (block.is_cuda()) {
-    side_raw = engine.side_raw(block.device().index());
-    follow_current(side_raw, block.device());
+Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
+                     const Plan& P, int64_t policy, int64_t capacity, int64_t mm_dtype,
+                     OffloadEngine* offloader = nullptr) {
+  TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
+              a.numel());
+  c10::DeviceGuard device_guard(a.device());
+  void* stream = current_stream(a.device());
+  Tensor ticket = claim_ticket(stream);
+  track(policy, ticket, a.numel(), capacity);
+  const int64_t item = a.element_size();
+  const int64_t yelems = ceil_div(a.numel() * item, 16) * 16 / item;
+  // One allocation for y and the pack's scratch (dead once the kernel ran; y dies
+  // after the second GEMM), one for the block.
+  Tensor ystore = at::empty({yelems + ceil_div(P.scratch_bytes, item)}, a.options());
+  Tensor block = at::empty({P.nbytes}, a.options().dtype(at::kByte));
+  const uint64_t y = address(ystore), b = address(block);
+  if (P.numel == 0) {
+    memset0(b, P.nbytes, stream);
+  } else {
+    const uint64_t scratch = y + static_cast<uint64_t>(yelems * item);
+    memset0(scratch, P.scratch_bytes, stream);
+    P.pack.run(stream, b, {address(a), y, scratch, 0, 0, 0});
   }
-  check(driver.copy_to_host(reinterpret_cast<void*>(slot), address(block) + status_offset, 16,
-                            side_raw),
-        "cuMemcpyDtoHAsync");
+  void* count_stream = stream;
+  if (offloader != nullptr && a.is_cuda()) {
+    count_stream = offloader->side_raw(a.device().index());
+    follow_current(count_stream, a.device());   // once for the count and the block
+  }
+  if (const int64_t slot = slot_of(ticket)) {
+    // status word and count in one copy; the slot reads pending until it lands
+    check(driver.copy_to_host(reinterpret_cast<void*>(slot), b + P.status_offset, 16,
+                              count_stream),
+          "cuMemcpyDtoHAsync");
+  }
+  std::shared_ptr<Stash> stash;
+  if (offloader != nullptr) {
+    stash = offloader->stash(block, /*side_follows=*/true);
+    block = Tensor();
+  }
+  const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
+  Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
+                          weight, bias);
+  return {out, block, ticket, std::move(stash)};
+}
+
+// Whether the backward may read the packed values: the slot says clean (and the policy's
+// poll is not due), else Python's policy decides (waits, recomputes, or raises where
+// there is no recompute source).
+bool decide_clean(const Tensor& ticket, int64_t policy, int64_t handle, const Tensor& block,
+                  bool recompute_source) {
+  return (slot_shows_clean(ticket) && !poll_due(policy))
+         || pack_is_clean(handle, policy, ticket, block, recompute_source);
+}
+
+struct Grads {
+  Tensor a, weight, bias;   // undefined where not asked for
+};
+
+// Backward: PyTorch's linear backward on the 2-D views, relu's (or relu²'s) gradient and
+// the second GEMM's input from the packed block when clean, else from the forward's own
+// first GEMM recomputed (x, w1, b1).
+Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& weight,
+                    const Tensor& x, const Tensor& w1, const Tensor& b1,
+                    at::IntArrayRef a_shape, at::ScalarType a_dtype, const Plan& P, bool clean,
+                    bool square, int64_t mm_dtype, bool need_a, bool need_w, bool need_b) {
+  Grads g;
+  const Tensor g2 = grad_out.contiguous().reshape({-1, grad_out.size(-1)});
+  if (need_b) g.bias = g2.sum({0}, true).view({g2.size(-1)});
+  if (!need_a && !need_w) return g;
+  c10::DeviceGuard device_guard(block.device());
+  void* stream = current_stream(block.device());
+  const uint64_t b = address(block);
+
+  if (clean && square && need_a && need_w) {
+    // one decode gives both the input gradient and the second GEMM's input
+    const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype).contiguous();
+    Tensor grad_a = at::empty_like(grad_h), h = at::empty_like(grad_h);
+    P.relu2_and_square.run(stream, b, {0, 0, 0, address(grad_h), address(grad_a), address(h)});
+    g.a = grad_a;
+    g.weight = weight_grad(g2, h, mm_dtype);
+    return g;
+  }
+  Tensor r;
+  if (clean) {
+    r = at::empty(a_shape, grad_out.options().dtype(a_dtype));
+    P.unpack.run(stream, b, {0, 0, 0, 0, address(r), 0});
+  } else {   // overflowed or count unknown: the forward's own GEMM, autocast off as there
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    r = at::relu(at::linear(x, w1, maybe(b1)));
+  }
+  if (need_w) {
+    // the forward's relu(a)**2, rounded the same single way; in place where r is
+    // not needed again (the clean gradient reads the packed block)
+    g.weight = weight_grad(g2, square ? (clean ? r.mul_(r) : r * r) : r, mm_dtype);
+  }
+  if (need_a) {
+    const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype);
+    if (clean) {
+      const Tensor gh = grad_h.contiguous();
+      Tensor grad_a = at::empty_like(gh);
+      const Launch& grad_of_mask = square ? P.relu2 : P.mask_select;
+      grad_of_mask.run(stream, b, {0, 0, 0, address(gh), address(grad_a), 0});
+      g.a = grad_a;
+    } else if (square) {
+      g.a = at::threshold_backward(grad_h * (2 * r), r, 0);
+    } else {
+      g.a = at::threshold_backward(grad_h, r, 0);
+    }
+  }
+  return g;
 }
 
 // ---------------------------------------------------------------------------
@@ -994,13 +994,11 @@ struct ReLULinear : public torch::autograd::Function<ReLULinear> {
     RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
     c10::DeviceGuard device_guard(a.device());   // the offloader's calls too
     const Plan& P = plan_at(handle);
-    auto [out, block, ticket] =
-        forward_impl(a, weight, bias, P, policy, capacity, mm_dtype, offloader == nullptr);
-    if (offloader != nullptr) {   // the block goes to the host; backward takes it back
-      if (const int64_t slot = slot_of(ticket)) copy_count(block, slot, P.status_offset, *offloader);
+    auto [out, block, ticket, stash] =
+        forward_impl(a, weight, bias, P, policy, capacity, mm_dtype, offloader);
+    if (stash) {   // the block went to the host; backward takes it back
       ctx->saved_data["stash"] =
-          c10::IValue::make_capsule(c10::make_intrusive<StashHolder>(offloader->stash(block)));
-      block = Tensor();
+          c10::IValue::make_capsule(c10::make_intrusive<StashHolder>(std::move(stash)));
     }
     ctx->save_for_backward({block, weight, x, w1, b1.value_or(Tensor())});
     ctx->saved_data["ticket"] = ticket;
@@ -1141,9 +1139,9 @@ Result3 relu_linear_kernel(const Tensor& a_in, const Tensor& weight,
                        py::make_tuple(a_in, weight, bias, x, w1, b1, capacity, square, encoding,
                                       chunk_log2, mm_dtype, policy));
   }
-  auto [out, block, ticket] = forward_impl(a, weight, bias, plan_at(handle), policy, capacity,
-                                           mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1);
-  return {out, block, ticket};
+  Forward f = forward_impl(a, weight, bias, plan_at(handle), policy, capacity,
+                           mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1);
+  return {f.out, f.block, f.ticket};
 }
 
 Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
@@ -1292,7 +1290,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<OffloadEngine, std::shared_ptr<OffloadEngine>>(m, "OffloadEngine")
       .def(py::init<int64_t, int64_t, int64_t>(), py::arg("ahead"), py::arg("max_bytes"),
            py::arg("hold"))
-      .def("stash", &OffloadEngine::stash, release())
+      .def("stash", [](OffloadEngine& e, const Tensor& block) { return e.stash(block); },
+           release())
       .def("stats", [](OffloadEngine& e) {
              std::lock_guard<std::recursive_mutex> lock(e.mutex);
              const OffloadStats& s = e.stats;
