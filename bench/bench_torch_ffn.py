@@ -30,9 +30,11 @@ from bitsparse_core.torch import PackedReLU2FFN, PackedReLUFFN  # noqa: E402
 from bitsparse_core.torch.offload import Offloader  # noqa: E402
 
 DEVICE = "cuda"
-VARIANTS = ("dense", "checkpoint", "save_on_cpu", "ours_raw", "ours_nosign", "ours_offload")
-# ours_offload (nosign, blocks in pinned host memory until backward, issue 17) runs on request
-DEFAULT_VARIANTS = VARIANTS[:-1]
+VARIANTS = ("dense", "checkpoint", "save_on_cpu", "ours_raw", "ours_nosign", "ours_offload",
+            "ours_offload_hold0")
+# ours_offload* (nosign, blocks in pinned host memory until backward, issue 17) run on
+# request; _hold0: Offloader(hold=0), every device block released once its copy is queued
+DEFAULT_VARIANTS = VARIANTS[:-2]
 MIB = 1 << 20
 
 
@@ -81,10 +83,11 @@ def build(args, square):
     cls = PackedReLU2FFN if square else PackedReLUFFN
     packed = {enc: nn.ModuleList(cls.from_dense(b.fc1, b.fc2, encoding=enc) for b in dense)
               for enc in ("raw", "nosign")}
-    if "ours_offload" in args.variants:
-        off = Offloader()          # one for the stack: it prefetches across layers
-        packed["offload"] = nn.ModuleList(cls.from_dense(b.fc1, b.fc2, encoding="nosign",
-                                                         offload=off) for b in dense)
+    for name, hold in (("offload", 2), ("offload_hold0", 0)):
+        if "ours_" + name in args.variants:
+            off = Offloader(hold=hold)   # one for the stack: it prefetches across layers
+            packed[name] = nn.ModuleList(cls.from_dense(b.fc1, b.fc2, encoding="nosign",
+                                                        offload=off) for b in dense)
     return dense, packed
 
 

@@ -54,6 +54,11 @@ def usage_report(dump_dir: str, top: int) -> tuple[str, list[str]]:
     return path, open(path).read().splitlines()[:top + 4]
 
 
+# Ways of ordering the ReLU backward, put in place of ffn._dw2_first: the adapter's own,
+# and none (XLA's schedule as it comes).
+ORDERINGS = {"dw2-first": None, "as-scheduled": lambda dy, dw2: (dy, dw2)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="packed-ffi")
@@ -62,14 +67,23 @@ def main(argv=None):
     ap.add_argument("--f", type=int, default=21504)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--density", type=float, default=0.25)
+    ap.add_argument("--ordering", default="dw2-first", choices=sorted(ORDERINGS),
+                    help="how the ReLU backward is ordered (ffn._dw2_first or none)")
     ap.add_argument("--summary", default="", help="the XLA dump directory to summarise")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    compiled = compile_step(args.mode, args.layers, args.d, args.f, args.tokens, args.density)
+    own = ffn._dw2_first
+    ffn._dw2_first = ORDERINGS[args.ordering] or own
+    try:
+        compiled = compile_step(args.mode, args.layers, args.d, args.f, args.tokens,
+                                args.density)
+    finally:
+        ffn._dw2_first = own
     mem = compiled.memory_analysis()
     temp = getattr(mem, "temp_size_in_bytes", None)
-    rec = {"mode": args.mode, "temp_gib": temp / GIB if temp is not None else None}
+    rec = {"mode": args.mode, "ordering": args.ordering,
+           "temp_gib": temp / GIB if temp is not None else None}
     print(json.dumps(rec), flush=True)
     if args.summary:
         path, rows = usage_report(args.summary, args.top)

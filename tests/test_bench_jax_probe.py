@@ -46,3 +46,9 @@ def test_temp_probe_compiles_the_step_and_summarises_a_dump(tmp_path, capsys):
     text = out.read_text()
     assert "u8[2]" in text and "u8[1]" not in text        # the first --top rows only
     assert probe.usage_report(str(tmp_path / "none"), 5) == ("", [])
+    from bitsparse_core.jax import ffn
+    own = ffn._dw2_first
+    probe.main(["--mode", "packed", "--ordering", "as-scheduled", "--layers", "1", "--d", "64",
+                "--f", "256", "--tokens", "128"])
+    assert ffn._dw2_first is own                          # the adapter's own ordering back
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["ordering"] == "as-scheduled"

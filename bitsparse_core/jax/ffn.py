@@ -109,6 +109,15 @@ def _recompute_up(x, w, b):
     return lax.optimization_barrier(_up(x, w, b))
 
 
+def _dw2_first(dy, dw2):
+    """``dy`` and ``dw2`` as they are, ``dw2`` computed before anything that reads ``dy``
+    from here on: the decoded activation (``dw2``'s input) is then dead before ReLU's
+    input gradient is allocated. Left to itself XLA ran the FFI path's gradient custom
+    call first and kept three activation-sized buffers live at once (the step's temp
+    memory 3 % above the jax.numpy path's; ``bench/jax_temp_probe.py``)."""
+    return lax.optimization_barrier((dy, dw2))
+
+
 @partial(jax.jit, static_argnums=0)
 def _vjp_apply(fn, ct, *primals):
     return jax.vjp(fn, *primals)[1](ct)
@@ -247,6 +256,7 @@ def _relu_ffn_bwd(cfg, square, res, g):
         da = jnp.where(r > 0, dr, jnp.zeros((), dr.dtype))
     else:
         # The mask alone decides (complete even after an overflow).
+        dy, dw2 = _dw2_first(dy, dw2)
         da = _relu_grad(p, cfg, dy, shape)
     dx, dw1, db1 = _vjp(_up, x, w1, b1)(da)
     return dx, dw1, db1, dw2
