@@ -33,6 +33,7 @@
 #include <torch/library.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstring>
@@ -520,13 +521,18 @@ struct PinnedPool {
   // Drop free buffers, largest first, until ``need`` bytes are gone (back to torch's
   // pinned-memory cache). Called with the lock held.
   void evict(int64_t need) {
-    for (auto it = free.rbegin(); it != free.rend() && need > 0; ++it) {
-      auto& bufs = it->second;
+    std::vector<std::pair<int64_t, int64_t>> keys;   // (lane, bytes), largest bytes first
+    for (const auto& item : free) keys.push_back(item.first);
+    std::stable_sort(keys.begin(), keys.end(),
+                     [](const auto& a, const auto& b) { return a.second > b.second; });
+    for (const auto& key : keys) {
+      auto& bufs = free[key];
       while (!bufs.empty() && need > 0) {
         bufs.pop_back();
-        held -= it->first.second;
-        need -= it->first.second;
+        held -= key.second;
+        need -= key.second;
       }
+      if (need <= 0) break;
     }
   }
 };

@@ -245,3 +245,17 @@ def test_offload_says_why_without_the_cpp_host_path(monkeypatch):
         Offloader()
     with pytest.raises(BackendUnavailableError, match="offload=None"):
         pinned_pool()
+
+
+def test_pool_evicts_the_largest_free_buffers_first():
+    """Room for a new buffer is made from the largest free ones, whatever their lane."""
+    pool = pinned_pool(max_bytes=262144 + 8192)
+    small = [pool.take(4096, 1) for _ in range(2)]       # lane 1: 2 x 4 KiB
+    big = pool.take(131072, 0)                           # lane 0: 128 KiB
+    for b in small:
+        pool.give(b, 1)
+    pool.give(big, 0)
+    assert pool.held == 131072 + 2 * 4096
+    got = pool.take(131072 + 1, 2)                       # 256 KiB: the 128 KiB one must go
+    assert got is not None and got.numel() == 262144
+    assert pool.free_buffers() == {(1, 4096): 2}         # the small ones stay
