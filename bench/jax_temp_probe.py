@@ -1,10 +1,9 @@
-"""Where the packed JAX step's temp memory goes: compile the bench's step, write its
-buffer-assignment summary.
+"""Where the packed JAX step's temp memory goes: compile the bench's step, summarise XLA's
+memory-usage report of it.
 
 Compiles (does not run) ``bench_jax_ffn``'s training step for one mode and prints
 ``memory_analysis()``'s temp size. Run it under ``XLA_FLAGS=--xla_dump_to=DIR`` and XLA
-writes the buffer assignment of the optimized module (``*buffer-assignment.txt``) and its
-memory-usage report to DIR; ``--summary`` then reads the report from DIR and writes its
+writes the optimized module's buffer assignment and memory-usage report to DIR; ``--summary`` then reads the report from DIR and writes its
 largest allocations (with the shapes of the values sharing each) to a short Markdown
 file, which is what two modes are compared by (issue 19: the FFI path's temp against the
 jax.numpy codec's).
