@@ -130,7 +130,8 @@ class _Outer:
 
 
 class _Offloaded:
-    """A clean packed block in the offloader's hands (its :class:`~.offload.Stashed`)."""
+    """A clean packed block in the offloader's hands (what
+    :meth:`~.offload.Offloader.stash` returned)."""
 
     __slots__ = ("stashed",)
 

@@ -13,8 +13,8 @@ here synchronizes.
   reusing its memory before the side stream has read it. A block still held when its
   backward comes (the last layers' at the turn from forward to backward, whose copies
   are still running) is taken from the device as it is: no copy back to wait for.
-* Host buffers come from a :class:`PinnedPool` reused step after step, bounded by
-  ``max_host_bytes``, in power-of-two size classes (a block whose adaptive capacity
+* Host buffers come from a pinned pool (:func:`pinned_pool`) reused step after step,
+  bounded by ``max_host_bytes``, in power-of-two size classes (a block whose adaptive capacity
   moves a little finds its buffer again); a block that does not fit stays on the
   device (counted in :meth:`Offloader.stats`), it is never dropped. One side stream
   per device carries both directions, so a buffer's next copy in always follows its
