@@ -630,10 +630,11 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
       return emulate_copies ? ++tokens : 0;
     }
     const int dev = block.device().index();
-    void* s = side_raw(dev);
+    const c10::Stream stream = side(dev);
+    void* s = reinterpret_cast<void*>(stream.native_handle());
     if (!side_follows) follow_current(s, block.device());
     check(driver.copy_to_host(host.data_ptr(), address(block), n, s), "cuMemcpyDtoHAsync");
-    note_host_use(host, side(dev));
+    note_host_use(host, stream);
     return reinterpret_cast<uint64_t>(record_event(s));
   }
 
@@ -762,14 +763,15 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
     // it (and should the stash go before its backward, ~Stash keeps the allocator from
     // reusing it under the copy)
     const int dev = h.device.index();
-    void* s = side_raw(dev);
+    const c10::Stream stream = side(dev);
+    void* s = reinterpret_cast<void*>(stream.native_handle());
     Tensor back = at::empty({h.nbytes}, at::TensorOptions().dtype(at::kByte).device(h.device));
     h.fetched_on = current_stream(h.device);
     follow_current(s, h.device);
     check(driver.copy_to_device(address(back), h.host.data_ptr(), static_cast<size_t>(h.nbytes),
                                 s),
           "cuMemcpyHtoDAsync");
-    note_host_use(h.host, side(dev));
+    note_host_use(h.host, stream);
     h.ready = record_event(s);
     h.back = back;
   }
@@ -1259,6 +1261,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     handles.clear();
   });
   m.def("register_kernels", &register_kernels);
+  m.def("size_class", &size_class);
   m.def("unregister_kernels", [](const std::string& key) { registered.erase(key); });
   // offload.py's Offloader drives these (its docstring says what they do)
   using release = py::call_guard<py::gil_scoped_release>;

@@ -52,8 +52,8 @@ def size_class(nbytes: int) -> int:
     """The buffer size that serves ``nbytes``: the next power of two (at least 4 KiB), as
     torch's caching host allocator rounds pinned allocations anyway, so ``held`` counts
     the pinned bytes really taken, and a block whose capacity moves a little finds its
-    buffer again. (The C++ pool's rule; tests check the two agree.)"""
-    return max(4096, 1 << (nbytes - 1).bit_length())
+    buffer again (the pool's own rule, from the extension)."""
+    return _extension().size_class(nbytes)
 
 
 def _extension():
