@@ -1,8 +1,9 @@
 """Where an exact pack's time goes beyond a fixed-capacity pack's (issue 20).
 
-An exact pack (``bc.pack(x)``, CuPy backend, torch CUDA input) packs into a worst-case
-block, waits for the count, builds the exact plan and copies the sections into an
-exact-size block. This times, per call, on the GPU's clock (CUDA events on the call's
+An exact pack (``bc.pack(x)``, CuPy backend, torch CUDA input) packs the mask and
+offsets into one allocation and the values into a worst-case one, waits for the count
+(which the kernel writes to a pinned host slot before it ends), builds the exact plan
+and copies the stored values into an exact-size allocation. This times, per call, on the GPU's clock (CUDA events on the call's
 stream) and the host's (perf_counter):
 
 * ``pack``: from the call's start to the end of the pack kernel (a GPU event behind it);
@@ -52,8 +53,8 @@ def main(argv=None) -> int:
         e.record(stream)
         return e
 
-    def run(self, plan, fixed=True):
-        block = orig["run"](self, plan, fixed)
+    def run(self, plan, fixed=True, count=False):
+        block = orig["run"](self, plan, fixed, count)
         marks["packed"] = event()
         return block
 

@@ -29,7 +29,8 @@
 // including this tile), written and read as single 8-byte accesses; then
 // one 16-byte edge record per tile {first 32 stored stream bits, last 32
 // stored stream bits (top-aligned), the same two for the sign plane}.
-// Status area (in the packed allocation): u32 status, u32 pad, u64 nnz.
+// Status area (in the packed allocation): u32 status, u32 pad, u64 nnz; the same
+// 16 bytes go to a pinned host slot where the caller names one (slot_ptr, else 0).
 
 #define BS_AGG (1ull << 62)
 #define BS_INCL (2ull << 62)
@@ -271,7 +272,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                u64 values_ptr, u64 signs_ptr, u64 cap,
                u64 y_ptr, int y_aligned,
                u64 scratch_ptr, u64 status_ptr, u64 n_tiles,
-               u64 zero_values_words, u64 zero_signs_words) {
+               u64 zero_values_words, u64 zero_signs_words, u64 slot_ptr) {
     typedef typename Fmt<FMT>::T T;
     typedef BsPackBuf<FMT, ENC, R> Buf;
     const int BITS = Fmt<FMT>::BITS;
@@ -484,6 +485,13 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                 }
                 reinterpret_cast<u32*>(status_ptr)[0] = status;
                 reinterpret_cast<u64*>(status_ptr)[1] = total;
+                if (slot_ptr != 0ull) {
+                    // The host's copy, in pinned memory: known to the host before the
+                    // grid's last tiles and epilogue are done. Each word lands whole; the
+                    // host reads the slot once neither holds its sentinel.
+                    reinterpret_cast<volatile u64*>(slot_ptr)[1] = total;
+                    reinterpret_cast<volatile u32*>(slot_ptr)[0] = status;
+                }
             }
         }
         // Chunk offsets at the round starts that begin a chunk.

@@ -108,7 +108,7 @@ void memset0(uint64_t ptr, int64_t nbytes, void* stream) {
 // Launch templates
 // ---------------------------------------------------------------------------
 // The pointers a call supplies (ROLE_NAMES in native.py lists them in this order).
-enum Role { R_X, R_Y, R_SCRATCH, R_G, R_OUT, R_OUT2, N_ROLES };
+enum Role { R_X, R_Y, R_SCRATCH, R_G, R_OUT, R_OUT2, R_SLOT, N_ROLES };
 using Roles = std::array<uint64_t, N_ROLES>;
 
 struct Patch {
@@ -280,12 +280,14 @@ struct Slab {
 };
 Slab slab;
 
-volatile uint32_t* slot_status(int64_t i) {
-  return reinterpret_cast<volatile uint32_t*>(slab.base + 16 * i);
+volatile uint32_t* slot_status_at(int64_t address) {
+  return reinterpret_cast<volatile uint32_t*>(address);
 }
-volatile uint64_t* slot_count(int64_t i) {
-  return reinterpret_cast<volatile uint64_t*>(slab.base + 16 * i + 8);
+volatile uint64_t* slot_count_at(int64_t address) {
+  return reinterpret_cast<volatile uint64_t*>(address + 8);
 }
+volatile uint32_t* slot_status(int64_t i) { return slot_status_at(slab.base + 16 * i); }
+volatile uint64_t* slot_count(int64_t i) { return slot_count_at(slab.base + 16 * i); }
 volatile int64_t* slot_generation(int64_t i) {
   return reinterpret_cast<volatile int64_t*>(slab.generations) + i;
 }
@@ -617,9 +619,8 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
   static bool emulated_device(const Tensor& t) { return !t.is_cuda() && host_emulation; }
 
   // ``block`` into ``host``, after the work queued so far on the current stream (its
-  // pack), which the side stream already waits for where ``side_follows``; the event
-  // after the copy, 0 where it is done on return.
-  uint64_t copy_out(const Tensor& block, const Tensor& host, bool side_follows) {
+  // pack); the event after the copy, 0 where it is done on return.
+  uint64_t copy_out(const Tensor& block, const Tensor& host) {
     const int64_t n = block.numel();
     if (!block.is_cuda()) {
       if (emulated_device(block)) {
@@ -632,7 +633,7 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
     const int dev = block.device().index();
     const c10::Stream stream = side(dev);
     void* s = reinterpret_cast<void*>(stream.native_handle());
-    if (!side_follows) follow_current(s, block.device());
+    follow_current(s, block.device());
     check(driver.copy_to_host(host.data_ptr(), address(block), n, s), "cuMemcpyDtoHAsync");
     note_host_use(host, stream);
     return reinterpret_cast<uint64_t>(record_event(s));
@@ -705,7 +706,7 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
   }
 
   // Queue ``block``'s copy out; the caller then drops ``block``.
-  std::shared_ptr<Stash> stash(const Tensor& block, bool side_follows = false) {
+  std::shared_ptr<Stash> stash(const Tensor& block) {
     TORCH_CHECK(block.is_contiguous() && block.scalar_type() == at::kByte && block.dim() == 1,
                 "bitsparse: an offloaded block is a contiguous 1-D uint8 tensor");
     c10::DeviceGuard device_guard(block.device());   // events belong to the current device
@@ -721,7 +722,7 @@ struct OffloadEngine : std::enable_shared_from_this<OffloadEngine> {
       track(h);
       return h;
     }
-    const uint64_t done = copy_out(block, host, side_follows);
+    const uint64_t done = copy_out(block, host);
     h->host = std::move(host);
     track(h);
     std::vector<std::shared_ptr<Stash>> early;
@@ -863,11 +864,10 @@ struct Forward {
 };
 
 // Forward: take the pack's ticket (tracked for ``policy``), pack relu(a) into a new block
-// (its count copied to the ticket's slot where it has one) and return linear(relu(a)[**2],
-// weight, bias), the block and the ticket. With an ``offloader``, the count and then the
-// block go out on its side stream, queued behind the pack and ahead of the GEMM (so the
-// copies overlap it): on the compute stream the small count copy would wait in the copy
-// engine behind the previous layer's block copy, and hold the compute stream up with it.
+// (the kernel writes its count to the ticket's slot where it has one) and return
+// linear(relu(a)[**2], weight, bias), the block and the ticket. With an ``offloader``, the
+// block goes out on its side stream, queued behind the pack and ahead of the GEMM (so the
+// copy overlaps it).
 Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
                      const Plan& P, int64_t policy, int64_t capacity, int64_t mm_dtype,
                      OffloadEngine* offloader = nullptr) {
@@ -884,27 +884,21 @@ Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<
   Tensor ystore = at::empty({yelems + ceil_div(P.scratch_bytes, item)}, a.options());
   Tensor block = at::empty({P.nbytes}, a.options().dtype(at::kByte));
   const uint64_t y = address(ystore), b = address(block);
+  const int64_t slot = slot_of(ticket);
   if (P.numel == 0) {
     memset0(b, P.nbytes, stream);
+    if (slot) {           // nothing to launch: the (empty) pack's count is known here
+      *slot_count_at(slot) = 0;
+      *slot_status_at(slot) = 0;
+    }
   } else {
     const uint64_t scratch = y + static_cast<uint64_t>(yelems * item);
     memset0(scratch, P.scratch_bytes, stream);
-    P.pack.run(stream, b, {address(a), y, scratch, 0, 0, 0});
-  }
-  void* count_stream = stream;
-  if (offloader != nullptr && a.is_cuda()) {
-    count_stream = offloader->side_raw(a.device().index());
-    follow_current(count_stream, a.device());   // once for the count and the block
-  }
-  if (const int64_t slot = slot_of(ticket)) {
-    // status word and count in one copy; the slot reads pending until it lands
-    check(driver.copy_to_host(reinterpret_cast<void*>(slot), b + P.status_offset, 16,
-                              count_stream),
-          "cuMemcpyDtoHAsync");
+    P.pack.run(stream, b, {address(a), y, scratch, 0, 0, 0, static_cast<uint64_t>(slot)});
   }
   std::shared_ptr<Stash> stash;
   if (offloader != nullptr) {
-    stash = offloader->stash(block, /*side_follows=*/true);
+    stash = offloader->stash(block);
     block = Tensor();
   }
   const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
@@ -1310,9 +1304,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  {"taken_on_device", s.taken_on_device}, {"bytes_offloaded", s.bytes_offloaded}};
            })
       .def_readonly("pool", &OffloadEngine::pool)
-      .def("side_stream", [](OffloadEngine& e, int index) {
-             return reinterpret_cast<uint64_t>(e.side_raw(index));
-           })
       .def("emulate_copies", [](OffloadEngine& e, bool on) { e.emulate_copies = on; })
       .def("copies_done", [](OffloadEngine& e, uint64_t upto) {
              std::lock_guard<std::recursive_mutex> lock(e.mutex);

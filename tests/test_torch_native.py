@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from bitsparse_core import dtypes as D  # noqa: E402
-from bitsparse_core.backends.cuda import abi, host  # noqa: E402
+from bitsparse_core.backends.cuda import abi, host, slots  # noqa: E402
 from bitsparse_core.spec.format import DEFAULT_CHUNK_LOG2, Encoding  # noqa: E402
 from bitsparse_core.torch import native  # noqa: E402
 
@@ -57,7 +57,8 @@ def python_launches(monkeypatch):
     host._RECORDS.__dict__.clear()
 
 
-BLOCK, X, Y, SCRATCH, G, OUT, OUT2 = (0x7F00_0000_0000 + k * 0x1000_0000 for k in range(7))
+BLOCK, X, Y, SCRATCH, G, OUT, OUT2, SLOT = (0x7F00_0000_0000 + k * 0x1000_0000
+                                            for k in range(8))
 
 
 def _roles(**given):
@@ -94,6 +95,11 @@ def test_native_launches_match_the_python_records(ext, python_launches, shape, d
         host.enqueue_pack(plan, 0, 0x5EED, X + 2, BLOCK, SCRATCH, 0, zero_tail=False)
         want = python_launches.pop()[-1]
         assert ext.launch_params(handle, "pack", BLOCK, _roles(x=X + 2, scratch=SCRATCH)) == want
+        # the host slot the kernel writes its count to
+        host.enqueue_pack(plan, 0, 0x5EED, X, BLOCK, SCRATCH, Y, zero_tail=False, slot=SLOT)
+        want = python_launches.pop()[-1]
+        assert ext.launch_params(handle, "pack", BLOCK,
+                                 _roles(x=X, y=Y, scratch=SCRATCH, slot=SLOT)) == want
     # the backward's kernels
     planes = plan.planes(BLOCK)
     ops = ({"unpack": abi.Op.UNPACK, "relu2": abi.Op.RELU2,
@@ -283,6 +289,10 @@ class HostDriver:
         assert (r["offsets"], r["status"]) == (block + plan.spans[1][0], block + plan.status_offset)
         y, host_block = ops._pack_cpu(self._tensor(r["x"], plan), plan, mode == abi.Mode.RELU2)
         ctypes.memmove(block, host_block.data_ptr(), plan.nbytes)
+        if r["slot"]:     # the kernel's copy of its status and count, in host memory
+            head = self._host(plan.status(block), 16)
+            slots.write(r["slot"], int(head[:4].view(np.uint32)[0]),
+                        int(head[8:].view(np.uint64)[0]))
         if r["y"]:
             ctypes.memmove(r["y"], y.data_ptr(), y.numel() * y.element_size())
         self.blocks[block] = plan

@@ -2,10 +2,10 @@
 per-module policy that sizes the next packs from them.
 
 A fixed-capacity pack needs no host sync, but its capacity must come from
-somewhere. Each pack's status word and nonzero count are copied, behind the pack
-kernel, into a slot of one pinned host slab (:class:`FlagSlab`); the host reads a
-slot only once the copy has landed, which it sees without any CUDA call: both
-fields are filled with a sentinel first, and each lands whole (aligned words). A
+somewhere. The pack kernel writes its status word and nonzero count into a slot of
+one pinned host slab (:class:`FlagSlab`); the host reads a slot only once both have
+landed, which it sees without any CUDA call: both fields are filled with a sentinel
+first, and each lands whole (aligned words). A
 :class:`CapacityPolicy` (one per module) polls its slots, keeps the largest
 density seen recently, and picks the next capacity from a ladder of density
 buckets (so allocations and compiled graphs are reused) with a margin.
@@ -26,12 +26,14 @@ import weakref
 import numpy as np
 import torch
 
+from ..backends.cuda import abi
+
 log = logging.getLogger("bitsparse_core.torch")
 
-SENTINEL = 0xFFFFFFFF          # no status word the kernel writes (bits 0-1 only)
-SENTINEL64 = (1 << 64) - 1     # no count a pack can have
+SENTINEL = abi.SLOT_SENTINEL32  # no status word the kernel writes (bits 0-1 only)
+SENTINEL64 = abi.SLOT_SENTINEL64  # no count a pack can have
 WAIT_TIMEOUT_S = 60.0          # a pack's count that never lands (a stuck stream): recompute
-NO_SLOT = -1                   # no copy queued (CUDA graph capture): state unknown
+NO_SLOT = -1                   # no slot taken (CUDA graph capture): state unknown
 HOST_FINAL = -2                # CPU pack: the block's own status area is final
 
 
@@ -43,7 +45,7 @@ class FlagSlab:
     compiled graphs like any tensor). Reading a slot with a stale generation (the
     ring came round; only for a pack thousands of packs old) answers "unknown",
     which every caller treats as "not known to be clean": correct, only slower. A
-    slot whose copy has not landed yet is skipped when the ring comes round.
+    slot whose count has not landed yet is skipped when the ring comes round.
 
     Python takes slots ``[0, slots)``; the C++ host path (:mod:`.native`) runs its own
     ring over ``[slots, slots + native_slots)`` of the same slab, with the same rules.
@@ -61,7 +63,7 @@ class FlagSlab:
 
     def _arrays(self):
         if self._mem is None:
-            # Pinned where CUDA is (copies into it are then asynchronous); plain host
+            # Pinned where CUDA is (the pack kernels write it); plain host
             # memory elsewhere, where only host packs, which never use a slot, exist.
             self._mem = torch.empty(16 * self.total, dtype=torch.uint8, device="cpu",
                                     pin_memory=torch.cuda.is_available())
@@ -77,7 +79,7 @@ class FlagSlab:
 
     def acquire(self):
         """``(host address of the slot, ticket)``; the slot reads as pending until
-        the caller's copies land."""
+        the caller's pack writes it."""
         status, nnz = self._arrays()
         with self._lock:
             for _ in range(self.slots):
@@ -100,7 +102,7 @@ class FlagSlab:
         return torch.from_numpy(np.array((i, gen), dtype=np.int64))
 
     def read(self, ticket: torch.Tensor):
-        """``(status, nnz)`` of a ticket's pack once its copy has landed, else None."""
+        """``(status, nnz)`` of a ticket's pack once its count has landed, else None."""
         return self.read_slot(*ticket.tolist())
 
     def read_slot(self, i: int, gen: int):
@@ -123,7 +125,7 @@ class FlagSlab:
         return not 0 <= i < self.total or self._gen[i] != gen
 
     def wait(self, ticket: torch.Tensor, timeout_s: float = WAIT_TIMEOUT_S):
-        """``(status, nnz)`` of a ticket's pack, watching its slot until the copy lands (no
+        """``(status, nnz)`` of a ticket's pack, watching its slot until the count lands (no
         CUDA call: the GPU runs on while the host waits), or None for a ticket with no
         slot, a stale one, or after ``timeout_s``."""
         i, gen = ticket.tolist()

@@ -277,11 +277,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             self.stats.throttled += 1
             return None
         t = t.detach()    # held while the count is on its way: no autograd history
-        # with an offloader, the count travels on its stream (as the offloaded FFN ops'):
-        # on the compute stream it would wait in the copy engine behind the block copies
-        count_stream = (self.offload.copy_stream_handle(t.device)
-                        if cuda and self.offload is not None else 0)
-        block, ticket, known = O.pack_plain(t, plan, count_stream)
+        block, ticket, known = O.pack_plain(t, plan)
         if block is None:
             return None   # no slot for its count (a graph capture, or the ring in flight)
         packed = _Packed(block, plan, ticket, known, t, O._stream(t.device) if cuda else None,

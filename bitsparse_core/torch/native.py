@@ -51,7 +51,7 @@ log = logging.getLogger("bitsparse_core.torch")
 ENV = "BITSPARSE_NATIVE"
 SOURCE = "torch_ffn_host.cpp"
 # The pointers a call supplies, in the order of the C++ ``Role`` enum.
-ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2")
+ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2", "slot")
 
 _lock = threading.Lock()
 _off = 0                   # depth of python_path() blocks
@@ -255,11 +255,11 @@ def pack_template(plan: host.PackPlan, device: int) -> tuple:
     r = _copy(L.args)
     (mo, _), (oo, _), (vo, _), (so, _) = plan.spans
     r.mask, r.offsets, r.values, r.signs, r.status = mo, oo, vo, so, plan.status_offset
-    r.x = r.y = r.scratch = r.zero_values_words = r.zero_signs_words = 0
+    r.x = r.y = r.scratch = r.zero_values_words = r.zero_signs_words = r.slot = 0
     return launch_template(L.pack, L.grid, plan.smem, True, r,
                            ("mask", "offsets", "values", "signs", "status"),
                            (("x", "x", "x_aligned", False), ("y", "y", "y_aligned", True),
-                            ("scratch", "scratch", None, False)))
+                            ("scratch", "scratch", None, False), ("slot", "slot", None, False)))
 
 
 def unpack_template(plan: host.PackPlan, op: abi.Op, device: int):

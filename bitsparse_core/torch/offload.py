@@ -131,11 +131,6 @@ class Offloader:
         stream, which includes its pack); the caller then drops ``block``."""
         return self.engine.stash(block)
 
-    def copy_stream_handle(self, device: torch.device) -> int:
-        """The raw CUDA stream (``cudaStream_t``) of this offloader's copies on ``device``:
-        a pack's count sent there runs ahead of its block's copy out."""
-        return self.engine.side_stream(device.index)
-
 
 _DEFAULT = None
 _DEFAULT_LOCK = threading.Lock()

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .. import dtypes as _dt
 from ..backends import get_backend
-from ..backends.cuda import abi, driver, host
+from ..backends.cuda import abi, host
 from ..backends.cuda.interop import torch_stream
 from ..errors import CapacityOverflowError, EncodingError, UnsupportedTransformError
 from ..packed import PackedTensor
@@ -148,8 +148,8 @@ def _from_numpy(arr, dtype: torch.dtype, shape) -> torch.Tensor:
 # CUDA: the kernels by pointer on torch's current stream                      #
 # --------------------------------------------------------------------------- #
 def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
-    """``(y, block, ticket)``: y is relu(a) (squared for RELU2); the pack's status and
-    count are copied behind it into a pinned slot (none while a graph is captured)."""
+    """``(y, block, ticket)``: y is relu(a) (squared for RELU2); the pack kernel writes
+    its status and count into a pinned slot (none while a graph is captured)."""
     device = a.device
     stream = _stream(device)
     numel, item = a.numel(), a.element_size()
@@ -164,22 +164,16 @@ def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
 
 
 def _enqueue_pack(a: torch.Tensor, plan: host.PackPlan, block: torch.Tensor, stream: int,
-                  scratch: int, claimed, y: int = 0, count_stream: int = 0) -> torch.Tensor:
-    """Queue the pack of ``a`` into ``block`` on ``stream`` and the copy of its status and
-    count into the slot ``claimed`` (:func:`.capacity.claim_slot`: ``(address, ticket)``,
-    address 0 for none) behind it, on ``count_stream`` where given (after the pack);
-    returns the ticket."""
-    bptr = block.data_ptr()
+                  scratch: int, claimed, y: int = 0) -> torch.Tensor:
+    """Queue the pack of ``a`` into ``block`` on ``stream``, the kernel writing its status
+    and count into the slot ``claimed`` (:func:`.capacity.claim_slot`: ``(address,
+    ticket)``, address 0 for none; the slot reads pending until both land); returns the
+    ticket."""
+    slot, ticket = claimed
     # zero_tail=False: nothing reads a block's value slots past its count (the block is
     # never serialized), so the fixed-capacity zeroing of the public pack is skipped.
-    host.enqueue_pack(plan, a.device.index, stream, a.data_ptr(), bptr, scratch, y,
-                      zero_tail=False)
-    slot, ticket = claimed
-    if slot:   # status word and count in one copy; the slot reads pending until both land
-        if count_stream and count_stream != stream:
-            driver.stream_wait(count_stream, stream)
-            stream = count_stream
-        driver.copy_to_host(slot, plan.status(bptr), 16, stream)
+    host.enqueue_pack(plan, a.device.index, stream, a.data_ptr(), block.data_ptr(), scratch, y,
+                      zero_tail=False, slot=slot)
     return ticket
 
 
@@ -188,14 +182,13 @@ def plain_block_bytes(plan: host.PackPlan, cuda: bool) -> int:
     return plan.nbytes + (plan.scratch_bytes if cuda else 0)
 
 
-def pack_plain(a: torch.Tensor, plan: host.PackPlan, count_stream: int = 0):
+def pack_plain(a: torch.Tensor, plan: host.PackPlan):
     """``(block, ticket, known)``: ``a`` packed by ``plan`` (mode PACK) without a sync. On
-    CUDA ``known`` is None and the ticket's slot receives the status and count (copied on
-    ``count_stream`` where given: an offloader's, so that the small copy, queued in the
-    copy engine behind its block copies, holds no compute stream up); where every pinned
-    slot is in flight (or a graph is being captured) nothing is queued and ``block`` is
-    None: a pack whose count cannot come back is of no use to the hooks. On CPU the NumPy
-    reference packs at once and ``known`` is its ``(status, nnz)``."""
+    CUDA ``known`` is None and the ticket's slot receives the status and count (the
+    kernel writes them there); where every pinned slot is in flight (or a graph is being
+    captured) nothing is queued and ``block`` is None: a pack whose count cannot come
+    back is of no use to the hooks. On CPU the NumPy reference packs at once and
+    ``known`` is its ``(status, nnz)``."""
     if a.device.type != "cuda":
         block = _plain_pack_cpu(a, plan)
         return block, C.fixed_ticket(C.HOST_FINAL), _host_status(block, plan)
@@ -208,8 +201,7 @@ def pack_plain(a: torch.Tensor, plan: host.PackPlan, count_stream: int = 0):
     whole = torch.empty(plan.nbytes + plan.scratch_bytes, dtype=torch.uint8, device=a.device)
     block = whole[:plan.nbytes]
     return block, _enqueue_pack(a, plan, block, _stream(a.device),
-                                block.data_ptr() + plan.nbytes, claimed,
-                                count_stream=count_stream), None
+                                block.data_ptr() + plan.nbytes, claimed), None
 
 
 def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torch.Tensor,

@@ -56,6 +56,9 @@ PACK_ROUNDS = 4
 FUSED_ROUNDS = 2
 UNPACK_ROUNDS = 4
 STATUS_BYTES = 64             # u32 status, u32 pad, u64 nnz, padding
+SLOT_BYTES = 16               # a pinned host slot the pack kernel copies u32 status, u32 pad, u64 nnz to
+SLOT_SENTINEL32 = 0xFFFFFFFF  # a slot's fields before the kernel writes them: no status
+SLOT_SENTINEL64 = (1 << 64) - 1   # word has more than bits 0-1 set, no count is all ones
 STATUS_NOSIGN_VIOLATION = 1   # status bits written by the pack kernel
 STATUS_OVERFLOW = 2
 
@@ -140,7 +143,7 @@ class PackArgs(_Args):
                 ("mask_len", _U64), ("offsets", _U64), ("off64", _I32), ("chunk_log2", _I32),
                 ("values", _U64), ("signs", _U64), ("cap", _U64), ("y", _U64), ("y_aligned", _I32),
                 ("scratch", _U64), ("status", _U64), ("n_tiles", _U64),
-                ("zero_values_words", _U64), ("zero_signs_words", _U64)]
+                ("zero_values_words", _U64), ("zero_signs_words", _U64), ("slot", _U64)]
 
 
 class UnpackArgs(_Args):

@@ -29,6 +29,8 @@ def lib():
     cuda.cuMemsetD8Async.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, _SZ, _P]
     cuda.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, _SZ, _P]
     cuda.cuMemcpyDtoHAsync_v2.argtypes = [_P, ctypes.c_uint64, _SZ, _P]
+    cuda.cuMemAllocHost_v2.argtypes = [ctypes.POINTER(_P), _SZ]
+    cuda.cuStreamQuery.argtypes = [_P]
     return cuda
 
 
@@ -69,6 +71,26 @@ def copy_to_host(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Device to host copy in stream order (asynchronous when ``dst`` is pinned)."""
     if nbytes:
         check(lib().cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
+
+
+CUDA_ERROR_NOT_READY = 600
+
+
+def stream_done(stream: int) -> bool:
+    """Whether everything queued on ``stream`` has run (raises the error of a failed kernel)."""
+    rc = lib().cuStreamQuery(_P(stream))
+    if rc == CUDA_ERROR_NOT_READY:
+        return False
+    check(rc, "cuStreamQuery")
+    return True
+
+
+def alloc_host(nbytes: int) -> int:
+    """Pinned host memory that kernels can write through the same address (unified
+    addressing); never freed by this module's callers (small, per thread)."""
+    p = _P()
+    check(lib().cuMemAllocHost_v2(ctypes.byref(p), nbytes), "cuMemAllocHost")
+    return p.value
 
 
 def sync_stream(stream: int) -> None:

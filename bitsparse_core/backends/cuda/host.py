@@ -34,7 +34,7 @@ from typing import NamedTuple
 from ... import dtypes as _dt
 from ...spec import format as _fmt
 from ...spec.format import Encoding
-from . import abi, driver
+from . import abi, driver, slots
 
 Mode, Op = abi.Mode, abi.Op
 
@@ -73,6 +73,23 @@ class PackPlan:
 
     def status(self, block: int) -> int:
         return block + self.status_offset
+
+    # An exact pack lives in two allocations: the head (mask, offsets, then the status
+    # area where the block has its values), whose size the count does not change, and
+    # the values and signs, packed into a worst-case tail and copied into one of the
+    # exact size. So the shrink moves only the stored values, never the mask.
+    @property
+    def head_bytes(self) -> int:
+        return self.spans[2][0] + abi.STATUS_BYTES
+
+    @property
+    def tail_signs_offset(self) -> int:
+        """Where the signs start in a tail (the values at 0)."""
+        return _fmt.align(self.spans[2][1])
+
+    @property
+    def tail_bytes(self) -> int:
+        return self.tail_signs_offset + _fmt.align(self.spans[3][1])
 
     def with_capacity(self, capacity: int) -> "PackPlan":
         """This plan at another capacity (an exact pack's, once its count is known): equal
@@ -184,38 +201,47 @@ def _pack_launch(plan: PackPlan, device: int) -> _PackLaunch:
 
 
 def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, scratch: int,
-                 y: int = 0, in_planes: Planes | None = None, zero_tail: bool = True) -> None:
+                 y: int = 0, in_planes: Planes | None = None, zero_tail: bool = True,
+                 slot: int = 0) -> None:
     """Queue the pack of the dense tensor at ``x`` into ``block`` (``plan.nbytes``).
 
     ``y``: where relu_pack writes the dense activation (modes RELU / RELU2; 0 writes
     the planes only). ``in_planes``: the mask tensor's planes (mode MASKED).
     ``scratch``: ``plan.scratch_bytes`` of device memory, zeroed here. ``zero_tail``:
     zero the value slots past the stored values (a fixed capacity; an exact pack's
-    worst-case block is shrunk to the stored values instead).
+    worst-case values are shrunk to the stored ones instead). ``slot``: a pinned host
+    slot (:mod:`.slots`, or the torch adapter's slab) the kernel writes the status
+    word and count to, 0 for none.
     """
     (mo, _), (oo, _), (vo, _), (so, _) = plan.spans
     if in_planes is not None:                       # masked: the mask tensor's own mask
         mask, offsets = in_planes.mask, 0
     else:
         mask, offsets = block + mo, block + oo
-    if plan.lay.numel == 0:
-        driver.memset0(block, plan.nbytes, stream)
-        return
     enqueue_pack_planes(plan, device, stream, x, mask, offsets, block + vo, block + so,
-                        block + plan.status_offset, scratch, y=y, zero_tail=zero_tail)
+                        block + plan.status_offset, scratch, y=y, zero_tail=zero_tail,
+                        slot=slot, whole=(block, plan.nbytes))
 
 
 def enqueue_pack_planes(plan: PackPlan, device: int, stream: int, x: int, mask: int,
                         offsets: int, values: int, signs: int, status: int, scratch: int, *,
-                        y: int = 0, zero_tail: bool = True) -> None:
-    """:func:`enqueue_pack` into planes that live apart (an XLA custom call's results):
-    the mask, offsets, values and signs at the plan's lengths, each rounded up to a
-    whole 4-byte word (the kernel stores words), and ``abi.STATUS_BYTES`` of status.
-    A masked pack reads its mask at ``mask`` and writes no offsets."""
+                        y: int = 0, zero_tail: bool = True, slot: int = 0,
+                        whole: tuple | None = None) -> None:
+    """:func:`enqueue_pack` into planes that live apart (an XLA custom call's results, an
+    exact pack's two allocations): the mask, offsets, values and signs at the plan's
+    lengths, each rounded up to a whole 4-byte word (the kernel stores words), and
+    ``abi.STATUS_BYTES`` of status. A masked pack reads its mask at ``mask`` and writes
+    no offsets. ``whole``: ``(address, bytes)`` of one block holding them all, which an
+    empty pack zeros in one fill."""
     if plan.lay.numel == 0:                         # no planes but the offsets' one entry
-        if offsets:
-            driver.memset0(offsets, plan.spans[1][1], stream)
-        driver.memset0(status, abi.STATUS_BYTES, stream)
+        if whole is not None:
+            driver.memset0(*whole, stream)
+        else:
+            if offsets:
+                driver.memset0(offsets, plan.spans[1][1], stream)
+            driver.memset0(status, abi.STATUS_BYTES, stream)
+        if slot:
+            slots.write(slot, 0, 0)
         return
     L = _pack_launch(plan, device)
     driver.memset0(scratch, plan.scratch_bytes, stream)
@@ -224,6 +250,7 @@ def enqueue_pack_planes(plan: PackPlan, device: int, stream: int, x: int, mask: 
     r.mask, r.offsets, r.values, r.signs = mask, offsets, values, signs
     r.scratch, r.status = scratch, status
     r.zero_values_words, r.zero_signs_words = L.tail_words if zero_tail else (0, 0)
+    r.slot = slot
     driver.launch_cooperative(L.pack, L.grid, abi.THREADS, plan.smem, stream, r)
 
 
@@ -247,6 +274,31 @@ def enqueue_shrink(src: PackPlan, src_block: int, dst: PackPlan, dst_block: int,
     """Copy a worst-case block's sections (and status) into an exact-size block."""
     for d, s, n in shrink_copies(src, dst):
         driver.copy(dst_block + d, src_block + s, n, stream)
+
+
+def tail_shrink_copies(src: PackPlan, dst: PackPlan) -> tuple:
+    """``((dst offset, src offset, bytes), ...)``: the copies that move the tail of an
+    exact pack's worst-case plan ``src`` (see :attr:`PackPlan.head_bytes`) into the
+    tail of ``dst``, the same pack at its count."""
+    copies = [(0, 0, dst.spans[2][1])]
+    if dst.spans[3][1]:
+        copies.append((dst.tail_signs_offset, src.tail_signs_offset, dst.spans[3][1]))
+    return tuple(c for c in copies if c[2])
+
+
+def enqueue_pack_split(plan: PackPlan, device: int, stream: int, x: int, head: int, tail: int,
+                       scratch: int, y: int = 0, slot: int = 0) -> None:
+    """Queue an exact pack's kernel into its head and worst-case tail."""
+    (mo, _), (oo, _), (vo, _), _ = plan.spans
+    enqueue_pack_planes(plan, device, stream, x, head + mo, head + oo, tail,
+                        tail + plan.tail_signs_offset, head + vo, scratch, y=y,
+                        zero_tail=False, slot=slot)
+
+
+def enqueue_tail_shrink(src: PackPlan, src_tail: int, dst: PackPlan, dst_tail: int,
+                        stream: int) -> None:
+    for d, s, n in tail_shrink_copies(src, dst):
+        driver.copy(dst_tail + d, src_tail + s, n, stream)
 
 
 # --------------------------------------------------------------------------- #

@@ -6,10 +6,13 @@ wait:
 
 * fixed capacity with an explicit encoding: queue the pack, never wait;
   overflow and nosign violations stay on the device until ``PackedTensor.check``;
-* ``capacity=None`` (exact): pack into a worst-case block, wait once for the
-  count, copy the sections into an exact-size block (the shrink);
+* ``capacity=None`` (exact): pack the values into a worst-case capacity, wait once
+  for the count, copy the stored values into an exact-size allocation (the shrink);
 * ``encoding="auto"``: wait once for the status word; a set sign bit packs
   again as raw.
+
+A backend whose kernel writes the count to a pinned host slot (:mod:`.slots`) waits
+there rather than on the stream, and learns it before the kernel has finished.
 
 and which checks every op makes of its packed inputs: on the device that made
 them, ordered after the stream that made them, not overflowed when the op reads
@@ -34,15 +37,17 @@ NOSIGN_MESSAGE = ("nosign encoding: a stored value has its sign bit set; use enc
 class PackSteps(Protocol):
     """What a backend does for one pack call (one object per call)."""
 
-    def run(self, plan: PackPlan, fixed: bool):
+    def run(self, plan: PackPlan, fixed: bool, count: bool):
         """Allocate a block for ``plan`` and queue the pack into it; return the block.
-        ``fixed``: a caller's capacity, whose unused value slots must read as zeros."""
+        ``fixed``: a caller's capacity, whose unused value slots must read as zeros
+        (else the worst case of an exact pack, shrunk later). ``count``: the host
+        will read the status and count (:meth:`read_head`)."""
 
     def read_head(self, plan: PackPlan, block) -> tuple:
-        """``(status, nnz)`` from the block's status area (waits for the stream)."""
+        """``(status, nnz)`` of the pack (waits for it)."""
 
     def shrink(self, plan: PackPlan, block, small: PackPlan):
-        """A new block for ``small`` holding the sections of ``block``, queued."""
+        """A block for ``small`` holding what ``block`` stored, its copies queued."""
 
     def packed(self, plan: PackPlan, block, nnz, pending_status: bool):
         """The PackedTensor of a block (``nnz`` None while it is on the device)."""
@@ -70,7 +75,7 @@ def pack(steps: PackSteps, shape: tuple, dtype, encoding, chunk_log2, capacity,
     except TypeError:           # an unhashable argument: checked uncached, named error
         plan, auto, exact = _first_plan.__wrapped__(*args)
     enc = plan.lay.encoding
-    block = steps.run(plan, not exact)
+    block = steps.run(plan, not exact, exact or auto)
     if not (exact or auto):
         return steps.packed(plan, block, None, enc == Encoding.NOSIGN)
     status, nnz = steps.read_head(plan, block)                 # the one wait

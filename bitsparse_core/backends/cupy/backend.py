@@ -6,9 +6,11 @@ streams and allocation through :mod:`..cuda.interop`. Packing is one persistent
 cooperative kernel (after a grid barrier it writes the stream words shared by two
 tiles and, at a fixed capacity, the zeros past the stored values), into one
 allocation that also carries its scratch. Exact packing (``capacity=None``) packs
-into a worst-case block, syncs once to read nnz (and the nosign status), then
-copies the sections into a block of the exact size. Fixed capacity does not sync: overflow and nosign violations stay on
-the device (``offsets[-1]`` and ``PackedTensor.status``) until
+the mask and offsets into their own allocation and the values into a worst-case
+one, waits for the count the kernel writes to a pinned host slot (no stream
+synchronize: :mod:`..cuda.slots`), then copies the stored values into an
+allocation of their exact size. Fixed capacity does not wait: overflow and nosign
+violations stay on the device (``offsets[-1]`` and ``PackedTensor.status``) until
 :meth:`PackedTensor.check`.
 """
 
@@ -20,7 +22,7 @@ from ...errors import OutputMismatchError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
 from ...spec.ops import masked_encoding
-from ..cuda import driver, host, protocol
+from ..cuda import driver, host, protocol, slots
 from ..cuda import interop as ci
 from ..cuda.abi import Mode, Op
 from .kernels import warm_cache  # noqa: F401  (bench scripts warm the compile cache here)
@@ -74,31 +76,45 @@ class _CupySteps:
                  in_planes: host.Planes | None = None, scratch: int = 0):
         self.backend, self.t, self.s, self.allocator = backend, t, stream, allocator
         self.y, self.in_planes, self.scratch = y, in_planes, scratch
+        self.slot = 0
 
-    def run(self, plan, fixed=True):
+    def _allocate(self, nbytes: int, scratch: bool):
+        """One allocation per block, the pack's scratch behind it where relu_pack's y
+        does not carry it; ``(buffer, scratch address)``."""
+        if self.scratch or not scratch:
+            return ci.allocate(nbytes, self.t.device, self.s, self.allocator), self.scratch
+        buf = ci.allocate(nbytes + self.scratch_bytes, self.t.device, self.s, self.allocator)
+        return buf, buf.ptr + nbytes
+
+    def run(self, plan, fixed=True, count=False):
         t = self.t
-        if self.scratch:           # relu_pack's: the tail of y's allocation
-            block = ci.allocate(plan.nbytes, t.device, self.s, self.allocator)
-            scratch = self.scratch
-        else:                      # the tail of the block: one allocation per op
-            block = ci.allocate(plan.nbytes + plan.scratch_bytes, t.device, self.s,
-                                self.allocator)
-            scratch = block.ptr + plan.nbytes
+        self.scratch_bytes = plan.scratch_bytes
+        self.slot = slots.take() if count else 0
+        if not fixed:               # exact: the head, and the worst-case values apart
+            head, _ = self._allocate(plan.head_bytes, False)
+            tail, scratch = self._allocate(plan.tail_bytes, True)
+            host.enqueue_pack_split(plan, t.device, self.s, t.ptr, head.ptr, tail.ptr, scratch,
+                                    self.y, self.slot)
+            return head, tail
+        block, scratch = self._allocate(plan.nbytes, True)
         host.enqueue_pack(plan, t.device, self.s, t.ptr, block.ptr, scratch, self.y,
-                          self.in_planes, zero_tail=fixed)
+                          self.in_planes, zero_tail=True, slot=self.slot)
         return block
 
     def read_head(self, plan, block):
-        head = _read_host(plan.status(block.ptr), 16, self.s)
-        return int(head[:4].view(np.uint32)[0]), int(head[8:16].view(np.uint64)[0])
+        slot, self.slot = self.slot, 0
+        return slots.wait(slot, self.s)
 
     def shrink(self, plan, block, small):
-        out = ci.allocate(small.nbytes, self.t.device, self.s, self.allocator)
-        host.enqueue_shrink(plan, block.ptr, small, out.ptr, self.s)
-        return out
+        head, tail = block
+        out = ci.allocate(small.tail_bytes, self.t.device, self.s, self.allocator)
+        host.enqueue_tail_shrink(plan, tail.ptr, small, out.ptr, self.s)
+        return head, out
 
     def packed(self, plan, block, nnz, pending_status):
-        return self.backend._packed(self.t, plan, block, self.s, nnz=nnz, status=pending_status)
+        head, tail = block if isinstance(block, tuple) else (block, None)
+        return self.backend._packed(self.t, plan, head, self.s, nnz=nnz, status=pending_status,
+                                    tail=tail)
 
 
 class CupyBackend:
@@ -128,18 +144,24 @@ class CupyBackend:
         steps = _CupySteps(self, t, s, allocator, y, scratch=scratch)
         return protocol.pack(steps, t.shape, t.dtype, encoding, chunk_log2, capacity, mode)
 
-    def _packed(self, t, plan, buf, s, *, nnz, status, mask=None, offsets=None, extra=None):
+    def _packed(self, t, plan, buf, s, *, nnz, status, mask=None, offsets=None, extra=None,
+                tail=None):
+        """The PackedTensor of a block; ``tail``: the values and signs in an allocation of
+        their own (an exact pack's, :attr:`host.PackPlan.head_bytes`)."""
         lay = plan.lay
         (mo, ml), (oo, ol), (vo, vl), (so, sl) = plan.spans
+        vbuf, status_at = buf, plan.status_offset
+        if tail is not None:
+            vbuf, vo, so, status_at = tail, 0, plan.tail_signs_offset, plan.spans[2][0]
         plane = ci.plane_of
         ex = {"stream": s, **extra} if extra else {"stream": s}
         return PackedTensor(t.shape, t.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
                             plane(buf, mo, ml, _U8, s) if mask is None else mask,
                             plane(buf, oo, ol, _OFFSET_DTYPES[lay.offset_width], s)
                             if offsets is None else offsets,
-                            plane(buf, vo, vl, _U8, s), plane(buf, so, sl, _U8, s),
+                            plane(vbuf, vo, vl, _U8, s), plane(vbuf, so, sl, _U8, s),
                             backend=self, device=("cuda", buf.device), _nnz=nnz,
-                            status=(plane(buf, plan.status_offset, 4, _I32, s)
+                            status=(plane(buf, status_at, 4, _I32, s)
                                     if status else None),
                             extra=ex)
 

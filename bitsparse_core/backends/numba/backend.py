@@ -70,7 +70,7 @@ class _NumbaSteps:
         self.mode, self.allocator, self.ybuf = mode, allocator, ybuf
         self.keep = None
 
-    def run(self, plan, fixed):
+    def run(self, plan, fixed, count=False):
         al = _Alloc(self.P, plan, self.st, self.allocator)
         self.keep = self.backend._run_pack(self.P, self.st, self.buf, plan.lay.numel, self.dt,
                                            self.mode, plan.lay, al, self.allocator, self.ybuf,
