@@ -90,3 +90,96 @@ def test_plan_with_capacity_and_its_shrink_copies(mode, encoding):
     with pytest.raises(ValueError, match="not one pack"):
         host.shrink_copies(host.pack_plan((64,), D.BFLOAT16, enc, 8, 12, mode),
                            host.pack_plan((64,), D.BFLOAT16, enc, 64, 12, mode))
+
+
+@pytest.mark.parametrize("encoding", ["raw", "nosign", "signplane"])
+def test_split_exact_pack_and_its_tail_shrink(encoding):
+    """An exact pack's two allocations (CuPy backend): the head holds the mask and offsets
+    where the block has them and the status area where the block's values start; the
+    tail holds the values at 0 and the signs after them, and its shrink moves the stored
+    values and signs, each from where the worst-case tail holds them."""
+    import numpy as np
+
+    from bitsparse_core import dtypes as D
+    from bitsparse_core.backends.cuda import host
+    from bitsparse_core.spec.format import Encoding
+    enc = Encoding.parse(encoding)
+    rng = np.random.default_rng(int(enc))
+    for dt in (D.BFLOAT16, D.FLOAT32, D.FLOAT8_E4M3FN):
+        for shape in [(1,), (3, 333), (8192, 17)]:
+            numel = int(np.prod(shape))
+            big = host.pack_plan(shape, dt, enc, numel, 12)
+            assert big.head_bytes == big.spans[2][0] + abi.STATUS_BYTES
+            assert big.tail_signs_offset % 64 == 0 and big.tail_signs_offset >= big.spans[2][1]
+            assert big.tail_bytes >= big.tail_signs_offset + big.spans[3][1]
+            for cap in {0, numel, *rng.integers(0, numel + 1, size=4).tolist()}:
+                small = big.with_capacity(cap)
+                src = rng.integers(0, 256, big.tail_bytes, dtype=np.uint8)
+                dst = np.zeros(small.tail_bytes, dtype=np.uint8)
+                for d, s, n in host.tail_shrink_copies(big, small):
+                    dst[d:d + n] = src[s:s + n]
+                vl, sl = small.spans[2][1], small.spans[3][1]
+                assert np.array_equal(dst[:vl], src[:vl])
+                so, bso = small.tail_signs_offset, big.tail_signs_offset
+                assert np.array_equal(dst[so:so + sl], src[bso:bso + sl])
+
+
+class _FakeStream:
+    """The driver calls slots.wait makes, for a stream whose kernel writes the slot (or
+    not) when asked."""
+
+    def __init__(self, monkeypatch, write_after=None, value=(0, 7)):
+        import ctypes
+
+        from bitsparse_core.backends.cuda import driver, slots
+        self.pages, self.queries, self.syncs = [], 0, 0
+        self.write_after, self.value, self.slot = write_after, value, None
+
+        def alloc_host(n):
+            buf = ctypes.create_string_buffer(n)
+            self.pages.append(buf)
+            return ctypes.addressof(buf)
+
+        def stream_done(stream):
+            self.queries += 1
+            if self.write_after is not None and self.queries >= self.write_after:
+                slots.write(self.slot, *self.value)
+                return True
+            return False
+
+        def sync_stream(stream):
+            self.syncs += 1
+            if self.write_after is not None:
+                slots.write(self.slot, *self.value)
+
+        monkeypatch.setattr(driver, "alloc_host", alloc_host)
+        monkeypatch.setattr(driver, "stream_done", stream_done)
+        monkeypatch.setattr(driver, "sync_stream", sync_stream)
+        monkeypatch.setattr(slots, "_local", __import__("threading").local())
+
+
+def test_slot_wait_sees_the_kernels_count_and_reuses_the_slot(monkeypatch):
+    from bitsparse_core.backends.cuda import slots
+    fake = _FakeStream(monkeypatch, write_after=3, value=(2, 12345))
+    fake.slot = first = slots.take()
+    assert slots.wait(first, 0) == (2, 12345) and fake.queries == 3
+    assert slots.take() == first                   # given back once its count came
+
+
+def test_slot_wait_blocks_on_the_stream_after_spinning(monkeypatch):
+    from bitsparse_core.backends.cuda import slots
+    fake = _FakeStream(monkeypatch, write_after=10 ** 9, value=(0, 9))   # no query sees it
+    monkeypatch.setattr(slots, "_SPIN_S", 0.0)
+    fake.slot = slots.take()
+    assert slots.wait(fake.slot, 0) == (0, 9) and fake.syncs == 1
+
+
+def test_slot_never_written_raises_and_is_not_reused(monkeypatch):
+    from bitsparse_core.backends.cuda import slots
+    from bitsparse_core.errors import CudaDriverError
+    fake = _FakeStream(monkeypatch)
+    monkeypatch.setattr(slots.driver, "stream_done", lambda stream: True)
+    fake.slot = slot = slots.take()
+    with pytest.raises(CudaDriverError, match="without writing its count"):
+        slots.wait(slot, 0)
+    assert slots.take() != slot                    # its kernel may still write it
