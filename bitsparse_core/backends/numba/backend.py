@@ -4,7 +4,8 @@ Same contract and bit-exact results as the NumPy reference (see
 :mod:`bitsparse_core.backends`); the kernels live in
 :mod:`.kernels` and its siblings, the shared GPU plumbing (streams, zero-copy
 inputs, the pluggable allocator, DLPack outputs) in :mod:`..cuda.interop`. A
-packed tensor is one allocation, its planes are views into it
+packed tensor is one allocation (an exact pack's two: its mask and offsets apart
+from its values), its planes are views into it
 (:class:`..cuda.interop.DevicePlane`, like the CuPy backend's, so either
 backend unpacks the other's tensors).
 
@@ -30,15 +31,14 @@ from ...errors import OutputMismatchError, UnsupportedDeviceError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
 from ...spec.ops import masked_encoding
-from ..cuda import abi
+from ..cuda import abi, driver
 from ..cuda.abi import Mode
 from ..cuda import protocol
-from ..cuda import host
+from ..cuda import host, slots
 from ..cuda.host import pack_plan
 from . import kernels as K
 
 Encoding = _fmt.Encoding
-STATUS_BYTES = abi.STATUS_BYTES
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -46,20 +46,39 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class _Alloc:
-    """One packed tensor's allocation, laid out by the shared host plan
-    (:func:`..cuda.host.pack_plan`): sections 64-byte aligned in format order, then
-    the status area."""
+    """One packed tensor's memory, laid out by the shared host plan
+    (:func:`..cuda.host.pack_plan`): one allocation (sections 64-byte aligned in format
+    order, then the status area), or an exact pack's two (``split``: the head with
+    the mask, the offsets and the status area, and the tail with the values and signs,
+    :attr:`..cuda.host.PackPlan.head_bytes`; ``head``: a head to share, the shrink's)."""
 
-    def __init__(self, P, plan, st, allocator):
+    def __init__(self, P, plan, st, allocator, split=False, head=None):
         self.plan, self.lay = plan, plan.lay
-        names = ("values", "signs") if plan.mode == Mode.MASKED else _fmt.SECTION_NAMES
-        self.spans = {n: plan.spans[i] for i, n in enumerate(_fmt.SECTION_NAMES) if n in names}
-        self.status_offset = plan.status_offset
-        self.buf = P.alloc(plan.nbytes, st, allocator)
+        (mo, ml), (oo, ol), (vo, vl), (so, sl) = plan.spans
+        if split:
+            self.head = head if head is not None else P.alloc(plan.head_bytes, st, allocator)
+            self.tail = P.alloc(plan.tail_bytes, st, allocator)
+            self.at = {"mask": (self.head, mo, ml), "offsets": (self.head, oo, ol),
+                       "values": (self.tail, 0, vl),
+                       "signs": (self.tail, plan.tail_signs_offset, sl)}
+            self.status = (self.head, vo)
+            self.buffers = ((self.head, plan.head_bytes), (self.tail, plan.tail_bytes))
+        else:
+            buf = P.alloc(plan.nbytes, st, allocator)
+            self.at = {"mask": (buf, mo, ml), "offsets": (buf, oo, ol), "values": (buf, vo, vl),
+                       "signs": (buf, so, sl)}
+            if plan.mode == Mode.MASKED:         # its mask and offsets are the mask tensor's
+                del self.at["mask"], self.at["offsets"]
+            self.status = (buf, plan.status_offset)
+            self.buffers = ((buf, plan.nbytes),)
 
     def plane(self, P, name, np_dtype, st):
-        off, n = self.spans[name]
-        return P.plane(self.buf, off, n, np_dtype, st)
+        buf, off, n = self.at[name]
+        return P.plane(buf, off, n, np_dtype, st)
+
+    def view(self, P, name, count, np_dtype):
+        buf, off, _ = self.at[name]
+        return P.view(buf, off, count, np_dtype)
 
 
 class _NumbaSteps:
@@ -69,23 +88,28 @@ class _NumbaSteps:
         self.backend, self.P, self.st, self.buf, self.dt = backend, P, st, buf, dt
         self.mode, self.allocator, self.ybuf = mode, allocator, ybuf
         self.keep = None
+        self.slot = 0
 
     def run(self, plan, fixed, count=False):
-        al = _Alloc(self.P, plan, self.st, self.allocator)
+        al = _Alloc(self.P, plan, self.st, self.allocator, split=not fixed)
+        self.slot = self.P.take_slot() if count else 0
         self.keep = self.backend._run_pack(self.P, self.st, self.buf, plan.lay.numel, self.dt,
                                            self.mode, plan.lay, al, self.allocator, self.ybuf,
-                                           None, zero_tail=fixed)
+                                           None, zero_tail=fixed, slot=self.slot)
         return al
 
     def read_head(self, plan, al):
-        status, total = self.P.read(al.buf, al.status_offset, 2, np.int64, self.st)
+        slot, self.slot = self.slot, 0
+        if slot:
+            return slots.wait(slot, self.st[0])
+        status, total = self.P.read(*al.status, 2, np.int64, self.st)
         return int(status) & 0xFFFFFFFF, int(total)
 
     def shrink(self, plan, al, small):
         P, st = self.P, self.st
-        out = _Alloc(P, small, st, self.allocator)
-        for d, s, n in host.shrink_copies(plan, small):
-            P.copy(out.buf, d, al.buf, s, n, st)
+        out = _Alloc(P, small, st, self.allocator, split=True, head=al.head)
+        for d, s, n in host.tail_shrink_copies(plan, small):
+            P.copy(out.tail, d, al.tail, s, n, st)
         return out
 
     def packed(self, plan, al, nnz, pending_status):
@@ -157,6 +181,9 @@ class _SimPlatform:
     def read(self, buf, off, count, np_dtype, st):
         size = np.dtype(np_dtype).itemsize
         return buf[off:off + count * size].view(np_dtype).copy()
+
+    def take_slot(self) -> int:
+        return 0       # no pinned slots here: a count is read from the status area
 
     def launch(self, kernel, grid, block, st, *args):
         kernel[grid, block](*args)
@@ -257,6 +284,15 @@ class _GpuPlatform:
                                rt.memcpyDeviceToHost, st[0])
                 rt.streamSynchronize(st[0])
         return out
+
+    def take_slot(self) -> int:
+        return slots.take()
+
+    def copy_to_slot(self, slot, buf, off, st):
+        """The status area's 16 bytes into a pinned slot, in stream order (the Numba
+        kernel does not write the slot itself as the CUDA C++ one does)."""
+        with self._on_dev():
+            driver.copy_to_host(slot, int(buf.ptr) + off, abi.SLOT_BYTES, st[0])
 
     def device_sync(self):
         self.cuda.synchronize()
@@ -379,12 +415,16 @@ class NumbaBackend:
                              Mode(mode))
 
     def _run_pack(self, P, st, buf, numel, dt, mode, lay, al, allocator, ybuf, p_mask,
-                  zero_tail):
+                  zero_tail, slot=0):
         """Launch the one-pass pack into ``al`` (and, at fixed capacity, zero what
-        lies past the stored values). Returns the scratch, which must outlive the
-        queued kernels."""
+        lies past the stored values); the status and count then go to ``slot`` (a
+        pinned host slot, 0 for none) ahead of the stitching kernel. Returns the
+        scratch, which must outlive the queued kernels."""
         if numel == 0:
-            P.memset0(al.buf, 0, al.status_offset + STATUS_BYTES, st)
+            for b, n in al.buffers:
+                P.memset0(b, 0, n, st)
+            if slot:
+                slots.write(slot, 0, 0)
             return None
         enc = lay.encoding
         kern = K.kernels_for(dt.name, self.variant)   # the pack's variant
@@ -403,11 +443,10 @@ class NumbaBackend:
         else:
             ye, y64, yfast = xe, x64, False
         vt, vw, sw = self._value_views(P, lay, al)
-        stat = P.view(al.buf, al.status_offset, 2, np.int64)
+        stat = P.view(*al.status, 2, np.int64)
         if p_mask is None:
-            mask = P.view(al.buf, al.spans["mask"][0], lay.mask[1], np.uint8)
-            offsets = P.view(al.buf, al.spans["offsets"][0], lay.n_chunks + 1,
-                             np.dtype(f"<u{lay.offset_width}"))
+            mask = al.view(P, "mask", lay.mask[1], np.uint8)
+            offsets = al.view(P, "offsets", lay.n_chunks + 1, np.dtype(f"<u{lay.offset_width}"))
             msrc = mask
         else:
             msrc = P.view(P.import_plane(p_mask.mask), 0, lay.mask[1], np.uint8)
@@ -415,6 +454,8 @@ class NumbaBackend:
         P.launch(kern.pack[(mode, int(enc))], n_tiles, K.NT, st, xe, x64, use64, numel, ye, y64,
                  yfast, msrc, lay.capacity, int(self.variant.incl_every), mask, offsets, lay.chunk_log2, vt,
                  vw, sw, desc, starts, edges, stat)
+        if slot:
+            P.copy_to_slot(slot, *al.status, st)
         # The stream words shared by tiles (value streams), and at fixed capacity
         # the zeros past the stored values: one small kernel.
         zero = zero_tail and lay.capacity > 0
@@ -433,12 +474,11 @@ class NumbaBackend:
         """Kernel views of the values / signs sections being written (the word views
         run into each section's padding up to a whole word)."""
         enc, dt = lay.encoding, lay.dtype
-        vo, vn = al.spans["values"]
-        so, sn = al.spans["signs"]
+        vn, sn = al.at["values"][2], al.at["signs"][2]
         raw = enc == Encoding.RAW
-        vt = P.view(al.buf, vo, vn // dt.itemsize if raw else 0, dt.uint)
-        vw = P.view(al.buf, vo, 0 if raw else _ceil_div(vn, 4), np.uint32)
-        sw = P.view(al.buf, so, _ceil_div(sn, 4) if enc == Encoding.SIGNPLANE else 0, np.uint32)
+        vt = al.view(P, "values", vn // dt.itemsize if raw else 0, dt.uint)
+        vw = al.view(P, "values", 0 if raw else _ceil_div(vn, 4), np.uint32)
+        sw = al.view(P, "signs", _ceil_div(sn, 4) if enc == Encoding.SIGNPLANE else 0, np.uint32)
         return vt, vw, sw
 
     def _packed(self, P, st, lay, al, nnz, with_status, keep, mask=None, offsets=None,
@@ -449,7 +489,7 @@ class NumbaBackend:
                          al.plane(P, "offsets", odt, st) if offsets is None else offsets,
                          al.plane(P, "values", np.uint8, st), al.plane(P, "signs", np.uint8, st),
                          backend=self, device=P.device(st), _nnz=nnz,
-                         status=(P.plane(al.buf, al.status_offset, 4, np.int32, st)
+                         status=(P.plane(*al.status, 4, np.int32, st)
                                  if with_status else None),
                          extra=dict(extra or {}))
         p.extra["stream"] = st[0] if st is not None else 0
