@@ -488,9 +488,11 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                 if (slot_ptr != 0ull) {
                     // The host's copy, in pinned memory: known to the host before the
                     // grid's last tiles and epilogue are done. Each word lands whole; the
-                    // host reads the slot once neither holds its sentinel.
+                    // host reads the slot once neither holds its sentinel. The fence
+                    // pushes the stores out to the system now, not at the kernel's end.
                     reinterpret_cast<volatile u64*>(slot_ptr)[1] = total;
                     reinterpret_cast<volatile u32*>(slot_ptr)[0] = status;
+                    __threadfence_system();
                 }
             }
         }
