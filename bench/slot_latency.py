@@ -4,8 +4,8 @@ The pack kernel writes its status and count into a pinned host slot as soon as t
 last tile knows them (``PackArgs.slot``). This queues fixed-capacity packs of a 2^27
 bf16 tensor with nothing else on the stream and times, on the host's clock from the
 launch's return: when the slot lands (spinning on it, no CUDA call), and when the stream
-is seen done (spinning on ``cuStreamQuery`` right after), beside the kernel's GPU time
-(CUDA events). A slot landing before the stream is done is what lets an exact pack queue
+is seen done (spinning on ``cuStreamQuery`` right after), beside the call's GPU time
+(CUDA events around it: the host's queueing, which the idle GPU waits for, included). A slot landing before the stream is done is what lets an exact pack queue
 its shrink while the kernel still runs.
 
     python bench/slot_latency.py [--reps 20] [--numel 134217728]
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     stream = torch.cuda.current_stream().cuda_stream
     print(f"{torch.cuda.get_device_name()}, {args.numel} bf16 elements, nosign, fixed "
           f"capacity = numel; median of {args.reps}; us from the launch's return")
-    print("sparsity | kernel (GPU) | slot landed | stream done | done - landed")
+    print("sparsity | call (GPU events) | slot landed | stream done | done - landed")
     for sp in (float(s) for s in args.sparsities.split(",")):
         x = relu_like(torch, args.numel, sp, torch.bfloat16, seed=int(sp * 1000))
         plan = host.pack_plan((args.numel,), D.BFLOAT16, Encoding.NOSIGN, args.numel, 12,
