@@ -17,8 +17,10 @@ same batches, it trains
 * ``dense-hooks`` -- the dense model under ``compress_saved_tensors`` (every saved
   tensor, not just the MLP's; packed without a host sync),
 * ``ours-offload`` -- ours-nosign with the packed blocks in pinned host memory until
-  backward (``offload=True``), ``save-on-cpu`` -- the dense MLP under PyTorch's
-  ``save_on_cpu`` (both not in the default run: ``--variants``).
+  backward (``offload=True``), ``ours-offload-hold0`` -- the same with an
+  ``Offloader(hold=0)`` (no device block kept while its copy out runs),
+  ``save-on-cpu`` -- the dense MLP under PyTorch's ``save_on_cpu`` (none of the three in
+  the default run: ``--variants``).
 
 Three modes, each writing JSON + Markdown + PNG under ``--out``:
 
@@ -65,6 +67,7 @@ sys.path.insert(0, str(HERE))
 
 import bitsparse_core.torch as bst  # noqa: E402
 from bitsparse_core.torch import native  # noqa: E402
+from bitsparse_core.torch.offload import Offloader  # noqa: E402
 import interleaved  # noqa: E402
 from profile_syncs import profile_steps  # noqa: E402
 
@@ -100,6 +103,7 @@ class Variant:
     hooks: bool = False       # the forward under compress_saved_tensors
     save_on_cpu: bool = False  # every MLP under torch.autograd.graph.save_on_cpu (pinned)
     python_host: bool = False  # the FFN op's Python host path (native.python_path)
+    offload_hold: int | None = None   # an Offloader(hold=...) of the model's own
 
 
 VARIANTS = {
@@ -117,8 +121,12 @@ VARIANTS = {
     # the packed blocks in pinned host memory between forward and backward (issue 17),
     # against PyTorch's own offload of the dense MLP's saved tensors
     "ours-offload": Variant("nosign", "dense", options=(("offload", True),)),
+    # every device block released as soon as its copy out is queued (no block held)
+    "ours-offload-hold0": Variant("nosign", "dense", offload_hold=0),
     "save-on-cpu": Variant("dense", "dense", save_on_cpu=True),
 }
+# opt-in variants (issue 17): host memory and the host link
+OFFLOAD_VARIANTS = ("ours-offload", "ours-offload-hold0", "save-on-cpu")
 BITIDENT_VARIANTS = ("dense", "ours-raw", "ours-nosign")
 BUDGET_VARIANTS = ("dense", "checkpoint", "ours-nosign")
 # Profile rows of the library's own ops (CPU self time per op).
@@ -227,9 +235,11 @@ class GPT(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(256, shape.d)
         self.pos = nn.Embedding(shape.seq, shape.d)
+        options = {**ours_kwargs, **dict(variant.options)}
+        if variant.offload_hold is not None:     # one offloader for the model's layers
+            options["offload"] = Offloader(hold=variant.offload_hold)
         self.blocks = nn.ModuleList(
-            Block(shape, make_mlp(variant.mlp, shape.d, shape.d_ff,
-                                  {**ours_kwargs, **dict(variant.options)}), variant.checkpoint,
+            Block(shape, make_mlp(variant.mlp, shape.d, shape.d_ff, options), variant.checkpoint,
                   variant.save_on_cpu, variant.python_host)
             for _ in range(shape.layers))
         self.norm = nn.RMSNorm(shape.d)
@@ -938,7 +948,7 @@ def parse_args(argv):
     ap.add_argument("--sparsity-every", type=int, default=10, help="0: no sparsity probe")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default=",".join(v for v in VARIANTS
-                                                   if v not in ("ours-offload", "save-on-cpu")))
+                                                   if v not in OFFLOAD_VARIANTS))
     ap.add_argument("--attn", choices=("auto", "math"), default="auto")
     ap.add_argument("--compile-fullgraph", action="store_true")
     ap.add_argument("--ours-kwargs", type=json.loads, default={},
@@ -1006,7 +1016,7 @@ def main(argv=None) -> int:
     mode, stem = ("bitident", "train_gpt_bitident") if args.bitident_steps else ("train", "train_gpt")
     summary = header(bench, mode, plan)
     names = args.variants.split(",")
-    if device.type == "cuda" and {"ours-offload", "save-on-cpu"} & set(names):
+    if device.type == "cuda" and set(OFFLOAD_VARIANTS) & set(names):
         summary["host_link_gbps"] = host_link_gbps(device)
 
     def report(results):
