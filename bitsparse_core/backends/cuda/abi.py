@@ -56,9 +56,9 @@ PACK_ROUNDS = 4
 FUSED_ROUNDS = 2
 UNPACK_ROUNDS = 4
 STATUS_BYTES = 64             # u32 status, u32 pad, u64 nnz, padding
-SLOT_BYTES = 16               # a pinned host slot the pack kernel copies u32 status, u32 pad, u64 nnz to
-SLOT_SENTINEL32 = 0xFFFFFFFF  # a slot's fields before the kernel writes them: no status
-SLOT_SENTINEL64 = (1 << 64) - 1   # word has more than bits 0-1 set, no count is all ones
+SLOT_BYTES = 16               # a pinned host slot the pack kernel writes: u32 status, u32 pad, u64 nnz
+SLOT_SENTINEL32 = 0xFFFFFFFF  # a slot's status before the kernel writes it (a status uses bits 0-1)
+SLOT_SENTINEL64 = (1 << 64) - 1   # its count before (no count is all ones)
 STATUS_NOSIGN_VIOLATION = 1   # status bits written by the pack kernel
 STATUS_OVERFLOW = 2
 

@@ -78,25 +78,24 @@ class _CupySteps:
         self.y, self.in_planes, self.scratch = y, in_planes, scratch
         self.slot = 0
 
-    def _allocate(self, nbytes: int, scratch: bool):
-        """One allocation per block, the pack's scratch behind it where relu_pack's y
-        does not carry it; ``(buffer, scratch address)``."""
-        if self.scratch or not scratch:
-            return ci.allocate(nbytes, self.t.device, self.s, self.allocator), self.scratch
-        buf = ci.allocate(nbytes + self.scratch_bytes, self.t.device, self.s, self.allocator)
-        return buf, buf.ptr + nbytes
+    def _with_scratch(self, nbytes: int, plan):
+        """``(buffer, scratch address)``: one allocation for ``nbytes`` and, where
+        relu_pack's y does not carry it, the pack's scratch behind them."""
+        extra = 0 if self.scratch else plan.scratch_bytes
+        buf = ci.allocate(nbytes + extra, self.t.device, self.s, self.allocator)
+        return buf, self.scratch or buf.ptr + nbytes
 
     def run(self, plan, fixed=True, count=False):
         t = self.t
-        self.scratch_bytes = plan.scratch_bytes
-        self.slot = slots.take() if count else 0
         if not fixed:               # exact: the head, and the worst-case values apart
-            head, _ = self._allocate(plan.head_bytes, False)
-            tail, scratch = self._allocate(plan.tail_bytes, True)
+            head = ci.allocate(plan.head_bytes, t.device, self.s, self.allocator)
+            tail, scratch = self._with_scratch(plan.tail_bytes, plan)
+            self.slot = slots.take() if count else 0
             host.enqueue_pack_split(plan, t.device, self.s, t.ptr, head.ptr, tail.ptr, scratch,
                                     self.y, self.slot)
             return head, tail
-        block, scratch = self._allocate(plan.nbytes, True)
+        block, scratch = self._with_scratch(plan.nbytes, plan)
+        self.slot = slots.take() if count else 0
         host.enqueue_pack(plan, t.device, self.s, t.ptr, block.ptr, scratch, self.y,
                           self.in_planes, zero_tail=True, slot=self.slot)
         return block
