@@ -749,3 +749,23 @@ def test_a_plan_the_extension_does_not_take_runs_the_python_kernel(emulated, mon
         out, block, ticket = torch.ops.bitsparse.relu_linear(*args)
         assert ticket[0] == C.HOST_FINAL and not emulated.launches
     assert asked == [a.numel()]
+
+
+def test_build_flags_follow_the_headers(monkeypatch, tmp_path):
+    """torch's JIT build hashes only the listed sources and the flags: the hash of the
+    parts the source includes rides in a flag, so editing one of them rebuilds."""
+    import shutil as sh
+
+    from torch.utils import cpp_extension
+    for path in native.kernel_dir().glob("torch_*"):
+        sh.copy(path, tmp_path / path.name)
+    assert len(list(tmp_path.glob(native.HEADERS))) >= 4
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(kw["extra_cflags"]))
+    monkeypatch.setattr(native, "kernel_dir", lambda: tmp_path)
+    native.build()
+    native.build()
+    part = tmp_path / "torch_host_slots.h"
+    part.write_text(part.read_text() + "\n// edited\n")
+    native.build()
+    assert seen[0] == seen[1] != seen[2]

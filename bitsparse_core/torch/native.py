@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import logging
 import os
 import threading
@@ -50,6 +51,7 @@ log = logging.getLogger("bitsparse_core.torch")
 
 ENV = "BITSPARSE_NATIVE"
 SOURCE = "torch_ffn_host.cpp"
+HEADERS = "torch_host_*.h"     # its parts, included by SOURCE
 # The pointers a call supplies, in the order of the C++ ``Role`` enum.
 ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2", "slot")
 
@@ -126,10 +128,17 @@ def _tell_python_path() -> None:
 
 
 def build():
-    """The compiled extension (built on first use; torch caches it across processes)."""
+    """The compiled extension (built on first use; torch caches it across processes, and
+    rebuilds when a source changes: it hashes the listed sources and the flags, so the
+    headers' hash rides in a flag)."""
     from torch.utils import cpp_extension
+    headers = hashlib.sha256()
+    for path in sorted(kernel_dir().glob(HEADERS)):
+        headers.update(path.name.encode() + b"\0" + path.read_bytes())
     return cpp_extension.load(name="bitsparse_torch_ffn_host", sources=[str(kernel_dir() / SOURCE)],
-                              extra_cflags=["-O2"], verbose=False)
+                              extra_cflags=["-O2", "-DBITSPARSE_HOST_HEADERS="
+                                            + headers.hexdigest()[:16]],
+                              verbose=False)
 
 
 def module():

@@ -28,7 +28,7 @@ here synchronizes.
 On the CPU a block already lives in host memory; it moves into the pool's buffers
 all the same (plain copies), which is what the CPU tests exercise.
 
-The mechanism runs in C++ (``kernels/torch_ffn_host.cpp``'s ``OffloadEngine``, built
+The mechanism runs in C++ (``kernels/torch_host_offload.h``'s ``OffloadEngine``, built
 with the FFN ops' C++ host path by :mod:`.native`): the packed FFN node stashes and
 takes back its block there without calling into Python, which cost an offloaded layer
 ~130 µs of host time per step on the H200's host. This class configures it and is what
