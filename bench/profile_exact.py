@@ -3,8 +3,8 @@
 An exact pack (``bc.pack(x)``, CuPy backend, torch CUDA input) packs the mask and
 offsets into one allocation and the values into a worst-case one, waits for the count
 (which the kernel writes to a pinned host slot before it ends), builds the exact plan
-and copies the stored values into an exact-size allocation. This times, per call, on the GPU's clock (CUDA events on the call's
-stream) and the host's (perf_counter):
+and copies the stored values into an exact-size allocation. This times, per call, on
+the GPU's clock (CUDA events on the call's stream) and the host's (perf_counter):
 
 * ``pack``: from the call's start to the end of the pack kernel (a GPU event behind it);
 * ``wait``: the host blocked in the count's read, and the GPU idle from the kernel's end
