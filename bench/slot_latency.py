@@ -5,8 +5,9 @@ last tile knows them (``PackArgs.slot``). This queues fixed-capacity packs of a 
 bf16 tensor with nothing else on the stream and times, on the host's clock from the
 launch's return: when the slot lands (spinning on it, no CUDA call), and when the stream
 is seen done (spinning on ``cuStreamQuery`` right after), beside the call's GPU time
-(CUDA events around it: the host's queueing, which the idle GPU waits for, included). A slot landing before the stream is done is what lets an exact pack queue
-its shrink while the kernel still runs.
+(CUDA events around it: the host's queueing, which the idle GPU waits for, included).
+A slot landing before the stream is done is what lets an exact pack queue its shrink
+while the kernel still runs.
 
     python bench/slot_latency.py [--reps 20] [--numel 134217728]
 """
