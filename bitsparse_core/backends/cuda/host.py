@@ -254,32 +254,13 @@ def enqueue_pack_planes(plan: PackPlan, device: int, stream: int, x: int, mask: 
     driver.launch_cooperative(L.pack, L.grid, abi.THREADS, plan.smem, stream, r)
 
 
-def shrink_copies(src: PackPlan, dst: PackPlan) -> tuple:
-    """``((dst offset, src offset, bytes), ...)``: the copies that move a block of ``src``
-    into one of ``dst`` (the same pack at a smaller capacity). The mask, the offsets and
-    the value span's start are at the same places in both, so one copy takes them and
-    the stored values; then the sign plane (if any) and the status area."""
-    vo, vlen = dst.spans[2]
-    if src.spans[:2] != dst.spans[:2] or src.spans[2][0] != vo or dst.nbytes > src.nbytes:
-        raise ValueError("shrink_copies: the plans are not one pack at two capacities")
-    copies = [(0, 0, vo + vlen)]
-    if dst.spans[3][1]:
-        copies.append((dst.spans[3][0], src.spans[3][0], dst.spans[3][1]))
-    copies.append((dst.status_offset, src.status_offset, abi.STATUS_BYTES))
-    return tuple(copies)
-
-
-def enqueue_shrink(src: PackPlan, src_block: int, dst: PackPlan, dst_block: int,
-                   stream: int) -> None:
-    """Copy a worst-case block's sections (and status) into an exact-size block."""
-    for d, s, n in shrink_copies(src, dst):
-        driver.copy(dst_block + d, src_block + s, n, stream)
-
-
 def tail_shrink_copies(src: PackPlan, dst: PackPlan) -> tuple:
     """``((dst offset, src offset, bytes), ...)``: the copies that move the tail of an
     exact pack's worst-case plan ``src`` (see :attr:`PackPlan.head_bytes`) into the
-    tail of ``dst``, the same pack at its count."""
+    tail of ``dst``, the same pack at its count (whose head is ``src``'s)."""
+    if (src.spans[:2] != dst.spans[:2] or src.head_bytes != dst.head_bytes
+            or dst.tail_bytes > src.tail_bytes):
+        raise ValueError("tail_shrink_copies: the plans are not one pack at two capacities")
     copies = [(0, 0, dst.spans[2][1])]
     if dst.spans[3][1]:
         copies.append((dst.tail_signs_offset, src.tail_signs_offset, dst.spans[3][1]))
@@ -297,6 +278,7 @@ def enqueue_pack_split(plan: PackPlan, device: int, stream: int, x: int, head: i
 
 def enqueue_tail_shrink(src: PackPlan, src_tail: int, dst: PackPlan, dst_tail: int,
                         stream: int) -> None:
+    """Copy a worst-case tail's stored values and signs into an exact-size tail."""
     for d, s, n in tail_shrink_copies(src, dst):
         driver.copy(dst_tail + d, src_tail + s, n, stream)
 
