@@ -208,6 +208,22 @@ template <int BITS> BS_HD u32 bs_word_nonzero(u32 w) {
     return (((nz >> 7) * 0x00204081u) >> 21) & 0xfu;   // bits 0, 8, 16, 24 -> 21..24
 }
 
+// Nonzero bits of a 16-byte vector held as four words (element k -> bit k),
+// equal to the four bs_word_nonzero results side by side. For 16-bit elements
+// the eight flag bits (bits 15 and 31 of each word) gather with four shifts and
+// two ORs instead of a gather per word.
+template <int BITS> BS_HD u32 bs_quad_nonzero(u32 a, u32 b, u32 c, u32 d) {
+    const int G = 32 / BITS;
+    if (BITS != 16)
+        return bs_word_nonzero<BITS>(a) | (bs_word_nonzero<BITS>(b) << G)
+             | (bs_word_nonzero<BITS>(c) << (2 * G)) | (bs_word_nonzero<BITS>(d) << (3 * G));
+    auto flags = [](u32 w) { return (((w & 0x7fff7fffu) + 0x7fff7fffu) | w) & 0x80008000u; };
+    // Word k's low flag lands on bit 2k, its high flag on bit 16 + 2k ...
+    const u32 t = (flags(a) >> 15) | (flags(b) >> 13) | (flags(c) >> 11) | (flags(d) >> 9);
+    // ... and the high flags move down to the odd bits.
+    return (t | (t >> 15)) & 0xffu;
+}
+
 // PRMT selector that moves the bytes of the first popc(mb) elements of a
 // compacted word to the element slots set in mb (4-bit mb, fp8), zero elsewhere.
 BS_HD u32 bs_byte_selector(u32 mb) {

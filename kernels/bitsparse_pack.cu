@@ -141,9 +141,7 @@ __device__ __forceinline__ uint2 bs_stream_edges(const u32* A, u32 L) {
 
 // 32 / BITS mask bits of a 16-byte vector of a plain pack (element k -> bit k).
 template <int BITS> __device__ __forceinline__ u32 bs_vec_nonzero(const uint4& v) {
-    const int G = 32 / BITS;
-    return bs_word_nonzero<BITS>(v.x) | (bs_word_nonzero<BITS>(v.y) << G)
-         | (bs_word_nonzero<BITS>(v.z) << (2 * G)) | (bs_word_nonzero<BITS>(v.w) << (3 * G));
+    return bs_quad_nonzero<BITS>(v.x, v.y, v.z, v.w);
 }
 
 // The stream words the tiles leave out: those holding bits of several tiles,
@@ -310,6 +308,13 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
 
     // Issue the loads of a tile's vectors, all rounds in flight.
     auto load = [&](u64 tile) {
+        const u64 base = tile * (u64)TILE;
+        if (x_aligned && base + (u64)TILE <= numel) {     // a whole tile: no guards
+            const uint4* p = reinterpret_cast<const uint4*>(x + base) + (warp * (SEG / V) + lane);
+#pragma unroll
+            for (int r = 0; r < R; ++r) vec[r] = p[r * 32];
+            return;
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const u64 g = tile * (u64)TILE + lane_off + (u64)(r * RS);
@@ -375,38 +380,45 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         T* stage = reinterpret_cast<T*>(buf.stage);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            u32 j = warp_excl + start[r];
+            const u32 j = warp_excl + start[r];
             if (lane == 0) buf.rel[warp][r] = j;
+            T* p = stage + j;
 #pragma unroll
             for (int i = 0; i < V; ++i)
-                if ((bits[r] >> i) & 1u) stage[j++] = bs_lane<T>(vec[r], i);
+                if ((bits[r] >> i) & 1u) *p++ = bs_lane<T>(vec[r], i);
         }
         if (tid == 0) { buf.n = n; buf.neg = any_neg; }
         // Mask: one byte (bf16) or two (fp8) per vector, or a word per 8 lanes (fp32).
+        // Offsets inside the tile are 32-bit; rem is how many of its elements exist.
+        const u64 left = numel - tile_base;
+        const u32 rem = left < (u64)TILE ? (u32)left : (u32)TILE;
         if (MODE != BS_MODE_MASKED) {
+            u8* mask_tile = reinterpret_cast<u8*>(mask_ptr) + (tile_base >> 3);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const u64 g0 = tile_base + (u64)(warp * SEG + r * RS);
-                const u64 g = g0 + (u64)(lane * V);
+                const u32 o0 = (u32)(warp * SEG + r * RS);
+                const u32 o = o0 + (u32)(lane * V);
                 if (V == 8) {
-                    if (g < numel) reinterpret_cast<u8*>(mask_ptr)[g >> 3] = (u8)bits[r];
+                    if (o < rem) mask_tile[o >> 3] = (u8)bits[r];
                 } else if (V == 16) {
-                    if (g + 8 < numel) reinterpret_cast<u16*>(mask_ptr)[g >> 4] = (u16)bits[r];
-                    else if (g < numel) reinterpret_cast<u8*>(mask_ptr)[g >> 3] = (u8)bits[r];
+                    if (o + 8u < rem) reinterpret_cast<u16*>(mask_tile)[o >> 4] = (u16)bits[r];
+                    else if (o < rem) mask_tile[o >> 3] = (u8)bits[r];
                 } else {
                     u32 part = bits[r] << ((lane & 7) * 4);
 #pragma unroll
-                    for (int o = 1; o < 8; o <<= 1) part |= __shfl_xor_sync(BS_FULL, part, o);
-                    const u64 wi = (g0 >> 5) + (u64)(lane >> 3);
-                    if ((lane & 7) == 0 && (wi << 5) < numel) reinterpret_cast<u32*>(mask_ptr)[wi] = part;
+                    for (int q = 1; q < 8; q <<= 1) part |= __shfl_xor_sync(BS_FULL, part, q);
+                    const u32 wi = (o0 >> 5) + (u32)(lane >> 3);
+                    if ((lane & 7) == 0 && (wi << 5) < rem) reinterpret_cast<u32*>(mask_tile)[wi] = part;
                 }
             }
         }
         if ((MODE == BS_MODE_RELU || MODE == BS_MODE_RELU2) && y_ptr != 0ull) {   // y_ptr 0: planes only
+            T* y_tile = reinterpret_cast<T*>(y_ptr) + tile_base;
+            const bool whole = y_aligned && rem == (u32)TILE;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const u64 g = tile_base + lane_off + (u64)(r * RS);
-                if (g >= numel) continue;
+                const u32 o = (u32)lane_off + (u32)(r * RS);
+                if (o >= rem) continue;
                 uint4 yv = vec[r];
                 if (MODE == BS_MODE_RELU2) {
 #pragma unroll
@@ -415,7 +427,8 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                         bs_set_lane<T>(yv, i, (T)bs_mul_round<FMT>(e, e));
                     }
                 }
-                bs_store_vec<T>(reinterpret_cast<T*>(y_ptr), g, numel, y_aligned, yv);
+                if (whole) *reinterpret_cast<uint4*>(y_tile + o) = yv;
+                else bs_store_vec<T>(reinterpret_cast<T*>(y_ptr), tile_base + o, numel, y_aligned, yv);
             }
         }
         if (next < n_tiles) load(next);
@@ -498,10 +511,18 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         }
         // Chunk offsets at the round starts that begin a chunk.
         if (MODE != BS_MODE_MASKED && lane == 0) {
+            // Tiles start on a multiple of TILE, so a round start's low chunk_log2
+            // bits are those of its 32-bit offset in the tile plus the tile's.
+            const u64 tile_base = tile * (u64)TILE;
+            const u64 left = numel - tile_base;
+            const u32 rem = left < (u64)TILE ? (u32)left : (u32)TILE;
+            const u32 cmask = (1u << chunk_log2) - 1u;     // chunk_log2 <= 24
+            const u32 base_lo = (u32)tile_base;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const u64 g0 = tile * (u64)TILE + (u64)(warp * SEG + r * RS);
-                if (g0 < numel && (g0 & ((1ull << chunk_log2) - 1ull)) == 0ull) {
+                const u32 o0 = (u32)(warp * SEG + r * RS);
+                const u64 g0 = tile_base + o0;
+                if (o0 < rem && ((base_lo + o0) & cmask) == 0u) {
                     const u64 v = P + buf.rel[warp][r];
                     if (off64) reinterpret_cast<u64*>(offsets_ptr)[g0 >> chunk_log2] = v;
                     else reinterpret_cast<u32*>(offsets_ptr)[g0 >> chunk_log2] = (u32)v;

@@ -49,6 +49,8 @@ void bs_relu(int fmt, const u32* a, u32* out, long n) { DISPATCH(relu, a, out, n
     case 16: F<16>(__VA_ARGS__); break; default: F<32>(__VA_ARGS__); }
 template <int B> static void nonzero(const u32* w, u32* out, long n) {
     for (long i = 0; i < n; ++i) out[i] = bs_word_nonzero<B>(w[i]); }
+template <int B> static void quad_nonzero(const u32* w, u32* out, long n) {
+    for (long i = 0; i < n; ++i) out[i] = bs_quad_nonzero<B>(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]); }
 template <int B> static void spread(int raw, const u32* c, u32* out, long n) {
     for (long i = 0; i < n; ++i)
         out[i] = raw ? bs_spread<B, B>(c[i]) : bs_spread<B, B - 1>(c[i]); }
@@ -64,6 +66,7 @@ template <int B> static void expand(const u32* vals, const u32* j, const u32* mb
     for (long i = 0; i < n; ++i) out[i] = bs_expand_word<B>(vals, j[i], mb[i], sel); }
 extern "C" {
 void bs_nonzero(int bits, const u32* w, u32* out, long n) { BY_BITS(nonzero, w, out, n) }
+void bs_quad(int bits, const u32* w, u32* out, long n) { BY_BITS(quad_nonzero, w, out, n) }
 void bs_spread_c(int bits, int raw, const u32* c, u32* out, long n) { BY_BITS(spread, raw, c, out, n) }
 void bs_signs(int bits, const u32* s, u32* out, long n) { BY_BITS(spread_signs, s, out, n) }
 void bs_group(int bits, int raw, const u32* w, u32* out, long g) { BY_BITS(pack_group, raw, w, out, g) }
@@ -240,6 +243,24 @@ def test_word_nonzero(lib, bits):
     out = np.empty_like(w)
     lib.bs_nonzero(ctypes.c_int(bits), _ptr(w), _ptr(out), ctypes.c_long(w.size))
     want = ((_lanes(w, bits) != 0) << np.arange(32 // bits)).sum(axis=1)
+    assert np.array_equal(out, want.astype(np.uint32))
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_quad_nonzero(lib, bits):
+    """A 16-byte vector's mask bits: element k of the four words -> bit k."""
+    rng = np.random.default_rng(15 + bits)
+    w = _random_words(rng, 4 << 14, bits)
+    if bits == 16:   # every interesting pair in every word of the vector
+        v = np.array([0, 1, 0x7fff, 0x8000, 0x8001, 0xffff, 0x0100], dtype=np.uint32)
+        pairs = (v[:, None] | (v[None, :] << 16)).ravel()
+        for k in range(4):
+            quad = np.zeros((pairs.size, 4), dtype=np.uint32)
+            quad[:, k] = pairs
+            w = np.concatenate([w, quad.ravel()])
+    out = np.empty(w.size // 4, dtype=np.uint32)
+    lib.bs_quad(ctypes.c_int(bits), _ptr(w), _ptr(out), ctypes.c_long(out.size))
+    want = ((_lanes(w, bits) != 0).reshape(out.size, -1) << np.arange(128 // bits)).sum(axis=1)
     assert np.array_equal(out, want.astype(np.uint32))
 
 
