@@ -1,13 +1,16 @@
 """Fixed-capacity pack and unpack timings of the CuPy kernels under extra NVRTC options.
 
     BITSPARSE_CUDA_OPTIONS="-DSOME_SWITCH" python3 bench/kernel_variants.py [--unpack-only]
+        [--pack-rounds R]
 
 For A/B tests of compile-time kernel variants within one device call (each
 option set is compiled separately; CuPy's cache keys include the options).
 bf16 and fp8 e4m3fn at sparsity 0.5, 0.9 and 0.99, 2^27 elements, median of 10
 CUDA-event timings as in bench_codecs.py. No correctness check: a variant that
 drops work on purpose (e.g. a fake offset) still times; bench_codecs.py and
-the GPU tests check the committed kernels.
+the GPU tests check the committed kernels. ``--pack-rounds`` sets the pack
+tile's rounds per warp for this process (``abi.PACK_ROUNDS``; the plans, the
+grid and the shared-memory size follow it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ def main() -> None:
     timer = Timer(torch, stream, 10)
     tag = os.environ.get("BITSPARSE_CUDA_OPTIONS", "") or "(default)"
     unpack_only = "--unpack-only" in sys.argv
+    if "--pack-rounds" in sys.argv:
+        from bitsparse_core.backends.cuda import abi
+        abi.PACK_ROUNDS = int(sys.argv[sys.argv.index("--pack-rounds") + 1])
+        tag += f" R={abi.PACK_ROUNDS}"
     for dname, tdtype in (("bfloat16", torch.bfloat16), ("float8_e4m3fn", torch.float8_e4m3fn)):
         for sp in (0.5, 0.9, 0.99):
             x = relu_like(torch, 1 << 27, sp, tdtype, seed=int(sp * 1000))
