@@ -384,6 +384,26 @@ def test_torch_allocator_sees_memory(request):
     assert_bits(y, x)
 
 
+def test_torch_block_is_counted_and_given_back():
+    """``torch_buffer`` (the backends' route for torch data) takes a block of torch's
+    caching allocator by address: counted while held, on the stream it names (a side
+    stream's block is not handed to another stream), given back when dropped."""
+    torch = pytest.importorskip("torch")
+    side = torch.cuda.Stream()
+    dev = torch.cuda.current_device()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    blocks = [ci.torch_buffer(3 << 20, dev, h) for h in (side.cuda_stream, 0, 1)]
+    assert torch.cuda.memory_allocated() - before >= 3 * (3 << 20)
+    assert len({b.ptr for b in blocks}) == 3 and all(b.ptr for b in blocks)
+    side_ptr = blocks[0].ptr
+    del blocks
+    assert torch.cuda.memory_allocated() == before
+    again = ci.torch_buffer(3 << 20, dev, side.cuda_stream)    # the side stream's pool
+    assert again.ptr == side_ptr
+    assert ci.torch_buffer(0, dev, 0).ptr == 0
+
+
 def test_torch_data_defaults_to_torch_stream_and_allocator(request):
     """On torch CUDA tensors, calls that name no stream / allocator run as torch's own
     ops: on torch's current stream, with memory torch counts; the packed tensor's ops

@@ -275,10 +275,41 @@ class DeviceBuffer:
 _TORCH_DEVICES: dict = {}      # device index -> torch.device, made once each
 
 
+class TorchBlock:
+    """A block of PyTorch's caching allocator taken by address (no tensor around it),
+    given back to the allocator when the last reference goes. torch's memory
+    statistics count it as they count a tensor's."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __del__(self):
+        if self.ptr:
+            try:
+                import torch
+                torch.cuda.caching_allocator_delete(self.ptr)
+            except Exception:  # noqa: BLE001 -- torch already torn down at exit: nothing to give back to
+                pass
+
+
 def torch_buffer(nbytes: int, device: int, stream: int) -> DeviceBuffer:
-    """``nbytes`` from PyTorch's caching allocator, stream-ordered on ``stream``; no
-    stream context when ``stream`` is torch's current one on ``device`` (a call that
-    named no stream), which is what makes it cheap."""
+    """``nbytes`` from PyTorch's caching allocator, stream-ordered on ``stream``, taken
+    by address: no tensor and no stream object are made, so a side stream costs what
+    torch's current one does. The legacy default stream (1) shares the null stream's
+    pool, as torch's default stream does."""
+    if nbytes == 0:
+        return DeviceBuffer(0, 0, device, None)
+    import torch
+    ptr = torch.cuda.caching_allocator_alloc(nbytes, device, 0 if stream == 1 else stream)
+    return DeviceBuffer(ptr, nbytes, device, TorchBlock(ptr))
+
+
+def torch_tensor_buffer(nbytes: int, device: int, stream: int) -> DeviceBuffer:
+    """``nbytes`` from PyTorch's caching allocator as a 1-D uint8 tensor (the owner),
+    stream-ordered on ``stream``; no stream context when ``stream`` is torch's current
+    one on ``device``."""
     import torch
     dev = _TORCH_DEVICES.get(device)
     if dev is None:
@@ -296,7 +327,7 @@ def torch_buffer(nbytes: int, device: int, stream: int) -> DeviceBuffer:
 def torch_allocator(nbytes: int, device: int, stream: int):
     """PyTorch's caching allocator (counted by ``torch.cuda.max_memory_allocated``): a
     1-D uint8 tensor. The default for torch CUDA inputs (:func:`torch_defaults`)."""
-    return torch_buffer(int(nbytes), int(device), int(stream)).owner
+    return torch_tensor_buffer(int(nbytes), int(device), int(stream)).owner
 
 
 def torch_defaults(device: int, stream, allocator):
