@@ -2,9 +2,10 @@
 
 An exact pack (``bc.pack(x)``, CuPy backend, torch CUDA input) packs the mask and
 offsets into one allocation and the values into a worst-case one, waits for the count
-(which the kernel writes to a pinned host slot before it ends), builds the exact plan
-and copies the stored values into an exact-size allocation. This times, per call, on
-the GPU's clock (CUDA events on the call's stream) and the host's (perf_counter):
+(which the kernel writes to a pinned host slot before it ends), copies the stored
+values into an exact-size allocation and then builds the exact plan. This times, per
+call, on the GPU's clock (CUDA events on the call's stream) and the host's
+(perf_counter):
 
 * ``pack``: from the call's start to the end of the pack kernel (a GPU event behind it);
 * ``wait``: the host blocked in the count's read, and the GPU idle from the kernel's end
@@ -65,10 +66,10 @@ def main(argv=None) -> int:
         marks["woke"] = time.perf_counter()
         return out
 
-    def shrink(self, plan, block, small):
+    def shrink(self, plan, block, nnz):
         marks["host_to_shrink_s"] = time.perf_counter() - marks["woke"]
         marks["shrink_start"] = event()
-        out = orig["shrink"](self, plan, block, small)
+        out = orig["shrink"](self, plan, block, nnz)
         marks["shrunk"] = event()
         return out
 

@@ -77,9 +77,8 @@ def test_plan_with_capacity(mode, encoding):
                 small = big.with_capacity(cap)
                 assert small == host.pack_plan(shape, dt, enc, cap, 12, mode)
                 assert small.spans[:2] == big.spans[:2] and small.head_bytes == big.head_bytes
-    with pytest.raises(ValueError, match="not one pack"):
-        host.tail_shrink_copies(host.pack_plan((64,), D.BFLOAT16, enc, 8, 12, mode),
-                                host.pack_plan((64,), D.BFLOAT16, enc, 64, 12, mode))
+    with pytest.raises(ValueError, match="outside the plan's capacity"):
+        host.tail_shrink(host.pack_plan((64,), D.BFLOAT16, enc, 8, 12, mode), 9)
 
 
 @pytest.mark.parametrize("encoding", ["raw", "nosign", "signplane"])
@@ -104,9 +103,12 @@ def test_split_exact_pack_and_its_tail_shrink(encoding):
             assert big.tail_bytes >= big.tail_signs_offset + big.spans[3][1]
             for cap in {0, numel, *rng.integers(0, numel + 1, size=4).tolist()}:
                 small = big.with_capacity(cap)
+                nbytes, copies = host.tail_shrink(big, cap)
+                assert nbytes == small.tail_bytes          # the size formula, by arithmetic
                 src = rng.integers(0, 256, big.tail_bytes, dtype=np.uint8)
-                dst = np.zeros(small.tail_bytes, dtype=np.uint8)
-                for d, s, n in host.tail_shrink_copies(big, small):
+                dst = np.zeros(nbytes, dtype=np.uint8)
+                for d, s, n in copies:
+                    assert d + n <= nbytes and s + n <= big.tail_bytes
                     dst[d:d + n] = src[s:s + n]
                 vl, sl = small.spans[2][1], small.spans[3][1]
                 assert np.array_equal(dst[:vl], src[:vl])

@@ -254,17 +254,20 @@ def enqueue_pack_planes(plan: PackPlan, device: int, stream: int, x: int, mask: 
     driver.launch_cooperative(L.pack, L.grid, abi.THREADS, plan.smem, stream, r)
 
 
-def tail_shrink_copies(src: PackPlan, dst: PackPlan) -> tuple:
-    """``((dst offset, src offset, bytes), ...)``: the copies that move the tail of an
-    exact pack's worst-case plan ``src`` (see :attr:`PackPlan.head_bytes`) into the
-    tail of ``dst``, the same pack at its count (whose head is ``src``'s)."""
-    if (src.spans[:2] != dst.spans[:2] or src.head_bytes != dst.head_bytes
-            or dst.tail_bytes > src.tail_bytes):
-        raise ValueError("tail_shrink_copies: the plans are not one pack at two capacities")
-    copies = [(0, 0, dst.spans[2][1])]
-    if dst.spans[3][1]:
-        copies.append((dst.tail_signs_offset, src.tail_signs_offset, dst.spans[3][1]))
-    return tuple(c for c in copies if c[2])
+def tail_shrink(src: PackPlan, nnz: int) -> tuple:
+    """``(tail bytes, ((dst offset, src offset, bytes), ...))``: the exact-size tail of an
+    exact pack whose worst-case plan is ``src`` (see :attr:`PackPlan.head_bytes`) and whose
+    count is ``nnz``, and the copies that fill it from the worst-case tail. Plain
+    arithmetic on the size formula, so that the copies are queued before the exact plan
+    (``src.with_capacity(nnz)``, whose tail this equals) is built: the GPU waits for
+    this host work."""
+    if not 0 <= nnz <= src.lay.capacity:
+        raise ValueError(f"tail_shrink: count {nnz} outside the plan's capacity "
+                         f"{src.lay.capacity}")
+    vl = _fmt.values_nbytes(src.lay.dtype, src.lay.encoding, nnz)
+    sl = _fmt.signs_nbytes(src.lay.encoding, nnz)
+    copies = ((0, 0, vl), (_fmt.align(vl), src.tail_signs_offset, sl))
+    return _fmt.align(vl) + _fmt.align(sl), tuple(c for c in copies if c[2])
 
 
 def enqueue_pack_split(plan: PackPlan, device: int, stream: int, x: int, head: int, tail: int,
@@ -276,10 +279,9 @@ def enqueue_pack_split(plan: PackPlan, device: int, stream: int, x: int, head: i
                         zero_tail=False, slot=slot)
 
 
-def enqueue_tail_shrink(src: PackPlan, src_tail: int, dst: PackPlan, dst_tail: int,
-                        stream: int) -> None:
-    """Copy a worst-case tail's stored values and signs into an exact-size tail."""
-    for d, s, n in tail_shrink_copies(src, dst):
+def enqueue_tail_shrink(copies: tuple, src_tail: int, dst_tail: int, stream: int) -> None:
+    """Queue :func:`tail_shrink`'s copies from a worst-case tail into an exact-size one."""
+    for d, s, n in copies:
         driver.copy(dst_tail + d, src_tail + s, n, stream)
 
 

@@ -46,8 +46,9 @@ class PackSteps(Protocol):
     def read_head(self, plan: PackPlan, block) -> tuple:
         """``(status, nnz)`` of the pack (waits for it)."""
 
-    def shrink(self, plan: PackPlan, block, small: PackPlan):
-        """A block for ``small`` holding what ``block`` stored, its copies queued."""
+    def shrink(self, plan: PackPlan, block, nnz: int):
+        """A block for ``plan`` at capacity ``nnz`` holding what ``block`` stored, its
+        copies queued (before the caller builds that plan: :func:`.host.tail_shrink`)."""
 
     def packed(self, plan: PackPlan, block, nnz, pending_status: bool):
         """The PackedTensor of a block (``nnz`` None while it is on the device)."""
@@ -83,9 +84,9 @@ def pack(steps: PackSteps, shape: tuple, dtype, encoding, chunk_log2, capacity,
         if auto:
             return pack(steps, shape, dtype, Encoding.RAW, chunk_log2, capacity, mode)
         raise EncodingError(NOSIGN_MESSAGE)
-    if exact:
-        small = plan.with_capacity(nnz)            # the GPU waits for this host work
-        block, plan = steps.shrink(plan, block, small), small
+    if exact:       # the GPU waits for the host until the shrink's copies are queued
+        block = steps.shrink(plan, block, nnz)
+        plan = plan.with_capacity(nnz)
     return steps.packed(plan, block, nnz, False)
 
 

@@ -104,10 +104,11 @@ class _CupySteps:
         slot, self.slot = self.slot, 0
         return slots.wait(slot, self.s)
 
-    def shrink(self, plan, block, small):
+    def shrink(self, plan, block, nnz):
         head, tail = block
-        out = ci.allocate(small.tail_bytes, self.t.device, self.s, self.allocator)
-        host.enqueue_tail_shrink(plan, tail.ptr, small, out.ptr, self.s)
+        nbytes, copies = host.tail_shrink(plan, nnz)
+        out = ci.allocate(nbytes, self.t.device, self.s, self.allocator)
+        host.enqueue_tail_shrink(copies, tail.ptr, out.ptr, self.s)
         return head, out
 
     def packed(self, plan, block, nnz, pending_status):

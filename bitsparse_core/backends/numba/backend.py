@@ -105,10 +105,11 @@ class _NumbaSteps:
         status, total = self.P.read(*al.status, 2, np.int64, self.st)
         return int(status) & 0xFFFFFFFF, int(total)
 
-    def shrink(self, plan, al, small):
+    def shrink(self, plan, al, nnz):
         P, st = self.P, self.st
-        out = _Alloc(P, small, st, self.allocator, split=True, head=al.head)
-        for d, s, n in host.tail_shrink_copies(plan, small):
+        _, copies = host.tail_shrink(plan, nnz)
+        out = _Alloc(P, plan.with_capacity(nnz), st, self.allocator, split=True, head=al.head)
+        for d, s, n in copies:
             P.copy(out.tail, d, al.tail, s, n, st)
         return out
 
