@@ -9,7 +9,8 @@ torch's current stream and on a side stream:
 * ``tensor buffer``: ``interop.torch_tensor_buffer`` (a tensor, as ``torch_allocator``
   returns; a side stream makes an ``ExternalStream`` and enters its context);
 * ``block``: ``interop.torch_buffer`` (``caching_allocator_alloc`` by address, no
-  tensor, no stream object), the route the backends take for torch data.
+  tensor, no stream object), the route the backends take for torch data;
+* ``caching_allocator_alloc + delete``: torch's two calls alone (the block's floor).
 
     python bench/alloc_host.py [--out bench/results]
 """
@@ -61,9 +62,13 @@ def main(argv=None) -> int:
             def empty():
                 with torch.cuda.stream(side):
                     return torch.empty(a.nbytes, dtype=torch.uint8, device="cuda")
+        def public(h=h):
+            torch.cuda.caching_allocator_delete(torch.cuda.caching_allocator_alloc(a.nbytes, dev, h))
+
         for route, fn in (("torch.empty", empty),
                           ("tensor buffer", lambda: ci.torch_tensor_buffer(a.nbytes, dev, h)),
-                          ("block", lambda: ci.torch_buffer(a.nbytes, dev, h))):
+                          ("block", lambda: ci.torch_buffer(a.nbytes, dev, h)),
+                          ("caching_allocator_alloc + delete", public)):
             rows.append({"route": route, "stream": where, "us": per_call_us(fn)})
     torch.cuda.synchronize()
     lines = [f"# Host time of one allocation from torch's caching allocator ({torch.cuda.get_device_name()})",
