@@ -144,6 +144,56 @@ template <int BITS> __device__ __forceinline__ u32 bs_vec_nonzero(const uint4& v
     return bs_quad_nonzero<BITS>(v.x, v.y, v.z, v.w);
 }
 
+// The last tile's news: the stored count and the status word (nosign violation,
+// overflow) into the status area, the offsets' last entry (OFFSETS: not a masked pack),
+// and the same two words into the host's pinned slot where the caller names one: known
+// to the host before the grid's last tiles and epilogue are done. Each slot word lands
+// whole; the host reads the slot once neither holds its sentinel. The fence pushes the
+// stores out to the system now, not at the kernel's end.
+template <bool OFFSETS>
+__device__ __forceinline__ void bs_write_total(u64 total, u32 neg, u64 cap, u64 numel,
+                                               int chunk_log2, int off64, u64 offsets_ptr,
+                                               u64 status_ptr, u64 slot_ptr) {
+    const u32 status = (neg ? 1u : 0u) | (total > cap ? 2u : 0u);
+    if (OFFSETS) {
+        const u64 nch = (numel + (1ull << chunk_log2) - 1ull) >> chunk_log2;
+        if (off64) reinterpret_cast<u64*>(offsets_ptr)[nch] = total;
+        else reinterpret_cast<u32*>(offsets_ptr)[nch] = (u32)total;
+    }
+    reinterpret_cast<u32*>(status_ptr)[0] = status;
+    reinterpret_cast<u64*>(status_ptr)[1] = total;
+    if (slot_ptr != 0ull) {
+        reinterpret_cast<volatile u64*>(slot_ptr)[1] = total;
+        reinterpret_cast<volatile u32*>(slot_ptr)[0] = status;
+        __threadfence_system();
+    }
+}
+
+// A warp's mask bits of R rounds (32 V-element vectors each, the first at element
+// `first` of a tile whose mask bytes start at mask_tile, `rem` elements of which
+// exist): a byte (bf16) or two (fp8) per lane and round, or a word per 8 lanes (fp32).
+template <int V, int R>
+__device__ __forceinline__ void bs_store_mask(u8* mask_tile, const u32 (&bits)[R], u32 first,
+                                              u32 rem, int lane) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const u32 o0 = first + (u32)(r * 32 * V);
+        const u32 o = o0 + (u32)(lane * V);
+        if (V == 8) {
+            if (o < rem) mask_tile[o >> 3] = (u8)bits[r];
+        } else if (V == 16) {
+            if (o + 8u < rem) reinterpret_cast<u16*>(mask_tile)[o >> 4] = (u16)bits[r];
+            else if (o < rem) mask_tile[o >> 3] = (u8)bits[r];
+        } else {
+            u32 part = bits[r] << ((lane & 7) * 4);
+#pragma unroll
+            for (int q = 1; q < 8; q <<= 1) part |= __shfl_xor_sync(BS_FULL, part, q);
+            const u32 wi = (o0 >> 5) + (u32)(lane >> 3);
+            if ((lane & 7) == 0 && (wi << 5) < rem) reinterpret_cast<u32*>(mask_tile)[wi] = part;
+        }
+    }
+}
+
 // The stream words the tiles leave out: those holding bits of several tiles,
 // and the stored stream's last word when it is partly filled. Index t
 // (0 <= t <= n_tiles; t = n_tiles stands for the stored end) writes the word
@@ -392,26 +442,9 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         // Offsets inside the tile are 32-bit; rem is how many of its elements exist.
         const u64 left = numel - tile_base;
         const u32 rem = left < (u64)TILE ? (u32)left : (u32)TILE;
-        if (MODE != BS_MODE_MASKED) {
-            u8* mask_tile = reinterpret_cast<u8*>(mask_ptr) + (tile_base >> 3);
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const u32 o0 = (u32)(warp * SEG + r * RS);
-                const u32 o = o0 + (u32)(lane * V);
-                if (V == 8) {
-                    if (o < rem) mask_tile[o >> 3] = (u8)bits[r];
-                } else if (V == 16) {
-                    if (o + 8u < rem) reinterpret_cast<u16*>(mask_tile)[o >> 4] = (u16)bits[r];
-                    else if (o < rem) mask_tile[o >> 3] = (u8)bits[r];
-                } else {
-                    u32 part = bits[r] << ((lane & 7) * 4);
-#pragma unroll
-                    for (int q = 1; q < 8; q <<= 1) part |= __shfl_xor_sync(BS_FULL, part, q);
-                    const u32 wi = (o0 >> 5) + (u32)(lane >> 3);
-                    if ((lane & 7) == 0 && (wi << 5) < rem) reinterpret_cast<u32*>(mask_tile)[wi] = part;
-                }
-            }
-        }
+        if (MODE != BS_MODE_MASKED)
+            bs_store_mask<V, R>(reinterpret_cast<u8*>(mask_ptr) + (tile_base >> 3), bits,
+                                (u32)(warp * SEG), rem, lane);
         if ((MODE == BS_MODE_RELU || MODE == BS_MODE_RELU2) && y_ptr != 0ull) {   // y_ptr 0: planes only
             T* y_tile = reinterpret_cast<T*>(y_ptr) + tile_base;
             const bool whole = y_aligned && rem == (u32)TILE;
@@ -488,26 +521,9 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         }
         if (tid == 0) {
             if (tile > 0) bs_st_u64(&cdesc[tile], BS_INCL | ((pneg || tneg) ? BS_NEG : 0ull) | (P + tn));
-            if (tile == n_tiles - 1) {
-                const u64 total = P + tn;
-                const u32 status = ((pneg | tneg) ? 1u : 0u) | (total > cap ? 2u : 0u);
-                if (MODE != BS_MODE_MASKED) {
-                    const u64 nch = (numel + (1ull << chunk_log2) - 1ull) >> chunk_log2;
-                    if (off64) reinterpret_cast<u64*>(offsets_ptr)[nch] = total;
-                    else reinterpret_cast<u32*>(offsets_ptr)[nch] = (u32)total;
-                }
-                reinterpret_cast<u32*>(status_ptr)[0] = status;
-                reinterpret_cast<u64*>(status_ptr)[1] = total;
-                if (slot_ptr != 0ull) {
-                    // The host's copy, in pinned memory: known to the host before the
-                    // grid's last tiles and epilogue are done. Each word lands whole; the
-                    // host reads the slot once neither holds its sentinel. The fence
-                    // pushes the stores out to the system now, not at the kernel's end.
-                    reinterpret_cast<volatile u64*>(slot_ptr)[1] = total;
-                    reinterpret_cast<volatile u32*>(slot_ptr)[0] = status;
-                    __threadfence_system();
-                }
-            }
+            if (tile == n_tiles - 1)
+                bs_write_total<MODE != BS_MODE_MASKED>(P + tn, pneg | tneg, cap, numel, chunk_log2,
+                                                       off64, offsets_ptr, status_ptr, slot_ptr);
         }
         // Chunk offsets at the round starts that begin a chunk.
         if (MODE != BS_MODE_MASKED && lane == 0) {

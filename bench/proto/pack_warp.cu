@@ -3,7 +3,8 @@
 // the tile loop. bench/pack_warp_proto.py compiles it after bitsparse_common.cuh and
 // bitsparse_pack.cu (whose look-back fold, descriptors, edge records, grid barrier and
 // epilogue it reuses), checks its planes byte for byte against bitsparse_pack's and
-// times both. Plain packs (MODE_PACK) of raw and nosign streams only.
+// times both. Plain packs (MODE_PACK) of raw and nosign streams only. Its parameter
+// list is bitsparse_pack's, so abi.PackArgs launches it.
 //
 // Why (bench/NOTES.md, session 18): bitsparse_pack's tile is a whole block, so one
 // warp's wait in the look-back holds seven others at the barrier after the fold
@@ -102,24 +103,7 @@ bitsparse_pack_warp(u64 x_ptr, u64 numel, int x_aligned,
         u64 lb[BS_LB_WINDOWS];
         if (t > 0) bs_lookback_load(cdesc, (i64)t - 1, lane, lb);
 
-        u8* mask_tile = reinterpret_cast<u8*>(mask_ptr) + (base >> 3);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const u32 o0 = (u32)(r * RS);
-            const u32 o = o0 + (u32)(lane * V);
-            if (V == 8) {
-                if (o < rem) mask_tile[o >> 3] = (u8)bits[r];
-            } else if (V == 16) {
-                if (o + 8u < rem) reinterpret_cast<u16*>(mask_tile)[o >> 4] = (u16)bits[r];
-                else if (o < rem) mask_tile[o >> 3] = (u8)bits[r];
-            } else {
-                u32 part = bits[r] << ((lane & 7) * 4);
-#pragma unroll
-                for (int q = 1; q < 8; q <<= 1) part |= __shfl_xor_sync(BS_FULL, part, q);
-                const u32 wi = (o0 >> 5) + (u32)(lane >> 3);
-                if ((lane & 7) == 0 && (wi << 5) < rem) reinterpret_cast<u32*>(mask_tile)[wi] = part;
-            }
-        }
+        bs_store_mask<V, R>(reinterpret_cast<u8*>(mask_ptr) + (base >> 3), bits, 0u, rem, lane);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             T* p = stage + start[r];
@@ -147,19 +131,9 @@ bitsparse_pack_warp(u64 x_ptr, u64 numel, int x_aligned,
         const u64 total = P + n;
         if (lane == 0) {
             if (t > 0) bs_st_u64(&cdesc[t], BS_INCL | ((pneg || tneg) ? BS_NEG : 0ull) | total);
-            if (t == n_tiles - 1) {
-                const u32 status = ((pneg || tneg) ? 1u : 0u) | (total > cap ? 2u : 0u);
-                const u64 nch = (numel + (1ull << chunk_log2) - 1ull) >> chunk_log2;
-                if (off64) reinterpret_cast<u64*>(offsets_ptr)[nch] = total;
-                else reinterpret_cast<u32*>(offsets_ptr)[nch] = (u32)total;
-                reinterpret_cast<u32*>(status_ptr)[0] = status;
-                reinterpret_cast<u64*>(status_ptr)[1] = total;
-                if (slot_ptr != 0ull) {
-                    reinterpret_cast<volatile u64*>(slot_ptr)[1] = total;
-                    reinterpret_cast<volatile u32*>(slot_ptr)[0] = status;
-                    __threadfence_system();
-                }
-            }
+            if (t == n_tiles - 1)
+                bs_write_total<true>(total, pneg | (tneg ? 1u : 0u), cap, numel, chunk_log2, off64,
+                                     offsets_ptr, status_ptr, slot_ptr);
             // Chunk offsets at the round starts that begin a chunk (lane 0's start[r]
             // is the warp's count before round r).
 #pragma unroll
