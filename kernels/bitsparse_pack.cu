@@ -438,8 +438,8 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                 if ((bits[r] >> i) & 1u) *p++ = bs_lane<T>(vec[r], i);
         }
         if (tid == 0) { buf.n = n; buf.neg = any_neg; }
-        // Mask: one byte (bf16) or two (fp8) per vector, or a word per 8 lanes (fp32).
-        // Offsets inside the tile are 32-bit; rem is how many of its elements exist.
+        // Mask bytes, and relu_pack's y: offsets inside the tile are 32-bit, and rem is
+        // how many of its elements exist.
         const u64 left = numel - tile_base;
         const u32 rem = left < (u64)TILE ? (u32)left : (u32)TILE;
         if (MODE != BS_MODE_MASKED)
