@@ -116,6 +116,44 @@ def test_split_exact_pack_and_its_tail_shrink(encoding):
                 assert np.array_equal(dst[so:so + sl], src[bso:bso + sl])
 
 
+def test_exact_pack_queues_its_copies_before_building_the_exact_plan(monkeypatch):
+    """After the count the GPU waits for the host until the shrink's copies are queued:
+    the protocol hands the count to the shrink first, and builds the exact plan (a new
+    layout) only after it."""
+    from bitsparse_core import dtypes as D
+    from bitsparse_core.backends.cuda import host, protocol
+    events = []
+    real = host.PackPlan.with_capacity
+
+    def with_capacity(self, capacity):
+        events.append(("plan", capacity))
+        return real(self, capacity)
+
+    monkeypatch.setattr(host.PackPlan, "with_capacity", with_capacity)
+
+    class Steps:
+        def run(self, plan, fixed, count):
+            events.append(("run", fixed, count))
+            return "worst-case block"
+
+        def read_head(self, plan, block):
+            return 0, 123
+
+        def shrink(self, plan, block, nnz):
+            events.append(("shrink", nnz, host.tail_shrink(plan, nnz)[0]))
+            return "exact block"
+
+        def packed(self, plan, block, nnz, pending_status):
+            events.append(("packed", plan.lay.capacity, block, nnz))
+            return plan
+
+    plan = protocol.pack(Steps(), (1000,), D.BFLOAT16, "nosign", 12, None)
+    assert [e[0] for e in events] == ["run", "shrink", "plan", "packed"]
+    assert events[0] == ("run", False, True)
+    assert events[1][:2] == ("shrink", 123) and events[1][2] == plan.tail_bytes
+    assert events[3] == ("packed", 123, "exact block", 123)
+
+
 class _FakeStream:
     """The driver calls slots.wait makes, for a stream whose kernel writes the slot (or
     not) when asked."""
