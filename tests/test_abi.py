@@ -49,6 +49,14 @@ def test_record_matches_kernel_signature(where):
         assert fname == base or {fname, base} in ({"width", "w"},), (fname, pname)
 
 
+def test_warp_tile_prototype_takes_the_pack_record():
+    """bench/pack_warp_proto.py launches the prototype with abi.PackArgs."""
+    from pathlib import Path
+    proto = Path(__file__).resolve().parents[1] / "bench" / "proto" / "pack_warp.cu"
+    assert (_params(proto.read_text(), "bitsparse_pack_warp")
+            == _params(read_source("bitsparse_pack.cu"), "bitsparse_pack"))
+
+
 def test_record_pointers_follow_the_fields():
     r = abi.UnpackArgs()
     r.out = 0x1234
