@@ -258,6 +258,20 @@ template <int BITS, int W> BS_HD u32 bs_spread(u32 c) {
     return (y & 0x007f007fu) | ((y << 1) & 0x7f007f00u);
 }
 
+// 32 bits of a W-bit LSB-first stream starting at stream bit b, built from the values
+// it is the stream of (v: one value per element of T, codes masked to W bits; at least
+// the few values past the last stored one must read as zeros). A word of the stream
+// without an assembled copy of it (the warp-tile pack prototype, bench/proto).
+template <int W, typename T> BS_HD u32 bs_stream_window(const T* v, u32 b) {
+    const int J = (W - 1 + 32 + W - 1) / W;          // values a 32-bit window can touch
+    const u64 VMW = W >= 32 ? 0xffffffffull : ((1ull << W) - 1ull);
+    const u32 i0 = b / (u32)W, r0 = b - i0 * (u32)W;
+    u64 acc = 0;
+#pragma unroll
+    for (int j = 0; j < J; ++j) acc |= ((u64)v[i0 + j] & VMW) << (j * W);
+    return (u32)(acc >> r0);
+}
+
 // Sign bits 0 .. 32/BITS-1 of s -> the sign bit of each BITS-bit lane.
 template <int BITS> BS_HD u32 bs_spread_signs(u32 s) {
     if (BITS == 32) return s << 31;

@@ -23,6 +23,7 @@ from bitsparse_core.spec.ops import mul_f32
 FMT = {"bfloat16": 0, "float16": 1, "float32": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}
 
 _SHIM = r"""
+#include <type_traits>
 #include "bitsparse_common.cuh"
 #define DISPATCH(F, ...) switch (fmt) { \
     case 0: F<0>(__VA_ARGS__); break; case 1: F<1>(__VA_ARGS__); break; \
@@ -51,6 +52,11 @@ template <int B> static void nonzero(const u32* w, u32* out, long n) {
     for (long i = 0; i < n; ++i) out[i] = bs_word_nonzero<B>(w[i]); }
 template <int B> static void quad_nonzero(const u32* w, u32* out, long n) {
     for (long i = 0; i < n; ++i) out[i] = bs_quad_nonzero<B>(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]); }
+template <int B, int W> static void window_w(const void* v, const u32* b, u32* out, long n) {
+    typedef typename std::conditional<B == 8, u8, typename std::conditional<B == 16, u16, u32>::type>::type T;
+    for (long i = 0; i < n; ++i) out[i] = bs_stream_window<W>(static_cast<const T*>(v), b[i]); }
+template <int B> static void window(int raw, const void* v, const u32* b, u32* out, long n) {
+    if (raw) window_w<B, B>(v, b, out, n); else window_w<B, B - 1>(v, b, out, n); }
 template <int B> static void spread(int raw, const u32* c, u32* out, long n) {
     for (long i = 0; i < n; ++i)
         out[i] = raw ? bs_spread<B, B>(c[i]) : bs_spread<B, B - 1>(c[i]); }
@@ -67,6 +73,8 @@ template <int B> static void expand(const u32* vals, const u32* j, const u32* mb
 extern "C" {
 void bs_nonzero(int bits, const u32* w, u32* out, long n) { BY_BITS(nonzero, w, out, n) }
 void bs_quad(int bits, const u32* w, u32* out, long n) { BY_BITS(quad_nonzero, w, out, n) }
+void bs_window(int bits, int raw, const void* v, const u32* b, u32* out, long n) {
+    BY_BITS(window, raw, v, b, out, n) }
 void bs_spread_c(int bits, int raw, const u32* c, u32* out, long n) { BY_BITS(spread, raw, c, out, n) }
 void bs_signs(int bits, const u32* s, u32* out, long n) { BY_BITS(spread_signs, s, out, n) }
 void bs_group(int bits, int raw, const u32* w, u32* out, long g) { BY_BITS(pack_group, raw, w, out, g) }
@@ -283,6 +291,30 @@ def test_spread_inverts_the_stream(lib, bits, raw):
     lib.bs_signs(ctypes.c_int(bits), _ptr(s), _ptr(out), ctypes.c_long(s.size))
     want = (((s[:, None] >> np.arange(per, dtype=np.uint32)) & 1) << (bits - 1)).astype(np.uint32)
     assert np.array_equal(_lanes(out, bits), want)
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "magnitude"])
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_stream_window_reads_the_stream(lib, bits, raw):
+    """32 stream bits at any bit position, built from the values the stream holds (sign
+    bits dropped for the magnitude width), as bitstream.pack lays them out; zeros past
+    the last value."""
+    from bitsparse_core.spec import bitstream
+    rng = np.random.default_rng(50 + bits)
+    width = bits if raw else bits - 1
+    dt = {8: np.uint8, 16: np.uint16, 32: np.uint32}[bits]
+    n = 700
+    vals = rng.integers(0, 1 << bits, n, dtype=np.uint64).astype(dt)
+    held = np.concatenate([vals, np.zeros(16, dt)])          # what a stage holds past them
+    codes = vals.astype(np.uint64) & np.uint64((1 << width) - 1)
+    stream = np.frombuffer(bitstream.pack(codes, width).tobytes() + bytes(8), dtype=np.uint8)
+    b = np.arange(0, n * width - 31, dtype=np.uint32)
+    out = np.empty(b.size, dtype=np.uint32)
+    lib.bs_window(ctypes.c_int(bits), ctypes.c_int(raw), held.ctypes.data_as(ctypes.c_void_p),
+                  _ptr(b), _ptr(out), ctypes.c_long(b.size))
+    bits_le = np.unpackbits(stream, bitorder="little").astype(np.uint64)
+    want = (bits_le[b[:, None] + np.arange(32)] << np.arange(32, dtype=np.uint64)).sum(axis=1)
+    assert np.array_equal(out, want.astype(np.uint32))
 
 
 @pytest.mark.parametrize("raw", [True, False], ids=["raw", "magnitude"])

@@ -17,24 +17,12 @@
 // the mask bytes and stage the stored values in the warp's shared memory; fold the
 // look-back; publish the inclusive count (INCL); chunk offsets; the stream words that
 // lie wholly inside the tile's bit range, each built from the staged values it holds
-// (no assembled copy of the stream); the tile's edge record for the epilogue's stitch.
+// (bs_stream_window: no assembled copy of the stream); the tile's edge record for the
+// epilogue's stitch.
 
 #ifndef PW_MIN_BLOCKS
 #define PW_MIN_BLOCKS 4
 #endif
-
-// 32 bits of a tile's W-bit stream starting at tile bit b, from its staged values
-// (codes masked to W bits; the values past the stored ones read as zeros).
-template <int W, typename T>
-__device__ __forceinline__ u32 pw_stream_word(const T* v, u32 b) {
-    const int J = (W - 1 + 32 + W - 1) / W;          // values a 32-bit window can touch
-    const u64 VMW = W >= 32 ? 0xffffffffull : ((1ull << W) - 1ull);
-    const u32 i0 = b / (u32)W, r0 = b - i0 * (u32)W;
-    u64 acc = 0;
-#pragma unroll
-    for (int j = 0; j < J; ++j) acc |= ((u64)v[i0 + j] & VMW) << (j * W);
-    return (u32)(acc >> r0);
-}
 
 template <int FMT, int ENC, int R>
 __global__ void __launch_bounds__(BS_THREADS, PW_MIN_BLOCKS)
@@ -154,13 +142,14 @@ bitsparse_pack_warp(u64 x_ptr, u64 numel, int x_aligned,
         const u64 B0 = a * (u64)W, B1 = e * (u64)W;
         const u64 k0 = (B0 + 31ull) >> 5, k1 = B1 >> 5;
         u32* out = reinterpret_cast<u32*>(values_ptr);
-        for (u64 k = k0 + lane; k < k1; k += 32) out[k] = pw_stream_word<W>(stage, (u32)((k << 5) - B0));
+        for (u64 k = k0 + lane; k < k1; k += 32) out[k] = bs_stream_window<W>(stage, (u32)((k << 5) - B0));
         if (lane == 0) {
             const u32 L = (u32)(e - a) * (u32)W;       // stored bits (a == P whenever L > 0)
             uint2 m = make_uint2(0u, 0u);
-            if (L >= 32u) m = make_uint2(pw_stream_word<W>(stage, 0u), pw_stream_word<W>(stage, L - 32u));
+            if (L >= 32u)
+                m = make_uint2(bs_stream_window<W>(stage, 0u), bs_stream_window<W>(stage, L - 32u));
             else if (L > 0u) {
-                const u32 f = pw_stream_word<W>(stage, 0u) & ((1u << L) - 1u);
+                const u32 f = bs_stream_window<W>(stage, 0u) & ((1u << L) - 1u);
                 m = make_uint2(f, f << (32u - L));
             }
             bs_edges(scratch_ptr, n_tiles)[t] = make_uint4(m.x, m.y, 0u, 0u);
