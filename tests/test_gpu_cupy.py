@@ -386,8 +386,9 @@ def test_torch_allocator_sees_memory(request):
 
 def test_torch_block_is_counted_and_given_back():
     """``torch_buffer`` (the backends' route for torch data) takes a block of torch's
-    caching allocator by address: counted while held, on the stream it names (a side
-    stream's block is not handed to another stream), given back when dropped."""
+    caching allocator by address: counted while held, given back when dropped, and
+    kept in the pool of the stream it names (the side stream's freed block is what
+    the side stream's next request of that size gets)."""
     torch = pytest.importorskip("torch")
     side = torch.cuda.Stream()
     dev = torch.cuda.current_device()
