@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                 block = torch.zeros(plan.nbytes + scratch_bytes, dtype=torch.uint8, device="cuda")
                 b = block.data_ptr()
                 smem = 8 * ((tile + 16 + 7) & ~7) * size
-                grid = driver.resident_blocks(func, abi.THREADS, smem, dev) * driver.sm_count(dev)
+                grid = driver.resident_blocks(func, abi.THREADS, smem, dev)
                 args = abi.PackArgs().set(
                     x=x.data_ptr(), numel=a.numel, x_aligned=1, mask=b + mo, mask_len=ml,
                     offsets=b + oo, off64=0, chunk_log2=12, values=b + vo, signs=b + so, cap=nnz,
@@ -95,13 +95,19 @@ def main(argv=None) -> int:
                     run()
                 stream.synchronize()
                 got = cupy.asarray(block)
-                same = all(bool((got[o:o + n] == cupy.asarray(p).view(cupy.uint8)).all())
-                           for o, n, p in ((mo, ml, ref.mask), (oo, ol, ref.offsets),
-                                           (vo, vl, ref.values)))
+                wrong = []
+                for plane, o, n, p in (("mask", mo, ml, ref.mask), ("offsets", oo, ol, ref.offsets),
+                                       ("values", vo, vl, ref.values)):
+                    bad = cupy.flatnonzero(got[o:o + n] != cupy.asarray(p).view(cupy.uint8))
+                    if bad.size:
+                        wrong.append(f"{plane}: {int(bad.size)} bytes from byte {int(bad[0])} of {n}")
                 st = got[plan.status_offset:plan.status_offset + 16].get()
-                same = same and int(st[:4].view("<u4")[0]) == 0 and int(st[8:].view("<u8")[0]) == nnz
-                if not same:
-                    print(f"{dname} | {sp} | {1e3 * base_ms:.1f} | {rounds} | DIFFERS | -", flush=True)
+                status, count = int(st[:4].view("<u4")[0]), int(st[8:].view("<u8")[0])
+                if status != 0 or count != nnz:
+                    wrong.append(f"status {status} count {count} (want 0, {nnz})")
+                if wrong:
+                    print(f"{dname} | {sp} | {1e3 * base_ms:.1f} | {rounds} | DIFFERS | - | "
+                          + "; ".join(wrong), flush=True)
                     continue
                 ms = timer(run)
                 print(f"{dname} | {sp} | {1e3 * base_ms:.1f} | {rounds} | {1e3 * ms:.1f} | "

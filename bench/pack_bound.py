@@ -1,0 +1,110 @@
+"""Upper bounds of the fixed-capacity pack kernel: bitsparse_pack with parts of its
+work taken out, timed beside the unchanged kernel in one run (issue 20).
+
+Variants (text edits of kernels/bitsparse_pack.cu, compiled here; the package's
+kernel is not touched):
+
+* ``prod``: the kernel as it is, compiled the same way (checks the harness);
+* ``nolb``: no decoupled look-back: each tile takes ``tile * (cap / n_tiles)`` as its
+  offset instead of folding its predecessors' counts (the block barriers stay), so
+  the time left is the kernel without the coupling between blocks;
+* ``nolb-nowrite``: ``nolb`` without the value-stream words (the mask, offsets and
+  edges are still written): what the stream's assembly and stores cost.
+
+The edited kernels write wrong planes on purpose; only their time is read. Each is
+launched through the production plan and argument record (``host._pack_launch``'s
+cached launch gets the variant's function for the timed calls).
+
+    python bench/pack_bound.py [--numel 134217728] [--reps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+FOLD = re.compile(r"            // Each warp folds its windows;.*?\n            }\n        }\n", re.S)
+STREAM = "        bs_copy_inner<W>(reinterpret_cast<u32*>(values_ptr), A, a, e);\n"
+
+
+def variant_source(src: str, name: str) -> str:
+    if name == "prod":
+        return src
+    fold = FOLD.search(src)
+    if fold is None:
+        raise SystemExit("pack_bound: the look-back fold was not found in bitsparse_pack.cu")
+    src = src[:fold.start()] + ("            P = tile * (cap / n_tiles);\n"
+                                "            __syncthreads();\n        }\n") + src[fold.end():]
+    if name == "nolb-nowrite":
+        if STREAM not in src:
+            raise SystemExit("pack_bound: the stream store was not found in bitsparse_pack.cu")
+        src = src.replace(STREAM, "")
+    return src
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=1 << 27)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--sparsities", default="0.5,0.9,0.99")
+    ap.add_argument("--variants", default="prod,nolb,nolb-nowrite")
+    a = ap.parse_args(argv)
+    import cupy
+    import torch
+
+    import bitsparse_core as bc
+    from bench_codecs import Timer, relu_like
+    from bitsparse_core import dtypes as D
+    from bitsparse_core.backends.cuda import abi, driver, host
+    from bitsparse_core.backends.cupy import kernels as ck
+    from bitsparse_core.spec.format import Encoding
+
+    dev = torch.cuda.current_device()
+    stream = torch.cuda.Stream()
+    timer = Timer(torch, stream, a.reps)
+    src = ck._source("bitsparse_pack.cu")
+    mods = {}
+    print(f"{torch.cuda.get_device_name()}, {a.numel} elements, nosign, fixed capacity K = nnz; "
+          f"median of {a.reps}; us (bitsparse_pack = the package's kernel)")
+    print("dtype | sparsity | bitsparse_pack | " + " | ".join(a.variants.split(",")))
+    for dname, tdt in (("bfloat16", torch.bfloat16), ("float8_e4m3fn", torch.float8_e4m3fn)):
+        dt = D.resolve(dname)
+        fmt = abi.BITS_FMT[dt.bits]
+        name = "bitsparse_pack<%d,%d,%d,%d>" % (fmt, int(Encoding.NOSIGN), int(abi.Mode.PACK),
+                                                abi.PACK_ROUNDS)
+        for sp in (float(v) for v in a.sparsities.split(",")):
+            x = relu_like(torch, a.numel, sp, tdt, seed=int(sp * 1000))
+            nnz = int(torch.count_nonzero(x.view(torch.uint8 if dt.itemsize == 1 else torch.int16)))
+
+            def call():
+                return bc.pack(x, encoding="nosign", capacity=nnz, backend="cupy", stream=stream)
+            call()
+            base = timer(call)
+            plan = host.pack_plan(tuple(x.shape), dt, Encoding.NOSIGN, nnz, 12)
+            L = host._pack_launch(plan, dev)
+            keep = (L.pack, L.grid)
+            row = []
+            for v in a.variants.split(","):
+                key = (v, name)
+                if key not in mods:
+                    mods[key] = cupy.RawModule(code=variant_source(src, v),
+                                               options=("-std=c++17",), name_expressions=(name,))
+                func = int(mods[key].get_function(name).kernel.ptr)
+                try:
+                    L.pack = func
+                    L.grid = min(plan.n_tiles, driver.resident_blocks(func, abi.THREADS, plan.smem, dev))
+                    row.append(timer(call))
+                finally:
+                    L.pack, L.grid = keep
+            print(f"{dname} | {sp} | {1e3 * base:.1f} | "
+                  + " | ".join(f"{1e3 * ms:.1f}" for ms in row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
