@@ -9,7 +9,11 @@ kernel is not touched):
   offset instead of folding its predecessors' counts (the block barriers stay), so
   the time left is the kernel without the coupling between blocks;
 * ``nolb-nowrite``: ``nolb`` without the value-stream words (the mask, offsets and
-  edges are still written): what the stream's assembly and stores cost.
+  edges are still written): what the stream's assembly and stores cost;
+* ``cached``: every whole tile loads the first tile's 16-byte vectors (in L1 / L2 after
+  the first), so the loads cost a cache hit, not a DRAM round trip; everything else,
+  the look-back included, as it is: whether the pack waits on its loads (a time well
+  under ``prod``'s) or on its own work (about ``prod``'s).
 
 The edited kernels write wrong planes on purpose; only their time is read. Each is
 launched through the production plan and argument record (``host._pack_launch``'s
@@ -32,9 +36,16 @@ FOLD = re.compile(r"            // Each warp folds its windows;.*?\n            
 STREAM = "        bs_copy_inner<W>(reinterpret_cast<u32*>(values_ptr), A, a, e);\n"
 
 
+LOAD = "reinterpret_cast<const uint4*>(x + base) + (warp * (SEG / V) + lane)"
+
+
 def variant_source(src: str, name: str) -> str:
     if name == "prod":
         return src
+    if name == "cached":
+        if LOAD not in src:
+            raise SystemExit("pack_bound: the whole-tile load was not found in bitsparse_pack.cu")
+        return src.replace(LOAD, "reinterpret_cast<const uint4*>(x) + (warp * (SEG / V) + lane)")
     fold = FOLD.search(src)
     if fold is None:
         raise SystemExit("pack_bound: the look-back fold was not found in bitsparse_pack.cu")
@@ -52,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--numel", type=int, default=1 << 27)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sparsities", default="0.5,0.9,0.99")
-    ap.add_argument("--variants", default="prod,nolb,nolb-nowrite")
+    ap.add_argument("--variants", default="prod,nolb,nolb-nowrite,cached")
     a = ap.parse_args(argv)
     import cupy
     import torch

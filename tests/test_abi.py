@@ -17,7 +17,6 @@ RECORDS = {
     ("bitsparse_unpack.cu", "bitsparse_unpack"): abi.UnpackArgs,
     ("bitsparse_unpack.cu", "bitsparse_mask_select"): abi.MaskSelectArgs,
     ("bitsparse_unpack.cu", "bitsparse_tile_counts"): abi.TileCountsArgs,
-    ("bitsparse_copy.cu", "bitsparse_copy_spans"): abi.CopySpansArgs,
 }
 _WIDTH = {"u64": ctypes.c_uint64, "int": ctypes.c_int32}
 
@@ -123,32 +122,6 @@ def test_split_exact_pack_and_its_tail_shrink(encoding):
                 assert np.array_equal(dst[:vl], src[:vl])
                 so, bso = small.tail_signs_offset, big.tail_signs_offset
                 assert np.array_equal(dst[so:so + sl], src[bso:bso + sl])
-
-
-def test_tail_shrink_is_one_copy_kernel_launch(monkeypatch):
-    """The shrink's copies go to the device as one ``bitsparse_copy_spans`` launch (not a
-    driver copy each): the record holds both spans at the tails' addresses, an absent
-    second span is zero bytes, and the grid covers the larger span (capped at the
-    blocks that fit at once)."""
-    from bitsparse_core.backends.cuda import driver, host
-    launches = []
-    monkeypatch.setattr(host, "kernel", lambda device, *key: ("func", device) + key)
-    monkeypatch.setattr(driver, "resident_blocks", lambda func, block, smem, device: 1056)
-    monkeypatch.setattr(driver, "launch", lambda func, grid, block, smem, stream, rec:
-                        launches.append((func, grid, block, smem, stream,
-                                         [getattr(rec, f) for f, _ in rec._fields_])))
-    monkeypatch.setattr(driver, "copy", lambda *a: pytest.fail("a driver copy was queued"))
-    monkeypatch.setattr(host._RECORDS, "copy", {}, raising=False)
-    host.enqueue_tail_shrink(((0, 0, 5000), (5056, 8192, 40)), 1 << 20, 1 << 30, 3, 77)
-    host.enqueue_tail_shrink(((0, 0, 1 << 30),), 1 << 20, 1 << 40, 3, 77)
-    host.enqueue_tail_shrink((), 1 << 20, 1 << 30, 3, 77)
-    assert launches == [
-        (("func", 3, "copy_spans"), 2, abi.THREADS, 0, 77,
-         [1 << 30, 1 << 20, 5000, (1 << 30) + 5056, (1 << 20) + 8192, 40]),
-        (("func", 3, "copy_spans"), 1056, abi.THREADS, 0, 77,
-         [1 << 40, 1 << 20, 1 << 30, 0, 0, 0])]
-    with pytest.raises(ValueError, match="two spans"):
-        host.enqueue_tail_shrink(((0, 0, 1),) * 3, 0, 0, 3, 77)
 
 
 def test_exact_pack_queues_its_copies_before_building_the_exact_plan(monkeypatch):

@@ -405,30 +405,6 @@ def test_torch_block_is_counted_and_given_back():
     assert ci.torch_buffer(0, dev, 0).ptr == 0
 
 
-def test_shrink_copy_kernel_copies_both_spans_exactly(request):
-    """``host.enqueue_tail_shrink`` (the exact pack's shrink, one kernel for the values and
-    the signs) against the bytes it was given: whole vectors, byte tails, unaligned
-    addresses, an empty second span, spans larger than one grid's sweep; the bytes
-    around each destination span keep their values."""
-    from bitsparse_core.backends.cuda import host
-    rng = _rng(request)
-    stream = cp.cuda.get_current_stream()
-    device = cp.cuda.runtime.getDevice()
-    for n0, n1, shift in ((1, 0, 0), (15, 17, 0), (16, 4096, 0), (4097, 3, 1),
-                          (65536 * 16 + 5, 64, 0), (300001, 7, 3), (40 << 20, 1 << 20, 0)):
-        d1 = ((n0 + shift + 63) & ~63) + 64 + shift     # the signs' span, past the values'
-        s1 = n0 + 128 + shift
-        src = cp.asarray(rng.integers(0, 256, s1 + n1 + 64, dtype=np.uint8))
-        dst = cp.asarray(rng.integers(0, 256, d1 + n1 + 64, dtype=np.uint8))
-        want = dst.copy()
-        copies = tuple(c for c in ((shift, 0, n0), (d1, s1, n1)) if c[2])
-        for d, s_, n in copies:
-            want[d:d + n] = src[s_:s_ + n]
-        host.enqueue_tail_shrink(copies, src.data.ptr, dst.data.ptr, device, stream.ptr)
-        stream.synchronize()
-        assert bool((dst == want).all()), (n0, n1, shift)
-
-
 def test_torch_data_defaults_to_torch_stream_and_allocator(request):
     """On torch CUDA tensors, calls that name no stream / allocator run as torch's own
     ops: on torch's current stream, with memory torch counts; the packed tensor's ops

@@ -165,9 +165,3 @@ class MaskSelectArgs(_Args):
 class TileCountsArgs(_Args):
     """``bitsparse_tile_counts<FMT, R>``: set mask bits per unpack tile."""
     _fields_ = [("mask", _U64), ("mask_len", _U64), ("numel", _U64), ("counts", _U64)]
-
-
-class CopySpansArgs(_Args):
-    """``bitsparse_copy_spans`` (bitsparse_copy.cu): two byte spans copied in one launch."""
-    _fields_ = [("dst0", _U64), ("src0", _U64), ("n0", _U64), ("dst1", _U64), ("src1", _U64),
-                ("n1", _U64)]

@@ -279,32 +279,10 @@ def enqueue_pack_split(plan: PackPlan, device: int, stream: int, x: int, head: i
                         zero_tail=False, slot=slot)
 
 
-class _CopyLaunch:
-    """``bitsparse_copy_spans`` on one device and the most blocks worth launching (as
-    many as fit at once: a grid-stride copy gains nothing from more)."""
-
-    def __init__(self, device: int):
-        self.func = kernel(device, "copy_spans")
-        self.max_grid = driver.resident_blocks(self.func, abi.THREADS, 0, device)
-        self.args = abi.CopySpansArgs()
-
-
-def enqueue_tail_shrink(copies: tuple, src_tail: int, dst_tail: int, device: int,
-                        stream: int) -> None:
-    """Queue :func:`tail_shrink`'s copies (at most two: the values and the signs) from a
-    worst-case tail into an exact-size one, as one kernel launch."""
-    if not copies:
-        return
-    if len(copies) > 2:
-        raise ValueError(f"enqueue_tail_shrink: {len(copies)} copies; a tail has two spans")
-    L = _launch("copy", device, lambda: _CopyLaunch(device))
-    (d0, s0, n0), (d1, s1, n1) = (tuple(copies) + ((0, 0, 0),))[:2]
-    r = L.args
-    r.dst0, r.src0, r.n0 = dst_tail + d0, src_tail + s0, n0
-    r.dst1, r.src1, r.n1 = (dst_tail + d1, src_tail + s1, n1) if n1 else (0, 0, 0)
-    per_block = 16 * abi.THREADS
-    driver.launch(L.func, min(L.max_grid, -(-max(n0, n1) // per_block)), abi.THREADS, 0,
-                  stream, r)
+def enqueue_tail_shrink(copies: tuple, src_tail: int, dst_tail: int, stream: int) -> None:
+    """Queue :func:`tail_shrink`'s copies from a worst-case tail into an exact-size one."""
+    for d, s, n in copies:
+        driver.copy(dst_tail + d, src_tail + s, n, stream)
 
 
 # --------------------------------------------------------------------------- #

@@ -108,7 +108,7 @@ class _CupySteps:
         head, tail = block
         nbytes, copies = host.tail_shrink(plan, nnz)
         out = ci.allocate(nbytes, self.t.device, self.s, self.allocator)
-        host.enqueue_tail_shrink(copies, tail.ptr, out.ptr, self.t.device, self.s)
+        host.enqueue_tail_shrink(copies, tail.ptr, out.ptr, self.s)
         return head, out
 
     def packed(self, plan, block, nnz, pending_status):

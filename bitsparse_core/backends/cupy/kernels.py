@@ -42,8 +42,6 @@ def kernel_spec(kind: str, *args) -> tuple:
         return "bitsparse_unpack.cu", "bitsparse_mask_select<%d>" % args
     if kind == "tile_counts":
         return "bitsparse_unpack.cu", "bitsparse_tile_counts<%d,%d>" % args
-    if kind == "copy_spans":
-        return "bitsparse_copy.cu", "bitsparse_copy_spans"
     raise KeyError(kind)
 
 
@@ -99,7 +97,6 @@ def all_kernel_keys(sweep_rounds=()) -> list:
             keys.append(("unpack", fmt, abi.Op.UNPACK, ru, enc, 0))
         keys += [("mask_select", fmt), ("tile_counts", fmt, ru),
                  ("tile_counts", fmt, abi.unpack_rounds(dt, abi.Op.RELU2))]
-    keys.append(("copy_spans",))
     for r in sweep_rounds:
         for fmt in (abi.Fmt.BF16, abi.Fmt.E4M3):
             keys += [("pack", fmt, int(Encoding.NOSIGN), abi.Mode.PACK, r),
