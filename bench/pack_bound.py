@@ -13,7 +13,11 @@ kernel is not touched):
 * ``cached``: every whole tile loads the first tile's 16-byte vectors (in L1 / L2 after
   the first), so the loads cost a cache hit, not a DRAM round trip; everything else,
   the look-back included, as it is: whether the pack waits on its loads (a time well
-  under ``prod``'s) or on its own work (about ``prod``'s).
+  under ``prod``'s) or on its own work (about ``prod``'s);
+* ``nostage``, ``noassemble``, ``nomask``, ``nob2``: ``prod`` without, in turn, the
+  staging of stored values in shared memory, the assembly of the W-bit stream from
+  them, the mask stores, and the barrier between staging and assembly (a race: timing
+  only). Each says what one step costs where the others stay; ``a+b`` applies both.
 
 The edited kernels write wrong planes on purpose; only their time is read. Each is
 launched through the production plan and argument record (``host._pack_launch``'s
@@ -39,9 +43,30 @@ STREAM = "        bs_copy_inner<W>(reinterpret_cast<u32*>(values_ptr), A, a, e);
 LOAD = "reinterpret_cast<const uint4*>(x + base) + (warp * (SEG / V) + lane)"
 
 
+# name -> (text of bitsparse_pack.cu, what replaces it)
+CUTS = {
+    "nostage": ("            T* p = stage + j;\n#pragma unroll\n            for (int i = 0; i < V; ++i)\n"
+                "                if ((bits[r] >> i) & 1u) *p++ = bs_lane<T>(vec[r], i);\n", ""),
+    "noassemble": ("                bs_pack_group<BITS, W>(words, buf.a + q * W);\n",
+                   "                buf.a[q * W] = words[0] ^ words[BITS - 1];\n"),
+    "nomask": ("            bs_store_mask<V, R>(reinterpret_cast<u8*>(mask_ptr) + (tile_base >> 3), bits,\n"
+               "                                (u32)(warp * SEG), rem, lane);\n", "            ;\n"),
+    "nob2": ("        __syncthreads();                                                   // B2\n", ""),
+}
+
+
 def variant_source(src: str, name: str) -> str:
+    if "+" in name:                 # cuts applied in turn, e.g. nolb-nowrite+nostage
+        for part in name.split("+"):
+            src = variant_source(src, part)
+        return src
     if name == "prod":
         return src
+    if name in CUTS:
+        old, new = CUTS[name]
+        if src.count(old) != 1:
+            raise SystemExit(f"pack_bound: {name}'s text was not found once in bitsparse_pack.cu")
+        return src.replace(old, new)
     if name == "cached":
         if LOAD not in src:
             raise SystemExit("pack_bound: the whole-tile load was not found in bitsparse_pack.cu")
@@ -63,7 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--numel", type=int, default=1 << 27)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sparsities", default="0.5,0.9,0.99")
-    ap.add_argument("--variants", default="prod,nolb,nolb-nowrite,cached")
+    ap.add_argument("--variants", default="prod,nolb,nolb-nowrite,cached,nostage,noassemble,nomask,nob2,"
+                    "nolb-nowrite+nostage+noassemble+nomask")
     a = ap.parse_args(argv)
     import cupy
     import torch
