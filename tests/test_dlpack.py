@@ -620,3 +620,32 @@ def test_gpu_unpack_result_follows_the_protocol(name):
                                                       x.cpu().view(torch.uint8))
     with pytest.raises((BufferError, ValueError)):
         torch.from_dlpack(y, device="cpu", copy=False)
+
+
+def test_torch_block_on_the_current_device_skips_the_device_switch(monkeypatch):
+    """``interop.torch_buffer`` takes a block on torch's current device straight from the
+    binding torch's ``caching_allocator_alloc`` calls, and on another device (or before
+    torch has set CUDA up) through that function; either way a ``TorchBlock`` gives it
+    back through torch's delete, and the legacy default stream (1) asks for the null
+    stream's pool."""
+    torch = pytest.importorskip("torch")
+    from bitsparse_core.backends.cuda import interop as ci
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc",
+                        lambda n, s: calls.append(("raw", n, s)) or 4096, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete",
+                        lambda p: calls.append(("delete", p)), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "caching_allocator_alloc",
+                        lambda n, d, s: calls.append(("public", n, d, s)) or 8192)
+    b = ci.torch_buffer(100, 1, 1)
+    assert (b.ptr, b.nbytes, b.device) == (4096, 100, 1)
+    c = ci.torch_buffer(200, 0, 77)
+    assert c.ptr == 8192
+    del b, c
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    ci.torch_buffer(300, 1, 77)
+    assert calls == [("raw", 100, 0), ("public", 200, 0, 77), ("delete", 4096), ("delete", 8192),
+                     ("public", 300, 1, 77), ("delete", 8192)]
+    assert ci.torch_buffer(0, 1, 77).owner is None and len(calls) == 6
