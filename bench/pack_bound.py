@@ -20,8 +20,9 @@ kernel is not touched):
   only). Each says what one step costs where the others stay; ``a+b`` applies both.
 
 The edited kernels write wrong planes on purpose; only their time is read. Each is
-launched through the production plan and argument record (``host._pack_launch``'s
-cached launch gets the variant's function for the timed calls).
+launched through the production path and argument record: while a variant is timed,
+the driver's cooperative launch of the package's kernel launches the variant instead
+(with the grid that fits it), and the bench checks that every timed call did.
 
     python bench/pack_bound.py [--numel 134217728] [--reps 10]
 """
@@ -122,9 +123,10 @@ def main(argv=None) -> int:
                 return bc.pack(x, encoding="nosign", capacity=nnz, backend="cupy", stream=stream)
             call()
             base = timer(call)
-            plan = host.pack_plan(tuple(x.shape), dt, Encoding.NOSIGN, nnz, 12)
-            L = host._pack_launch(plan, dev)
-            keep = (L.pack, L.grid)
+            plan = host.pack_plan(tuple(x.shape), dt, Encoding.NOSIGN, nnz, 12, abi.Mode.PACK)
+            prod_func = host.kernel(dev, "pack", fmt, int(Encoding.NOSIGN), int(abi.Mode.PACK),
+                                    abi.PACK_ROUNDS)
+            real = driver.launch_cooperative
             row = []
             for v in a.variants.split(","):
                 key = (v, name)
@@ -132,12 +134,23 @@ def main(argv=None) -> int:
                     mods[key] = cupy.RawModule(code=variant_source(src, v),
                                                options=("-std=c++17",), name_expressions=(name,))
                 func = int(mods[key].get_function(name).kernel.ptr)
+                grid = min(plan.n_tiles, driver.resident_blocks(func, abi.THREADS, plan.smem, dev))
+                swaps = []
+
+                def swapped(f, g, block, smem, stream, args):
+                    if f == prod_func:
+                        swaps.append(1)
+                        f, g = func, grid
+                    return real(f, g, block, smem, stream, args)
                 try:
-                    L.pack = func
-                    L.grid = min(plan.n_tiles, driver.resident_blocks(func, abi.THREADS, plan.smem, dev))
-                    row.append(timer(call))
+                    driver.launch_cooperative = swapped
+                    ms = timer(call)
                 finally:
-                    L.pack, L.grid = keep
+                    driver.launch_cooperative = real
+                if len(swaps) < a.reps:
+                    raise SystemExit(f"pack_bound: {v} was launched {len(swaps)} times, not on "
+                                     f"every timed call")
+                row.append(ms)
             print(f"{dname} | {sp} | {1e3 * base:.1f} | "
                   + " | ".join(f"{1e3 * ms:.1f}" for ms in row), flush=True)
     return 0
