@@ -37,12 +37,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+# The texts of kernels/bitsparse_pack.cu the variants edit.
 FOLD = re.compile(r"            // Each warp folds its windows;.*?\n            }\n        }\n", re.S)
 STREAM = "        bs_copy_inner<W>(reinterpret_cast<u32*>(values_ptr), A, a, e);\n"
-
-
 LOAD = "reinterpret_cast<const uint4*>(x + base) + (warp * (SEG / V) + lane)"
-
+VARIANTS = ("prod", "nolb", "nolb-nowrite", "cached", "nostage", "noassemble", "nomask", "nob2")
+FLOOR = "nolb-nowrite+nostage+noassemble+nomask"     # what no cut above can take away
 
 # name -> (text of bitsparse_pack.cu, what replaces it)
 CUTS = {
@@ -72,6 +72,8 @@ def variant_source(src: str, name: str) -> str:
         if LOAD not in src:
             raise SystemExit("pack_bound: the whole-tile load was not found in bitsparse_pack.cu")
         return src.replace(LOAD, "reinterpret_cast<const uint4*>(x) + (warp * (SEG / V) + lane)")
+    if name not in ("nolb", "nolb-nowrite"):
+        raise SystemExit(f"pack_bound: no variant {name!r} (known: {', '.join(VARIANTS)})")
     fold = FOLD.search(src)
     if fold is None:
         raise SystemExit("pack_bound: the look-back fold was not found in bitsparse_pack.cu")
@@ -89,8 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--numel", type=int, default=1 << 27)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sparsities", default="0.5,0.9,0.99")
-    ap.add_argument("--variants", default="prod,nolb,nolb-nowrite,cached,nostage,noassemble,nomask,nob2,"
-                    "nolb-nowrite+nostage+noassemble+nomask")
+    ap.add_argument("--variants", default=",".join(VARIANTS + (FLOOR,)))
     a = ap.parse_args(argv)
     import cupy
     import torch
