@@ -5,7 +5,8 @@ fixed capacity K = nnz into a block laid out by the production plan, its mask, o
 values and status are compared byte for byte with ``bc.pack``'s (CuPy backend), and
 both are timed as ``bench_codecs.py`` times them (CUDA events, L2 flushed, a GPU sleep
 hiding the host; the scratch fill counted in both). A prototype that differs in one
-byte is reported and not timed.
+byte is reported (which plane, from which byte) and not timed. Session 19 measured it
+1.4-2.0 x bitsparse_pack's time (bench/NOTES.md).
 
     python bench/pack_warp_proto.py [--numel 134217728] [--reps 10] [--rounds 4,8]
 """
