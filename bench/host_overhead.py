@@ -99,6 +99,7 @@ import datetime
 import gc
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -198,9 +199,21 @@ def _version(modname: str):
 
 
 def _git_commit():
+    """The tree measured: ``BITSPARSE_TREE`` where the caller names it (a copy of a
+    working tree, as the device machine gets, keeps an older HEAD), else HEAD, marked
+    ``-dirty`` when tracked files differ from it."""
+    named = os.environ.get("BITSPARSE_TREE")
+    if named:
+        return named
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
+        head = git("rev-parse", "HEAD")
+        if head and git("status", "--porcelain", "--untracked-files=no"):
+            head += "-dirty"
+        return head or None
     except Exception:  # noqa: BLE001
         return None
 
