@@ -47,7 +47,6 @@ machine.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -311,7 +310,7 @@ def torch_buffer(nbytes: int, device: int, stream: int) -> DeviceBuffer:
     the device switch that function makes around it (a few µs per op)."""
     if nbytes == 0:
         return DeviceBuffer(0, 0, device, None)
-    torch = sys.modules.get("torch") or importlib.import_module("torch")
+    import torch
     s = 0 if stream == 1 else stream
     C = torch._C
     raw = getattr(C, "_cuda_cudaCachingAllocator_raw_alloc", None)
