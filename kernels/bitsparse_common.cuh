@@ -17,9 +17,11 @@ typedef long long i64;
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define BS_HD __host__ __device__ __forceinline__
+#define BS_HD_MEMBER __host__ __device__ __forceinline__
 #define BS_D __device__ __forceinline__
 #else
 #define BS_HD static inline
+#define BS_HD_MEMBER inline
 #endif
 
 // Format ids (BS_BF16 ...) come from bitsparse_abi.h.
@@ -124,17 +126,24 @@ template <int FMT> BS_HD u32 bs_from_f32(u32 f) {
 // The float32 product as NumPy computes it on x86-64: IEEE round-to-nearest-
 // even with subnormals; a NaN result is the first NaN operand made quiet, or
 // the default NaN 0xffc00000 (inf * 0).
-BS_HD u32 bs_mul_f32(u32 a, u32 b) {
-    u32 r;
+BS_HD u32 bs_fmul(u32 a, u32 b) {      // the bare IEEE product, any NaN
 #if defined(__CUDA_ARCH__)
+    u32 r;
     asm("mul.rn.f32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));  // no .ftz
+    return r;
 #else
     union { u32 u; float f; } x, y, z;
     x.u = a; y.u = b;
     z.f = x.f * y.f;
-    r = z.u;
+    return z.u;
 #endif
-    if ((r & 0x7fffffffu) > 0x7f800000u) {
+}
+
+BS_HD bool bs_f32_nan(u32 f) { return (f & 0x7fffffffu) > 0x7f800000u; }
+
+BS_HD u32 bs_mul_f32(u32 a, u32 b) {
+    const u32 r = bs_fmul(a, b);
+    if (bs_f32_nan(r)) {
         if ((a & 0x7fffffffu) > 0x7f800000u) return a | 0x400000u;
         if ((b & 0x7fffffffu) > 0x7f800000u) return b | 0x400000u;
         return 0xffc00000u;
@@ -154,6 +163,103 @@ template <int FMT> BS_HD u32 bs_relu2_grad(u32 g, u32 r) {
     const u32 two_r = bs_mul_f32(0x40000000u, bs_to_f32<FMT>(r));
     return bs_from_f32<FMT>(bs_mul_f32(bs_to_f32<FMT>(g), two_r));
 }
+
+// ------------------------------------------------------------------------- //
+// The fused ops' arithmetic a word at a time                                  //
+// ------------------------------------------------------------------------- //
+// The per-element functions above spend ~20 instructions on an element, most of
+// them on NaN and rounding rules that only NaNs need. The fused kernels instead
+// take a word (two 16-bit elements, or one fp32) to float32, compute with bare
+// IEEE products, and round both lanes with one hardware conversion; a vector in
+// which any result is NaN is redone by the per-element functions. Without a NaN
+// the two agree bit for bit: the products are the same mul.rn.f32, and round to
+// nearest even is what bs_from_f32 computes for every non-NaN input.
+
+// -D switch for bench/bench_fused.py's A/B runs: the per-element functions for
+// every element, as before the word path.
+#ifndef BS_FUSED_PER_ELEMENT
+#define BS_FUSED_PER_ELEMENT 0
+#endif
+
+// ReLU of every element of a word: lanes relu drops (negative, -0.0) become +0,
+// NaNs stay (bs_relu_keeps). Per lane, a NaN test carries the magnitude plus
+// (max magnitude - largest non-NaN magnitude) into the sign position.
+template <int FMT> BS_HD u32 bs_relu_word(u32 w) {
+    const int BITS = Fmt<FMT>::BITS;
+    const u32 lanes = BITS == 32 ? 1u : BITS == 16 ? 0x00010001u : 0x01010101u;
+    const u32 sign = lanes << (BITS - 1);
+    const u32 top = (1u << (BITS - 1)) - 1u;
+    const u32 lim = FMT == BS_E4M3 ? 0x7eu : ((1u << Fmt<FMT>::EXP) - 1u) << Fmt<FMT>::MAN;
+    const u32 nan = ((w & ~sign) + (top - lim) * lanes) & sign;
+    const u32 drop = (w & sign) & ~nan;
+    const u32 lane_ones = BITS == 32 ? 0xffffffffu : (u32)((1ull << BITS) - 1ull);
+    return w & ~((drop >> (BITS - 1)) * lane_ones);
+}
+
+// Whether float32 bits f are > 0 and not NaN (bs_positive of the narrow value).
+BS_HD bool bs_f32_positive(u32 f) { return f - 1u < 0x7f800000u; }
+
+// The two 16-bit lanes of a word widened to float32 bits (exact).
+template <int FMT> BS_HD void bs_widen2(u32 w, u32& lo, u32& hi) {
+    if (FMT == BS_BF16) { lo = w << 16; hi = w & 0xffff0000u; return; }
+#if defined(__CUDA_ARCH__)
+    float a, b;
+    asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
+        : "=f"(a), "=f"(b) : "r"(w));
+    lo = __float_as_uint(a); hi = __float_as_uint(b);
+#else
+    lo = bs_to_f32<FMT>(w & 0xffffu); hi = bs_to_f32<FMT>(w >> 16);
+#endif
+}
+
+// Two float32 values (not NaN) rounded to nearest even into the lanes of a word.
+template <int FMT> BS_HD u32 bs_narrow2(u32 lo, u32 hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 r;
+    if (FMT == BS_BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "r"(hi), "r"(lo));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "r"(hi), "r"(lo));
+    return r;
+#else
+    return bs_from_f32<FMT>(lo) | (bs_from_f32<FMT>(hi) << 16);
+#endif
+}
+
+// f lane by lane over words a, b, c of 16- or 32-bit elements: f takes and returns
+// float32 bits; the result is rounded to FMT, and `nan` is set where f gave a NaN
+// (that lane of the result is then unspecified).
+template <int FMT, typename F> BS_HD u32 bs_word_f32(u32 a, u32 b, u32 c, F f, bool& nan) {
+    if (Fmt<FMT>::BITS == 32) {
+        const u32 r = f(a, b, c);
+        nan |= bs_f32_nan(r);
+        return r;
+    }
+    u32 a0, a1, b0, b1, c0, c1;
+    bs_widen2<FMT>(a, a0, a1);
+    bs_widen2<FMT>(b, b0, b1);
+    bs_widen2<FMT>(c, c0, c1);
+    const u32 r0 = f(a0, b0, c0), r1 = f(a1, b1, c1);
+    nan |= bs_f32_nan(r0) | bs_f32_nan(r1);
+    return bs_narrow2<FMT>(r0, r1);
+}
+
+// The fused ops' lane functions on float32 bits (bs_relu2_grad, bs_mul_round, and the
+// gated op's masked product), without their NaN rules.
+struct BsRelu2Grad {    // (g, r): g (2 r) where r > 0, else +0
+    BS_HD_MEMBER u32 operator()(u32 g, u32 r, u32) const {
+        return bs_f32_positive(r) ? bs_fmul(g, bs_fmul(0x40000000u, r)) : 0u;
+    }
+};
+struct BsSquare {       // (r): r r
+    BS_HD_MEMBER u32 operator()(u32 r, u32, u32) const { return bs_fmul(r, r); }
+};
+struct BsProduct {      // (a, b): a b
+    BS_HD_MEMBER u32 operator()(u32 a, u32 b, u32) const { return bs_fmul(a, b); }
+};
+struct BsGatedProduct { // (g, u, r): g u where r > 0, else +0
+    BS_HD_MEMBER u32 operator()(u32 g, u32 u, u32 r) const {
+        return bs_f32_positive(r) ? bs_fmul(g, u) : 0u;
+    }
+};
 
 // ------------------------------------------------------------------------- //
 // Word-at-a-time bit tricks of the codec kernels (host-testable)              //

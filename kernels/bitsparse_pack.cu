@@ -144,6 +144,35 @@ template <int BITS> __device__ __forceinline__ u32 bs_vec_nonzero(const uint4& v
     return bs_quad_nonzero<BITS>(v.x, v.y, v.z, v.w);
 }
 
+// relu_pack(square=True)'s output: every element squared, rounded as bs_mul_round
+// does; a word at a time in float32 (bs_word_f32) unless a square is NaN or the
+// elements are fp8, then per element. The per-element path is out of line where
+// it is the rare one (it would otherwise hold registers the tile loop needs).
+template <int FMT> __device__ __forceinline__ uint4 bs_square_vec_exact(uint4 v) {
+    typedef typename Fmt<FMT>::T T;
+#pragma unroll
+    for (int i = 0; i < 16 / (int)sizeof(T); ++i) {
+        const u32 e = (u32)bs_lane<T>(v, i);
+        bs_set_lane<T>(v, i, (T)bs_mul_round<FMT>(e, e));
+    }
+    return v;
+}
+template <int FMT> __device__ __noinline__ uint4 bs_square_vec_fallback(uint4 v) {
+    return bs_square_vec_exact<FMT>(v);
+}
+template <int FMT> __device__ __forceinline__ uint4 bs_square_vec(const uint4& v) {
+    if constexpr (Fmt<FMT>::BITS == 8 || BS_FUSED_PER_ELEMENT) {
+        return bs_square_vec_exact<FMT>(v);
+    } else {
+        bool nan = false;
+        const uint4 y = make_uint4(bs_word_f32<FMT>(v.x, 0u, 0u, BsSquare(), nan),
+                                   bs_word_f32<FMT>(v.y, 0u, 0u, BsSquare(), nan),
+                                   bs_word_f32<FMT>(v.z, 0u, 0u, BsSquare(), nan),
+                                   bs_word_f32<FMT>(v.w, 0u, 0u, BsSquare(), nan));
+        return nan ? bs_square_vec_fallback<FMT>(v) : y;
+    }
+}
+
 // The last tile's news: the stored count and the status word (nosign violation,
 // overflow) into the status area, the offsets' last entry (OFFSETS: not a masked pack),
 // and the same two words into the host's pinned slot where the caller names one: known
@@ -312,8 +341,11 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 // successors load it (fewer spins on unpublished counts: issuing the loads one
 // stage earlier measured 5 % slower, bench/NOTES.md), and B's work hides the
 // loads' round trip.
+#ifndef BS_PACK_FUSED_BLOCKS
+#define BS_PACK_FUSED_BLOCKS 4   // relu_pack's blocks per SM (64 registers, no spills)
+#endif
 template <int FMT, int ENC, int MODE, int R>
-__global__ void __launch_bounds__(BS_THREADS, (MODE == 0 || MODE == 3) ? 3 : 2)
+__global__ void __launch_bounds__(BS_THREADS, (MODE == 0 || MODE == 3) ? 3 : BS_PACK_FUSED_BLOCKS)
 bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                u64 mask_ptr, u64 mask_len,
                u64 offsets_ptr, int off64, int chunk_log2,
@@ -390,16 +422,15 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                      | (vec[r].z & bs_spread_signs<BITS>((b >> (2 * G)) & GM))
                      | (vec[r].w & bs_spread_signs<BITS>((b >> (3 * G)) & GM));
             } else {
-                if (MODE == BS_MODE_PACK) {
-                    b = bs_vec_nonzero<BITS>(vec[r]);      // loads past numel are zeros
-                } else {
+                if (MODE != BS_MODE_PACK && BS_FUSED_PER_ELEMENT) {
 #pragma unroll
-                    for (int i = 0; i < V; ++i) {
-                        u32 e = (u32)bs_lane<T>(vec[r], i);
-                        if (!bs_relu_keeps<FMT>(e)) { e = 0u; bs_set_lane<T>(vec[r], i, (T)0); }
-                        b |= (e != 0u ? 1u : 0u) << i;
-                    }
+                    for (int i = 0; i < V; ++i)
+                        if (!bs_relu_keeps<FMT>((u32)bs_lane<T>(vec[r], i))) bs_set_lane<T>(vec[r], i, (T)0);
+                } else if (MODE != BS_MODE_PACK) {         // relu, a word at a time
+                    vec[r].x = bs_relu_word<FMT>(vec[r].x); vec[r].y = bs_relu_word<FMT>(vec[r].y);
+                    vec[r].z = bs_relu_word<FMT>(vec[r].z); vec[r].w = bs_relu_word<FMT>(vec[r].w);
                 }
+                b = bs_vec_nonzero<BITS>(vec[r]);          // loads past numel are zeros
                 // Unstored elements are zero here, and a zero has no sign bit.
                 neg |= (vec[r].x | vec[r].y | vec[r].z | vec[r].w) & bs_spread_signs<BITS>(GM);
             }
@@ -452,14 +483,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
             for (int r = 0; r < R; ++r) {
                 const u32 o = (u32)lane_off + (u32)(r * RS);
                 if (o >= rem) continue;
-                uint4 yv = vec[r];
-                if (MODE == BS_MODE_RELU2) {
-#pragma unroll
-                    for (int i = 0; i < V; ++i) {
-                        const u32 e = (u32)bs_lane<T>(yv, i);
-                        bs_set_lane<T>(yv, i, (T)bs_mul_round<FMT>(e, e));
-                    }
-                }
+                const uint4 yv = MODE == BS_MODE_RELU2 ? bs_square_vec<FMT>(vec[r]) : vec[r];
                 if (whole) *reinterpret_cast<uint4*>(y_tile + o) = yv;
                 else bs_store_vec<T>(reinterpret_cast<T*>(y_ptr), tile_base + o, numel, y_aligned, yv);
             }

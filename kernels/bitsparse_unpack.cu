@@ -18,7 +18,9 @@
 //
 // OP 0: unpack. OP 1: relu2_backward (2 r g where r > 0). OP 2: gated
 // backward with u packed under the same mask (its own encoding UENC). OP 3:
-// gated backward with u dense.
+// gated backward with u dense. OP 4: OP 1 and r² as the forward rounded it.
+// The fused ops compute a word at a time in float32 (bs_fused_vec), per
+// element only where a result is NaN.
 
 
 // Decode stored values [P, P + n) into vals, 32 / BITS per word (word q holds
@@ -144,6 +146,9 @@ __device__ __forceinline__ uint4 bs_expand_vec(const u32* vals, u32 j, u32 b, co
 #ifndef BS_UNPACK_BLOCKS
 #define BS_UNPACK_BLOCKS 8   // 32 registers, no spills (fp32's 8 rounds need 6); 6 was 4-8 % slower
 #endif
+#ifndef BS_FUSED_BLOCKS
+#define BS_FUSED_BLOCKS 8    // the fused ops' blocks per SM (fp8's gated op would spill: 6)
+#endif
 template <int BITS> struct BsScatter { enum { MAX = BITS == 16 ? BS_SCATTER_MAX16 : BITS == 8 ? BS_SCATTER_MAX8 : -1 }; };
 
 template <int BITS>
@@ -163,13 +168,69 @@ __device__ __forceinline__ uint4 bs_scatter_vec(const u32* vals, u32 j, u32 b, u
     return *slot;
 }
 
+// A fused op's output vectors (o1; o2 where the op has two) from the gradient g,
+// the decoded values r and u's values, a word at a time in float32
+// (bs_word_f32); false when a result is NaN, and the caller then applies the
+// per-element rules (fp8 always takes those).
+template <int FMT, int OP>
+__device__ __forceinline__ bool bs_fused_vec(const uint4& g, const uint4& r, const uint4& u,
+                                             uint4& o1, uint4& o2) {
+    bool nan = false;
+    auto word = [&](u32 gw, u32 rw, u32 uw, u32& a, u32& b) {
+        if (OP == BS_OP_RELU2 || OP == BS_OP_RELU2_AND_SQUARE) {
+            a = bs_word_f32<FMT>(gw, rw, 0u, BsRelu2Grad(), nan);
+            b = OP == BS_OP_RELU2_AND_SQUARE ? bs_word_f32<FMT>(rw, 0u, 0u, BsSquare(), nan) : 0u;
+        } else {
+            a = bs_word_f32<FMT>(gw, uw, rw, BsGatedProduct(), nan);
+            b = bs_word_f32<FMT>(gw, rw, 0u, BsProduct(), nan);
+        }
+    };
+    word(g.x, r.x, u.x, o1.x, o2.x);
+    word(g.y, r.y, u.y, o1.y, o2.y);
+    word(g.z, r.z, u.z, o1.z, o2.z);
+    word(g.w, r.w, u.w, o1.w, o2.w);
+    return !nan;
+}
+
+// The same by the per-element rules (NaN payloads as NumPy gives them).
+template <int FMT, int OP>
+__device__ __forceinline__ void bs_fused_vec_exact(const uint4& g, const uint4& r, const uint4& u,
+                                                   uint4& o1, uint4& o2) {
+    typedef typename Fmt<FMT>::T T;
+    const int V = 16 / (int)sizeof(T);
+    o1 = make_uint4(0, 0, 0, 0);
+    o2 = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const u32 gi = (u32)bs_lane<T>(g, i), ri = (u32)bs_lane<T>(r, i);
+        if (OP == BS_OP_RELU2 || OP == BS_OP_RELU2_AND_SQUARE) {
+            bs_set_lane<T>(o1, i, (T)bs_relu2_grad<FMT>(gi, ri));
+            if (OP == BS_OP_RELU2_AND_SQUARE)        // r² as the forward rounded it
+                bs_set_lane<T>(o2, i, (T)bs_mul_round<FMT>(ri, ri));
+        } else {
+            const u32 ui = (u32)bs_lane<T>(u, i);
+            bs_set_lane<T>(o1, i, (T)(bs_positive<FMT>(ri) ? bs_mul_round<FMT>(gi, ui) : 0u));
+            bs_set_lane<T>(o2, i, (T)bs_mul_round<FMT>(gi, ri));
+        }
+    }
+}
+
+// Where the word path applies, the per-element one is its rare fallback: out of
+// line, so that its registers do not count against the common path's occupancy.
+template <int FMT, int OP>
+__device__ __noinline__ void bs_fused_vec_fallback(const uint4& g, const uint4& r, const uint4& u,
+                                                   uint4& o1, uint4& o2) {
+    bs_fused_vec_exact<FMT, OP>(g, r, u, o1, o2);
+}
+
 __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
     return off64 ? reinterpret_cast<const u64*>(offsets_ptr)[c]
                  : (u64)reinterpret_cast<const u32*>(offsets_ptr)[c];
 }
 
 template <int FMT, int OP, int R, int ENC, int UENC>
-__global__ void __launch_bounds__(BS_THREADS, OP != 0 ? 2 : Fmt<FMT>::BITS == 32 ? 6 : BS_UNPACK_BLOCKS)
+__global__ void __launch_bounds__(BS_THREADS, OP != 0 ? (Fmt<FMT>::BITS == 8 ? 6 : BS_FUSED_BLOCKS)
+                                   : Fmt<FMT>::BITS == 32 ? 6 : BS_UNPACK_BLOCKS)
 bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, int off64, u64 prefix_ptr,
                  u64 mask_ptr, u64 mask_len,
                  u64 values_ptr, u64 values_len, u64 signs_ptr, u64 signs_len,
@@ -218,7 +279,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
     // In a whole tile a vector's bits are one byte (bf16), two (fp8) or a nibble
     // (fp32) at a constant offset from the lane's first.
     const u8* mrow = mask + (tile_base >> 3) + (lane_el >> 3);
-#pragma unroll
+    const T* gx = reinterpret_cast<const T*>(g_ptr);
     for (int r = 0; r < R; ++r) {
         const u64 g = tile_base + (u64)(lane_el + r * RS);
         u32 b = 0;
@@ -267,27 +328,18 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
             if (plain_store) orow[r * RS / V] = rv;
             else bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, rv);
         } else {
-            const uint4 gv = bs_load_vec<T>(reinterpret_cast<const T*>(g_ptr), g, numel, g_aligned);
+            const uint4 gv = bs_load_vec<T>(gx, g, numel, g_aligned);
             uint4 uv = make_uint4(0, 0, 0, 0);
             if (OP == BS_OP_GATED)
                 uv = scatter ? bs_scatter_vec<BITS>(uvals, j, bits[r], &s_slot[tid])
                              : bs_expand_vec<BITS>(uvals, j, bits[r], s_sel);
             if (OP == BS_OP_GATED_DENSE)
                 uv = bs_load_vec<T>(reinterpret_cast<const T*>(ud_ptr), g, numel, ud_aligned);
-            uint4 o1 = make_uint4(0, 0, 0, 0), o2 = make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-                const u32 gi = (u32)bs_lane<T>(gv, i), ri = (u32)bs_lane<T>(rv, i);
-                if (OP == BS_OP_RELU2 || OP == BS_OP_RELU2_AND_SQUARE) {
-                    bs_set_lane<T>(o1, i, (T)bs_relu2_grad<FMT>(gi, ri));
-                    if (OP == BS_OP_RELU2_AND_SQUARE)        // r² as the forward rounded it
-                        bs_set_lane<T>(o2, i, (T)bs_mul_round<FMT>(ri, ri));
-                } else {
-                    const u32 ui = (u32)bs_lane<T>(uv, i);
-                    bs_set_lane<T>(o1, i, (T)(bs_positive<FMT>(ri) ? bs_mul_round<FMT>(gi, ui) : 0u));
-                    bs_set_lane<T>(o2, i, (T)bs_mul_round<FMT>(gi, ri));
-                }
-            }
+            uint4 o1, o2;
+            if constexpr (BS_FUSED_PER_ELEMENT || BITS == 8)
+                bs_fused_vec_exact<FMT, OP>(gv, rv, uv, o1, o2);
+            else if (!bs_fused_vec<FMT, OP>(gv, rv, uv, o1, o2))
+                bs_fused_vec_fallback<FMT, OP>(gv, rv, uv, o1, o2);
             bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, o1);
             if (OP != BS_OP_RELU2)
                 bs_store_vec<T>(reinterpret_cast<T*>(out2_ptr), g, numel, out2_aligned, o2);

@@ -39,7 +39,24 @@ template <int F> static void relu2(const u32* g, const u32* r, u32* out, long n)
     for (long i = 0; i < n; ++i) out[i] = bs_relu2_grad<F>(g[i], r[i]); }
 template <int F> static void relu(const u32* a, u32* out, long n) {
     for (long i = 0; i < n; ++i) out[i] = bs_relu_keeps<F>(a[i]) ? a[i] : 0u; }
+template <int F> static void relu_word(const u32* w, u32* out, long n) {
+    for (long i = 0; i < n; ++i) out[i] = bs_relu_word<F>(w[i]); }
+template <int F> static void fused_word(int op, const u32* a, const u32* b, const u32* c, u32* out,
+                                        u32* nan, long n) {
+    for (long i = 0; i < n; ++i) {
+        bool f = false;
+        out[i] = op == 0 ? bs_word_f32<F>(a[i], b[i], c[i], BsRelu2Grad(), f)
+               : op == 1 ? bs_word_f32<F>(a[i], b[i], c[i], BsSquare(), f)
+               : op == 2 ? bs_word_f32<F>(a[i], b[i], c[i], BsProduct(), f)
+               : bs_word_f32<F>(a[i], b[i], c[i], BsGatedProduct(), f);
+        nan[i] = f; } }
 extern "C" {
+void bs_relu_w(int fmt, const u32* w, u32* out, long n) { DISPATCH(relu_word, w, out, n) }
+void bs_fused_w(int fmt, int op, const u32* a, const u32* b, const u32* c, u32* out, u32* nan,
+                long n) {
+    switch (fmt) { case 0: fused_word<0>(op, a, b, c, out, nan, n); break;
+                   case 1: fused_word<1>(op, a, b, c, out, nan, n); break;
+                   default: fused_word<2>(op, a, b, c, out, nan, n); } }
 void bs_from(int fmt, const u32* in, u32* out, long n) { DISPATCH(from_f32, in, out, n) }
 void bs_to(int fmt, const u32* in, u32* out, long n) { DISPATCH(to_f32, in, out, n) }
 void bs_mul(int fmt, const u32* a, const u32* b, u32* out, long n) { DISPATCH(mul_round, a, b, out, n) }
@@ -201,6 +218,67 @@ def test_relu_predicate(lib, dt):
     with np.errstate(all="ignore"):
         want = relu_bits(x, dt).view(dt.uint).astype(np.uint32)
     assert np.array_equal(_call(lib, "bs_relu", dt.name, pats), want)
+
+
+def _lane_words(rng, dt: _dt.DType, n: int) -> np.ndarray:
+    """Words of random lanes of dt, every bit pattern among them (16- and 8-bit), plus
+    fp32's NaN payloads, infinities, zeros and subnormals."""
+    if dt.bits == 32:
+        sp = np.array([0x7f800001, 0xffc01234, 0x7f800000, 0xff800000, 0, 0x80000000, 1,
+                       0x80000001, 0x00800000, 0x3f800000, 0x1f800000], dtype=np.uint32)
+        return np.concatenate([rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32),
+                               rng.choice(sp, n)])
+    pats = _patterns(dt).astype(np.uint32)
+    per = 32 // dt.bits
+    lanes = rng.choice(pats, (n, per))
+    lanes[: pats.size, 0] = pats           # every pattern in the first lane ...
+    lanes[: pats.size, per - 1] = pats[::-1]   # ... and in the last
+    return _words_of_lanes(lanes, dt.bits)
+
+
+@pytest.mark.parametrize("dt", SMALL + [_dt.FLOAT32], ids=lambda d: d.name)
+def test_relu_word_is_relu_per_lane(lib, dt):
+    from bitsparse_core.spec.ops import relu_bits
+    w = _lane_words(np.random.default_rng(11), dt, 1 << 17)
+    lanes = _lanes(w, dt.bits)
+    with np.errstate(all="ignore"):
+        want = relu_bits(lanes.astype(dt.uint).view(dt.numpy), dt).view(dt.uint).astype(np.uint32)
+    assert np.array_equal(_call(lib, "bs_relu_w", dt.name, w), _words_of_lanes(want, dt.bits))
+
+
+FUSED_WORD_OPS = {"relu2_grad": 0, "square": 1, "product": 2, "gated_product": 3}
+
+
+@pytest.mark.parametrize("op", FUSED_WORD_OPS)
+@pytest.mark.parametrize("dt", [_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32], ids=lambda d: d.name)
+def test_word_f32_matches_per_element(lib, dt, op):
+    """bs_word_f32 (the fused kernels' word path) gives the per-element functions'
+    result whenever it raises no NaN flag, and raises it exactly where a lane's
+    result is NaN (the kernels then redo the vector element by element)."""
+    rng = np.random.default_rng(12 + FUSED_WORD_OPS[op])
+    n = 1 << 17
+    a, b, c = (_lane_words(rng, dt, n) for _ in range(3))
+    out, nan = np.empty_like(a), np.empty_like(a)
+    lib.bs_fused_w(ctypes.c_int(FMT[dt.name]), ctypes.c_int(FUSED_WORD_OPS[op]), _ptr(a), _ptr(b),
+                   _ptr(c), _ptr(out), _ptr(nan), ctypes.c_long(a.size))
+    A, B, C = (_lanes(x, dt.bits).astype(dt.uint).view(dt.numpy) for x in (a, b, c))
+    zero = np.zeros((), dt.numpy)
+    with np.errstate(all="ignore"):
+        if op == "relu2_grad":      # (g, r)
+            want = np.where(B.astype(np.float32) > 0,
+                            mul_f32(A, mul_f32(2.0, B.astype(np.float32))).astype(dt.numpy), zero)
+        elif op == "square":
+            want = mul_f32(A, A).astype(dt.numpy)
+        elif op == "product":
+            want = mul_f32(A, B).astype(dt.numpy)
+        else:                       # (g, u, r)
+            want = np.where(C.astype(np.float32) > 0, mul_f32(A, B).astype(dt.numpy), zero)
+    want = want.astype(dt.numpy)
+    want_nan = np.isnan(want.astype(np.float32)).any(axis=1)
+    assert np.array_equal(nan.astype(bool), want_nan)
+    ok = ~want_nan
+    assert ok.mean() > 0.5        # the fast path is the common one
+    assert np.array_equal(out[ok], _words_of_lanes(want.view(dt.uint).astype(np.uint32), dt.bits)[ok])
 
 
 # --------------------------------------------------------------------------- #

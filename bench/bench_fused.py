@@ -1,0 +1,248 @@
+"""GPU time of the fused ops a training step runs, against the copy bandwidth of the same run.
+
+    python3 bench/bench_fused.py [--variants NAME=OPTIONS;...] [--reps 20] [--out DIR]
+
+The ops of a packed ReLU / ReLU² / gated FFN layer, CuPy backend, bf16, fixed capacity
+(the training path's): ``relu_pack`` (ReLU and ReLU², planes and the dense output),
+``relu2_backward`` (the input gradient), ``relu2_backward+square`` (the same kernel also
+writing r², the next weight gradient's operand: what ``relu_linear``'s backward runs) and
+``gated_backward`` (two gradients from two planes sharing a mask). Inputs: a
+pre-activation ~ N(0, 1) shifted so that a fraction ``density`` is positive, a gradient
+~ N(0, 1). Shapes: a gpt12 layer's FFN activation [8192, 4096] at the density of a fresh
+model (0.5) and of a trained one (0.1), and the codec bench's [8192, 14336] at 0.1.
+
+Timing as bench_codecs.py: CUDA events on one stream, the L2 flushed and the stream held
+by a sleep kernel before each call, median of ``--reps``. Bytes moved: the dense tensors
+read and written plus the packed planes' bytes (the format's size formula at the
+capacity), so the fraction of the copy bandwidth is the op's roofline share.
+
+``--variants``: NVRTC option sets (``name=-DA=1 -DB=1;name2=...``) that each run in a
+process of their own (CuPy caches a kernel per option set), e.g. the kernels' A/B
+switches ``BS_FUSED_PER_ELEMENT``, ``BS_FUSED_BLOCKS`` and ``BS_PACK_FUSED_BLOCKS``. Every process hashes the
+ops' outputs; the table says whether a variant's bytes equal the default build's.
+
+Writes ``fused.json``, ``fused.md`` and ``fused.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+CASES = (((8192, 4096), 0.5), ((8192, 4096), 0.1), ((8192, 14336), 0.1))
+OPS = ("relu_pack", "relu2_pack", "relu2_backward", "relu2_backward+square", "gated_backward")
+DEFAULT_VARIANTS = ("before=-DBS_FUSED_PER_ELEMENT=1 -DBS_FUSED_BLOCKS=2 -DBS_PACK_FUSED_BLOCKS=2;"
+                    "word-path-only=-DBS_FUSED_BLOCKS=2 -DBS_PACK_FUSED_BLOCKS=2;"
+                    "occupancy-only=-DBS_FUSED_PER_ELEMENT=1")
+
+
+def _digest(arrays) -> str:
+    """A hash of the bytes of DLPack-exportable device arrays (a whole op's outputs)."""
+    import torch
+    h = hashlib.sha256()
+    for a in arrays:
+        t = a if isinstance(a, torch.Tensor) else torch.from_dlpack(a)
+        h.update(t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _planes(p) -> list:
+    from bitsparse_core.backends.cuda import interop as ci
+    return [a for a in (p.mask, p.offsets, p.values, p.signs) if ci.plane_len(a)]
+
+
+def measure(reps: int) -> dict:
+    """This process's rows (its kernels built with BITSPARSE_CUDA_OPTIONS)."""
+    import torch
+
+    import bitsparse_core as bc
+    from bench_codecs import Timer, copy_bandwidth
+    from bitsparse_core.backends.cuda.abi import Op
+    from bitsparse_core.backends.cupy.backend import CupyBackend
+    from bitsparse_core.spec import format as _fmt
+
+    stream = torch.cuda.Stream()
+    timer = Timer(torch, stream, reps)
+    copy_bw, _ = copy_bandwidth(torch, timer)
+    be = CupyBackend()
+    rows = []
+    for shape, density in CASES:
+        g = torch.Generator(device="cuda").manual_seed(int(density * 1000) + shape[1])
+        shift = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1.0 - density)))
+        a = (torch.randn(shape, device="cuda", generator=g) - shift).to(torch.bfloat16)
+        u = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+        grad = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+        K = int((a > 0).sum())
+        n, isz = a.numel(), a.element_size()
+        kw = dict(capacity=K, stream=stream)
+        packed = lambda enc: _fmt.packed_size(shape, "bfloat16", enc, K)   # noqa: E731
+        with torch.cuda.stream(stream):
+            y1, p1 = bc.relu_pack(a, **kw)
+            y2, p2 = bc.relu_pack(a, square=True, **kw)
+            pu = bc.masked_pack(u, p1, stream=stream)
+            sq_out, sq_out2 = torch.empty_like(a), torch.empty_like(a)
+
+            def relu2_and_square():
+                be._unpack_op(p2, Op.RELU2_AND_SQUARE, stream.cuda_stream, None,
+                              sq_out.data_ptr(), grad=grad.data_ptr(), out2=sq_out2.data_ptr())
+
+            relu2_and_square()
+            outs = {
+                "relu_pack": ((lambda: bc.relu_pack(a, **kw)), (y1, *_planes(p1)),
+                              2 * n * isz + packed("nosign")),
+                "relu2_pack": ((lambda: bc.relu_pack(a, square=True, **kw)), (y2, *_planes(p2)),
+                               2 * n * isz + packed("nosign")),
+                "relu2_backward": ((lambda: bc.relu2_backward(grad, p2, stream=stream)),
+                                   (bc.relu2_backward(grad, p2, stream=stream),),
+                                   2 * n * isz + packed("nosign")),
+                "relu2_backward+square": (relu2_and_square, (sq_out, sq_out2),
+                                          3 * n * isz + packed("nosign")),
+                "gated_backward": ((lambda: bc.gated_backward(grad, p1, pu, stream=stream)),
+                                   bc.gated_backward(grad, p1, pu, stream=stream),
+                                   3 * n * isz + packed("nosign") + packed("signplane")),
+            }
+        stream.synchronize()
+        for op in OPS:
+            fn, results, nbytes = outs[op]
+            ms = timer(fn)
+            rows.append({"shape": list(shape), "density": density, "op": op, "us": ms * 1e3,
+                         "bytes": nbytes, "of_copy": nbytes / (ms * 1e-3) / copy_bw,
+                         "digest": _digest(results)})
+            print(f"{str(shape):14s} d={density:<4} {op:22s} {ms * 1e3:8.1f} us "
+                  f"{rows[-1]['of_copy']:6.1%} of copy", file=sys.stderr, flush=True)
+    return {"copy_bandwidth_Bps": copy_bw, "rows": rows,
+            "options": os.environ.get("BITSPARSE_CUDA_OPTIONS", "")}
+
+
+def warm() -> None:
+    """Compile this process's option set's kernels of the measured ops, in parallel."""
+    from bitsparse_core.backends.cuda import abi
+    from bitsparse_core.backends.cupy.kernels import warm_cache
+    from bitsparse_core.spec.format import Encoding
+    bf16, nosign, signplane = int(abi.Fmt.BF16), int(Encoding.NOSIGN), int(Encoding.SIGNPLANE)
+    ru = abi.FUSED_ROUNDS
+    keys = [("pack", bf16, nosign, int(m), ru) for m in (abi.Mode.RELU, abi.Mode.RELU2)]
+    keys += [("pack", bf16, signplane, int(abi.Mode.MASKED), abi.PACK_ROUNDS)]
+    keys += [("unpack", bf16, int(op), ru, nosign, 0) for op in (abi.Op.RELU2, abi.Op.RELU2_AND_SQUARE)]
+    keys += [("unpack", bf16, int(abi.Op.GATED), ru, nosign, signplane)]
+    warm_cache(len(keys), keys)
+
+
+def run_variant(name: str, options: str, reps: int) -> dict:
+    env = dict(os.environ, BITSPARSE_CUDA_OPTIONS=options)
+    t0 = time.monotonic()
+    # the variant's kernels compile in parallel first (one after another they take minutes)
+    subprocess.run([sys.executable, __file__, "--warm"], env=env, check=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, __file__, "--child", "--reps", str(reps)], env=env,
+                         check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    res = json.loads(out.stdout)
+    res["seconds"] = time.monotonic() - t0
+    return res
+
+
+def markdown(summary: dict) -> str:
+    names = list(summary["variants"])
+    base = summary["variants"][names[0]]["rows"]
+    lines = [f"# Fused ops on {summary['device']}", "",
+             f"{summary['date']}; torch {summary['torch']}, cupy {summary['cupy']}, commit "
+             f"{summary['commit']}. bf16, CuPy backend, fixed capacity = the nonzeros; CUDA "
+             f"events, median of {summary['reps']} (L2 flushed, stream held by a sleep before "
+             "each call). Copy bandwidth in the same run: "
+             f"{summary['variants'][names[0]]['copy_bandwidth_Bps'] / 1e12:.2f} TB/s "
+             "(read + write bytes of a 1 GiB copy). Variants (NVRTC options): "
+             + "; ".join(f"`{n}` = `{summary['variants'][n]['options'] or '(none)'}`"
+                         for n in names) + ".", "",
+             "µs per call, the share of the copy bandwidth (bytes moved: dense tensors read "
+             "and written + packed planes), and each variant's time over the default build's "
+             "(> 1: the default is faster); `same` says whether the variant's output bytes equal the default's.",
+             "", "| shape | density | op | MB moved | " + " | ".join(
+                 f"{n} µs | {n} % of copy" + ("" if i == 0 else f" | {n} / default | same")
+                 for i, n in enumerate(names)) + " |",
+             "| --- | --- | --- | --- | " + " | ".join(
+                 "--- | ---" + ("" if i == 0 else " | --- | ---") for i in range(len(names))) + " |"]
+    for k, row in enumerate(base):
+        cells = [f"{row['shape'][0]}x{row['shape'][1]}", f"{row['density']}", f"`{row['op']}`",
+                 f"{row['bytes'] / 1e6:.0f}"]
+        for i, n in enumerate(names):
+            r = summary["variants"][n]["rows"][k]
+            cells += [f"{r['us']:.1f}", f"{r['of_copy']:.0%}"]
+            if i:
+                cells += [f"{r['us'] / row['us']:.2f}", "yes" if r["digest"] == row["digest"] else "**NO**"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(summary["variants"])
+    base = summary["variants"][names[0]]["rows"]
+    labels = [f"{r['op']}\n{r['shape'][1]} d={r['density']}" for r in base]
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(labels)), 4.5))
+    w = 0.8 / len(names)
+    for i, n in enumerate(names):
+        vals = [100 * r["of_copy"] for r in summary["variants"][n]["rows"]]
+        ax.bar([k + i * w for k in range(len(labels))], vals, w, label=n)
+    ax.set_xticks([k + 0.4 - w / 2 for k in range(len(labels))], labels, rotation=70, fontsize=7)
+    ax.set_ylabel("% of copy bandwidth")
+    ax.set_title(f"Fused ops, bf16 ({summary['device']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help="name=NVRTC options, ';'-separated ('' for none)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+    if args.warm:
+        warm()
+        return 0
+    if args.child:
+        print(json.dumps(measure(args.reps)))
+        return 0
+    import cupy
+    import torch
+    variants = {"default": ""}
+    for item in filter(None, args.variants.split(";")):
+        name, _, opts = item.partition("=")
+        variants[name.strip()] = opts.strip()
+    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "cupy": cupy.__version__, "python": platform.python_version(),
+               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "reps": args.reps,
+               "commit": os.environ.get("BITSPARSE_TREE") or subprocess.run(
+                   ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                   text=True).stdout.strip(),
+               "variants": {n: run_variant(n, o, args.reps) for n, o in variants.items()}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fused.json").write_text(json.dumps(summary, indent=1))
+    text = markdown(summary)
+    (out / "fused.md").write_text(text)
+    plot(summary, out / "fused.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
