@@ -217,10 +217,14 @@ __device__ __forceinline__ void bs_fused_vec_exact(const uint4& g, const uint4& 
 
 // Where the word path applies, the per-element one is its rare fallback: out of
 // line, so that its registers do not count against the common path's occupancy.
+// Its vectors go by value both ways: a reference would make the caller keep them
+// in local memory on every vector, taken or not.
+struct BsVecPair { uint4 a, b; };
 template <int FMT, int OP>
-__device__ __noinline__ void bs_fused_vec_fallback(const uint4& g, const uint4& r, const uint4& u,
-                                                   uint4& o1, uint4& o2) {
-    bs_fused_vec_exact<FMT, OP>(g, r, u, o1, o2);
+__device__ __noinline__ BsVecPair bs_fused_vec_fallback(uint4 g, uint4 r, uint4 u) {
+    BsVecPair o;
+    bs_fused_vec_exact<FMT, OP>(g, r, u, o.a, o.b);
+    return o;
 }
 
 __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
@@ -338,8 +342,11 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
             uint4 o1, o2;
             if constexpr (BS_FUSED_PER_ELEMENT || BITS == 8)
                 bs_fused_vec_exact<FMT, OP>(gv, rv, uv, o1, o2);
-            else if (!bs_fused_vec<FMT, OP>(gv, rv, uv, o1, o2))
-                bs_fused_vec_fallback<FMT, OP>(gv, rv, uv, o1, o2);
+            else if (!bs_fused_vec<FMT, OP>(gv, rv, uv, o1, o2)) {
+                const BsVecPair o = bs_fused_vec_fallback<FMT, OP>(gv, rv, uv);
+                o1 = o.a;
+                o2 = o.b;
+            }
             bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, o1);
             if (OP != BS_OP_RELU2)
                 bs_store_vec<T>(reinterpret_cast<T*>(out2_ptr), g, numel, out2_aligned, o2);
