@@ -284,6 +284,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
     // (fp32) at a constant offset from the lane's first.
     const u8* mrow = mask + (tile_base >> 3) + (lane_el >> 3);
     const T* gx = reinterpret_cast<const T*>(g_ptr);
+#pragma unroll
     for (int r = 0; r < R; ++r) {
         const u64 g = tile_base + (u64)(lane_el + r * RS);
         u32 b = 0;

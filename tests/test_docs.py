@@ -103,6 +103,9 @@ def size_ratio(zeros: float, numel: int = 1 << 20) -> float:
 
 
 # --------------------------------------------------------------- the fragments
+FUSED_README_OPS = ("relu2_pack", "relu2_backward+square", "gated_backward")
+
+
 def readme() -> list:
     g = gpu_session()
     bi = result("train_gpt_bitident.json")
@@ -143,6 +146,12 @@ def readme() -> list:
     g16c = g16["ours-nosign"]["capacity"]
     mh = result("module_host.json")
     mhr = {row["variant"]: row for row in mh["rows"]}
+    fzv = result("fused.json")["variants"]
+    first = fzv["default"]["rows"][0]
+    fz_shape, fz_density = "x".join(map(str, first["shape"])), first["density"]
+    pick = lambda rows: {r["op"]: r for r in rows   # noqa: E731
+                         if (r["shape"], r["density"]) == (first["shape"], fz_density)}
+    fz, fz_before = pick(fzv["default"]["rows"]), pick(fzv["before"]["rows"])
     return [
         f"| GPU test suite (CuPy, Numba, PyTorch, JAX paths) | {g['passed']} passed"
         f"{'' if not g['failed'] else ', ' + str(g['failed']) + ' failed'}"
@@ -238,6 +247,15 @@ def readme() -> list:
         f"{span([row['pack_fixed_vs_nvcomp'] for row in cupy], '{:.1f}')}× nvCOMP's fastest "
         f"codec. Numba: every pack and unpack {span(slow, '{:.2f}')}× CuPy's time "
         "| `bench/results/codecs.md` |",
+
+        f"| fused ops of a training step, bf16 {fz_shape}, {100 * fz_density:.0f} % nonzeros (a "
+        "fresh gpt12 FFN activation) | "
+        + ", ".join(f"`{op}` {fz[op]['us']:.1f} µs ({100 * fz[op]['of_copy']:.0f} %)"
+                    for op in FUSED_README_OPS)
+        + " of the copy bandwidth; "
+        + " / ".join(f"{fz_before[op]['us'] / fz[op]['us']:.2f}×" for op in FUSED_README_OPS)
+        + " faster than the kernels before their word-at-a-time arithmetic (same run)"
+        + " | `bench/results/fused.md` |",
     ]
 
 

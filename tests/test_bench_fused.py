@@ -1,0 +1,46 @@
+"""bench/bench_fused.py's A/B variants are NVRTC -D switches: a switch the kernels no
+longer define would compile as a silent no-op and time the default build twice, so every
+switch a variant sets must still be a default the kernel sources define. The report
+marks a variant whose outputs differ from the default build's."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import bench_fused  # noqa: E402
+from bitsparse_core.backends.cupy.kernels import _source  # noqa: E402
+
+
+def _variants():
+    return [item.partition("=")[::2] for item in bench_fused.DEFAULT_VARIANTS.split(";") if item]
+
+
+@pytest.mark.parametrize("name,options", _variants())
+def test_every_switch_is_one_the_kernels_define(name, options):
+    sources = _source("bitsparse_pack.cu") + _source("bitsparse_unpack.cu")
+    switches = re.findall(r"-D(\w+)=", options)
+    assert switches, name
+    for sw in switches:
+        assert f"#ifndef {sw}\n#define {sw} " in sources, f"{name}: {sw} is not a kernel switch"
+
+
+def _summary(digest_of_second: str) -> dict:
+    rows = [{"shape": [8, 16], "density": 0.5, "op": op, "us": 10.0, "bytes": 1e6,
+             "of_copy": 0.5, "digest": "d"} for op in bench_fused.OPS]
+    other = [dict(r, us=15.0, digest=digest_of_second) for r in rows]
+    return {"device": "GPU", "torch": "t", "cupy": "c", "date": "now", "reps": 3, "commit": "abc",
+            "variants": {"default": {"rows": rows, "copy_bandwidth_Bps": 4e12, "options": ""},
+                         "before": {"rows": other, "copy_bandwidth_Bps": 4e12, "options": "-DX=1"}}}
+
+
+def test_report_gives_ratios_and_flags_differing_outputs():
+    same = bench_fused.markdown(_summary("d"))
+    assert "| 8x16 | 0.5 | `relu_pack` | 1 | 10.0 | 50% | 15.0 | 50% | 1.50 | yes |" in same
+    assert "**NO**" not in same
+    assert "**NO**" in bench_fused.markdown(_summary("other"))
