@@ -40,15 +40,16 @@ def _kernels_by_file() -> dict:
     return by_file
 
 
+KERNELS = _kernels_by_file()
 LOCAL = re.compile(r"\b(ld|st)\.local\b")
 
 
-@pytest.mark.parametrize("file", sorted(_kernels_by_file()))
+@pytest.mark.parametrize("file", sorted(KERNELS))
 def test_no_kernel_loads_or_stores_local_memory(tmp_path, file):
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("no nvcc")
-    names = sorted(_kernels_by_file()[file])
+    names = sorted(KERNELS[file])
     # the backend's own source text, every template it launches instantiated
     src = _source(file) + "\n" + "\n".join(f"template __global__ decltype({n}) {n};" for n in names)
     cu, ptx = tmp_path / file, tmp_path / (file + ".ptx")
