@@ -18,7 +18,9 @@ capacity), so the fraction of the copy bandwidth is the op's roofline share.
 
 ``--variants``: NVRTC option sets (``name=-DA=1 -DB=1;name2=...``) that each run in a
 process of their own (CuPy caches a kernel per option set), e.g. the kernels' A/B
-switches ``BS_FUSED_PER_ELEMENT``, ``BS_FUSED_BLOCKS`` and ``BS_PACK_FUSED_BLOCKS``. Every process hashes the
+switches ``BS_FUSED_PER_ELEMENT``, ``BS_FUSED_BLOCKS``, ``BS_PACK_FUSED_BLOCKS`` and
+``BS_PACK_Y_IN_CLASSIFY``; a ``PACK_ROUNDS=n`` token (no ``-D``) sets the packs' rounds per
+warp in that process (``abi.PACK_ROUNDS``, a host-side choice). Every process hashes the
 ops' outputs; the table says whether a variant's bytes equal the default build's.
 
 Writes ``fused.json``, ``fused.md`` and ``fused.png`` under ``--out``.
@@ -42,9 +44,28 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 CASES = (((8192, 4096), 0.5), ((8192, 4096), 0.1), ((8192, 14336), 0.1))
 OPS = ("relu_pack", "relu2_pack", "relu2_backward", "relu2_backward+square", "gated_backward")
-DEFAULT_VARIANTS = ("before=-DBS_FUSED_PER_ELEMENT=1 -DBS_FUSED_BLOCKS=2 -DBS_PACK_FUSED_BLOCKS=2;"
-                    "word-path-only=-DBS_FUSED_BLOCKS=2 -DBS_PACK_FUSED_BLOCKS=2;"
-                    "occupancy-only=-DBS_FUSED_PER_ELEMENT=1")
+# session 20's relu_pack (2 rounds, 4 blocks per SM, y written in B); y written in B alone
+DEFAULT_VARIANTS = ("before=PACK_ROUNDS=2 -DBS_PACK_FUSED_BLOCKS=4 -DBS_PACK_Y_IN_CLASSIFY=0;"
+                    "y-in-B=-DBS_PACK_Y_IN_CLASSIFY=0")
+ROUNDS_ENV = "BITSPARSE_BENCH_PACK_ROUNDS"
+
+
+def split_options(options: str) -> tuple[str, int | None]:
+    """A variant's NVRTC options and its ``PACK_ROUNDS=n`` (None: the ABI's)."""
+    rounds, rest = None, []
+    for tok in options.split():
+        if tok.startswith("PACK_ROUNDS="):
+            rounds = int(tok.partition("=")[2])
+        else:
+            rest.append(tok)
+    return " ".join(rest), rounds
+
+
+def _apply_rounds() -> None:
+    """This process's pack rounds, before anything plans a launch."""
+    if os.environ.get(ROUNDS_ENV):
+        from bitsparse_core.backends.cuda import abi
+        abi.PACK_ROUNDS = int(os.environ[ROUNDS_ENV])
 
 
 def _digest(arrays) -> str:
@@ -123,7 +144,8 @@ def measure(reps: int) -> dict:
                          "digest": _digest(results)})
             print(f"{str(shape):14s} d={density:<4} {op:22s} {ms * 1e3:8.1f} us "
                   f"{rows[-1]['of_copy']:6.1%} of copy", file=sys.stderr, flush=True)
-    return {"copy_bandwidth_Bps": copy_bw, "rows": rows,
+    from bitsparse_core.backends.cuda import abi
+    return {"copy_bandwidth_Bps": copy_bw, "rows": rows, "pack_rounds": abi.PACK_ROUNDS,
             "options": os.environ.get("BITSPARSE_CUDA_OPTIONS", "")}
 
 
@@ -134,7 +156,7 @@ def warm() -> None:
     from bitsparse_core.spec.format import Encoding
     bf16, nosign, signplane = int(abi.Fmt.BF16), int(Encoding.NOSIGN), int(Encoding.SIGNPLANE)
     ru = abi.FUSED_ROUNDS
-    keys = [("pack", bf16, nosign, int(m), ru) for m in (abi.Mode.RELU, abi.Mode.RELU2)]
+    keys = [("pack", bf16, nosign, int(m), abi.PACK_ROUNDS) for m in (abi.Mode.RELU, abi.Mode.RELU2)]
     keys += [("pack", bf16, signplane, int(abi.Mode.MASKED), abi.PACK_ROUNDS)]
     keys += [("unpack", bf16, int(op), ru, nosign, 0) for op in (abi.Op.RELU2, abi.Op.RELU2_AND_SQUARE)]
     keys += [("unpack", bf16, int(abi.Op.GATED), ru, nosign, signplane)]
@@ -142,7 +164,8 @@ def warm() -> None:
 
 
 def run_variant(name: str, options: str, reps: int) -> dict:
-    env = dict(os.environ, BITSPARSE_CUDA_OPTIONS=options)
+    nvrtc, rounds = split_options(options)
+    env = dict(os.environ, BITSPARSE_CUDA_OPTIONS=nvrtc, **{ROUNDS_ENV: str(rounds or "")})
     t0 = time.monotonic()
     # the variant's kernels compile in parallel first (one after another they take minutes)
     subprocess.run([sys.executable, __file__, "--warm"], env=env, check=True, cwd=ROOT)
@@ -150,6 +173,7 @@ def run_variant(name: str, options: str, reps: int) -> dict:
                          check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     res = json.loads(out.stdout)
     res["seconds"] = time.monotonic() - t0
+    res["options"] = options
     return res
 
 
@@ -217,6 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
+    _apply_rounds()
     if args.warm:
         warm()
         return 0

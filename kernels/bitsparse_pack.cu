@@ -326,9 +326,10 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 // through a software pipeline of three stages, so that no tile waits for its
 // offset:
 //   A(t)  mask bits and nosign check per 16-byte vector (loaded during the
-//         previous iteration), packed warp scans; B1; publish t's count.
+//         previous iteration), relu_pack's output, packed warp scans; B1;
+//         publish t's count.
 //   B(t)  stage t's values in shared memory buffer k % 2 and write its mask
-//         bytes (and relu output), none of which needs its offset; load the
+//         bytes, none of which needs its offset; load the
 //         next tile's vectors; B2; assemble t's W-bit stream as whole words
 //         (32 values per thread, constant shifts) and its sign plane.
 //   C(t)  fold the look-back windows (loaded at the start of the iteration);
@@ -341,8 +342,11 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 // successors load it (fewer spins on unpublished counts: issuing the loads one
 // stage earlier measured 5 % slower, bench/NOTES.md), and B's work hides the
 // loads' round trip.
+#ifndef BS_PACK_Y_IN_CLASSIFY
+#define BS_PACK_Y_IN_CLASSIFY 1   // relu_pack writes y in A (0: in B, where it held registers)
+#endif
 #ifndef BS_PACK_FUSED_BLOCKS
-#define BS_PACK_FUSED_BLOCKS 4   // relu_pack's blocks per SM (64 registers, no spills)
+#define BS_PACK_FUSED_BLOCKS 3   // relu_pack's blocks per SM (80 registers, no spills)
 #endif
 template <int FMT, int ENC, int MODE, int R>
 __global__ void __launch_bounds__(BS_THREADS, (MODE == 0 || MODE == 3) ? 3 : BS_PACK_FUSED_BLOCKS)
@@ -404,6 +408,25 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         }
     };
 
+    // relu_pack's y (y_ptr 0: planes only): offsets inside the tile are 32-bit, and
+    // rem is how many of its elements exist.
+    auto store_y = [&](u64 tile) {
+        if ((MODE != BS_MODE_RELU && MODE != BS_MODE_RELU2) || y_ptr == 0ull) return;
+        const u64 tile_base = tile * (u64)TILE;
+        const u64 left = numel - tile_base;
+        const u32 rem = left < (u64)TILE ? (u32)left : (u32)TILE;
+        T* y_tile = reinterpret_cast<T*>(y_ptr) + tile_base;
+        const bool whole = y_aligned && rem == (u32)TILE;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const u32 o = (u32)lane_off + (u32)(r * RS);
+            if (o >= rem) continue;
+            const uint4 yv = MODE == BS_MODE_RELU2 ? bs_square_vec<FMT>(vec[r]) : vec[r];
+            if (whole) *reinterpret_cast<uint4*>(y_tile + o) = yv;
+            else bs_store_vec<T>(reinterpret_cast<T*>(y_ptr), tile_base + o, numel, y_aligned, yv);
+        }
+    };
+
     // A(t).
     auto classify = [&](u64 tile, u64 claim) {
         u32 neg = 0;              // sign bits of stored elements, by word lane
@@ -436,6 +459,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
             }
             bits[r] = b;
         }
+        if (BS_PACK_Y_IN_CLASSIFY) store_y(tile);
         // Ranks: per-round counts packed into 8- or 16-bit fields of warp scans
         // (bs_scan_rounds), then over warps.
         const u32 wtot = bs_scan_rounds<R, V>(bits, lane, start);
@@ -469,25 +493,14 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                 if ((bits[r] >> i) & 1u) *p++ = bs_lane<T>(vec[r], i);
         }
         if (tid == 0) { buf.n = n; buf.neg = any_neg; }
-        // Mask bytes, and relu_pack's y: offsets inside the tile are 32-bit, and rem is
-        // how many of its elements exist.
+        // Mask bytes: offsets inside the tile are 32-bit, and rem is how many of its
+        // elements exist.
         const u64 left = numel - tile_base;
         const u32 rem = left < (u64)TILE ? (u32)left : (u32)TILE;
         if (MODE != BS_MODE_MASKED)
             bs_store_mask<V, R>(reinterpret_cast<u8*>(mask_ptr) + (tile_base >> 3), bits,
                                 (u32)(warp * SEG), rem, lane);
-        if ((MODE == BS_MODE_RELU || MODE == BS_MODE_RELU2) && y_ptr != 0ull) {   // y_ptr 0: planes only
-            T* y_tile = reinterpret_cast<T*>(y_ptr) + tile_base;
-            const bool whole = y_aligned && rem == (u32)TILE;
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const u32 o = (u32)lane_off + (u32)(r * RS);
-                if (o >= rem) continue;
-                const uint4 yv = MODE == BS_MODE_RELU2 ? bs_square_vec<FMT>(vec[r]) : vec[r];
-                if (whole) *reinterpret_cast<uint4*>(y_tile + o) = yv;
-                else bs_store_vec<T>(reinterpret_cast<T*>(y_ptr), tile_base + o, numel, y_aligned, yv);
-            }
-        }
+        if (!BS_PACK_Y_IN_CLASSIFY) store_y(tile);
         if (next < n_tiles) load(next);
         __syncthreads();                                                   // B2
         const u32 groups = (n + 31u) >> 5;

@@ -30,6 +30,11 @@ def test_every_switch_is_one_the_kernels_define(name, options):
         assert f"#ifndef {sw}\n#define {sw} " in sources, f"{name}: {sw} is not a kernel switch"
 
 
+def test_rounds_token_leaves_the_nvrtc_options():
+    assert bench_fused.split_options("PACK_ROUNDS=2 -DA=1 -DB=0") == ("-DA=1 -DB=0", 2)
+    assert bench_fused.split_options("-DA=1") == ("-DA=1", None)
+
+
 def _summary(digest_of_second: str) -> dict:
     rows = [{"shape": [8, 16], "density": 0.5, "op": op, "us": 10.0, "bytes": 1e6,
              "of_copy": 0.5, "digest": "d"} for op in bench_fused.OPS]

@@ -72,12 +72,11 @@ class PlaneSpec:
 def plane_spec(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int,
                chunk_log2: int, u_encoding: Encoding | None) -> PlaneSpec:
     lay = _fmt.cached_layout(shape, dtype, encoding, capacity, chunk_log2)
-    scratch = host.pack_scratch_bytes(lay.numel, dtype, abi.Mode.RELU)
+    scratch = host.pack_scratch_bytes(lay.numel, dtype)   # relu_pack's, and a masked pack's
     u_values = u_signs = 0
     if u_encoding is not None:
         ulay = _fmt.cached_layout(shape, dtype, u_encoding, capacity, chunk_log2)
         u_values, u_signs = _words(ulay.values[1]), _words(ulay.signs[1])
-        scratch = max(scratch, host.pack_scratch_bytes(lay.numel, dtype, abi.Mode.MASKED))
     return PlaneSpec(_words(lay.mask[1]), lay.n_chunks + 1, _words(lay.values[1]),
                      _words(lay.signs[1]), u_values, u_signs, max(scratch, _WORD))
 

@@ -51,7 +51,8 @@ BITS_FMT = {8: Fmt.E4M3, 16: Fmt.BF16, 32: Fmt.FP32}
 THREADS = 256                 # threads per block of every kernel
 WARPS = THREADS // 32
 # Rounds per warp of each kernel family: the tile is WARPS x R x 32 lanes x one
-# 16-byte vector. Unpack tiles are whole default-size chunks (4096 elements).
+# 16-byte vector. Every pack mode (relu_pack's too) takes PACK_ROUNDS; FUSED_ROUNDS is
+# the fused unpack-family ops'. Unpack tiles are whole default-size chunks (4096 elements).
 PACK_ROUNDS = 4
 FUSED_ROUNDS = 2
 UNPACK_ROUNDS = 4
@@ -65,10 +66,6 @@ STATUS_OVERFLOW = 2
 
 def tile_elems(dtype: _dt.DType, rounds: int) -> int:
     return WARPS * rounds * 32 * (16 // dtype.itemsize)
-
-
-def pack_rounds(mode: Mode) -> int:
-    return PACK_ROUNDS if mode in (Mode.PACK, Mode.MASKED) else FUSED_ROUNDS
 
 
 def unpack_rounds(dtype: _dt.DType, op: Op) -> int:

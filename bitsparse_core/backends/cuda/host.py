@@ -119,22 +119,22 @@ def pack_plan(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int,
         pos += _fmt.align(length)
     for name in ("mask", "offsets"):   # a masked pack's: lengths only (another block's)
         spans.setdefault(name, (0, lay.sections[name][1]))
-    rounds = abi.pack_rounds(mode)
-    n_tiles = pack_tiles(lay.numel, dtype, mode)
+    rounds = abi.PACK_ROUNDS
+    n_tiles = pack_tiles(lay.numel, dtype)
     return PackPlan(lay, Mode(mode), tuple(spans[n] for n in ("mask", "offsets", "values", "signs")),
                     pos, pos + abi.STATUS_BYTES, rounds, n_tiles,
-                    pack_scratch_bytes(lay.numel, dtype, mode),
+                    pack_scratch_bytes(lay.numel, dtype),
                     abi.pack_smem_bytes(dtype, encoding, rounds), abi.stream_width(dtype, encoding))
 
 
-def pack_tiles(numel: int, dtype: _dt.DType, mode: Mode) -> int:
-    return -(-numel // abi.tile_elems(dtype, abi.pack_rounds(mode)))
+def pack_tiles(numel: int, dtype: _dt.DType) -> int:
+    return -(-numel // abi.tile_elems(dtype, abi.PACK_ROUNDS))
 
 
-def pack_scratch_bytes(numel: int, dtype: _dt.DType, mode: Mode) -> int:
-    """The scratch of any pack of ``numel`` elements in ``mode`` (whatever its capacity:
+def pack_scratch_bytes(numel: int, dtype: _dt.DType) -> int:
+    """The scratch of any pack of ``numel`` elements, in any mode (whatever its capacity:
     a caller may allocate it before the plan is known)."""
-    return abi.pack_scratch_bytes(pack_tiles(numel, dtype, mode))
+    return abi.pack_scratch_bytes(pack_tiles(numel, dtype))
 
 
 # Argument records are built once per thread (a launch copies them, so a record

@@ -203,7 +203,7 @@ class CupyBackend:
         mode = Mode.RELU2 if square else Mode.RELU
         # y's allocation carries the pack's scratch behind it (16-byte aligned)
         ybytes = _fmt.align(t.nbytes, 16)
-        buf = ci.allocate(ybytes + host.pack_scratch_bytes(t.numel, t.dtype, mode), t.device, s,
+        buf = ci.allocate(ybytes + host.pack_scratch_bytes(t.numel, t.dtype), t.device, s,
                           allocator)
         y = ci.CudaArray(buf.ptr, t.shape, t.dtype, t.device, buf, s)
         p = self._pack(t, encoding, chunk_log2, capacity, s, allocator, mode, y=buf.ptr,

@@ -76,13 +76,13 @@ def all_kernel_keys(sweep_rounds=()) -> list:
     plain pack / unpack of bf16 and fp8 at ``sweep_rounds`` (the bench)."""
     keys = []
     encs = [int(e) for e in Encoding]
-    rf = abi.FUSED_ROUNDS
+    rp = abi.PACK_ROUNDS
     for name, fmt in abi.FMT_OF.items():
         dt = _dt.resolve(name)
         ru = abi.unpack_rounds(dt, abi.Op.RELU2)
         for enc in encs:
             for mode in (abi.Mode.RELU, abi.Mode.RELU2):
-                keys.append(("pack", fmt, enc, mode, rf))
+                keys.append(("pack", fmt, enc, mode, rp))
             for op in (abi.Op.RELU2, abi.Op.RELU2_AND_SQUARE):
                 keys.append(("unpack", fmt, op, ru, enc, 0))
             keys.append(("unpack", fmt, abi.Op.GATED_DENSE, ru, enc, 0))
