@@ -4,7 +4,7 @@
 // tiles and, at a fixed capacity, zeros the value slots past the stored ones.
 //
 // A tile is 8 warps x R rounds x 32 lanes x one 16-byte vector (R = 4,
-// cupy_backend.ROUNDS: 4096 fp32 / 8192 16-bit / 16384 fp8 elements). The
+// abi.PACK_ROUNDS, every mode: 4096 fp32 / 8192 16-bit / 16384 fp8 elements). The
 // kernel is persistent: as many blocks as fit on the device at once, each
 // taking tiles in order from a counter, one tile ahead of the one it works on,
 // so that it can load its next tile while it waits for the current one's
@@ -302,7 +302,7 @@ __device__ __noinline__ void bs_pack_epilogue(u64 scratch_ptr, u64 n_tiles, u64 
 }
 
 // Shared memory of bitsparse_pack (dynamic, sized by the host with the same
-// formula, cupy_backend.pack_smem_bytes): two buffers, so that a tile's values
+// formula, abi.pack_smem_bytes): two buffers, so that a tile's values
 // stay while the next tile is staged; each holds the staged values, the
 // assembled stream, the sign plane and the tile's count, nosign flag and
 // round offsets (rel: warp-relative rank of each warp's round starts).
