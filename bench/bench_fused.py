@@ -19,8 +19,9 @@ capacity), so the fraction of the copy bandwidth is the op's roofline share.
 ``--variants``: NVRTC option sets (``name=-DA=1 -DB=1;name2=...``) that each run in a
 process of their own (CuPy caches a kernel per option set), e.g. the kernels' A/B
 switches ``BS_FUSED_PER_ELEMENT``, ``BS_FUSED_BLOCKS``, ``BS_PACK_FUSED_BLOCKS`` and
-``BS_PACK_Y_IN_CLASSIFY``; a ``PACK_ROUNDS=n`` token (no ``-D``) sets the packs' rounds per
-warp in that process (``abi.PACK_ROUNDS``, a host-side choice). Every process hashes the
+``BS_PACK_Y_IN_CLASSIFY``; ``PACK_ROUNDS=n`` and ``FUSED_ROUNDS=n`` tokens (no ``-D``) set the
+packs' and the fused unpack ops' rounds per warp in that process (``abi.PACK_ROUNDS``,
+``abi.FUSED_ROUNDS``: host-side choices). Every process hashes the
 ops' outputs; the table says whether a variant's bytes equal the default build's.
 
 Writes ``fused.json``, ``fused.md`` and ``fused.png`` under ``--out``.
@@ -47,25 +48,28 @@ OPS = ("relu_pack", "relu2_pack", "relu2_backward", "relu2_backward+square", "ga
 # session 20's relu_pack (2 rounds, 4 blocks per SM, y written in B); y written in B alone
 DEFAULT_VARIANTS = ("before=PACK_ROUNDS=2 -DBS_PACK_FUSED_BLOCKS=4 -DBS_PACK_Y_IN_CLASSIFY=0;"
                     "y-in-B=-DBS_PACK_Y_IN_CLASSIFY=0")
-ROUNDS_ENV = "BITSPARSE_BENCH_PACK_ROUNDS"
+ROUND_TOKENS = ("PACK_ROUNDS", "FUSED_ROUNDS")   # abi constants a variant may set
+ROUNDS_ENV = "BITSPARSE_BENCH_ROUNDS"             # how they reach the variant's processes
 
 
-def split_options(options: str) -> tuple[str, int | None]:
-    """A variant's NVRTC options and its ``PACK_ROUNDS=n`` (None: the ABI's)."""
-    rounds, rest = None, []
+def split_options(options: str) -> tuple[str, dict]:
+    """A variant's NVRTC options, and the ``NAME=n`` round tokens it sets."""
+    rounds, rest = {}, []
     for tok in options.split():
-        if tok.startswith("PACK_ROUNDS="):
-            rounds = int(tok.partition("=")[2])
+        name, _, value = tok.partition("=")
+        if name in ROUND_TOKENS:
+            rounds[name] = int(value)
         else:
             rest.append(tok)
     return " ".join(rest), rounds
 
 
 def _apply_rounds() -> None:
-    """This process's pack rounds, before anything plans a launch."""
+    """This process's rounds, before anything plans a launch."""
     if os.environ.get(ROUNDS_ENV):
         from bitsparse_core.backends.cuda import abi
-        abi.PACK_ROUNDS = int(os.environ[ROUNDS_ENV])
+        for name, value in json.loads(os.environ[ROUNDS_ENV]).items():
+            setattr(abi, name, value)
 
 
 def _digest(arrays) -> str:
@@ -146,6 +150,7 @@ def measure(reps: int) -> dict:
                   f"{rows[-1]['of_copy']:6.1%} of copy", file=sys.stderr, flush=True)
     from bitsparse_core.backends.cuda import abi
     return {"copy_bandwidth_Bps": copy_bw, "rows": rows, "pack_rounds": abi.PACK_ROUNDS,
+            "fused_rounds": abi.FUSED_ROUNDS,
             "options": os.environ.get("BITSPARSE_CUDA_OPTIONS", "")}
 
 
@@ -165,7 +170,7 @@ def warm() -> None:
 
 def run_variant(name: str, options: str, reps: int) -> dict:
     nvrtc, rounds = split_options(options)
-    env = dict(os.environ, BITSPARSE_CUDA_OPTIONS=nvrtc, **{ROUNDS_ENV: str(rounds or "")})
+    env = dict(os.environ, BITSPARSE_CUDA_OPTIONS=nvrtc, **{ROUNDS_ENV: json.dumps(rounds)})
     t0 = time.monotonic()
     # the variant's kernels compile in parallel first (one after another they take minutes)
     subprocess.run([sys.executable, __file__, "--warm"], env=env, check=True, cwd=ROOT)

@@ -31,8 +31,25 @@ def test_every_switch_is_one_the_kernels_define(name, options):
 
 
 def test_rounds_token_leaves_the_nvrtc_options():
-    assert bench_fused.split_options("PACK_ROUNDS=2 -DA=1 -DB=0") == ("-DA=1 -DB=0", 2)
-    assert bench_fused.split_options("-DA=1") == ("-DA=1", None)
+    assert bench_fused.split_options("PACK_ROUNDS=2 -DA=1 FUSED_ROUNDS=4 -DB=0") == (
+        "-DA=1 -DB=0", {"PACK_ROUNDS": 2, "FUSED_ROUNDS": 4})
+    assert bench_fused.split_options("-DA=1") == ("-DA=1", {})
+
+
+def test_round_tokens_name_abi_constants():
+    from bitsparse_core.backends.cuda import abi
+    for name in bench_fused.ROUND_TOKENS:
+        assert isinstance(getattr(abi, name), int), name
+
+
+def test_rounds_reach_the_abi_in_a_variant_process(monkeypatch):
+    from bitsparse_core.backends.cuda import abi
+    monkeypatch.setattr(abi, "PACK_ROUNDS", abi.PACK_ROUNDS)
+    monkeypatch.setattr(abi, "FUSED_ROUNDS", abi.FUSED_ROUNDS)
+    _, rounds = bench_fused.split_options("PACK_ROUNDS=2 FUSED_ROUNDS=4")
+    monkeypatch.setenv(bench_fused.ROUNDS_ENV, __import__("json").dumps(rounds))
+    bench_fused._apply_rounds()
+    assert (abi.PACK_ROUNDS, abi.FUSED_ROUNDS) == (2, 4)
 
 
 def _summary(digest_of_second: str) -> dict:
