@@ -346,7 +346,7 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 #define BS_PACK_Y_IN_CLASSIFY 1   // relu_pack writes y in A (0: in B, where it held registers)
 #endif
 #ifndef BS_PACK_FUSED_BLOCKS
-#define BS_PACK_FUSED_BLOCKS 3   // relu_pack's blocks per SM (80 registers, no spills)
+#define BS_PACK_FUSED_BLOCKS 3   // relu_pack's blocks per SM (80 registers; fp32 alone spills)
 #endif
 template <int FMT, int ENC, int MODE, int R>
 __global__ void __launch_bounds__(BS_THREADS, (MODE == 0 || MODE == 3) ? 3 : BS_PACK_FUSED_BLOCKS)

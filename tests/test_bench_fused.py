@@ -5,6 +5,7 @@ marks a variant whose outputs differ from the default build's."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ def test_every_switch_is_one_the_kernels_define(name, options):
         assert f"#ifndef {sw}\n#define {sw} " in sources, f"{name}: {sw} is not a kernel switch"
 
 
-def test_rounds_token_leaves_the_nvrtc_options():
+def test_round_tokens_leave_the_nvrtc_options():
     assert bench_fused.split_options("PACK_ROUNDS=2 -DA=1 FUSED_ROUNDS=4 -DB=0") == (
         "-DA=1 -DB=0", {"PACK_ROUNDS": 2, "FUSED_ROUNDS": 4})
     assert bench_fused.split_options("-DA=1") == ("-DA=1", {})
@@ -47,7 +48,7 @@ def test_rounds_reach_the_abi_in_a_variant_process(monkeypatch):
     monkeypatch.setattr(abi, "PACK_ROUNDS", abi.PACK_ROUNDS)
     monkeypatch.setattr(abi, "FUSED_ROUNDS", abi.FUSED_ROUNDS)
     _, rounds = bench_fused.split_options("PACK_ROUNDS=2 FUSED_ROUNDS=4")
-    monkeypatch.setenv(bench_fused.ROUNDS_ENV, __import__("json").dumps(rounds))
+    monkeypatch.setenv(bench_fused.ROUNDS_ENV, json.dumps(rounds))
     bench_fused._apply_rounds()
     assert (abi.PACK_ROUNDS, abi.FUSED_ROUNDS) == (2, 4)
 
