@@ -150,8 +150,7 @@ def measure(reps: int) -> dict:
                   f"{rows[-1]['of_copy']:6.1%} of copy", file=sys.stderr, flush=True)
     from bitsparse_core.backends.cuda import abi
     return {"copy_bandwidth_Bps": copy_bw, "rows": rows, "pack_rounds": abi.PACK_ROUNDS,
-            "fused_rounds": abi.FUSED_ROUNDS,
-            "options": os.environ.get("BITSPARSE_CUDA_OPTIONS", "")}
+            "fused_rounds": abi.FUSED_ROUNDS}
 
 
 def warm() -> None:
@@ -178,7 +177,7 @@ def run_variant(name: str, options: str, reps: int) -> dict:
                          check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     res = json.loads(out.stdout)
     res["seconds"] = time.monotonic() - t0
-    res["options"] = options
+    res["options"] = options      # NVRTC options and round tokens, as the variant gave them
     return res
 
 

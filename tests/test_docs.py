@@ -254,7 +254,8 @@ def readme() -> list:
                     for op in FUSED_README_OPS)
         + " of the copy bandwidth; `relu_pack` / `relu2_pack` "
         + " / ".join(f"{fz_before[op]['us'] / fz[op]['us']:.2f}×" for op in ("relu_pack", "relu2_pack"))
-        + " faster than at half the tile (2 rounds per warp, same run)"
+        + f" faster at {fzv['default']['pack_rounds']} rounds per warp than at "
+        + f"{fzv['before']['pack_rounds']} (same run)"
         + " | `bench/results/fused.md` |",
     ]
 
