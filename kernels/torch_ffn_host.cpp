@@ -114,7 +114,10 @@ struct Grads {
 
 // Backward: PyTorch's linear backward on the 2-D views, relu's (or relu²'s) gradient and
 // the second GEMM's input from the packed block when clean, else from the forward's own
-// first GEMM recomputed (x, w1, b1).
+// first GEMM recomputed (x, w1, b1). A clean gradient is written over grad_h (its own
+// buffer: every thread reads its gradient vector before it stores there) and the
+// decoded activation is dropped once the weight gradient is queued, so the backward
+// holds no more activation-sized buffers than dense PyTorch's.
 Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& weight,
                     const Tensor& x, const Tensor& w1, const Tensor& b1,
                     at::IntArrayRef a_shape, at::ScalarType a_dtype, const Plan& P, bool clean,
@@ -130,33 +133,33 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
   if (clean && square && need_a && need_w) {
     // one decode gives both the input gradient and the second GEMM's input
     const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype).contiguous();
-    Tensor grad_a = at::empty_like(grad_h), h = at::empty_like(grad_h);
-    P.relu2_and_square.run(stream, b, {0, 0, 0, address(grad_h), address(grad_a), address(h)});
-    g.a = grad_a;
+    const Tensor h = at::empty_like(grad_h);
+    P.relu2_and_square.run(stream, b, {0, 0, 0, address(grad_h), address(grad_h), address(h)});
+    g.a = grad_h;
     g.weight = weight_grad(g2, h, mm_dtype);
     return g;
   }
-  Tensor r;
-  if (clean) {
+  Tensor r;   // a clean gradient reads the packed block: r only for the weight gradient
+  if (clean && need_w) {
     r = at::empty(a_shape, grad_out.options().dtype(a_dtype));
     P.unpack.run(stream, b, {0, 0, 0, 0, address(r), 0});
-  } else {   // overflowed or count unknown: the forward's own GEMM, autocast off as there
+  } else if (!clean) {   // overflowed or count unknown: the forward's own GEMM, autocast off as there
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     r = at::relu(at::linear(x, w1, maybe(b1)));
   }
   if (need_w) {
     // the forward's relu(a)**2, rounded the same single way; in place where r is
-    // not needed again (the clean gradient reads the packed block)
+    // not needed again
     g.weight = weight_grad(g2, square ? (clean ? r.mul_(r) : r * r) : r, mm_dtype);
+    if (clean) r.reset();   // stream-ordered: grad_h may take its memory next
   }
   if (need_a) {
     const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype);
     if (clean) {
       const Tensor gh = grad_h.contiguous();
-      Tensor grad_a = at::empty_like(gh);
       const Launch& grad_of_mask = square ? P.relu2 : P.mask_select;
-      grad_of_mask.run(stream, b, {0, 0, 0, address(gh), address(grad_a), 0});
-      g.a = grad_a;
+      grad_of_mask.run(stream, b, {0, 0, 0, address(gh), address(gh), 0});
+      g.a = gh;
     } else if (square) {
       g.a = at::threshold_backward(grad_h * (2 * r), r, 0);
     } else {

@@ -145,6 +145,50 @@ def test_saved_bytes_are_the_packed_size(kind, encoding):
     assert grown < dense_bytes / 2
 
 
+@pytest.mark.parametrize("kind,path", [("relu", "native"), ("relu", "python"),
+                                       ("relu2", "native"), ("relu2", "python"),
+                                       ("reglu", "python")])
+def test_backward_holds_no_more_activations_than_dense(kind, path):
+    """The packed backward's own buffers: the decoded activation is dropped once the weight
+    gradient is queued and the fused gradients are written over grad_h, so the memory a
+    backward adds on top of what the forward kept is at most a count of activation-sized
+    buffers (ReLU: one at a time; ReLU²'s fused decode and ReGLU: two), and no more than
+    dense PyTorch's adds. A = one [n, f] activation; the rest (x's gradient, the weights')
+    is small beside it. (ReGLU has no C++ path.)"""
+    from bitsparse_core.torch import native
+    if path == "native":
+        _native_built()
+    n, d, f = 4096, 128, 4096
+    act = n * f * 2
+    dense, ours = make_pair(kind, "nosign", d=d, f=f, layers=1, dtype=torch.bfloat16,
+                            device="cuda", neg_bias=0.8)
+    blk, ref = ours.blocks[0], dense.blocks[0]
+    blk.capacity_policy.density = 1.0
+    x, _ = _data((n,), d, torch.bfloat16)
+    x.requires_grad_(True)
+
+    def backward_growth(m):
+        for _ in range(2):      # warm-up: kernels, cuBLAS workspaces, the allocator's pools
+            m.zero_grad(set_to_none=True)
+            x.grad = None
+            out = m(x)
+            g = torch.ones_like(out)
+            torch.cuda.synchronize()            # the pack's count is back: a clean backward
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out.backward(g)
+            torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    with contextlib.nullcontext() if path == "native" else native.python_path():
+        ours_growth = backward_growth(blk)
+    dense_growth = backward_growth(ref)
+    assert blk.stats()["recomputes"] == 0
+    buffers = 1 if kind == "relu" else 2
+    assert ours_growth <= (buffers + 0.25) * act, (ours_growth / act, dense_growth / act)
+    assert ours_growth <= dense_growth + 0.25 * act, (ours_growth / act, dense_growth / act)
+
+
 @contextlib.contextmanager
 def _no_syncs():
     """Any CUDA synchronize inside raises (torch's sync debug mode "error")."""

@@ -350,26 +350,28 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     g2, grad_b = _linear_bias_grad(grad_out, weight, has_bias, needs)
     if clean and square and needs & NEED_A and needs & NEED_W and block.device.type == "cuda":
         # one decode gives both the input gradient and the second GEMM's input
-        grad_a, h = _relu2_grad_and_square(
+        grad_a, h = _relu2_grad_and_square_(
             _linear_input_grad(g2, weight, a_shape, a_dtype), block, plan)
         return grad_a, _linear_weight_grad(g2, h, mm_dtype), grad_b
     grad_a = grad_out.new_empty((0,), dtype=a_dtype)
     grad_w = weight.new_empty((0,))
-    if needs & (NEED_A | NEED_W):
-        if clean:
-            r = _unpack(block, plan, a_shape, a_dtype)
-        else:
-            with torch.autocast(grad_out.device.type, enabled=False):
-                r = torch.relu(F.linear(x, w1, b1))
+    # a clean gradient reads the packed block: r only for the weight gradient
+    if clean and needs & NEED_W:
+        r = _unpack(block, plan, a_shape, a_dtype)
+    elif not clean and needs & (NEED_A | NEED_W):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            r = torch.relu(F.linear(x, w1, b1))
     if needs & NEED_W:
         # the forward's relu(a)**2, rounded the same single way; in place where r is
-        # not needed again (the fused gradient reads the packed block)
+        # not needed again
         grad_w = _linear_weight_grad(g2, (r.mul_(r) if clean else r * r) if square else r,
                                      mm_dtype)
+        if clean:
+            del r          # stream-ordered: grad_h may take its memory next
     if needs & NEED_A:
         grad_h = _linear_input_grad(g2, weight, a_shape, a_dtype)
         if clean:
-            grad_a = _activation_grad(grad_h, block, plan, square)
+            grad_a = _activation_grad_(grad_h, block, plan, square)
         elif square:
             grad_a = torch.ops.aten.threshold_backward(grad_h * (2 * r), r, 0)
         else:
@@ -411,32 +413,35 @@ def _unpack(block, plan, a_shape, a_dtype) -> torch.Tensor:
     return out
 
 
-def _activation_grad(grad_h, block, plan, square) -> torch.Tensor:
-    """relu's (mask only) or relu²'s (2 r grad) input gradient from the packed block."""
+# The backward's fused gradients are written over ``grad_h``, the caller's own fresh
+# buffer (every kernel thread reads its gradient vector before it stores there): the
+# backward then holds no more activation-sized buffers than dense PyTorch's.
+def _activation_grad_(grad_h, block, plan, square) -> torch.Tensor:
+    """relu's (mask only) or relu²'s (2 r grad) input gradient from the packed block, in
+    place of ``grad_h`` on CUDA."""
     if block.device.type != "cuda":
         p = block_view(block, plan)
         fn = reference_ops.relu2_backward if square else reference_ops.relu_backward
         return _from_numpy(fn(_to_numpy(grad_h, plan.lay.dtype), p), grad_h.dtype, grad_h.shape)
     grad_h = grad_h.contiguous()
-    out = torch.empty_like(grad_h)
     if square:
-        _unpack_cuda(block, plan, abi.Op.RELU2, out, grad=grad_h)
+        _unpack_cuda(block, plan, abi.Op.RELU2, grad_h, grad=grad_h)
     else:
         host.enqueue_relu_backward(plan.lay, plan.planes(block.data_ptr()), block.device.index,
                                    _stream(block.device),
-                                   grad_h.data_ptr(), out.data_ptr())
-    return out
+                                   grad_h.data_ptr(), grad_h.data_ptr())
+    return grad_h
 
 
-def _relu2_grad_and_square(grad_h, block, plan):
-    """``(grad_a, h)`` of ReLU² from one decode of a CUDA block: the input gradient, and
-    ``h = relu(a)²`` rounded as the forward's kernel rounded it (the second GEMM's input).
-    ReLU keeps two kernels (unpack, then the mask-only gradient): a fused one measured
-    slower there (bench/NOTES.md)."""
+def _relu2_grad_and_square_(grad_h, block, plan):
+    """``(grad_a, h)`` of ReLU² from one decode of a CUDA block: the input gradient (in
+    place of ``grad_h``), and ``h = relu(a)²`` rounded as the forward's kernel rounded it
+    (the second GEMM's input). ReLU keeps two kernels (unpack, then the mask-only
+    gradient): a fused one measured slower there (bench/NOTES.md)."""
     grad_h = grad_h.contiguous()
-    grad_a, h = torch.empty_like(grad_h), torch.empty_like(grad_h)
-    _unpack_cuda(block, plan, abi.Op.RELU2_AND_SQUARE, grad_a, grad=grad_h, out2=h.data_ptr())
-    return grad_a, h
+    h = torch.empty_like(grad_h)
+    _unpack_cuda(block, plan, abi.Op.RELU2_AND_SQUARE, grad_h, grad=grad_h, out2=h.data_ptr())
+    return grad_h, h
 
 
 # --------------------------------------------------------------------------- #
@@ -569,19 +574,23 @@ def gated_relu_linear_backward(grad_out, block_r, block_u, ticket, weight, x, wg
     grad_w = weight.new_empty((0,))
     if not needs & (NEED_A | NEED_W):
         return grad_g, grad_u, grad_w, grad_b
-    if clean:
+    # a clean gradient reads the packed blocks: r and u only for the weight gradient
+    if clean and needs & NEED_W:
         r = _unpack(block_r, plan_r, a_shape, a_dtype)
         u = _unpack_companion(block_r, plan_r, block_u, plan_u, a_shape, a_dtype)
-    else:
+    elif not clean:
         with torch.autocast(grad_out.device.type, enabled=False):
             r = torch.relu(F.linear(x, wg, bg))
             u = F.linear(x, wu, bu)
     if needs & NEED_W:
-        grad_w = _linear_weight_grad(g2, r * u, mm_dtype)
+        # r * u, in place where neither is needed again
+        grad_w = _linear_weight_grad(g2, r.mul_(u) if clean else r * u, mm_dtype)
+        if clean:
+            del r, u       # stream-ordered: the gradients may take their memory next
     if needs & NEED_A:
         grad_h = _linear_input_grad(g2, weight, a_shape, a_dtype)
         if clean:
-            grad_g, grad_u = _gated_grad(grad_h, block_r, plan_r, block_u, plan_u)
+            grad_g, grad_u = _gated_grad_(grad_h, block_r, plan_r, block_u, plan_u)
         else:   # what autograd does for relu(g) * u
             grad_g = torch.ops.aten.threshold_backward(grad_h * u, r, 0)
             grad_u = grad_h * r
@@ -621,7 +630,8 @@ def _companion_view(block_r, plan_r, block_u, plan_u) -> PackedTensor:
                         extra={"shares_mask": True})
 
 
-def _gated_grad(grad_h, block_r, plan_r, block_u, plan_u):
+def _gated_grad_(grad_h, block_r, plan_r, block_u, plan_u):
+    """``(grad_g, grad_u)`` from the packed blocks, grad_g in place of ``grad_h`` on CUDA."""
     if block_r.device.type != "cuda":
         p_r = block_view(block_r, plan_r)
         p_u = _companion_view(block_r, plan_r, block_u, plan_u)
@@ -629,11 +639,11 @@ def _gated_grad(grad_h, block_r, plan_r, block_u, plan_u):
         return (_from_numpy(gg, grad_h.dtype, grad_h.shape),
                 _from_numpy(gu, grad_h.dtype, grad_h.shape))
     grad_h = grad_h.contiguous()
-    gg, gu = torch.empty_like(grad_h), torch.empty_like(grad_h)
-    _unpack_cuda(block_r, plan_r, abi.Op.GATED, gg, grad=grad_h, out2=gu.data_ptr(),
+    gu = torch.empty_like(grad_h)
+    _unpack_cuda(block_r, plan_r, abi.Op.GATED, grad_h, grad=grad_h, out2=gu.data_ptr(),
                  pu=_companion_planes(plan_r, block_r, plan_u, block_u),
                  u_encoding=plan_u.lay.encoding)
-    return gg, gu
+    return grad_h, gu
 
 
 def BENCH_CASES(shape, dtype, device):
