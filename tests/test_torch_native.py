@@ -427,6 +427,27 @@ def test_emulated_native_twice_through_one_graph_and_hooks(emulated):
     assert torch.equal(first, second) and torch.uint8 in seen
 
 
+@pytest.mark.parametrize("kind", ["relu", "relu2"])
+@pytest.mark.parametrize("frozen", ["none", "fc2"])
+def test_emulated_backward_writes_its_gradient_over_grad_h(emulated, kind, frozen):
+    """A clean backward's gradient kernel writes over the gradient it reads (grad_h, the
+    backward's own buffer), and the activation is decoded only where the weight gradient
+    needs it (ReLU: a plain unpack; ReLU²: the fused decode that also gives relu(a)²)."""
+    from torch_models import make_pair
+    _, ours = make_pair(kind, "nosign", d=16, f=64, layers=1)
+    if frozen == "fc2":
+        ours.blocks[0].fc2.requires_grad_(False)
+    x = torch.randn(32, 16)
+    ours(x).square().sum().backward()
+    grads = [(k, r) for k, r in emulated.launches if k[0] != "pack"]
+    ops = [abi.Op(k[2]).name if k[0] == "unpack" else k[0] for k, _ in grads]
+    decode = {"relu": ["UNPACK"], "relu2": []}[kind] if frozen == "none" else []
+    grad_op = {"relu": "mask_select",
+               "relu2": "RELU2_AND_SQUARE" if frozen == "none" else "RELU2"}[kind]
+    assert ops == decode + [grad_op]
+    assert grads[-1][1]["out"] == grads[-1][1]["g"]
+
+
 def test_emulated_driver_error_is_raised(emulated, monkeypatch):
     """A failing launch surfaces as a named error, not as wrong data."""
     from bitsparse_core.torch import relu_ffn
