@@ -143,7 +143,8 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
   if (clean && need_w) {
     r = at::empty(a_shape, grad_out.options().dtype(a_dtype));
     P.unpack.run(stream, b, {0, 0, 0, 0, address(r), 0});
-  } else if (!clean) {   // overflowed or count unknown: the forward's own GEMM, autocast off as there
+  } else if (!clean) {
+    // overflowed or count unknown: the forward's own GEMM, autocast off as there
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     r = at::relu(at::linear(x, w1, maybe(b1)));
   }
