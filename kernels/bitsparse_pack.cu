@@ -198,6 +198,13 @@ __device__ __forceinline__ void bs_write_total(u64 total, u32 neg, u64 cap, u64 
     }
 }
 
+// How many of the TILE elements of the tile at tile_base exist (all but the last tile's).
+template <int TILE>
+__device__ __forceinline__ u32 bs_tile_rem(u64 numel, u64 tile_base) {
+    const u64 left = numel - tile_base;
+    return left < (u64)TILE ? (u32)left : (u32)TILE;
+}
+
 // A warp's mask bits of R rounds (32 V-element vectors each, the first at element
 // `first` of a tile whose mask bytes start at mask_tile, `rem` elements of which
 // exist): a byte (bf16) or two (fp8) per lane and round, or a word per 8 lanes (fp32).
@@ -413,8 +420,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     auto store_y = [&](u64 tile) {
         if ((MODE != BS_MODE_RELU && MODE != BS_MODE_RELU2) || y_ptr == 0ull) return;
         const u64 tile_base = tile * (u64)TILE;
-        const u64 left = numel - tile_base;
-        const u32 rem = left < (u64)TILE ? (u32)left : (u32)TILE;
+        const u32 rem = bs_tile_rem<TILE>(numel, tile_base);
         T* y_tile = reinterpret_cast<T*>(y_ptr) + tile_base;
         const bool whole = y_aligned && rem == (u32)TILE;
 #pragma unroll
@@ -495,8 +501,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         if (tid == 0) { buf.n = n; buf.neg = any_neg; }
         // Mask bytes: offsets inside the tile are 32-bit, and rem is how many of its
         // elements exist.
-        const u64 left = numel - tile_base;
-        const u32 rem = left < (u64)TILE ? (u32)left : (u32)TILE;
+        const u32 rem = bs_tile_rem<TILE>(numel, tile_base);
         if (MODE != BS_MODE_MASKED)
             bs_store_mask<V, R>(reinterpret_cast<u8*>(mask_ptr) + (tile_base >> 3), bits,
                                 (u32)(warp * SEG), rem, lane);
@@ -567,8 +572,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
             // Tiles start on a multiple of TILE, so a round start's low chunk_log2
             // bits are those of its 32-bit offset in the tile plus the tile's.
             const u64 tile_base = tile * (u64)TILE;
-            const u64 left = numel - tile_base;
-            const u32 rem = left < (u64)TILE ? (u32)left : (u32)TILE;
+            const u32 rem = bs_tile_rem<TILE>(numel, tile_base);
             const u32 cmask = (1u << chunk_log2) - 1u;     // chunk_log2 <= 24
             const u32 base_lo = (u32)tile_base;
 #pragma unroll
