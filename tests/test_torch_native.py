@@ -441,9 +441,9 @@ def test_emulated_backward_writes_its_gradient_over_grad_h(emulated, kind, froze
     ours(x).square().sum().backward()
     grads = [(k, r) for k, r in emulated.launches if k[0] != "pack"]
     ops = [abi.Op(k[2]).name if k[0] == "unpack" else k[0] for k, _ in grads]
-    decode = {"relu": ["UNPACK"], "relu2": []}[kind] if frozen == "none" else []
-    grad_op = {"relu": "mask_select",
-               "relu2": "RELU2_AND_SQUARE" if frozen == "none" else "RELU2"}[kind]
+    decode = ["UNPACK"] if kind == "relu" and frozen == "none" else []
+    grad_op = ("mask_select" if kind == "relu"
+               else "RELU2_AND_SQUARE" if frozen == "none" else "RELU2")
     assert ops == decode + [grad_op]
     assert grads[-1][1]["out"] == grads[-1][1]["g"]
 
