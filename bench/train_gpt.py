@@ -330,10 +330,16 @@ def build(bench: Bench, name: str):
     return model, call, opt
 
 
-def train_step(model, opt, x, y, marks: list | None = None) -> torch.Tensor:
+def train_step(model, opt, x, y, marks: list | None = None,
+               held: list | None = None) -> torch.Tensor:
     """One whole step: forward, backward, optimizer. Returns the loss, left on the device.
-    ``marks``: gets the host clock after the forward and after the backward."""
+    ``marks``: gets the host clock after the forward and after the backward. ``held``
+    (CUDA): gets the bytes allocated after the forward less those at the step's start,
+    what the forward keeps for the backward (no sync: the allocator's own count)."""
+    start = torch.cuda.memory_allocated(x.device) if held is not None else 0
     loss = model(x, y)
+    if held is not None:
+        held.append(torch.cuda.memory_allocated(x.device) - start)
     if marks is not None:
         marks.append(time.perf_counter())
     opt.zero_grad(set_to_none=True)
@@ -368,9 +374,10 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
     model, call, opt = build(bench, name)
     probe = name == "dense" and args.sparsity_every > 0 and not args.budget
     losses, times, host, phases, sparsity, first_step_s = [], [], [], [], [], None
+    held = [] if device.type == "cuda" else None
 
-    def step(x, y, marks=None):
-        return train_step(call, opt, x, y, marks)
+    def step(x, y, marks=None, held=None):
+        return train_step(call, opt, x, y, marks, held)
 
     compiles, compiled_before = {}, None
     with attention_backend(args.attn):
@@ -382,7 +389,7 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
             sync(device)
             marks = []
             t0 = time.perf_counter()
-            losses.append(step(x, y, marks))
+            losses.append(step(x, y, marks, held if i >= plan.warmup else None))
             t1 = time.perf_counter()
             sync(device)
             t2 = time.perf_counter()
@@ -418,6 +425,8 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
         else None,
         "first_step_s": first_step_s,
         "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        # what the forward keeps for the backward (allocated after it less before it)
+        "after_forward_mib": statistics.median(held) / 2**20 if held else None,
         "losses": torch.stack(losses).float().cpu().tolist(),
         "syncs": syncs,
         "sparsity": sparsity,
@@ -728,8 +737,9 @@ def markdown_variants(summary: dict) -> str:
     out = [f"# GPT with ReLU² MLP on Python stdlib bytes ({summary['device']}, {summary['mode']})",
            "", describe(summary), "",
            "| variant | median step (ms) | host (ms) | × dense | × reference | peak (MiB) | "
-           "first step (s) | final loss | losses = ref | params = ref | max loss diff |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "kept after forward (MiB) | first step (s) | final loss | losses = ref | "
+           "params = ref | max loss diff |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     failed = []
     for name, v in summary["variants"].items():
         if v["status"] != "ok":
@@ -739,11 +749,14 @@ def markdown_variants(summary: dict) -> str:
         out.append(f"| {name} | {_f(v['median_step_ms'])} | {_f(v['median_host_ms'])} | "
                    f"{_f(v.get('step_ratio_vs_dense'), '.2f')} | "
                    f"{_f(v.get('step_ratio_vs_reference'), '.2f') if ref != 'dense' else '-'} | "
-                   f"{_f(v['peak_mib'], '.0f')} | {_f(v['first_step_s'], '.2f')} | "
+                   f"{_f(v['peak_mib'], '.0f')} | {_f(v.get('after_forward_mib'), '.0f')} | "
+                   f"{_f(v['first_step_s'], '.2f')} | "
                    f"{v['losses'][-1]:.4f} | {_yes(v.get('losses_bit_identical'))} | "
                    f"{_yes(v.get('params_bit_identical'))} | {_f(v.get('max_abs_loss_diff'), '.2e')} |")
     out += ["", "Reference: dense, and dense-compiled for ours-compiled. Host = CPU time to "
-            "issue a step (from its start to before the closing synchronize)."]
+            "issue a step (from its start to before the closing synchronize). Kept after "
+            "forward: memory allocated after the forward less at the step's start (median of "
+            "the timed steps), the activations the backward will read."]
     rounds = [(n, v) for n, v in summary["variants"].items() if v.get("round_step_ms")]
     if rounds:
         out += ["", "Rounds (the variant sequence run again for timing; median step ms per "
