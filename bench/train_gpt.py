@@ -127,7 +127,7 @@ VARIANTS = {
 }
 # opt-in variants (issue 17): host memory and the host link
 OFFLOAD_VARIANTS = ("ours-offload", "ours-offload-hold0", "save-on-cpu")
-BITIDENT_VARIANTS = ("dense", "ours-raw", "ours-nosign")
+BITIDENT_VARIANTS = ("dense", "ours-raw", "ours-nosign", "ours-offload", "ours-offload-hold0")
 BUDGET_VARIANTS = ("dense", "checkpoint", "ours-nosign")
 # Profile rows of the library's own ops (CPU self time per op).
 OWN_OPS = ("bitsparse",)
