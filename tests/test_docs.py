@@ -162,8 +162,8 @@ def readme() -> list:
 
         f"| {sh['layers']}-layer ReLU² GPT, d={sh['d']}, bf16, {tokens} tokens/step, "
         f"{bi['plan']['timed']} steps with math attention | losses and final parameters "
-        f"{identical(*(biv[v][k] for v in ('ours-raw', 'ours-nosign') for k in ('losses_bit_identical', 'params_bit_identical')))}"
-        f" to dense; peak {mib(biv['ours-raw']['peak_mib'])} / {mib(biv['ours-nosign']['peak_mib'])}"
+        f"{identical(*(biv[v][k] for v in ('ours-raw', 'ours-nosign', 'ours-offload', 'ours-offload-hold0') for k in ('losses_bit_identical', 'params_bit_identical')))}"
+        f" to dense, offloaded (`offload=True`, either hold) too; peak {mib(biv['ours-raw']['peak_mib'])} / {mib(biv['ours-nosign']['peak_mib'])}"
         f" MiB (raw / nosign) vs {mib(biv['dense']['peak_mib'])} dense; step "
         f"{pct(biv['ours-raw']['step_ratio_vs_dense'], 0)} / "
         f"{pct(biv['ours-nosign']['step_ratio_vs_dense'], 0)} vs dense "
