@@ -1,0 +1,213 @@
+"""What the CUDA driver's calls cost the host, beside the public ops that make them.
+
+    python3 bench/driver_cost.py [--calls 3000] [--repeats 5] [--out bench/results]
+
+bench/host_overhead.py says how long a public call takes; this says how much of it
+is the driver's. Two parts, on a 1x4096 bf16 tensor (GPU work negligible), each a
+tight loop (no sync inside), median of ``--repeats`` loops, per call:
+
+* the driver entry points the hot path uses, called through ctypes as
+  ``backends/cuda/driver.py`` calls them: ``cuLaunchKernel`` of an empty kernel, of
+  one with 24 u64 parameters and of the unpack kernel with its argument record; the
+  same launch through ``ctypes.PyDLL`` (the GIL kept, to see whether releasing it
+  costs); CuPy's own launch of the empty kernel; ``cuMemsetD8Async`` (a pack's
+  scratch); ``cuStreamQuery`` and ``cuCtxGetCurrent`` (a call's floor through ctypes);
+  torch's ``x + x`` and ``empty_like`` as the host's speed;
+* every public op (CuPy backend, torch data, bench/host_overhead.py's cases) as it
+  is, and again with the driver's queueing calls (launch, cooperative launch, memset,
+  copy) replaced by no-ops: the difference is what those calls cost inside the op,
+  the rest is Python. (The exact pack waits for a count the stub never writes: left
+  out of the second column.)
+
+Writes ``driver_cost.json`` / ``.md`` / ``.png`` under ``--out``. Without CUDA it
+says so and exits with status 2, writing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+
+def per_call_us(fn, calls: int, repeats: int, sync) -> list:
+    """Host µs per call of ``fn`` in ``repeats`` loops of ``calls`` (after a warm-up)."""
+    for _ in range(min(calls, 200)):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+        sync()
+    return out
+
+
+def driver_calls(torch, cupy, stream: int) -> dict:
+    """``{name: zero-argument callable}`` of the driver calls measured."""
+    import bitsparse_core as bc
+    from bitsparse_core.backends.cuda import abi, driver, host
+    from bitsparse_core.backends.cupy.backend import planes_of
+
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    x[x < 1.2] = 0
+    out = torch.empty_like(x)
+    p = bc.pack(x)
+    lay, planes = p.layout, planes_of(p)
+    host.enqueue_unpack(lay, planes, abi.Op.UNPACK, 0, stream, out.data_ptr())   # makes the launch
+    unpack = host._unpack_launch(lay, abi.Op.UNPACK, 0, 0)   # its record holds that call's
+    lib = driver.lib()
+    launch = lib.cuLaunchKernel
+    pylib = ctypes.PyDLL("libcuda.so.1")
+    pylaunch = pylib.cuLaunchKernel
+    pylaunch.argtypes = launch.argtypes
+
+    empty = cupy.RawKernel(r'extern "C" __global__ void k0() {}', "k0")
+    empty.compile()
+    k24 = cupy.RawKernel('extern "C" __global__ void k24('
+                         + ", ".join(f"unsigned long long a{i}" for i in range(24)) + ") {}", "k24")
+    k24.compile()
+    f0, f24 = int(empty.kernel.ptr), int(k24.kernel.ptr)
+    no_params = (ctypes.c_void_p * 1)()
+    vals = (ctypes.c_uint64 * 24)()
+    p24 = (ctypes.c_void_p * 24)(*[ctypes.addressof(vals) + 8 * i for i in range(24)])
+    uf, grid, uptrs = unpack.func, unpack.n_tiles, unpack.args.pointers
+    ptr, ctx = out.data_ptr(), ctypes.c_void_p()
+    keep = (x, out, p, empty, k24, vals, p24, no_params, pylib)   # alive while timed
+    return {
+        "torch x + x": lambda: x + x,
+        "torch.empty_like": lambda: torch.empty_like(x),
+        "cuLaunchKernel, empty kernel": lambda: launch(f0, 1, 1, 1, 32, 1, 1, 0, stream,
+                                                       no_params, None),
+        "cuLaunchKernel, 24 u64 parameters": lambda: launch(f24, 1, 1, 1, 32, 1, 1, 0, stream,
+                                                            p24, None),
+        "cuLaunchKernel, the unpack kernel": lambda: launch(uf, grid, 1, 1, abi.THREADS, 1, 1, 0,
+                                                            stream, uptrs, None),
+        "cuLaunchKernel through PyDLL, empty kernel": lambda: pylaunch(
+            f0, 1, 1, 1, 32, 1, 1, 0, stream, no_params, None),
+        "CuPy's launch, empty kernel": lambda: empty((1,), (32,), ()),
+        "cuMemsetD8Async, 64 bytes": lambda: lib.cuMemsetD8Async(ptr, 0, 64, stream),
+        "cuStreamQuery": lambda: lib.cuStreamQuery(stream),
+        "cuCtxGetCurrent": lambda: lib.cuCtxGetCurrent(ctypes.byref(ctx)),
+    }, keep
+
+
+class _NoQueueing:
+    """The driver's queueing calls as no-ops, for the ``with`` block."""
+
+    NAMES = ("launch", "launch_cooperative", "memset0", "copy")
+
+    def __enter__(self):
+        from bitsparse_core.backends.cuda import driver
+        self.driver = driver
+        self.saved = {n: getattr(driver, n) for n in self.NAMES}
+        for n in self.NAMES:
+            setattr(driver, n, lambda *a: None)
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(self.driver, n, f)
+
+
+def public_ops(torch, args, sync) -> dict:
+    """``{op: {"real": [...], "no_queueing": [...]}}`` host µs per call."""
+    import bitsparse_core as bc
+    import host_overhead as ho
+    dev = ho.Device(torch, cpu_smoke=False, sleep_cycles=0)
+    inp = ho.make_inputs(torch, dev, (1, 4096), 0.9, 0)
+    cases, _ = ho.public_cases(bc, torch, dev, inp, "cupy", ho.call_kwargs(torch, dev, "torch"))
+    res = {k: {"real": per_call_us(fn, args.calls, args.repeats, sync)} for k, fn in cases.items()}
+    with _NoQueueing():
+        for k, fn in cases.items():
+            if k != "pack_exact":
+                res[k]["no_queueing"] = per_call_us(fn, args.calls, args.repeats, sync)
+    return res
+
+
+def markdown(summary: dict) -> str:
+    med = statistics.median
+    env = summary["environment"]
+    lines = [f"# Host cost of the CUDA driver's calls ({env['device']})", "",
+             f"{env['date_utc']}; torch {env['torch']}, cupy {env['cupy']}, commit "
+             f"{env['git_commit']}. Per call, tight loops of {summary['calls']} calls on a "
+             f"1x4096 bf16 tensor, median of {summary['repeats']} loops (all in the JSON).", "",
+             "| call | host µs |", "| --- | ---: |"]
+    lines += [f"| {name} | {med(v):.2f} |" for name, v in summary["driver"].items()]
+    lines += ["", "Public ops (CuPy backend, torch data): as they are, and with the driver's "
+              "queueing calls (launch, cooperative launch, memset, copy) made no-ops; the "
+              "difference is what those calls cost inside the op.", "",
+              "| op | host µs | without queueing | the driver's share |",
+              "| --- | ---: | ---: | ---: |"]
+    for op, v in summary["ops"].items():
+        real = med(v["real"])
+        rest = med(v["no_queueing"]) if "no_queueing" in v else None
+        lines.append(f"| `{op}` | {real:.1f} | {'-' if rest is None else f'{rest:.1f}'} | "
+                     f"{'-' if rest is None else f'{real - rest:.1f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    med = statistics.median
+    ops = [op for op, v in summary["ops"].items() if "no_queueing" in v]
+    rest = [med(summary["ops"][op]["no_queueing"]) for op in ops]
+    drv = [med(summary["ops"][op]["real"]) - r for op, r in zip(ops, rest)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh(ops, rest, label="Python and the rest")
+    ax.barh(ops, drv, left=rest, label="driver queueing calls")
+    ax.set_xlabel("host µs per call")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("driver_cost: no CUDA device; nothing measured", file=sys.stderr)
+        return 2
+    import cupy
+    import host_overhead as ho
+    sync = torch.cuda.synchronize
+    stream = torch.cuda.current_stream().cuda_stream
+    calls, keep = driver_calls(torch, cupy, stream)
+    driver = {name: per_call_us(fn, args.calls, args.repeats, sync) for name, fn in calls.items()}
+    ops = public_ops(torch, args, sync)
+    driver["torch x + x, at the end"] = per_call_us(calls["torch x + x"], args.calls,
+                                                    args.repeats, sync)
+    del keep
+    dev = ho.Device(torch, cpu_smoke=False, sleep_cycles=0)
+    summary = {"environment": ho.environment(torch, dev), "calls": args.calls,
+               "repeats": args.repeats, "driver": driver, "ops": ops}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "driver_cost.json").write_text(json.dumps(summary, indent=1))
+    (out / "driver_cost.md").write_text(markdown(summary))
+    plot(summary, out / "driver_cost.png")
+    print(markdown(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
