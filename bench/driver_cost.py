@@ -1,10 +1,11 @@
 """What the CUDA driver's calls cost the host, beside the public ops that make them.
 
-    python3 bench/driver_cost.py [--calls 3000] [--repeats 5] [--out bench/results]
+    python3 bench/driver_cost.py [--calls 200] [--repeats 15] [--out bench/results]
 
 bench/host_overhead.py says how long a public call takes; this says how much of it
 is the driver's. Two parts, on a 1x4096 bf16 tensor (GPU work negligible), each a
-tight loop (no sync inside), median of ``--repeats`` loops, per call:
+tight loop timed as bench/host_overhead.py times its calls (no sync inside, results
+kept, garbage collection off), median of ``--repeats`` loops, per call:
 
 * the driver entry points the hot path uses, called through ctypes as
   ``backends/cuda/driver.py`` calls them: ``cuLaunchKernel`` of an empty kernel, of
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import statistics
 import sys
@@ -38,17 +40,26 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 
 def per_call_us(fn, calls: int, repeats: int, sync) -> list:
-    """Host µs per call of ``fn`` in ``repeats`` loops of ``calls`` (after a warm-up)."""
-    for _ in range(min(calls, 200)):
+    """Host µs per call of ``fn`` in ``repeats`` loops of ``calls`` (after a warm-up), as
+    bench/host_overhead.py times: results kept until the loop ends (no call frees the
+    last one's memory), garbage collection off, and loops short enough that the GPU's
+    queue never fills and throttles the host."""
+    for _ in range(calls):
         fn()
     sync()
     out = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
+        held = []
+        gc.disable()
+        try:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                held.append(fn())
+            out.append((time.perf_counter() - t0) / calls * 1e6)
+        finally:
+            gc.enable()
         sync()
+        del held
     return out
 
 
@@ -179,8 +190,8 @@ def plot(summary: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=3000)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     import torch
