@@ -57,6 +57,24 @@ def test_offloaded_training_is_bit_identical(kind):
     assert off.pool.free_bytes() == off.pool.held    # every buffer back after backward
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_offloaded_blocks_that_overflowed_recompute_and_stay_exact(kind):
+    """A density bound far below the batch's: every pack overflows its capacity, the
+    offloaded block still goes out and comes back, and the backward recomputes from the
+    FFN input, so training stays bit-identical and the overflows are counted."""
+    from bitsparse_core.torch.capacity import CapacityPolicy
+    dense, ours = make_pair(kind, "nosign", layers=2)
+    for blk in ours.blocks:
+        blk.capacity_policy = CapacityPolicy(density=0.01)
+    off = Offloader(ahead=1)
+    _offloaded(ours, off)
+    x, target = _data((3, 16), 32)
+    assert_same_training(train(dense, x, target, steps=2), train(ours, x, target, steps=2))
+    stats = [blk.stats() for blk in ours.blocks]
+    assert all(st["overflows"] > 0 and st["recomputes"] > 0 for st in stats)
+    assert off.stats()["offloaded"] > 0
+
+
 def _pending(**kw):
     """An Offloader whose CPU copies out end when the test says (``engine.copies_done``;
     on a GPU: an event on the side stream). ``engine.released_tokens()`` gives the
