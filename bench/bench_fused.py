@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
+from plotting import pyplot  # noqa: E402
+
 CASES = (((8192, 4096), 0.5), ((8192, 4096), 0.1), ((8192, 14336), 0.1))
 OPS = ("relu_pack", "relu2_pack", "relu2_backward", "relu2_backward+square", "gated_backward")
 # session 20's relu_pack (2 rounds, 4 blocks per SM, y written in B); y written in B alone
@@ -214,11 +216,8 @@ def markdown(summary: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     names = list(summary["variants"])
     base = summary["variants"][names[0]]["rows"]

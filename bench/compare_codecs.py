@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plotting import pyplot  # noqa: E402
 
 TIMES = ("pack_fixed_ms", "pack_exact_ms", "unpack_ms")
 
@@ -49,11 +54,8 @@ def markdown(summary: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     rows = summary["rows"]
     labels = [f"{r['dtype']}\ns={r['sparsity']}" for r in rows]

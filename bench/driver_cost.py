@@ -38,6 +38,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from plotting import pyplot  # noqa: E402
+
 
 def per_call_us(fn, calls: int, repeats: int, sync) -> list:
     """Host µs per call of ``fn`` in ``repeats`` loops of ``calls`` (after a warm-up), as
@@ -177,11 +179,8 @@ def markdown(summary: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     ops = [op for op, v in summary["ops"].items() if "no_queueing" in v]
     rest = [min(summary["ops"][op]["no_queueing"]) for op in ops]

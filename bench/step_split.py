@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import train_gpt as tg  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 DEFAULT_VARIANTS = ("dense", "ours-nosign", "ours-python", "dense-compiled", "ours-compiled",
@@ -231,11 +232,8 @@ def markdown(summary: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     names = list(summary["variants"])
     rows = summary["variants"]
