@@ -28,41 +28,24 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+import host_overhead as ho  # noqa: E402
 from plotting import pyplot  # noqa: E402
 
 
 def per_call_us(fn, calls: int, repeats: int, sync) -> list:
-    """Host µs per call of ``fn`` in ``repeats`` loops of ``calls`` (after a warm-up), as
-    bench/host_overhead.py times: results kept until the loop ends (no call frees the
-    last one's memory), garbage collection off, and loops short enough that the GPU's
-    queue never fills and throttles the host."""
-    for _ in range(calls):
-        fn()
-    sync()
-    out = []
-    for _ in range(repeats):
-        held = []
-        gc.disable()
-        try:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                held.append(fn())
-            out.append((time.perf_counter() - t0) / calls * 1e6)
-        finally:
-            gc.enable()
-        sync()
-        del held
-    return out
+    """Host µs per call of ``fn`` in ``repeats`` loops of ``calls`` after a warm-up, timed
+    by bench/host_overhead.py's loop (results kept, garbage collection off, loops short
+    enough that the GPU's queue never fills and throttles the host)."""
+    ho.warm_up(fn, calls, sync)
+    return [ho.timed_loop(fn, calls, sync, keep=True)[0] for _ in range(repeats)]
 
 
 def driver_calls(torch, cupy, stream: int) -> dict:
@@ -135,7 +118,6 @@ class _NoQueueing:
 def public_ops(torch, args, sync) -> dict:
     """``{op: {"real": [...], "no_queueing": [...]}}`` host µs per call."""
     import bitsparse_core as bc
-    import host_overhead as ho
     dev = ho.Device(torch, cpu_smoke=False, sleep_cycles=0)
     inp = ho.make_inputs(torch, dev, (1, 4096), 0.9, 0)
     cases, _ = ho.public_cases(bc, torch, dev, inp, "cupy", ho.call_kwargs(torch, dev, "torch"))
@@ -206,7 +188,6 @@ def main(argv=None) -> int:
         print("driver_cost: no CUDA device; nothing measured", file=sys.stderr)
         return 2
     import cupy
-    import host_overhead as ho
     sync = torch.cuda.synchronize
     stream = torch.cuda.current_stream().cuda_stream
     calls, keep = driver_calls(torch, cupy, stream)
