@@ -580,6 +580,29 @@ def test_hooks_a_dense_site_passes_through_then_is_tried_again():
     assert hooks.stats.tried == 2 and torch.equal(hooks._unpack(p), t)
 
 
+def test_hooks_a_site_still_dense_when_tried_again_waits_twice_as_long():
+    """Each try of a too-dense site that comes back too dense again doubles the saves it
+    passes through before the next (up to MAX_BACKOFF times); a clean count resets it."""
+    from bitsparse_core.torch.sites import MAX_BACKOFF, RETRY_AFTER, SaveSite
+    site, n = SaveSite("auto"), 1000
+
+    def passes_until_tried():
+        k = 0
+        while site.capacity(n, 0.5, 0.1) is None:
+            k += 1
+        return k
+    assert site.capacity(n, 0.5, 0.1) == 500        # the largest capacity worth packing
+    gaps = []
+    for _ in range(8):
+        site.observe(0, 900, n)                       # too dense again
+        gaps.append(passes_until_tried())
+    assert gaps == [RETRY_AFTER * min(2 ** i, MAX_BACKOFF) for i in range(8)]
+    site.observe(0, 100, n)
+    assert site.capacity(n, 0.5, 0.1) is not None     # sized from the clean count
+    site.observe(0, 900, n)
+    assert passes_until_tried() == RETRY_AFTER
+
+
 @pytest.mark.parametrize("looks", [None, 0, 1, 3], ids=["never", "at-once", "1", "3"])
 def test_hooks_training_bit_identical_whenever_counts_land(monkeypatch, looks):
     _Counts(monkeypatch, looks)

@@ -495,17 +495,17 @@ def test_plain_pack_queues_nothing_without_a_slot(monkeypatch):
     torch.cuda.synchronize()                    # the sleep below
     queued.clear()
     torch.cuda._sleep(200_000_000)              # the first slot's copy stays pending
-    block, ticket, known = O.pack_plain(x, plan)
-    assert block is not None and known is None and not C.SLAB.lost(ticket) and queued == [1]
-    block2, ticket2, _ = O.pack_plain(x, plan)
-    assert block2 is None and C.SLAB.lost(ticket2) and queued == [1]
+    block, key, known = O.pack_plain(x, plan)
+    assert block is not None and known is None and not C.SLAB.lost_slot(*key) and queued == [1]
+    block2, key2, _ = O.pack_plain(x, plan)
+    assert block2 is None and C.SLAB.lost_slot(*key2) and queued == [1]
     torch.cuda.synchronize()
-    status, nnz = C.SLAB.read(ticket)
+    status, nnz = C.SLAB.read_slot(*key)
     assert status == 0 and nnz == int(torch.count_nonzero(x))
-    block3, ticket3, _ = O.pack_plain(x, plan)  # the slot came back: packs again
+    block3, key3, _ = O.pack_plain(x, plan)  # the slot came back: packs again
     assert block3 is not None and queued == [1, 1]
     torch.cuda.synchronize()
-    assert C.SLAB.read(ticket3) == (0, nnz)
+    assert C.SLAB.read_slot(*key3) == (0, nnz)
 
 
 # --------------------------------------------------------------------------- #

@@ -15,6 +15,7 @@ a pack overflowed (see :mod:`.ops`).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import math
@@ -80,6 +81,12 @@ class FlagSlab:
     def acquire(self):
         """``(host address of the slot, ticket)``; the slot reads as pending until
         the caller's pack writes it."""
+        address, i, gen = self.acquire_slot()
+        return address, self._new_ticket(i, gen)
+
+    def acquire_slot(self):
+        """:meth:`acquire` without the ticket tensor: ``(host address, index,
+        generation)``, ``(0, NO_SLOT, 0)`` where every slot is in flight."""
         status, nnz = self._arrays()
         with self._lock:
             for _ in range(self.slots):
@@ -88,12 +95,12 @@ class FlagSlab:
                 if status[4 * i] != SENTINEL:
                     break
             else:
-                return 0, fixed_ticket(NO_SLOT)
+                return 0, NO_SLOT, 0
             self._gen[i] += 1
             status[4 * i] = SENTINEL
             nnz[2 * i + 1] = SENTINEL64
-            ticket = self._new_ticket(i, int(self._gen[i]))
-        return self._mem.data_ptr() + 16 * i, ticket
+            gen = int(self._gen[i])
+        return self._mem.data_ptr() + 16 * i, i, gen
 
     @staticmethod
     def _new_ticket(i: int, gen: int) -> torch.Tensor:
@@ -128,7 +135,10 @@ class FlagSlab:
         """``(status, nnz)`` of a ticket's pack, watching its slot until the count lands (no
         CUDA call: the GPU runs on while the host waits), or None for a ticket with no
         slot, a stale one, or after ``timeout_s``."""
-        i, gen = ticket.tolist()
+        return self.wait_slot(*ticket.tolist(), timeout_s=timeout_s)
+
+    def wait_slot(self, i: int, gen: int, timeout_s: float = WAIT_TIMEOUT_S):
+        """:meth:`wait` of the ticket ``[i, gen]``."""
         if not 0 <= i < self.total:
             return None
         deadline = time.perf_counter() + timeout_s
@@ -172,9 +182,16 @@ def claim_slot():
     """``(slot address, ticket)`` for a CUDA pack's count, taken before the pack is queued;
     ``(0, a NO_SLOT ticket)`` while a graph is captured (its count cannot be read without
     a sync) or when every slot is in flight."""
+    address, i, gen = claim_slot_key()
+    return address, FlagSlab._new_ticket(i, gen)
+
+
+def claim_slot_key():
+    """:func:`claim_slot` for a caller that keeps no ticket tensor (the saved-tensor
+    hooks): ``(slot address, index, generation)``, ``(0, NO_SLOT, 0)`` for none."""
     if torch.cuda.is_current_stream_capturing():
-        return 0, fixed_ticket(NO_SLOT)
-    return SLAB.acquire()
+        return 0, NO_SLOT, 0
+    return SLAB.acquire_slot()
 POLICIES: "weakref.WeakValueDictionary[int, CapacityPolicy]" = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 
@@ -186,7 +203,9 @@ LADDER = tuple(min(1.0, 2 ** (k / 3) / 64) for k in range(19))
 
 def bucket_of(density: float) -> int:
     """Index of the smallest ladder density at or above ``density`` (the top one above 1)."""
-    return next((k for k, v in enumerate(LADDER) if v >= density), len(LADDER) - 1)
+    if not density <= LADDER[-1]:
+        return len(LADDER) - 1
+    return bisect.bisect_left(LADDER, density)
 
 
 def sized_bucket(densest: float, margin: float) -> int:

@@ -47,10 +47,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..backends.cuda import abi
 from ..backends.cuda.interop import stream_wait
@@ -104,12 +104,12 @@ class _Packed:
     """A saved tensor packed at a capacity: the block and its plan, the dense tensor while
     the count is on its way (or for good when the pack was not usable)."""
 
-    __slots__ = ("block", "plan", "ticket", "known", "held", "version", "dtype", "shape",
+    __slots__ = ("block", "plan", "key", "known", "held", "version", "dtype", "shape",
                  "stream", "state", "unpacked", "saves", "to_unpack", "keep", "nbytes",
                  "__weakref__")
 
-    def __init__(self, block, plan, ticket, known, dense: torch.Tensor, stream, nbytes: int):
-        self.block, self.plan, self.ticket, self.known = block, plan, ticket, known
+    def __init__(self, block, plan, key, known, dense: torch.Tensor, stream, nbytes: int):
+        self.block, self.plan, self.key, self.known = block, plan, key, known
         self.held, self.version = dense, dense._version
         self.dtype, self.shape, self.stream = dense.dtype, tuple(dense.shape), stream
         self.state = PENDING
@@ -148,13 +148,43 @@ class _View:
         self.base, self.shape = base, shape
 
 
-def _landed(ticket: torch.Tensor, known):
+class _ByBase:
+    """Packs by the base tensor they were made from, while that tensor is alive: the entry
+    goes when it dies. A dict keyed by ``id`` (``torch.utils.weak.WeakIdKeyDictionary``
+    runs Python-level hashing and comparison on every lookup, and the hooks look one up
+    for every candidate save)."""
+
+    __slots__ = ("_entries", "__weakref__")
+
+    def __init__(self):
+        self._entries = {}
+
+    def get(self, base: torch.Tensor):
+        """``(version, _Packed or None)`` recorded for ``base``, or None."""
+        entry = self._entries.get(id(base))
+        if entry is None or entry[0]() is not base:
+            return None
+        return entry[1], entry[2]
+
+    def put(self, base: torch.Tensor, version: int, packed) -> None:
+        key = id(base)
+        self._entries[key] = (weakref.ref(base, functools.partial(self._forget, key)),
+                              version, packed)
+
+    def _forget(self, key: int, ref) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is ref:   # not an entry of a later tensor
+            del self._entries[key]
+
+
+def _landed(key, known):
     """A pack's ``(status, nnz)`` once it is on the host, None while on its way, LOST if it
-    never can be. ``known``: the state of a pack made on the host."""
+    never can be. ``key``: its slot's ``(index, generation)``; ``known``: the state of a
+    pack made on the host."""
     if known is not None:
         return known
-    state = C.SLAB.read(ticket)
-    if state is None and C.SLAB.lost(ticket):
+    state = C.SLAB.read_slot(*key)
+    if state is None and C.SLAB.lost_slot(*key):
         return LOST
     return state
 
@@ -199,10 +229,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         # (t.device makes an object per call: the hooks see every saved tensor)
         self._on_cuda, self._on_cpu = "cuda" in self.devices, "cpu" in self.devices
         self.stats = SavedStats()
-        self._by_base = WeakIdKeyDictionary()  # base tensor -> (version, _Packed or None)
+        self._by_base = _ByBase()  # base tensor -> (version, _Packed or None)
         self._sites = Sites(self.encoding)
         self._ordinal = 0
-        # (ticket, known, site, numel, block bytes, weak _Packed) of each pack whose count
+        # (slot key, known, site, numel, block bytes, weak _Packed) of each pack whose count
         # the hooks have not taken in yet, in queue order
         self._flights = collections.deque()
         self._in_flight = 0   # bytes of the blocks in self._flights
@@ -253,7 +283,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             hit[1].saves += 1
             return hit[1] if base is t else _View(hit[1], tuple(t.shape))
         packed = self._pack_new(base)
-        self._by_base[base] = (base._version, packed)
+        self._by_base.put(base, base._version, packed)
         if packed is None:
             self.stats.passed += 1
             return self._to_outer(t)
@@ -277,23 +307,24 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             self.stats.throttled += 1
             return None
         t = t.detach()    # held while the count is on its way: no autograd history
-        block, ticket, known = O.pack_plain(t, plan)
+        block, key, known = O.pack_plain(t, plan)
         if block is None:
             return None   # no slot for its count (a graph capture, or the ring in flight)
-        packed = _Packed(block, plan, ticket, known, t, O._stream(t.device) if cuda else None,
+        packed = _Packed(block, plan, key, known, t, O._stream(t.device) if cuda else None,
                          nbytes)
-        self._flights.append((ticket, known, site, numel, nbytes, weakref.ref(packed)))
+        self._flights.append((key, known, site, numel, nbytes, weakref.ref(packed)))
         self._in_flight += nbytes
         self.stats.tried += 1
-        self._poll()   # a host pack's count is known at once
+        if known is not None:
+            self._poll()   # a host pack's count is known at once
         return None if packed.state == DENSE else packed
 
     def _poll(self, forward: bool = True) -> None:
         """Take in every count that has landed, in queue order (no CUDA call). In backward
         (``forward`` False) a clean block stays where it is: its backward comes soon."""
         while self._flights:
-            ticket, known, site, numel, nbytes, ref = self._flights[0]
-            state = _landed(ticket, known)
+            key, known, site, numel, nbytes, ref = self._flights[0]
+            state = _landed(key, known)
             if state is None:
                 return
             self._flights.popleft()
@@ -396,5 +427,5 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             self.stats.pending_at_unpack += 1
             self._keep_dense(obj)
             return
-        state = obj.known or C.SLAB.wait(obj.ticket)
+        state = obj.known or C.SLAB.wait_slot(*obj.key)
         self._settle(obj, LOST if state is None else state)

@@ -164,11 +164,11 @@ def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
 
 
 def _enqueue_pack(a: torch.Tensor, plan: host.PackPlan, block: torch.Tensor, stream: int,
-                  scratch: int, claimed, y: int = 0) -> torch.Tensor:
+                  scratch: int, claimed, y: int = 0):
     """Queue the pack of ``a`` into ``block`` on ``stream``, the kernel writing its status
     and count into the slot ``claimed`` (:func:`.capacity.claim_slot`: ``(address,
     ticket)``, address 0 for none; the slot reads pending until both land); returns the
-    ticket."""
+    ticket (whatever names the slot to the caller: a tensor, or a slot key)."""
     slot, ticket = claimed
     # zero_tail=False: nothing reads a block's value slots past its count (the block is
     # never serialized), so the fixed-capacity zeroing of the public pack is skipped.
@@ -183,25 +183,26 @@ def plain_block_bytes(plan: host.PackPlan, cuda: bool) -> int:
 
 
 def pack_plain(a: torch.Tensor, plan: host.PackPlan):
-    """``(block, ticket, known)``: ``a`` packed by ``plan`` (mode PACK) without a sync. On
-    CUDA ``known`` is None and the ticket's slot receives the status and count (the
-    kernel writes them there); where every pinned slot is in flight (or a graph is being
+    """``(block, key, known)``: ``a`` packed by ``plan`` (mode PACK) without a sync, for the
+    saved-tensor hooks. On CUDA ``known`` is None and the slot ``key`` (``(index,
+    generation)`` in :data:`.capacity.SLAB`) receives the status and count (the kernel
+    writes them there); where every pinned slot is in flight (or a graph is being
     captured) nothing is queued and ``block`` is None: a pack whose count cannot come
-    back is of no use to the hooks. On CPU the NumPy reference packs at once and
-    ``known`` is its ``(status, nnz)``."""
+    back is of no use to the hooks. On CPU the NumPy reference packs at once, ``known``
+    is its ``(status, nnz)`` and ``key`` is ``(HOST_FINAL, 0)``."""
     if a.device.type != "cuda":
         block = _plain_pack_cpu(a, plan)
-        return block, C.fixed_ticket(C.HOST_FINAL), _host_status(block, plan)
-    claimed = C.claim_slot()
-    if not claimed[0]:
-        return None, claimed[1], None
+        return block, (C.HOST_FINAL, 0), _host_status(block, plan)
+    slot, i, gen = C.claim_slot_key()
+    if not slot:
+        return None, (i, gen), None
     # One allocation per op: the pack's scratch (dead once the kernel ran; about 1 % of
     # the block at 90 % zeros, kept while the block lives) rides behind the block, a view
     # of the allocation's first nbytes.
     whole = torch.empty(plan.nbytes + plan.scratch_bytes, dtype=torch.uint8, device=a.device)
     block = whole[:plan.nbytes]
     return block, _enqueue_pack(a, plan, block, _stream(a.device),
-                                block.data_ptr() + plan.nbytes, claimed), None
+                                block.data_ptr() + plan.nbytes, (slot, (i, gen))), None
 
 
 def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torch.Tensor,

@@ -8,7 +8,9 @@ still worth packing (``1 - min_sparsity`` of the elements); the counts that come
 asynchronously then size the next packs to the smallest ladder bucket above the
 densest recent one, with a margin (so the caching allocator sees a few block sizes,
 not one per step). A site whose tensors came back too dense passes through for a
-while, then is tried again; one whose values have their sign bit set stops using
+while, then is tried again, waiting twice as long after each try that is still too
+dense (up to ``MAX_BACKOFF`` times): a dense layer costs a wasted pack rarely, not
+every ``RETRY_AFTER`` saves. One whose values have their sign bit set stops using
 ``nosign``.
 """
 
@@ -23,6 +25,7 @@ from .capacity import LADDER, sized_bucket
 
 WINDOW = 8          # counts a site sizes its packs from
 RETRY_AFTER = 32    # saves a too-dense site passes through before it is tried again
+MAX_BACKOFF = 32    # ... times 2 ** (tries in a row still too dense), up to this factor
 MAX_SITES = 4096    # sites remembered (the oldest forgotten: a forward that never repeats)
 
 # The encoding a site falls back to after a nosign violation, per requested encoding.
@@ -30,15 +33,17 @@ FALLBACK = {"auto": Encoding.RAW, "nosign": Encoding.SIGNPLANE}
 
 
 class SaveSite:
-    """One save site: its encoding, recent densities and pass-through countdown."""
+    """One save site: its encoding, recent densities, pass-through countdown and the
+    factor of the next one."""
 
-    __slots__ = ("encoding", "fallback", "recent", "skip")
+    __slots__ = ("encoding", "fallback", "recent", "skip", "backoff")
 
     def __init__(self, encoding: str):
         self.fallback = FALLBACK.get(encoding)
         self.encoding = Encoding.NOSIGN if self.fallback is not None else Encoding.parse(encoding)
         self.recent = collections.deque(maxlen=WINDOW)
         self.skip = 0
+        self.backoff = 1
 
     def capacity(self, numel: int, limit: float, margin: float) -> int | None:
         """The capacity of the next pack here, or None to pass this save through.
@@ -51,9 +56,11 @@ class SaveSite:
             return min(numel, top)
         seen = max(self.recent)
         if seen > limit:
-            self.skip = RETRY_AFTER - 1     # this save is the first passed through
+            self.skip = RETRY_AFTER * self.backoff - 1   # this save is the first passed through
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
             self.recent.clear()             # then tried again from the largest capacity
             return None
+        self.backoff = 1
         return min(numel, top, math.ceil(LADDER[sized_bucket(seen, margin)] * numel))
 
     def observe(self, status: int, nnz: int, numel: int) -> None:
