@@ -191,7 +191,51 @@ def run_variant(bench: HFBench, name: str, batches: list, plan: tg.Plan):
         res["cprofile"] = tg.cprofile_steps(lambda x, y: tg.train_step(forward, opt, x, y),
                                             batches[:args.cprofile_steps], device)
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    if "hooks" in extra and args.hook_timing_steps:   # after the parameters are taken
+        res["hook_host"] = hook_host_time(extra["hooks"], lambda x, y: tg.train_step(forward, opt, x, y),
+                                          batches[:args.hook_timing_steps], device)
     return res, params
+
+
+def hook_host_time(hooks, step, batches: list, device: torch.device) -> dict:
+    """Host time per step inside the hooks' own ``pack`` and ``unpack`` (PyTorch's calls to
+    them excluded), timed around each call over extra steps run after the others: what our
+    Python costs, apart from the step-to-step drift of a host-paced machine."""
+    pack, unpack = hooks.pack_hook, hooks.unpack_hook
+    spent = {"pack_s": 0.0, "unpack_s": 0.0, "pack_calls": 0, "unpack_calls": 0}
+    clock = time.perf_counter
+
+    def timed_pack(t):
+        t0 = clock()
+        r = pack(t)
+        spent["pack_s"] += clock() - t0
+        spent["pack_calls"] += 1
+        return r
+
+    def timed_unpack(obj):
+        t0 = clock()
+        r = unpack(obj)
+        spent["unpack_s"] += clock() - t0
+        spent["unpack_calls"] += 1
+        return r
+    hooks.pack_hook, hooks.unpack_hook = timed_pack, timed_unpack   # read at each __enter__
+    host = []
+    try:
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            tg.sync(device)
+            t0 = clock()
+            step(x, y)
+            host.append(clock() - t0)
+            tg.sync(device)
+    finally:
+        hooks.pack_hook, hooks.unpack_hook = pack, unpack
+    n = len(batches)
+    return {"steps": n, "step_host_ms": 1e3 * statistics.median(host),
+            "pack_ms_per_step": 1e3 * spent["pack_s"] / n,
+            "unpack_ms_per_step": 1e3 * spent["unpack_s"] / n,
+            "pack_calls_per_step": spent["pack_calls"] / n,
+            "unpack_calls_per_step": spent["unpack_calls"] / n}
 
 
 def what_was_packed(extra: dict, model, steps: int, tokens: int, shape: tg.Shape) -> dict | None:
@@ -429,6 +473,13 @@ def packed_markdown(summary: dict) -> list:
             if "offload" in packed:
                 out += ["", "Offloader (whole run): " + ", ".join(
                     f"{k} {x}" for k, x in packed["offload"].items()) + "."]
+            hh = v.get("hook_host")
+            if hh:
+                out += ["", f"Host time inside the hooks ({hh['steps']} extra steps, each call "
+                        f"timed): pack {hh['pack_ms_per_step']:.2f} ms per step "
+                        f"({hh['pack_calls_per_step']:.0f} calls), unpack "
+                        f"{hh['unpack_ms_per_step']:.2f} ms ({hh['unpack_calls_per_step']:.0f} "
+                        f"calls); the step's host time then {hh['step_host_ms']:.1f} ms."]
     return out
 
 
@@ -492,6 +543,8 @@ def parse_args(argv):
     ap.add_argument("--cprofile-steps", type=int, default=0,
                     help="CUDA: also run this many steps of each variant under cProfile "
                          "(bench_hf_cprofile.txt)")
+    ap.add_argument("--hook-timing-steps", type=int, default=3,
+                    help="hooks variants: extra steps with each hook call timed (0: none)")
     ap.add_argument("--interleave", type=int, default=0,
                     help="then this many turns of one step of every variant each, all models "
                          "resident (bench/interleaved.py): the timing targets use its ratios")

@@ -43,6 +43,11 @@ def test_bench_hf_small_on_cpu(tmp_path):
         # the interleaved turns' ratio is the one reported (and judged by the targets)
         assert v["step_ratio_vs_plain"] == summary["interleaved"]["variants"][name]["median_ratio"]
     assert variants["hooks"]["packed"]["packed_per_step"] > 0
+    hh = variants["hooks"]["hook_host"]      # the hooks' own host time, extra steps timed
+    assert hh["steps"] == 3 and hh["pack_calls_per_step"] > 0 and hh["unpack_calls_per_step"] > 0
+    assert hh["pack_ms_per_step"] > 0 and hh["unpack_ms_per_step"] > 0
+    assert "hook_host" not in variants["noop-hooks"] and "Host time inside the hooks" in \
+        (tmp_path / "bench_hf.md").read_text()
     converted = variants["converted"]["packed"]
     assert [p for p, *_ in converted["replaced"]] == ["model.decoder.layers.0",
                                                      "model.decoder.layers.1"]
