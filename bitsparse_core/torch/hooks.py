@@ -237,6 +237,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self._flights = collections.deque()
         self._in_flight = 0   # bytes of the blocks in self._flights
         self._credit = 0      # bytes the clean packs still alive save
+        self._alive = set()   # weak references to those packs, whose deaths release it
         self._outer = None
         self.offload = resolve_offload(offload)
         super().__init__(self._pack, self._unpack)
@@ -269,8 +270,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             self._poll()
         if not self._candidate(t):
             self.stats.passed += 1
-            return self._to_outer(t)
-        base = t._base if t._base is not None else t
+            return t if self._outer is None else self._to_outer(t)
+        base = t._base
+        if base is None:
+            base = t
         if base is not t and not (base.is_contiguous() and base.numel() == t.numel()
                                   and t.storage_offset() == base.storage_offset()):
             base = t  # a proper part of its base: pack just this view
@@ -345,7 +348,8 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             packed.held, packed.state = None, CLEAN
             packed.block = self._keep_block(packed.block, forward)
             self._credit += saving
-            weakref.finalize(packed, self._release, saving)
+            # (a weak reference with a callback: weakref.finalize costs ~10 times more)
+            self._alive.add(weakref.ref(packed, functools.partial(self._release, saving)))
             self.stats.packed += 1
             self.stats.dense_bytes += dense
             self.stats.packed_bytes += packed.nbytes
@@ -371,7 +375,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             packed.held = self._to_outer(packed.held)
         self.stats.kept_dense += 1
 
-    def _release(self, saving: int) -> None:
+    def _release(self, saving: int, ref) -> None:
+        """A clean pack died: what it saved is no longer credit."""
+        self._alive.discard(ref)
         self._credit -= saving
 
     # ---------------------------------------------------------------- unpack
@@ -380,7 +386,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if cls is _View:
             return self._unpack(obj.base).view(obj.shape)
         if cls is not _Packed:       # passed through (to the enclosing hooks, if any)
-            return self._from_outer(obj)
+            return obj if self._outer is None else self._from_outer(obj)
         if self._flights:
             self._poll(forward=False)
         if obj.state == PENDING:
