@@ -205,20 +205,19 @@ def hook_host_time(hooks, step, batches: list, device: torch.device) -> dict:
     spent = {"pack_s": 0.0, "unpack_s": 0.0, "pack_calls": 0, "unpack_calls": 0}
     clock = time.perf_counter
 
-    def timed_pack(t):
-        t0 = clock()
-        r = pack(t)
-        spent["pack_s"] += clock() - t0
-        spent["pack_calls"] += 1
-        return r
+    def timed(hook, name):
+        seconds, calls = f"{name}_s", f"{name}_calls"
 
-    def timed_unpack(obj):
-        t0 = clock()
-        r = unpack(obj)
-        spent["unpack_s"] += clock() - t0
-        spent["unpack_calls"] += 1
-        return r
-    hooks.pack_hook, hooks.unpack_hook = timed_pack, timed_unpack   # read at each __enter__
+        def call(arg):
+            t0 = clock()
+            r = hook(arg)
+            t1 = clock()
+            spent[seconds] += t1 - t0
+            spent[calls] += 1
+            return r
+        return call
+    # read at each __enter__
+    hooks.pack_hook, hooks.unpack_hook = timed(pack, "pack"), timed(unpack, "unpack")
     host = []
     try:
         for x, y in batches:
