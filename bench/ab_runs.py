@@ -16,6 +16,8 @@ import json
 import statistics
 from pathlib import Path
 
+from plotting import pyplot
+
 VARIANTS = ("dense", "ours-nosign")
 
 
@@ -72,9 +74,9 @@ def markdown(runs, summary, title: str) -> str:
 
 
 def plot(runs, path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(8, 3.5))
     trees = list(dict.fromkeys(r["tree"] for r in runs))
     colors = {t: c for t, c in zip(trees, ("tab:blue", "tab:orange", "tab:green"))}

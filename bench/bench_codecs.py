@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import bitsparse_core as bc  # noqa: E402
 from bitsparse_core.backends.cuda import abi  # noqa: E402
 from bitsparse_core.spec import format as _fmt  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 NVCOMP_CODECS = ("ANS", "Cascaded", "Bitcomp", "Zstd")
 
@@ -305,9 +306,9 @@ def write_outputs(res, out_dir: Path):
 
 
 def plot(res, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
     rows = res["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     labels = [f"{r['backend']}\n{r['dtype'].replace('float8_', '')}\ns={r['sparsity']}" for r in rows]

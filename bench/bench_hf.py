@@ -53,6 +53,7 @@ import train_gpt as tg  # noqa: E402
 from bitsparse_core.spec import format as fmt  # noqa: E402
 from bitsparse_core.torch.convert import packed_modules  # noqa: E402
 from profile_syncs import profile_steps  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 VOCAB = 256
 VARIANTS = ("plain", "hooks", "converted", "checkpointing")
@@ -483,11 +484,8 @@ def packed_markdown(summary: dict) -> list:
 
 
 def plot(summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     ok = {n: v for n, v in summary["variants"].items() if v["status"] == "ok"}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))

@@ -37,6 +37,7 @@ from jax import lax  # noqa: E402
 
 from bitsparse_core.jax import codec, custom_calls, ffn  # noqa: E402
 from bitsparse_core.spec.format import Encoding  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 Z80 = 0.8416212335729143   # standard normal quantile of 0.8
 
@@ -204,11 +205,8 @@ def write_outputs(res, out_dir):
               "(impl='ffi'); ffi pack / unpack: the codec through them."]
     with open(os.path.join(out_dir, "jax_ffn.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     modes = [r["mode"] + (f"\n(bound {r['density_bound']})" if r["density_bound"] else "")
              for r in res["modes"]]

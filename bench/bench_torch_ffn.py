@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bitsparse_core.torch import PackedReLU2FFN, PackedReLUFFN  # noqa: E402
 from bitsparse_core.torch.offload import Offloader  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 DEVICE = "cuda"
 VARIANTS = ("dense", "checkpoint", "save_on_cpu", "ours_raw", "ours_nosign", "ours_offload",
@@ -271,11 +272,8 @@ def write_outputs(results, out: Path):
                     lines.append(f"| {v} | `{name[:70]}` | {ms:.2f} | {n} |")
             lines.append("")
     out.with_suffix(".md").write_text("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     kinds = [k for k in results["kinds"] if any("median_ms" in e for e in
                                                 results["kinds"][k]["variants"].values())]

@@ -115,10 +115,10 @@ class _NoQueueing:
             setattr(self.driver, n, f)
 
 
-def public_ops(torch, args, sync) -> dict:
-    """``{op: {"real": [...], "no_queueing": [...]}}`` host µs per call."""
+def public_ops(torch, dev, args, sync) -> dict:
+    """``{op: {"real": [...], "no_queueing": [...]}}`` host µs per call on ``dev`` (a
+    bench/host_overhead.py Device)."""
     import bitsparse_core as bc
-    dev = ho.Device(torch, cpu_smoke=False, sleep_cycles=0)
     inp = ho.make_inputs(torch, dev, (1, 4096), 0.9, 0)
     cases, _ = ho.public_cases(bc, torch, dev, inp, "cupy", ho.call_kwargs(torch, dev, "torch"))
     res = {k: {"real": per_call_us(fn, args.calls, args.repeats, sync)} for k, fn in cases.items()}
@@ -192,11 +192,11 @@ def main(argv=None) -> int:
     stream = torch.cuda.current_stream().cuda_stream
     calls, keep = driver_calls(torch, cupy, stream)
     driver = {name: per_call_us(fn, args.calls, args.repeats, sync) for name, fn in calls.items()}
-    ops = public_ops(torch, args, sync)
+    dev = ho.Device(torch, cpu_smoke=False, sleep_cycles=0)
+    ops = public_ops(torch, dev, args, sync)
     driver["torch x + x, at the end"] = per_call_us(calls["torch x + x"], args.calls,
                                                     args.repeats, sync)
     del keep
-    dev = ho.Device(torch, cpu_smoke=False, sleep_cycles=0)
     summary = {"environment": ho.environment(torch, dev), "calls": args.calls,
                "repeats": args.repeats, "driver": driver, "ops": ops}
     out = Path(args.out)

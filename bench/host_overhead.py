@@ -108,6 +108,8 @@ import time
 import traceback
 from pathlib import Path
 
+from plotting import pyplot
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -749,9 +751,9 @@ def write_markdown(res, path: Path):
 
 def plot(res, path: Path):
     """Host us per op (log scale): small host, large enqueue; targets as red lines."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return False
     import matplotlib.ticker
     cfg = res["config"]
     shapes = [("small", tuple(cfg["small"]), "host_us")] + [

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import bitsparse_core.torch as bst  # noqa: E402
 from bitsparse_core.torch import native  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 
 class DenseReLU2FFN(nn.Module):
@@ -233,11 +234,8 @@ def write_md(res: dict, path: Path) -> None:
 
 
 def write_plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     rows = res["rows"]
     names = [r["variant"] for r in rows]

@@ -70,6 +70,7 @@ from bitsparse_core.torch import native  # noqa: E402
 from bitsparse_core.torch.offload import Offloader  # noqa: E402
 import interleaved  # noqa: E402
 from profile_syncs import profile_steps  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 START = time.monotonic()
 
@@ -926,11 +927,8 @@ def write_reports(summary: dict, out: Path, stem: str) -> None:
     budget_mode = summary["mode"] == "budget"
     (out / f"{stem}.md").write_text(markdown_budget(summary) if budget_mode
                                     else markdown_variants(summary))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     (plot_budget if budget_mode else plot_variants)(summary, out / f"{stem}.png", plt)
 
