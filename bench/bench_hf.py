@@ -202,14 +202,15 @@ def hook_host_time(hooks, step, batches: list, device: torch.device) -> dict:
     """Host time per step inside the hooks' own ``pack`` and ``unpack`` (PyTorch's calls to
     them excluded), timed around each call over extra steps run after the others: what our
     Python costs, apart from the step-to-step drift of a host-paced machine."""
-    pack, unpack = hooks.pack_hook, hooks.unpack_hook
     spent = {"pack_s": 0.0, "unpack_s": 0.0, "pack_calls": 0, "unpack_calls": 0}
     clock = time.perf_counter
+    hook_of = {}    # what the hooks' __enter__ chose (the C++ front's, or Python's own)
 
-    def timed(hook, name):
+    def timed(name):
         seconds, calls = f"{name}_s", f"{name}_calls"
 
         def call(arg):
+            hook = hook_of[name]
             t0 = clock()
             r = hook(arg)
             t1 = clock()
@@ -217,8 +218,13 @@ def hook_host_time(hooks, step, batches: list, device: torch.device) -> dict:
             spent[calls] += 1
             return r
         return call
-    # read at each __enter__
-    hooks.pack_hook, hooks.unpack_hook = timed(pack, "pack"), timed(unpack, "unpack")
+    use_front = hooks._use_front
+
+    def use_front_timed():   # each __enter__ picks its hooks, then pushes pack_hook / unpack_hook
+        use_front()
+        hook_of["pack"], hook_of["unpack"] = hooks.pack_hook, hooks.unpack_hook
+        hooks.pack_hook, hooks.unpack_hook = timed("pack"), timed("unpack")
+    hooks._use_front = use_front_timed
     host = []
     try:
         for x, y in batches:
@@ -229,7 +235,7 @@ def hook_host_time(hooks, step, batches: list, device: torch.device) -> dict:
             host.append(clock() - t0)
             tg.sync(device)
     finally:
-        hooks.pack_hook, hooks.unpack_hook = pack, unpack
+        del hooks._use_front
     n = len(batches)
     return {"steps": n, "step_host_ms": 1e3 * statistics.median(host),
             "pack_ms_per_step": 1e3 * spent["pack_s"] / n,
@@ -404,7 +410,9 @@ def markdown(summary: dict) -> str:
            f"torch {summary['torch']}; deterministic algorithms, new tensors "
            f"{'NaN-filled' if summary.get('fill_uninitialized_memory') else 'not NaN-filled'}"
            + (f"; packed FFN op's host path: {summary['ffn_host_path']}"
-              if summary.get("ffn_host_path") else "") + ".", "",
+              if summary.get("ffn_host_path") else "")
+           + (f"; hooks' front: {summary['hooks_front']}" if summary.get("hooks_front") else "")
+           + ".", "",
            "| variant | median step (ms) | host (ms) | × plain | peak (MiB) | kept by forward "
            "(MiB) | losses = plain | max loss diff | params = plain | blocking syncs/step |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -572,6 +580,7 @@ def main(argv=None) -> int:
                "tokens_of_text": int(text.size), "torch": torch.__version__,
                "transformers": transformers.__version__,
                "ffn_host_path": native.host_path(device),
+               "hooks_front": "c++" if native.hooks_module() is not None else "python",
                "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     out = Path(args.out)

@@ -22,10 +22,12 @@
 //
 // The parts: torch_host_common.h (driver entry points, helpers), torch_host_launch.h
 // (launch templates, plans), torch_host_slots.h (counts on the host),
-// torch_host_offload.h (the offload engine); this file: the op, its autograd
+// torch_host_offload.h (the offload engine), torch_host_hooks.h (the saved-tensor hooks'
+// first look at each save); this file: the op, its autograd
 // node, its dispatcher kernels and the module.
 
 #include "torch_host_common.h"
+#include "torch_host_hooks.h"
 #include "torch_host_launch.h"
 #include "torch_host_offload.h"
 #include "torch_host_slots.h"
@@ -514,4 +516,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("relu_linear_backward_kernel", &relu_linear_backward_kernel,
         py::call_guard<py::gil_scoped_release>());
   m.def("launch_params", &launch_params);
+  def_hooks_front(m);
 }

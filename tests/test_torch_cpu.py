@@ -3,6 +3,7 @@ hooks, checkpoint, autocast, errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -24,6 +25,27 @@ def deterministic():
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(prev)
+
+
+def pytest_generate_tests(metafunc):
+    # every hooks test runs with the C++ front (torch_host_hooks.h) and without it
+    if metafunc.function.__name__.startswith("test_hooks_"):
+        metafunc.fixturenames.append("hooks_front")
+        metafunc.parametrize("hooks_front", ["python", "c++"], indirect=True)
+
+
+@pytest.fixture
+def hooks_front(request):
+    from bitsparse_core.torch import native
+    if request.param == "python":
+        with native.python_path():
+            yield None
+        return
+    mod = native.module()
+    if mod is None:
+        pytest.skip(f"the C++ extension did not build: {native.build_error()}")
+    assert native.hooks_module() is mod
+    yield mod
 
 
 def _data(shape, d, dtype, seed=1):
@@ -350,10 +372,88 @@ def test_hooks_pass_through_what_is_not_worth_packing():
     noncontig = torch.relu(torch.randn(100, 80)).t()
     param = torch.nn.Parameter(torch.zeros(4000))
     for t in (dense, small, f64, ints, noncontig, param):
-        assert hooks._pack(t) is t
+        assert hooks.pack_hook(t) is t
     assert hooks.stats.packed == 0
     sparse = torch.relu(torch.randn(4000) - 1)
-    assert hooks._pack(sparse) is not sparse and hooks.stats.packed == 1
+    assert hooks.pack_hook(sparse) is not sparse and hooks.stats.packed == 1
+
+
+def _dense_site_model(seed=0):
+    """A ReLU MLP whose first layer's input is saved dense (a candidate that a save site
+    learns to pass through) beside two sparse ReLU outputs."""
+    m = relu_mlp(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 32), m)
+
+
+def test_hooks_front_and_python_take_the_same_decisions(hooks_front, monkeypatch):
+    """The C++ front and the Python hooks alone pack, share and pass the same saves over
+    steps in which save sites learn (dense ones pass for a while, then are tried again),
+    and train the same; the front hands Python only the saves that need it: once the
+    dense sites pass, the two new packs of each step."""
+    import contextlib
+    from bitsparse_core.torch import native
+    from bitsparse_core.torch.sites import RETRY_AFTER
+    if hooks_front is None:
+        pytest.skip("compared in the c++ parametrization")
+    x, target = _data((4, 16), 32, torch.float32)
+    steps = RETRY_AFTER + 3
+    per_step = []     # Python calls per forward: _pack (Python path), _front_new (front)
+
+    class Counting(Hooked):
+        def forward(self, x):
+            per_step.append(0)
+            return super().forward(x)
+
+    def counted(fn):
+        def call(*args):
+            per_step[-1] += 1
+            return fn(*args)
+        return call
+    runs = {}
+    for mode in ("python", "c++"):
+        per_step.clear()
+        with monkeypatch.context() as m:
+            # patched before the hooks are made: the front takes the class's functions
+            m.setattr(compress_saved_tensors, "_pack", counted(compress_saved_tensors._pack))
+            m.setattr(compress_saved_tensors, "_front_new",
+                      counted(compress_saved_tensors._front_new))
+            hooks = compress_saved_tensors(min_numel=256, min_sparsity=0.5)
+            with native.python_path() if mode == "python" else contextlib.nullcontext():
+                rec = train(Counting(_dense_site_model(), hooks), x, target, steps=steps)
+        runs[mode] = (rec, dataclasses.asdict(hooks.stats), list(per_step))
+    (rec_py, stats_py, calls_py), (rec_cpp, stats_cpp, calls_cpp) = runs["python"], runs["c++"]
+    assert_same_training(rec_py, rec_cpp)
+    assert stats_py == stats_cpp
+    assert stats_cpp["packed"] == 2 * steps and stats_cpp["passed"] > 3 * steps
+    assert min(calls_py) > 6                          # every save, in Python alone
+    # once the first steps have taught the sites (the same steps in both), only the new
+    # packs reach Python; the dense sites' tries come back after RETRY_AFTER passes
+    assert calls_cpp[3:RETRY_AFTER] == [2] * (RETRY_AFTER - 3)
+    assert calls_cpp[0] > 2 and max(calls_cpp[RETRY_AFTER:]) > 2
+
+
+def test_hooks_front_holds_no_reference_to_the_hooks(hooks_front):
+    """The C++ front's functions (which autograd keeps with each saved tensor) do not keep
+    the hooks alive, and the hooks are collected with nothing left behind."""
+    import gc
+    import weakref
+    if hooks_front is None:
+        pytest.skip("Python's own hooks are bound methods: they keep the hooks alive")
+    hooks = compress_saved_tensors(min_numel=256, min_sparsity=0.5)
+    m = relu_mlp()
+    x, _ = _data((64,), 32, torch.float32)
+    with hooks:
+        y = m(x)
+    y.sum().backward()
+    pack_hook, unpack_hook = hooks.pack_hook, hooks.unpack_hook
+    ref = weakref.ref(hooks)
+    del hooks
+    gc.collect()
+    assert ref() is None
+    t = torch.ones(3)
+    assert unpack_hook(t) is t        # still callable: what it is given passes back
+    with pytest.raises(RuntimeError, match="after they died"):
+        pack_hook(torch.relu(torch.randn(4096)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
@@ -373,12 +473,12 @@ def test_hooks_roundtrip_is_lossless(dtype, encoding):
     for _ in range(2):
         with hooks:
             x = t.clone()   # a new tensor, as each step saves
-            packed = hooks._pack(x)
+            packed = hooks.pack_hook(x)
     assert hooks.stats.violations == (encoding in ("auto", "nosign"))
     assert packed is not x
-    back = hooks._unpack(packed)
+    back = hooks.unpack_hook(packed)
     assert back.dtype == dtype and torch.equal(back.view(bits.dtype), bits)
-    assert torch.equal(hooks._unpack(packed).view(bits.dtype), bits)  # again
+    assert torch.equal(hooks.unpack_hook(packed).view(bits.dtype), bits)  # again
 
 
 # --------------------------------------------------------------------------- #
@@ -416,7 +516,7 @@ def _with_density(density, numel=4096, sign=1.0):
 def _save(hooks, t):
     """One forward's save of ``t`` (the hooks entered anew: the same save site)."""
     with hooks:
-        return hooks._pack(t)
+        return hooks.pack_hook(t)
 
 
 def test_hooks_hold_both_while_pending_then_drop_the_dense(monkeypatch):
@@ -432,13 +532,13 @@ def test_hooks_hold_both_while_pending_then_drop_the_dense(monkeypatch):
     assert p.held is not None and p.block is not None       # both, while the count is away
     assert (hooks.stats.tried, hooks.stats.packed) == (1, 0)
     counts.release()
-    assert hooks._pack(torch.zeros(3)) is not None          # any hook call takes counts in
+    assert hooks.pack_hook(torch.zeros(3)) is not None          # any hook call takes counts in
     assert p.state == "clean" and p.held is None and hooks.stats.packed == 1
     alive = weakref.ref(t)
     del t
     gc.collect()
     assert alive() is None                                   # nothing holds the dense tensor
-    assert torch.equal(hooks._unpack(p), want)
+    assert torch.equal(hooks.unpack_hook(p), want)
 
 
 def test_hooks_pending_at_unpack_use_the_dense_tensor(monkeypatch):
@@ -446,12 +546,12 @@ def test_hooks_pending_at_unpack_use_the_dense_tensor(monkeypatch):
     hooks = compress_saved_tensors(min_numel=256)
     t = _with_density(0.2)
     p = _save(hooks, t)
-    back = hooks._unpack(p)
+    back = hooks.unpack_hook(p)
     assert back.data_ptr() == t.data_ptr() and torch.equal(back, t)
     s = hooks.stats
     assert (s.pending_at_unpack, s.kept_dense, s.unpacked, s.packed) == (1, 1, 0, 0)
     assert p.block is None                                   # the block is dropped at once
-    assert hooks._unpack(p).data_ptr() == t.data_ptr()       # again (retain_graph)
+    assert hooks.unpack_hook(p).data_ptr() == t.data_ptr()       # again (retain_graph)
     counts.release()
     hooks._poll()                                            # the late count still teaches
     site = hooks._sites.get((1, tuple(t.shape), t.dtype))
@@ -475,7 +575,7 @@ def test_hooks_capacity_learns_per_site_and_overflow_keeps_the_dense():
     t4 = _with_density(0.3)
     p4 = _save(hooks, t4)
     assert p4.plan.lay.capacity >= 0.3 * numel                # and grows back
-    assert torch.equal(hooks._unpack(p2), t2) and torch.equal(hooks._unpack(p4), t4)
+    assert torch.equal(hooks.unpack_hook(p2), t2) and torch.equal(hooks.unpack_hook(p4), t4)
     assert len(hooks._sites) == 1
 
 
@@ -489,7 +589,7 @@ def test_hooks_overflow_at_the_learned_capacity_is_exact(monkeypatch, pending):
     if pending:
         assert p is not t and p.state == "pending"
         counts.release()
-    back = hooks._unpack(p) if p is not t else t
+    back = hooks.unpack_hook(p) if p is not t else t
     assert torch.equal(back, t) and back.data_ptr() == t.data_ptr()
     assert hooks.stats.overflowed == 1 and hooks.stats.kept_dense == 1
 
@@ -503,13 +603,13 @@ def test_hooks_nosign_violation_keeps_the_dense_then_signplane(monkeypatch, pend
     p = _save(hooks, t)
     if pending:
         counts.release()
-        assert p.state == "pending" and hooks._unpack(p).data_ptr() == t.data_ptr()
+        assert p.state == "pending" and hooks.unpack_hook(p).data_ptr() == t.data_ptr()
     else:
         assert p is t
     assert hooks.stats.violations == 1 and hooks.stats.kept_dense == 1
     t2 = _with_density(0.2, sign=-1.0)
     p2 = _save(hooks, t2)
-    assert p2.plan.lay.encoding == Encoding.SIGNPLANE and torch.equal(hooks._unpack(p2), t2)
+    assert p2.plan.lay.encoding == Encoding.SIGNPLANE and torch.equal(hooks.unpack_hook(p2), t2)
 
 
 def test_hooks_throttle_while_a_pack_is_in_flight(monkeypatch):
@@ -518,12 +618,12 @@ def test_hooks_throttle_while_a_pack_is_in_flight(monkeypatch):
     counts = _Counts(monkeypatch)
     hooks = compress_saved_tensors(min_numel=256)
     with hooks:
-        p = hooks._pack(_with_density(0.1))
+        p = hooks.pack_hook(_with_density(0.1))
         t = _with_density(0.1, numel=8192)
-        assert hooks._pack(t) is t and hooks.stats.throttled == 1
+        assert hooks.pack_hook(t) is t and hooks.stats.throttled == 1
         counts.release()
         t2 = _with_density(0.1, numel=8192)
-        p2 = hooks._pack(t2)                                    # nothing in flight: queued
+        p2 = hooks.pack_hook(t2)                                    # nothing in flight: queued
         assert p2 is not t2 and hooks.stats.tried == 2
     hooks._poll()
     assert p.state == p2.state == "clean" and hooks.stats.packed == 2
@@ -542,19 +642,19 @@ def test_hooks_in_place_change_after_the_save(monkeypatch):
     want = t.clone()
     p = _save(hooks, t)
     t.add_(1.0)
-    assert torch.equal(hooks._unpack(p), want)
+    assert torch.equal(hooks.unpack_hook(p), want)
     _save(hooks, _with_density(0.05))                           # the site learns 5 %
     counts = _Counts(monkeypatch)
     t = _with_density(0.05)
     want = t.clone()
     p = _save(hooks, t)
     t.mul_(3.0)                                                 # while its count is away
-    assert torch.equal(hooks._unpack(p), want)                  # waited for: clean
+    assert torch.equal(hooks.unpack_hook(p), want)                  # waited for: clean
     t = _with_density(0.4)
     p = _save(hooks, t)
     t.mul_(3.0)
     with pytest.raises(SavedTensorModifiedError, match="modified in place"):
-        hooks._unpack(p)                                        # overflowed: only t was kept
+        hooks.unpack_hook(p)                                        # overflowed: only t was kept
     counts.release()
 
 
@@ -577,7 +677,7 @@ def test_hooks_a_dense_site_passes_through_then_is_tried_again():
     assert hooks.stats.tried == 1                              # passed through meanwhile
     t = _with_density(0.1)
     p = _save(hooks, t)
-    assert hooks.stats.tried == 2 and torch.equal(hooks._unpack(p), t)
+    assert hooks.stats.tried == 2 and torch.equal(hooks.unpack_hook(p), t)
 
 
 def test_hooks_a_site_still_dense_when_tried_again_waits_twice_as_long():

@@ -22,6 +22,13 @@ save (or none is in flight): the hooks never hold more than plain PyTorch plus o
 block. Where the host runs far ahead of the GPU, saves pass through instead
 (``stats.throttled``).
 
+Most saves need no Python: in a transformer layer a few of about thirty are worth
+packing. Where the C++ extension is built (:func:`.native.hooks_module`), its front
+(``kernels/torch_host_hooks.h``) sees every save first and passes through, without a
+Python call, what is not a candidate, a base tensor already passed through, and a new
+base at a save site that is passing for a while; it calls these hooks for the rest, by
+the same rules, so both paths take the same decisions.
+
 Hooks entered inside other saved-tensor hooks (``save_on_cpu``, an offloading pair)
 compose with them: PyTorch calls only the innermost pair, so ours hand the enclosing
 pair what they keep, a packed block once its pack is known clean, or a tensor they pass
@@ -104,11 +111,12 @@ class _Packed:
     """A saved tensor packed at a capacity: the block and its plan, the dense tensor while
     the count is on its way (or for good when the pack was not usable)."""
 
-    __slots__ = ("block", "plan", "key", "known", "held", "version", "dtype", "shape",
+    __slots__ = ("owner", "block", "plan", "key", "known", "held", "version", "dtype", "shape",
                  "stream", "state", "unpacked", "saves", "to_unpack", "keep", "nbytes",
                  "__weakref__")
 
-    def __init__(self, block, plan, key, known, dense: torch.Tensor, stream, nbytes: int):
+    def __init__(self, owner, block, plan, key, known, dense: torch.Tensor, stream, nbytes: int):
+        self.owner = owner     # the hooks that made it (they unpack it)
         self.block, self.plan, self.key, self.known = block, plan, key, known
         self.held, self.version = dense, dense._version
         self.dtype, self.shape, self.stream = dense.dtype, tuple(dense.shape), stream
@@ -121,12 +129,13 @@ class _Packed:
 
 
 class _Outer:
-    """What the saved-tensor hooks enclosing ours made of a tensor (their ``pack``'s result)."""
+    """What the saved-tensor hooks enclosing ours made of a tensor (their ``pack``'s result),
+    and their ``unpack``."""
 
-    __slots__ = ("obj",)
+    __slots__ = ("obj", "unpack")
 
-    def __init__(self, obj):
-        self.obj = obj
+    def __init__(self, obj, unpack):
+        self.obj, self.unpack = obj, unpack
 
 
 class _Offloaded:
@@ -228,7 +237,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self.devices = tuple(devices)
         # (t.device makes an object per call: the hooks see every saved tensor)
         self._on_cuda, self._on_cpu = "cuda" in self.devices, "cpu" in self.devices
-        self.stats = SavedStats()
+        self._stats = SavedStats()
         self._by_base = _ByBase()  # base tensor -> (version, _Packed or None)
         self._sites = Sites(self.encoding)
         self._ordinal = 0
@@ -240,21 +249,60 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self._alive = set()   # weak references to those packs, whose deaths release it
         self._outer = None
         self.offload = resolve_offload(offload)
+        self._front = self._front_mod = None   # the C++ front's state, its module
+        self._front_hooks = None               # the front's (pack, unpack), once made
+        self._front_counts = False             # it counts the skips of passing sites down
         super().__init__(self._pack, self._unpack)
+
+    @property
+    def stats(self) -> SavedStats:
+        if self._front is not None:   # saves the C++ front passed through
+            self._stats.passed += self._front_mod.hooks_front_take_passed(self._front)
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: SavedStats) -> None:
+        if self._front is not None:
+            self._front_mod.hooks_front_take_passed(self._front)
+        self._stats = value
 
     def __enter__(self) -> "compress_saved_tensors":
         self._ordinal = 0
         # The hooks active outside ours: what we keep for backward (a packed block, or a
         # tensor we pass through) goes on to them, as if they had been given it.
         self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._use_front()
         super().__enter__()  # torch's returns None
         return self
 
-    def _to_outer(self, t):
-        return t if self._outer is None else _Outer(self._outer[0](t))
+    def _use_front(self) -> None:
+        """Let the C++ front (:func:`.native.hooks_module`) see the saves first where it is
+        built: it answers those that need no Python (``kernels/torch_host_hooks.h``).
+        Decided at each ``__enter__`` (:func:`.native.python_path` turns it off)."""
+        from . import native
+        mod = native.hooks_module()
+        # where other hooks enclose ours, the front hands every save to Python
+        self._front_counts = mod is not None and self._outer is None
+        if mod is None:
+            self.pack_hook, self.unpack_hook = self._pack, self._unpack
+            return
+        if self._front_hooks is None or self._front_mod is not mod:
+            self._front_mod = mod
+            cls = type(self)
+            self._front, pack, unpack = mod.hooks_front(
+                self, cls._front_new, cls._front_share, cls._pack, cls._poll, _unpack_saved,
+                _Packed, _View, _Outer, self.min_numel, self._on_cuda, self._on_cpu,
+                list(B.TORCH_TO_BS))
+            self._front_hooks = (pack, unpack)
+        mod.hooks_front_enter(self._front, self._outer is not None)
+        self.pack_hook, self.unpack_hook = self._front_hooks
 
-    def _from_outer(self, x):
-        return self._outer[1](x.obj) if isinstance(x, _Outer) else x
+    def _to_outer(self, t):
+        return t if self._outer is None else _Outer(self._outer[0](t), self._outer[1])
+
+    @staticmethod
+    def _from_outer(x):
+        return x.unpack(x.obj) if type(x) is _Outer else x
 
     # ------------------------------------------------------------------ pack
     def _candidate(self, t) -> bool:
@@ -269,7 +317,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if self._flights:
             self._poll()
         if not self._candidate(t):
-            self.stats.passed += 1
+            self._stats.passed += 1
             return t if self._outer is None else self._to_outer(t)
         base = t._base
         if base is None:
@@ -279,27 +327,51 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             base = t  # a proper part of its base: pack just this view
         hit = self._by_base.get(base)
         if hit is not None and hit[0] == base._version:
-            if hit[1] is None or hit[1].state == DENSE:
-                self.stats.passed += 1
+            if hit[1] is None:
+                self._stats.passed += 1
                 return self._to_outer(t)
-            self.stats.shared += 1
-            hit[1].saves += 1
-            return hit[1] if base is t else _View(hit[1], tuple(t.shape))
-        packed = self._pack_new(base)
-        self._by_base.put(base, base._version, packed)
-        if packed is None:
-            self.stats.passed += 1
-            return self._to_outer(t)
-        return packed if base is t else _View(packed, tuple(t.shape))
-
-    def _pack_new(self, t: torch.Tensor):
-        """Queue the pack of ``t`` at its site's capacity: a pending ``_Packed``, or None
-        where ``t`` is better kept as it is (as far as the host knows now)."""
+            return self._front_share(hit[1], t, base is t)
         self._ordinal += 1
-        site = self._sites.get((self._ordinal, t.shape, t.dtype))
+        packed = self._pack_new(base, self._ordinal)
+        self._by_base.put(base, base._version, packed)
+        return self._keep(packed, t, base is t)
+
+    def _keep(self, packed, t, whole: bool):
+        """What autograd keeps for a save of ``t`` whose base was just looked at: ``packed``
+        (None: ``t`` passes through), or a view of it."""
+        if packed is None:
+            self._stats.passed += 1
+            return self._to_outer(t)
+        return packed if whole else _View(packed, tuple(t.shape))
+
+    def _front_new(self, base: torch.Tensor, t, ordinal: int):
+        """The C++ front's call for a new base at a site that is not passing (it has taken
+        in the counts that landed): ``(the pack made of base or None, what autograd keeps
+        for t)``."""
+        packed = self._pack_new(base, ordinal)
+        return packed, self._keep(packed, t, base is t)
+
+    def _front_share(self, packed: _Packed, t, whole: bool):
+        """A save of a base tensor already packed (the C++ front's call too)."""
+        if packed.state == DENSE:
+            self._stats.passed += 1
+            return self._to_outer(t)
+        self._stats.shared += 1
+        packed.saves += 1
+        return packed if whole else _View(packed, tuple(t.shape))
+
+    def _pack_new(self, t: torch.Tensor, ordinal: int):
+        """Queue the pack of ``t`` at the capacity of its site (the ``ordinal``-th new base
+        of this forward): a pending ``_Packed``, or None where ``t`` is better kept as it
+        is (as far as the host knows now)."""
+        site = self._sites.get((ordinal, t.shape, t.dtype))
         numel = t.numel()
         capacity = site.capacity(numel, 1.0 - self.min_sparsity, self.margin)
         if capacity is None:
+            if site.skip and self._front_counts:   # the C++ front counts the skip down
+                self._front_mod.hooks_front_skip(self._front, ordinal, list(t.shape), t.dtype,
+                                                 site.skip)
+                site.skip = 0
             return None
         plan = O.plain_plan(t.shape, t.dtype, capacity, int(site.encoding))
         cuda = t.is_cuda
@@ -307,17 +379,19 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if nbytes >= numel * t.element_size():
             return None
         if self._in_flight and self._in_flight + nbytes > self._credit:
-            self.stats.throttled += 1
+            self._stats.throttled += 1
             return None
         t = t.detach()    # held while the count is on its way: no autograd history
         block, key, known = O.pack_plain(t, plan)
         if block is None:
             return None   # no slot for its count (a graph capture, or the ring in flight)
-        packed = _Packed(block, plan, key, known, t, O._stream(t.device) if cuda else None,
-                         nbytes)
+        packed = _Packed(self, block, plan, key, known, t,
+                         O._stream(t.device) if cuda else None, nbytes)
         self._flights.append((key, known, site, numel, nbytes, weakref.ref(packed)))
+        if len(self._flights) == 1:
+            self._tell_head()
         self._in_flight += nbytes
-        self.stats.tried += 1
+        self._stats.tried += 1
         if known is not None:
             self._poll()   # a host pack's count is known at once
         return None if packed.state == DENSE else packed
@@ -329,7 +403,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             key, known, site, numel, nbytes, ref = self._flights[0]
             state = _landed(key, known)
             if state is None:
-                return
+                break
             self._flights.popleft()
             self._in_flight -= nbytes
             if state is not LOST:
@@ -337,6 +411,22 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             packed = ref()
             if packed is not None and packed.state == PENDING:
                 self._settle(packed, state, forward)
+        self._tell_head()
+
+    def _tell_head(self) -> None:
+        """Show the C++ front the oldest pack in flight: it looks at that pack's pinned slot
+        at every save and calls :meth:`_poll` once the count is there (or never can be)."""
+        if not self._front_counts:
+            return
+        if not self._flights:
+            head = (0, 0, 0)
+        else:
+            (i, gen), known = self._flights[0][:2]
+            if known is None and 0 <= i < C.SLAB.total:
+                head = (C.SLAB.base() + 16 * i, C.SLAB.generations + 8 * i, gen)
+            else:   # a count known on the host: Python looks
+                head = (-1, 0, 0)
+        self._front_mod.hooks_front_head(self._front, *head)
 
     def _settle(self, packed: _Packed, state, forward: bool = False) -> None:
         """Keep the packed block of a clean pack, else the dense tensor; ``forward``: its
@@ -350,14 +440,14 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             self._credit += saving
             # a weak reference with a callback: far cheaper per pack than weakref.finalize
             self._alive.add(weakref.ref(packed, functools.partial(self._release, saving)))
-            self.stats.packed += 1
-            self.stats.dense_bytes += dense
-            self.stats.packed_bytes += packed.nbytes
+            self._stats.packed += 1
+            self._stats.dense_bytes += dense
+            self._stats.packed_bytes += packed.nbytes
             return
         self._keep_dense(packed, offer=True)
         if status is not None:
-            self.stats.overflowed += bool(status & abi.STATUS_OVERFLOW)
-            self.stats.violations += bool(status & abi.STATUS_NOSIGN_VIOLATION)
+            self._stats.overflowed += bool(status & abi.STATUS_OVERFLOW)
+            self._stats.violations += bool(status & abi.STATUS_NOSIGN_VIOLATION)
 
     def _keep_block(self, block: torch.Tensor, forward: bool):
         """A clean block as the hooks hold it: with the offloader (its count landed, so
@@ -373,7 +463,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         packed.block, packed.state = None, DENSE
         if offer and packed.held._version == packed.version:
             packed.held = self._to_outer(packed.held)
-        self.stats.kept_dense += 1
+        self._stats.kept_dense += 1
 
     def _release(self, saving: int, ref) -> None:
         """A clean pack died: what it saved is no longer credit."""
@@ -386,13 +476,13 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if cls is _View:
             return self._unpack(obj.base).view(obj.shape)
         if cls is not _Packed:       # passed through (to the enclosing hooks, if any)
-            return obj if self._outer is None else self._from_outer(obj)
+            return obj if cls is not _Outer else obj.unpack(obj.obj)
         if self._flights:
             self._poll(forward=False)
         if obj.state == PENDING:
             self._unpack_pending(obj)
         if obj.state == DENSE:
-            if isinstance(obj.held, _Outer):
+            if type(obj.held) is _Outer:
                 return self._from_outer(obj.held)
             if obj.held._version != obj.version:
                 raise SavedTensorModifiedError(
@@ -401,7 +491,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             return obj.held
         alive = obj.unpacked() if obj.unpacked is not None else None
         if alive is not None:
-            self.stats.reused += 1
+            self._stats.reused += 1
             obj.to_unpack -= 1
             if obj.to_unpack <= 0:    # the last node of this backward has it: hold no more
                 obj.keep = None
@@ -417,7 +507,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             stream_wait(O._stream(block.device), obj.stream, block.device.index)
             block.record_stream(torch.cuda.current_stream(block.device))
         t = O._unpack(block, obj.plan, obj.shape, obj.dtype)
-        self.stats.unpacked += 1
+        self._stats.unpacked += 1
         obj.unpacked = weakref.ref(t)
         # Held until every other node that saved it has unpacked it (a later unpack of this
         # backward reuses it): one decode, and no longer alive than plain's dense tensor.
@@ -430,8 +520,17 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         teaches the site when it lands); only when that was modified in place since is
         the count waited for on the host (no CUDA call), the packed copy being exact."""
         if obj.held._version == obj.version:
-            self.stats.pending_at_unpack += 1
+            self._stats.pending_at_unpack += 1
             self._keep_dense(obj)
             return
         state = obj.known or C.SLAB.wait_slot(*obj.key)
         self._settle(obj, LOST if state is None else state)
+
+
+def _unpack_saved(obj):
+    """The C++ front's unpack of what it does not return as is: a pack, a view of one (their
+    hooks unpack them), or what enclosing hooks keep."""
+    cls = type(obj)
+    if cls is _Outer:
+        return obj.unpack(obj.obj)
+    return (obj.base if cls is _View else obj).owner._unpack(obj)

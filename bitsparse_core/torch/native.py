@@ -167,6 +167,20 @@ def module():
     return _built["module"]
 
 
+def hooks_module():
+    """The extension for :class:`~.hooks.compress_saved_tensors`' C++ front, or None: inside
+    :func:`python_path`, where it is off or failed to build, and where CUDA is absent and
+    nothing in this process has built it yet (the hooks alone do not build it for CPU
+    tensors)."""
+    if _off:
+        return None
+    if "module" in _built:
+        return _built["module"]
+    if not torch.cuda.is_available():
+        return None
+    return module()
+
+
 def build_error():
     """Why :func:`module` gave None (the build's exception), or None."""
     return _built.get("error")
