@@ -25,6 +25,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "torch_host_common.h"
+#include "torch_host_launch.h"
+#include "torch_host_slots.h"
 
 namespace {
 
@@ -307,7 +309,45 @@ py::tuple make_hooks_front(py::object hooks, py::object new_fn, py::object share
   return py::make_tuple(capsule, pack, unpack);
 }
 
+// The hooks' pack of ``a`` by the plain pack plan ``handle``, queued on the current stream
+// with its count going to a slot of this file's ring: ``(block, slot index, generation)``,
+// the block None where no slot could be taken (a graph capture, every slot in flight; a
+// pack whose count cannot come back is of no use to the hooks). One allocation: the pack's
+// scratch rides behind the block (ops.pack_plain's layout).
+py::tuple hooks_pack(int64_t handle, const Tensor& a) {
+  const Plan& P = plan_at(handle);
+  TORCH_CHECK(a.numel() == P.numel && P.numel > 0, "bitsparse: plan of ", P.numel,
+              " elements for ", a.numel());
+  TORCH_CHECK(a.is_contiguous(), "bitsparse: the hooks pack contiguous tensors");
+  c10::DeviceGuard device_guard(a.device());
+  void* stream = current_stream(a.device());
+  const auto [i, generation] = claim_slot(stream);
+  if (i < 0) return py::make_tuple(py::none(), i, generation);
+  Tensor whole = at::empty({P.nbytes + P.scratch_bytes}, a.options().dtype(at::kByte));
+  const uint64_t b = address(whole), scratch = b + static_cast<uint64_t>(P.nbytes);
+  memset0(scratch, P.scratch_bytes, stream);
+  P.pack.run(stream, b, {address(a), 0, scratch, 0, 0, 0,
+                         static_cast<uint64_t>(slab.base + 16 * i)});
+  return py::make_tuple(whole.narrow(0, 0, P.nbytes), i, generation);
+}
+
+// The dense tensor of a block packed by ``handle``'s plan, decoded on the current stream.
+Tensor hooks_unpack(int64_t handle, const Tensor& block, at::IntArrayRef shape,
+                    at::ScalarType dtype) {
+  const Plan& P = plan_at(handle);
+  TORCH_CHECK(block.numel() >= P.nbytes, "bitsparse: a block of ", block.numel(),
+              " bytes for a plan of ", P.nbytes);
+  c10::DeviceGuard device_guard(block.device());
+  Tensor out = at::empty(shape, block.options().dtype(dtype));
+  TORCH_CHECK(out.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
+              out.numel());
+  P.unpack.run(current_stream(block.device()), address(block), {0, 0, 0, 0, address(out), 0});
+  return out;
+}
+
 void def_hooks_front(py::module_& m) {
+  m.def("hooks_pack", &hooks_pack);
+  m.def("hooks_unpack", &hooks_unpack);
   m.def("hooks_front", &make_hooks_front);
   // A forward begins: ordinals count from 0; the entries of bases that died go.
   m.def("hooks_front_enter", [](const py::capsule& c, bool outer) {

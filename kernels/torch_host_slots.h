@@ -67,15 +67,15 @@ bool capturing(void* stream) {
   return status != 0;
 }
 
-// The next free slot of the ring (FlagSlab.acquire's rule: a slot whose count has not
-// landed is skipped), its sentinels written before the pack is queued; a NO_SLOT
-// ticket while ``stream`` is captured into a CUDA graph (a count cannot be read without
+// The next free slot of the ring, ``(index, generation)`` (FlagSlab.acquire's rule: a slot
+// whose count has not landed is skipped), its sentinels written before the pack is
+// queued; NO_SLOT while ``stream`` is captured into a CUDA graph (a count cannot be read without
 // a sync there) or with every slot in flight. The generation is bumped first: a reader
 // of the slot's previous ticket then sees a stale generation, never the new sentinels
 // as the old pack's state.
-Tensor claim_ticket(void* stream) {
+std::pair<int64_t, int64_t> claim_slot(void* stream) {
   if (slab.base == 0 || slab.slots <= slab.ring_begin || capturing(stream)) {
-    return new_ticket(kNoSlot, 0);
+    return {kNoSlot, 0};
   }
   std::lock_guard<std::mutex> lock(slab.mutex);
   for (int64_t k = slab.ring_begin; k < slab.slots; ++k) {
@@ -86,9 +86,15 @@ Tensor claim_ticket(void* stream) {
     *slot_generation(i) = generation;
     *slot_status(i) = kSentinel32;
     *slot_count(i) = kSentinel64;
-    return new_ticket(i, generation);
+    return {i, generation};
   }
-  return new_ticket(kNoSlot, 0);
+  return {kNoSlot, 0};
+}
+
+// The same as a ticket.
+Tensor claim_ticket(void* stream) {
+  const auto [i, generation] = claim_slot(stream);
+  return new_ticket(i, generation);
 }
 
 // The host address of a ticket's slot, 0 for a pack without one (a NO_SLOT ticket, taken

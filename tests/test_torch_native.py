@@ -287,7 +287,11 @@ class HostDriver:
                               r["chunk_log2"], abi.Mode(mode))
         block = r["mask"] - plan.spans[0][0]
         assert (r["offsets"], r["status"]) == (block + plan.spans[1][0], block + plan.status_offset)
-        y, host_block = ops._pack_cpu(self._tensor(r["x"], plan), plan, mode == abi.Mode.RELU2)
+        x = self._tensor(r["x"], plan)
+        if mode == abi.Mode.PACK:    # the saved-tensor hooks' plain pack
+            y, host_block = None, ops._plain_pack_cpu(x, plan)
+        else:
+            y, host_block = ops._pack_cpu(x, plan, mode == abi.Mode.RELU2)
         ctypes.memmove(block, host_block.data_ptr(), plan.nbytes)
         if r["slot"]:     # the kernel's copy of its status and count, in host memory
             head = self._host(plan.status(block), 16)
@@ -446,6 +450,31 @@ def test_emulated_backward_writes_its_gradient_over_grad_h(emulated, kind, froze
                else "RELU2_AND_SQUARE" if frozen == "none" else "RELU2")
     assert ops == decode + [grad_op]
     assert grads[-1][1]["out"] == grads[-1][1]["g"]
+
+
+def test_emulated_hooks_pack_and_unpack_through_the_extension(emulated):
+    """compress_saved_tensors' packs and unpacks queued from C++ (``hooks_pack`` /
+    ``hooks_unpack``, mode PACK), the C++ front in front: training bit-identical to plain,
+    each clean pack's count read from its slot of the extension's ring."""
+    from bitsparse_core.torch import capacity as C
+    from bitsparse_core.torch import compress_saved_tensors
+    from torch_models import Hooked, assert_same_training, relu_mlp, train
+    torch.manual_seed(0)
+    x, target = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    hooks = compress_saved_tensors(min_numel=256, min_sparsity=0.5)
+    rec_plain = train(relu_mlp(), x, target, steps=3)
+    rec_hooks = train(Hooked(relu_mlp(), hooks), x, target, steps=3)
+    rec_hooks = [(l, {k[len("inner."):]: v for k, v in g.items()},
+                  {k[len("inner."):]: v for k, v in p.items()}) for l, g, p in rec_hooks]
+    assert_same_training(rec_plain, rec_hooks)
+    assert hooks.stats.packed == 2 * 3 and hooks.stats.unpacked == 2 * 3
+    packs = [rec for key, rec in emulated.launches
+             if key[0] == "pack" and key[3] == abi.Mode.PACK]
+    unpacks = [rec for key, rec in emulated.launches
+               if key[0] == "unpack" and key[2] == abi.Op.UNPACK]
+    assert len(packs) == hooks.stats.tried >= 6 and len(unpacks) == hooks.stats.unpacked
+    ring = C.SLAB.slots   # the extension's slots lie above Python's
+    assert all(rec["slot"] >= C.SLAB.base() + 16 * ring for rec in packs)
 
 
 def test_emulated_driver_error_is_raised(emulated, monkeypatch):

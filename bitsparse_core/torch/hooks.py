@@ -64,6 +64,7 @@ from ..backends.cuda.interop import stream_wait
 from ..errors import SavedTensorModifiedError
 from . import _bridge as B
 from . import capacity as C
+from . import native
 from . import ops as O
 from .offload import resolve as resolve_offload
 from .sites import Sites
@@ -111,13 +112,15 @@ class _Packed:
     """A saved tensor packed at a capacity: the block and its plan, the dense tensor while
     the count is on its way (or for good when the pack was not usable)."""
 
-    __slots__ = ("owner", "block", "plan", "key", "known", "held", "version", "dtype", "shape",
-                 "stream", "state", "unpacked", "saves", "to_unpack", "keep", "nbytes",
+    __slots__ = ("owner", "block", "plan", "handle", "key", "known", "held", "version", "dtype",
+                 "shape", "stream", "state", "unpacked", "saves", "to_unpack", "keep", "nbytes",
                  "__weakref__")
 
-    def __init__(self, owner, block, plan, key, known, dense: torch.Tensor, stream, nbytes: int):
+    def __init__(self, owner, block, plan, handle, key, known, dense: torch.Tensor, stream,
+                 nbytes: int):
         self.owner = owner     # the hooks that made it (they unpack it)
         self.block, self.plan, self.key, self.known = block, plan, key, known
+        self.handle = handle   # the C++ extension's handle of the plan, or None
         self.held, self.version = dense, dense._version
         self.dtype, self.shape, self.stream = dense.dtype, tuple(dense.shape), stream
         self.state = PENDING
@@ -279,7 +282,6 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         """Let the C++ front (:func:`.native.hooks_module`) see the saves first where it is
         built: it answers those that need no Python (``kernels/torch_host_hooks.h``).
         Decided at each ``__enter__`` (:func:`.native.python_path` turns it off)."""
-        from . import native
         mod = native.hooks_module()
         # where other hooks enclose ours, the front hands every save to Python
         self._front_counts = mod is not None and self._outer is None
@@ -375,17 +377,22 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             return None
         plan = O.plain_plan(t.shape, t.dtype, capacity, int(site.encoding))
         cuda = t.is_cuda
-        nbytes = O.plain_block_bytes(plan, cuda)
+        mod, handle = native.plain_handle(t, plan)   # queued from C++ where it is built
+        nbytes = O.plain_block_bytes(plan, cuda or handle is not None)
         if nbytes >= numel * t.element_size():
             return None
         if self._in_flight and self._in_flight + nbytes > self._credit:
             self._stats.throttled += 1
             return None
         t = t.detach()    # held while the count is on its way: no autograd history
-        block, key, known = O.pack_plain(t, plan)
+        if handle is not None:
+            block, i, gen = mod.hooks_pack(handle, t)
+            key, known = (i, gen), None
+        else:
+            block, key, known = O.pack_plain(t, plan)
         if block is None:
             return None   # no slot for its count (a graph capture, or the ring in flight)
-        packed = _Packed(self, block, plan, key, known, t,
+        packed = _Packed(self, block, plan, handle, key, known, t,
                          O._stream(t.device) if cuda else None, nbytes)
         self._flights.append((key, known, site, numel, nbytes, weakref.ref(packed)))
         if len(self._flights) == 1:
@@ -506,7 +513,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             # not reused by the allocator before this read
             stream_wait(O._stream(block.device), obj.stream, block.device.index)
             block.record_stream(torch.cuda.current_stream(block.device))
-        t = O._unpack(block, obj.plan, obj.shape, obj.dtype)
+        t = None if obj.handle is None else native.plain_unpack(block, obj.handle, obj.shape,
+                                                                  obj.dtype)
+        if t is None:
+            t = O._unpack(block, obj.plan, obj.shape, obj.dtype)
         self._stats.unpacked += 1
         obj.unpacked = weakref.ref(t)
         # Held until every other node that saved it has unpacked it (a later unpack of this

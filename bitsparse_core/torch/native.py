@@ -391,6 +391,29 @@ def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encodin
                            offload.engine if offload is not None else None)
 
 
+def plain_handle(t: torch.Tensor, plan: host.PackPlan):
+    """``(extension, handle)`` of a plain pack plan (mode PACK) for ``t``'s device, for
+    :class:`~.hooks.compress_saved_tensors`' packs and unpacks; ``(None, None)`` where
+    the Python path runs (the extension off or not built, CPU tensors outside
+    :func:`emulate_on_host`, a plan it does not take)."""
+    mod = _module_for(t)
+    if mod is None:
+        return None, None
+    key = (plan, t.get_device())
+    handle = _handles.get(key, -1)
+    if handle == -1:
+        handle = _handles[key] = register(mod, plan, t.get_device())
+    return (mod, handle) if handle is not None else (None, None)
+
+
+def plain_unpack(block: torch.Tensor, handle: int, shape, dtype: torch.dtype):
+    """The dense tensor of a block that :func:`plain_handle`'s extension packed, or None
+    where the extension cannot decode it now (the block's layout is ``ops.pack_plain``'s:
+    the Python unpack reads it)."""
+    mod = _module_for(block)
+    return None if mod is None else mod.hooks_unpack(handle, block, shape, dtype)
+
+
 def _handle_for(square: bool, shape, dtype, capacity: int, encoding: int, device: int) -> int:
     """The extension's question on a plan it has not seen: its handle, or -1 for the
     Python path."""
