@@ -406,19 +406,22 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     def _poll(self, forward: bool = True) -> None:
         """Take in every count that has landed, in queue order (no CUDA call). In backward
         (``forward`` False) a clean block stays where it is: its backward comes soon."""
+        taken = False
         while self._flights:
             key, known, site, numel, nbytes, ref = self._flights[0]
             state = _landed(key, known)
             if state is None:
                 break
             self._flights.popleft()
+            taken = True
             self._in_flight -= nbytes
             if state is not LOST:
                 site.observe(state[0], state[1], numel)
             packed = ref()
             if packed is not None and packed.state == PENDING:
                 self._settle(packed, state, forward)
-        self._tell_head()
+        if taken:
+            self._tell_head()
 
     def _tell_head(self) -> None:
         """Show the C++ front the oldest pack in flight: it looks at that pack's pinned slot
