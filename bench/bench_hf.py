@@ -30,6 +30,7 @@ under ``--out``. Bit-identity needs the deterministic math attention (``--attn m
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import json
@@ -47,6 +48,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import bitsparse_core.torch as bst  # noqa: E402
+from bitsparse_core.torch import hooks as hooks_module  # noqa: E402
 from bitsparse_core.torch import native  # noqa: E402
 import interleaved  # noqa: E402
 import train_gpt as tg  # noqa: E402
@@ -203,19 +205,35 @@ def hook_host_time(hooks, step, batches: list, device: torch.device) -> dict:
     them excluded), timed around each call over extra steps run after the others: what our
     Python costs, apart from the step-to-step drift of a host-paced machine."""
     spent = {"pack_s": 0.0, "unpack_s": 0.0, "pack_calls": 0, "unpack_calls": 0}
+    by_kind = collections.defaultdict(lambda: [0, 0.0])   # "pack: new" -> [calls, seconds]
     clock = time.perf_counter
     hook_of = {}    # what the hooks' __enter__ chose (the C++ front's, or Python's own)
+    stats = hooks._stats
+    packs = (hooks_module._Packed, hooks_module._View)
+
+    def kind(name, arg, tried, shared):
+        if name == "unpack":
+            return "unpack: a pack" if type(arg) in packs else "unpack: passed through"
+        if stats.tried > tried:
+            return "pack: new"
+        if stats.shared > shared:
+            return "pack: shared"
+        return "pack: passed through"
 
     def timed(name):
         seconds, calls = f"{name}_s", f"{name}_calls"
 
         def call(arg):
             hook = hook_of[name]
+            tried, shared = stats.tried, stats.shared
             t0 = clock()
             r = hook(arg)
             t1 = clock()
             spent[seconds] += t1 - t0
             spent[calls] += 1
+            k = by_kind[kind(name, arg, tried, shared)]
+            k[0] += 1
+            k[1] += t1 - t0
             return r
         return call
     use_front = hooks._use_front
@@ -241,7 +259,10 @@ def hook_host_time(hooks, step, batches: list, device: torch.device) -> dict:
             "pack_ms_per_step": 1e3 * spent["pack_s"] / n,
             "unpack_ms_per_step": 1e3 * spent["unpack_s"] / n,
             "pack_calls_per_step": spent["pack_calls"] / n,
-            "unpack_calls_per_step": spent["unpack_calls"] / n}
+            "unpack_calls_per_step": spent["unpack_calls"] / n,
+            "by_kind": {k: {"calls_per_step": c / n, "ms_per_step": 1e3 * t / n,
+                            "us_per_call": 1e6 * t / c}
+                        for k, (c, t) in sorted(by_kind.items())}}
 
 
 def what_was_packed(extra: dict, model, steps: int, tokens: int, shape: tg.Shape) -> dict | None:
@@ -488,6 +509,12 @@ def packed_markdown(summary: dict) -> list:
                         f"({hh['pack_calls_per_step']:.0f} calls), unpack "
                         f"{hh['unpack_ms_per_step']:.2f} ms ({hh['unpack_calls_per_step']:.0f} "
                         f"calls); the step's host time then {hh['step_host_ms']:.1f} ms."]
+                kinds = hh.get("by_kind") or {}
+                if kinds:
+                    out += ["", "| hook calls | per step | ms per step | µs per call |",
+                            "| --- | --- | --- | --- |"]
+                    out += [f"| {k} | {x['calls_per_step']:.0f} | {x['ms_per_step']:.3f} | "
+                            f"{x['us_per_call']:.1f} |" for k, x in kinds.items()]
     return out
 
 

@@ -46,6 +46,10 @@ def test_bench_hf_small_on_cpu(tmp_path):
     hh = variants["hooks"]["hook_host"]      # the hooks' own host time, extra steps timed
     assert hh["steps"] == 3 and hh["pack_calls_per_step"] > 0 and hh["unpack_calls_per_step"] > 0
     assert hh["pack_ms_per_step"] > 0 and hh["unpack_ms_per_step"] > 0
+    kinds = hh["by_kind"]      # each call by what it was: the counts add up, new packs seen
+    assert sum(k["calls_per_step"] for n, k in kinds.items() if n.startswith("pack")) == \
+        hh["pack_calls_per_step"]
+    assert kinds["pack: new"]["calls_per_step"] > 0 and "unpack: a pack" in kinds
     assert "hook_host" not in variants["noop-hooks"] and "Host time inside the hooks" in \
         (tmp_path / "bench_hf.md").read_text()
     converted = variants["converted"]["packed"]
