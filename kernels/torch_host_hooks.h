@@ -1,14 +1,14 @@
 // The saved-tensor hooks' first look at every save, in C++ (bitsparse_core/torch/hooks.py).
 //
 // compress_saved_tensors sees every tensor autograd saves: in a transformer layer about
-// thirty, of which a few are worth packing. Python spent 1-10 µs per save deciding that the
-// rest are not. This front makes those decisions and calls the Python hooks only for what
-// needs them (a new pack at a site that is trying, a save of a tensor already packed, and
-// every save and unpack while other saved-tensor hooks enclose ours):
+// thirty, of which a few are worth packing, and deciding that the rest are not took
+// microseconds of Python per save. This front makes those decisions and calls the Python
+// hooks only for what needs them (a new pack at a site that is trying, a save of a tensor
+// already packed, and every save and unpack while other saved-tensor hooks enclose ours):
 //
 //   * not a candidate (a subclass, small, a leaf that requires grad, a dtype, device, layout
 //     or stride the codec does not take): passed through;
-//   * a base tensor seen before in this forward, passed through then: passed through again;
+//   * a base tensor passed through before (alive and unmodified since): passed through again;
 //   * a new base tensor at a save site that Python told to pass (``skip``): passed
 //     through, the site's countdown taken down.
 //
@@ -59,8 +59,8 @@ struct SavedHooksFront {
   PyObject* packed_type = nullptr;
   PyObject* view_type = nullptr;
   PyObject* outer_type = nullptr;
-  // the bases of this forward: version and the pack made of it (a weak reference), or
-  // none where the save was passed through
+  // the bases seen (while they live): version and the pack made of it (a weak reference),
+  // or none where the save was passed through
   struct Base {
     c10::weak_intrusive_ptr<c10::TensorImpl> impl;
     int64_t version;
@@ -78,8 +78,8 @@ struct SavedHooksFront {
   int64_t passed = 0;        // saves passed through here (Python adds them to its stats)
   // The oldest pack whose count the hooks have not taken in (hooks._flights[0]): every save
   // looks at its pinned slot, as Python's pack hook does, and has Python take the counts
-  // in once it has landed (or can never land). kAsk: one Python must look at itself (a
-  // count known on the host, or one read by other means).
+  // in once it has landed (or can never land). kAsk: a count Python looks at itself (one
+  // known on the host).
   enum Head { kNone, kSlot, kAsk };
   Head head = kNone;
   int64_t head_status = 0, head_generation_at = 0, head_generation = 0;
@@ -113,7 +113,8 @@ struct SavedHooksFront {
     return true;
   }
 
-  // Bases whose tensor died: their entries go (a dead TensorImpl's address may be reused).
+  // Bases whose tensor died: their entries go (each keeps its TensorImpl's memory through
+  // the weak reference).
   void forget_dead() {
     for (auto it = bases.begin(); it != bases.end();) {
       if (it->second.impl.expired()) {
@@ -278,8 +279,8 @@ PyMethodDef front_unpack_def = {"saved_tensor_unpack", front_unpack, METH_O,
 // ``(capsule, pack, unpack)``: the front's state and the two hooks autograd calls.
 py::tuple make_hooks_front(py::object hooks, py::object new_fn, py::object share_fn,
                            py::object pack_fn, py::object poll_fn, py::object unpack_fn,
-                           py::object packed_type,
-                           py::object view_type, py::object outer_type, int64_t min_numel,
+                           py::object packed_type, py::object view_type, py::object outer_type,
+                           int64_t min_numel,
                            bool on_cuda, bool on_cpu, const std::vector<py::object>& dtypes) {
   auto* f = new SavedHooksFront();
   py::capsule capsule(f, kFrontCapsule, [](PyObject* c) {

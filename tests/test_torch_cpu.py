@@ -379,8 +379,8 @@ def test_hooks_pass_through_what_is_not_worth_packing():
 
 
 def _dense_site_model(seed=0):
-    """A ReLU MLP whose first layer's input is saved dense (a candidate that a save site
-    learns to pass through) beside two sparse ReLU outputs."""
+    """A ReLU MLP behind a Linear: the input and the Linear's output are saved dense (save
+    sites that learn to pass through), beside the MLP's two sparse ReLU outputs."""
     m = relu_mlp(seed)
     return torch.nn.Sequential(torch.nn.Linear(32, 32), m)
 
