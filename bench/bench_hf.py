@@ -13,6 +13,8 @@ copy of one CPU model built once:
 * ``checkpointing``  -- ``model.gradient_checkpointing_enable()`` (use_reentrant=False);
 * ``hooks-offload``  -- (opt-in) ``hooks`` with ``offload=``: clean packed blocks wait for
   backward in pinned host memory;
+* ``hooks-python``   -- (opt-in) ``hooks`` without their C++ front, every save through the
+  Python hooks (``native.python_path()``);
 * ``noop-hooks``     -- (opt-in) the forward inside saved-tensor hooks that return what
   they are given: what PyTorch's hook calls alone cost, the floor of any approach built
   on them (``hooks`` included).
@@ -59,7 +61,7 @@ from plotting import pyplot  # noqa: E402
 
 VOCAB = 256
 VARIANTS = ("plain", "hooks", "converted", "checkpointing")
-KNOWN_VARIANTS = VARIANTS + ("hooks-offload", "noop-hooks")   # the rest run when asked for
+KNOWN_VARIANTS = VARIANTS + ("hooks-offload", "hooks-python", "noop-hooks")   # run when asked
 SIZES = {"opt12": tg.Shape(layers=12, d=1024, heads=16, d_ff=4096, seq=1024, batch=8)}
 SMALL = tg.Shape(layers=2, d=64, heads=2, d_ff=256, seq=64, batch=2)
 # A freshly initialised OPT's FFN activations are about half zero (fc1's bias starts at 0),
@@ -113,7 +115,7 @@ def prepare(bench: HFBench, name: str):
 
     def forward(x, y):
         return lm_loss(model, x, y)
-    if name in ("hooks", "hooks-offload"):
+    if name in ("hooks", "hooks-offload", "hooks-python"):
         offload = None
         if name == "hooks-offload":
             from bitsparse_core.torch.offload import Offloader
@@ -124,6 +126,12 @@ def prepare(bench: HFBench, name: str):
         def forward(x, y):   # the hooks variant's forward
             with hooks:
                 return lm_loss(model, x, y)
+        if name == "hooks-python":
+            hooked = forward
+
+            def forward(x, y):   # the same hooks, the C++ front off
+                with native.python_path():
+                    return hooked(x, y)
     elif name == "noop-hooks":
         def forward(x, y):   # every saved tensor through a Python call each way, kept as is
             with torch.autograd.graph.saved_tensors_hooks(_same, _same):
