@@ -19,6 +19,10 @@ registered with the dispatcher by the extension itself when it is loaded (and re
 from the Python autograd function through ``ops.CUDA_KERNELS``): what torch.compile's
 graphs, CUDA graph captures and ``torch.ops`` calls run, with no Python on the way.
 
+The same extension holds :class:`~.hooks.compress_saved_tensors`' C++ front
+(``kernels/torch_host_hooks.h``: :func:`hooks_module`) and queues the hooks' packs and
+unpacks (:func:`plain_handle`, :func:`plain_unpack`).
+
 The extension needs a C++ compiler and PyTorch's headers, not CUDA's: it launches the
 CuPy-compiled kernels through the driver entry points of
 :mod:`..backends.cuda.driver`, with argument records Python builds once per plan
