@@ -23,8 +23,8 @@
 // The parts: torch_host_common.h (driver entry points, helpers), torch_host_launch.h
 // (launch templates, plans), torch_host_slots.h (counts on the host),
 // torch_host_offload.h (the offload engine), torch_host_hooks.h (the saved-tensor hooks'
-// first look at each save); this file: the op, its autograd
-// node, its dispatcher kernels and the module.
+// first look at each save, their packs and unpacks); this file: the op, its autograd node,
+// its dispatcher kernels and the module.
 
 #include "torch_host_common.h"
 #include "torch_host_hooks.h"

@@ -69,10 +69,10 @@ bool capturing(void* stream) {
 
 // The next free slot of the ring, ``(index, generation)`` (FlagSlab.acquire's rule: a slot
 // whose count has not landed is skipped), its sentinels written before the pack is
-// queued; NO_SLOT while ``stream`` is captured into a CUDA graph (a count cannot be read without
-// a sync there) or with every slot in flight. The generation is bumped first: a reader
-// of the slot's previous ticket then sees a stale generation, never the new sentinels
-// as the old pack's state.
+// queued; NO_SLOT while ``stream`` is captured into a CUDA graph (a count cannot be read
+// without a sync there) or with every slot in flight. The generation is bumped first: a
+// reader of the slot's previous ticket then sees a stale generation, never the new
+// sentinels as the old pack's state.
 std::pair<int64_t, int64_t> claim_slot(void* stream) {
   if (slab.base == 0 || slab.slots <= slab.ring_begin || capturing(stream)) {
     return {kNoSlot, 0};
