@@ -86,11 +86,10 @@ struct SavedHooksFront {
 
   bool head_landed() const {
     if (head == kAsk) return true;
-    const auto* status = reinterpret_cast<const volatile uint32_t*>(head_status);
-    const auto* count = reinterpret_cast<const volatile uint64_t*>(head_status + 8);
     const auto* generation = reinterpret_cast<const volatile int64_t*>(head_generation_at);
     if (*generation != head_generation) return true;   // lost: Python gives up on it
-    return *status != 0xFFFFFFFFu && *count != ~0ull;  // capacity.SENTINEL / SENTINEL64
+    return *slot_status_at(head_status) != kSentinel32 &&
+           *slot_count_at(head_status) != kSentinel64;
   }
 
   ~SavedHooksFront() {

@@ -486,7 +486,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if cls is _View:
             return self._unpack(obj.base).view(obj.shape)
         if cls is not _Packed:       # passed through (to the enclosing hooks, if any)
-            return obj if cls is not _Outer else obj.unpack(obj.obj)
+            return self._from_outer(obj)
         if self._flights:
             self._poll(forward=False)
         if obj.state == PENDING:
@@ -545,5 +545,5 @@ def _unpack_saved(obj):
     hooks unpack them), or what enclosing hooks keep."""
     cls = type(obj)
     if cls is _Outer:
-        return obj.unpack(obj.obj)
+        return compress_saved_tensors._from_outer(obj)
     return (obj.base if cls is _View else obj).owner._unpack(obj)
