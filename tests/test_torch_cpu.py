@@ -558,6 +558,31 @@ def test_hooks_pending_at_unpack_use_the_dense_tensor(monkeypatch):
     assert list(site.recent) == [int(0.2 * 4096) / 4096]
 
 
+def test_hooks_a_site_whose_pack_came_too_late_passes_through_for_a_while(monkeypatch):
+    """A pack still on its way at its unpack saved nothing (the GPU lags by more than the
+    rest of the forward): its site passes through for RETRY_AFTER saves, then packs
+    again, sized from the late count."""
+    import math
+    from bitsparse_core.torch.capacity import LADDER, bucket_of
+    from bitsparse_core.torch.sites import RETRY_AFTER
+    counts = _Counts(monkeypatch)
+    hooks = compress_saved_tensors(min_numel=256, margin=0.1)
+    t = _with_density(0.2)
+    assert hooks.unpack_hook(_save(hooks, t)).data_ptr() == t.data_ptr()
+    assert hooks.stats.pending_at_unpack == 1
+    counts.release()
+    for _ in range(RETRY_AFTER):
+        t = _with_density(0.2)
+        assert _save(hooks, t) is t
+    assert (hooks.stats.tried, hooks.stats.passed) == (1, RETRY_AFTER)
+    t = _with_density(0.2)
+    p = _save(hooks, t)
+    assert p.plan.lay.capacity == math.ceil(LADDER[bucket_of(0.2 * 1.1)] * t.numel())
+    hooks._poll()
+    assert p.state == "clean" and torch.equal(hooks.unpack_hook(p), t)
+    assert hooks.stats.tried == 2 and hooks.stats.packed == 1
+
+
 def test_hooks_capacity_learns_per_site_and_overflow_keeps_the_dense():
     import math
     from bitsparse_core.torch.capacity import LADDER, bucket_of
@@ -643,19 +668,22 @@ def test_hooks_in_place_change_after_the_save(monkeypatch):
     p = _save(hooks, t)
     t.add_(1.0)
     assert torch.equal(hooks.unpack_hook(p), want)
-    _save(hooks, _with_density(0.05))                           # the site learns 5 %
-    counts = _Counts(monkeypatch)
-    t = _with_density(0.05)
-    want = t.clone()
-    p = _save(hooks, t)
-    t.mul_(3.0)                                                 # while its count is away
-    assert torch.equal(hooks.unpack_hook(p), want)                  # waited for: clean
-    t = _with_density(0.4)
-    p = _save(hooks, t)
-    t.mul_(3.0)
-    with pytest.raises(SavedTensorModifiedError, match="modified in place"):
-        hooks.unpack_hook(p)                                        # overflowed: only t was kept
-    counts.release()
+    counts = _Counts(monkeypatch, looks=0)
+    for density, clean in ((0.05, True), (0.4, False)):
+        hooks = compress_saved_tensors(min_numel=256)
+        _save(hooks, _with_density(0.05))                       # the site learns 5 %
+        counts.looks = None                                     # counts held back
+        t = _with_density(density)
+        want = t.clone()
+        p = _save(hooks, t)
+        t.mul_(3.0)                                             # while its count is away
+        if clean:
+            assert torch.equal(hooks.unpack_hook(p), want)          # waited for: clean
+        else:
+            with pytest.raises(SavedTensorModifiedError, match="modified in place"):
+                hooks.unpack_hook(p)                                # overflowed: only t was kept
+        counts.release()
+        assert hooks._sites.get((1, (4096,), torch.float32)).skip   # too late: passing a while
 
 
 def test_hooks_a_lost_count_keeps_the_dense(monkeypatch):

@@ -14,7 +14,8 @@ Until they have, the hooks hold both the dense tensor and the packed block; the
 first hook call that finds the count landed (each ``pack`` and ``unpack`` looks,
 no CUDA call) keeps one: the packed block when it is clean, the dense tensor when
 the pack overflowed or broke ``nosign``. A backward that unpacks a tensor whose
-count has not come back uses the dense tensor still held. Every answer is exact.
+count has not come back uses the dense tensor still held, and that save site passes
+through for a while (:meth:`.sites.SaveSite.late`). Every answer is exact.
 
 A pack in flight holds its block on top of the dense tensor, so a new one is
 queued only while the blocks in flight fit in what the clean packs alive already
@@ -84,7 +85,8 @@ class SavedStats:
                  tensor dropped (``dense_bytes`` / ``packed_bytes`` count these).
     kept_dense:  tried packs dropped for the dense tensor: ``overflowed`` (more nonzeros
                  than the capacity), ``violations`` (a sign bit under nosign), or
-                 ``pending_at_unpack`` (backward came before the count).
+                 ``pending_at_unpack`` (backward came before the count; the site then
+                 passes through for a while).
     throttled:   saves passed through because the blocks in flight would have held more
                  than the clean packs save.
     passed:      saves returned as they are (not candidates, not worth packing at their
@@ -112,13 +114,14 @@ class _Packed:
     """A saved tensor packed at a capacity: the block and its plan, the dense tensor while
     the count is on its way (or for good when the pack was not usable)."""
 
-    __slots__ = ("owner", "block", "plan", "handle", "key", "known", "held", "version", "dtype",
-                 "shape", "stream", "state", "unpacked", "saves", "to_unpack", "keep", "nbytes",
-                 "__weakref__")
+    __slots__ = ("owner", "site", "block", "plan", "handle", "key", "known", "held", "version",
+                 "dtype", "shape", "stream", "state", "unpacked", "saves", "to_unpack", "keep",
+                 "nbytes", "__weakref__")
 
-    def __init__(self, owner, block, plan, handle, key, known, dense: torch.Tensor, stream,
-                 nbytes: int):
+    def __init__(self, owner, site, block, plan, handle, key, known, dense: torch.Tensor,
+                 stream, nbytes: int):
         self.owner = owner     # the hooks that made it (they unpack it)
+        self.site = site       # its save site (told when the pack comes back too late)
         self.block, self.plan, self.key, self.known = block, plan, key, known
         self.handle = handle   # the C++ extension's handle of the plan, or None
         self.held, self.version = dense, dense._version
@@ -392,7 +395,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             block, key, known = O.pack_plain(t, plan)
         if block is None:
             return None   # no slot for its count (a graph capture, or the ring in flight)
-        packed = _Packed(self, block, plan, handle, key, known, t,
+        packed = _Packed(self, site, block, plan, handle, key, known, t,
                          O._stream(t.device) if cuda else None, nbytes)
         self._flights.append((key, known, site, numel, nbytes, weakref.ref(packed)))
         if len(self._flights) == 1:
@@ -531,7 +534,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     def _unpack_pending(self, obj: _Packed) -> None:
         """Backward came before the count: use the dense tensor held (its count still
         teaches the site when it lands); only when that was modified in place since is
-        the count waited for on the host (no CUDA call), the packed copy being exact."""
+        the count waited for on the host (no CUDA call), the packed copy being exact.
+        Either way the pack came too late to save anything: its site passes through for a
+        while."""
+        obj.site.late()
         if obj.held._version == obj.version:
             self._stats.pending_at_unpack += 1
             self._keep_dense(obj)
