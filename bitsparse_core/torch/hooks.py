@@ -14,13 +14,8 @@ Until they have, the hooks hold both the dense tensor and the packed block; the
 first hook call that finds the count landed (each ``pack`` and ``unpack`` looks,
 no CUDA call) keeps one: the packed block when it is clean, the dense tensor when
 the pack overflowed or broke ``nosign``. A backward that unpacks a tensor whose
-count has not come back uses the dense tensor still held. Every answer is exact.
-
-A pack whose count comes back only once backward has begun held its block on top of the
-dense tensor through the end of the forward, where a step's peak is, and saved nothing
-there: its save site passes through for a while (``stats.late``,
-:meth:`.sites.SaveSite.late`). Where the GPU lags the host, the last saves of the forward
-are left as they are.
+count has not come back uses the dense tensor still held, and that save site passes
+through for a while (:meth:`.sites.SaveSite.late`). Every answer is exact.
 
 A pack in flight holds its block on top of the dense tensor, so a new one is
 queued only while the blocks in flight fit in what the clean packs alive already
@@ -90,9 +85,8 @@ class SavedStats:
                  tensor dropped (``dense_bytes`` / ``packed_bytes`` count these).
     kept_dense:  tried packs dropped for the dense tensor: ``overflowed`` (more nonzeros
                  than the capacity), ``violations`` (a sign bit under nosign), or
-                 ``pending_at_unpack`` (backward came before the count).
-    late:        tried packs whose count came back only once backward had begun
-                 (``pending_at_unpack`` included): their sites pass through for a while.
+                 ``pending_at_unpack`` (backward came before the count; the site then
+                 passes through for a while).
     throttled:   saves passed through because the blocks in flight would have held more
                  than the clean packs save.
     passed:      saves returned as they are (not candidates, not worth packing at their
@@ -107,7 +101,6 @@ class SavedStats:
     overflowed: int = 0
     violations: int = 0
     pending_at_unpack: int = 0
-    late: int = 0
     throttled: int = 0
     passed: int = 0
     shared: int = 0
@@ -128,7 +121,7 @@ class _Packed:
     def __init__(self, owner, site, block, plan, handle, key, known, dense: torch.Tensor,
                  stream, nbytes: int):
         self.owner = owner     # the hooks that made it (they unpack it)
-        self.site = site       # its save site (told when the count comes back too late)
+        self.site = site       # its save site (told when the pack comes back too late)
         self.block, self.plan, self.key, self.known = block, plan, key, known
         self.handle = handle   # the C++ extension's handle of the plan, or None
         self.held, self.version = dense, dense._version
@@ -429,8 +422,6 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
                 site.observe(state[0], state[1], numel)
             packed = ref()
             if packed is not None and packed.state == PENDING:
-                if not forward:
-                    self._late(site)
                 self._settle(packed, state, forward)
         if taken:
             self._tell_head()
@@ -449,11 +440,6 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             else:   # a count known on the host: Python looks
                 head = (-1, 0, 0)
         self._front_mod.hooks_front_head(self._front, *head)
-
-    def _late(self, site) -> None:
-        """A pack's count came back only in backward: its site passes through a while."""
-        site.late()
-        self._stats.late += 1
 
     def _settle(self, packed: _Packed, state, forward: bool = False) -> None:
         """Keep the packed block of a clean pack, else the dense tensor; ``forward``: its
@@ -548,8 +534,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     def _unpack_pending(self, obj: _Packed) -> None:
         """Backward came before the count: use the dense tensor held (its count still
         teaches the site when it lands); only when that was modified in place since is
-        the count waited for on the host (no CUDA call), the packed copy being exact."""
-        self._late(obj.site)
+        the count waited for on the host (no CUDA call), the packed copy being exact.
+        Either way the pack came too late to save anything: its site passes through for a
+        while."""
+        obj.site.late()
         if obj.held._version == obj.version:
             self._stats.pending_at_unpack += 1
             self._keep_dense(obj)

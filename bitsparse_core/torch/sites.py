@@ -11,10 +11,10 @@ not one per step). A site whose tensors came back too dense passes through for a
 while, then is tried again, waiting twice as long after each try that is still too
 dense (up to ``MAX_BACKOFF`` times): a dense layer costs a wasted pack rarely, not
 every ``RETRY_AFTER`` saves. One whose values have their sign bit set stops using
-``nosign``. One whose pack's count came back only once backward had begun (the GPU
+``nosign``. One whose pack was still on its way when backward unpacked it (the GPU
 lagging the host by more than the rest of the forward) passes through for
-``RETRY_AFTER`` saves: such a pack held its block on top of the dense tensor through
-the end of the forward, where the peak is.
+``RETRY_AFTER`` saves: such a pack saves nothing and holds its block on top of the
+dense tensor until then.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ class SaveSite:
         return min(numel, top, math.ceil(LADDER[sized_bucket(seen, margin)] * numel))
 
     def late(self) -> None:
-        """A pack's count here came back only in backward: pass the next saves through
-        (the count still teaches the site)."""
+        """A pack here had not come back when backward unpacked it: pass the next saves
+        through (its count still teaches the site when it lands)."""
         self.skip = max(self.skip, RETRY_AFTER)
 
     def observe(self, status: int, nnz: int, numel: int) -> None:
