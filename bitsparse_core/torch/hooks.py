@@ -14,9 +14,8 @@ Until they have, the hooks hold both the dense tensor and the packed block; the
 first hook call that finds the count landed (each ``pack`` and ``unpack`` looks,
 no CUDA call) keeps one: the packed block when it is clean, the dense tensor when
 the pack overflowed or broke ``nosign``. A backward that unpacks a tensor whose
-count has not come back uses the dense tensor still held; a save site where that
-happens twice in a row passes through for a while (:meth:`.sites.SaveSite.late`). Every
-answer is exact.
+count has not come back uses the dense tensor still held, and that save site passes
+through for a while (:meth:`.sites.SaveSite.late`). Every answer is exact.
 
 A pack in flight holds its block on top of the dense tensor, so a new one is
 queued only while the blocks in flight fit in what the clean packs alive already
@@ -86,8 +85,8 @@ class SavedStats:
                  tensor dropped (``dense_bytes`` / ``packed_bytes`` count these).
     kept_dense:  tried packs dropped for the dense tensor: ``overflowed`` (more nonzeros
                  than the capacity), ``violations`` (a sign bit under nosign), or
-                 ``pending_at_unpack`` (backward came before the count; twice in a row
-                 at a site, it then passes through for a while).
+                 ``pending_at_unpack`` (backward came before the count; the site then
+                 passes through for a while).
     throttled:   saves passed through because the blocks in flight would have held more
                  than the clean packs save.
     passed:      saves returned as they are (not candidates, not worth packing at their
@@ -423,7 +422,6 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
                 site.observe(state[0], state[1], numel)
             packed = ref()
             if packed is not None and packed.state == PENDING:
-                site.on_time()
                 self._settle(packed, state, forward)
         if taken:
             self._tell_head()
@@ -537,7 +535,8 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         """Backward came before the count: use the dense tensor held (its count still
         teaches the site when it lands); only when that was modified in place since is
         the count waited for on the host (no CUDA call), the packed copy being exact.
-        Either way the pack came too late to save anything: its site is told."""
+        Either way the pack came too late to save anything: its site passes through for a
+        while."""
         obj.site.late()
         if obj.held._version == obj.version:
             self._stats.pending_at_unpack += 1

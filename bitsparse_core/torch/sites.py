@@ -11,11 +11,10 @@ not one per step). A site whose tensors came back too dense passes through for a
 while, then is tried again, waiting twice as long after each try that is still too
 dense (up to ``MAX_BACKOFF`` times): a dense layer costs a wasted pack rarely, not
 every ``RETRY_AFTER`` saves. One whose values have their sign bit set stops using
-``nosign``. One whose packs were still on their way when backward unpacked them
-(the GPU lagging the host by more than the rest of the forward), ``LATE_AFTER`` times
-in a row, passes through for ``RETRY_AFTER`` saves: such a pack saves nothing and holds
-its block on top of the dense tensor until then. (One late pack is not enough: the
-first steps' lag is the warm-up's, not the step's.)
+``nosign``. One whose pack was still on its way when backward unpacked it (the GPU
+lagging the host by more than the rest of the forward) passes through for
+``RETRY_AFTER`` saves: such a pack saves nothing and holds its block on top of the
+dense tensor until then.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ WINDOW = 8          # counts a site sizes its packs from
 RETRY_AFTER = 32    # saves a too-dense site passes through before it is tried again
 MAX_BACKOFF = 32    # ... times 2 ** (tries in a row still too dense), up to this factor
 MAX_SITES = 4096    # sites remembered (the oldest forgotten: a forward that never repeats)
-LATE_AFTER = 2      # packs in a row still on their way at their unpack before a site passes
 
 # The encoding a site falls back to after a nosign violation, per requested encoding.
 FALLBACK = {"auto": Encoding.RAW, "nosign": Encoding.SIGNPLANE}
@@ -41,7 +39,7 @@ class SaveSite:
     """One save site: its encoding, recent densities, pass-through countdown and the
     factor of the next one."""
 
-    __slots__ = ("encoding", "fallback", "recent", "skip", "backoff", "lates")
+    __slots__ = ("encoding", "fallback", "recent", "skip", "backoff")
 
     def __init__(self, encoding: str):
         self.fallback = FALLBACK.get(encoding)
@@ -49,7 +47,6 @@ class SaveSite:
         self.recent = collections.deque(maxlen=WINDOW)
         self.skip = 0
         self.backoff = 1
-        self.lates = 0     # packs in a row still on their way at their unpack
 
     def capacity(self, numel: int, limit: float, margin: float) -> int | None:
         """The capacity of the next pack here, or None to pass this save through.
@@ -70,17 +67,9 @@ class SaveSite:
         return min(numel, top, math.ceil(LADDER[sized_bucket(seen, margin)] * numel))
 
     def late(self) -> None:
-        """A pack here had not come back when backward unpacked it (its count still
-        teaches the site when it lands): after ``LATE_AFTER`` in a row, pass the next
-        ``RETRY_AFTER`` saves through."""
-        self.lates += 1
-        if self.lates >= LATE_AFTER:
-            self.lates = 0
-            self.skip = max(self.skip, RETRY_AFTER)
-
-    def on_time(self) -> None:
-        """A pack here came back before its unpack."""
-        self.lates = 0
+        """A pack here had not come back when backward unpacked it: pass the next saves
+        through (its count still teaches the site when it lands)."""
+        self.skip = max(self.skip, RETRY_AFTER)
 
     def observe(self, status: int, nnz: int, numel: int) -> None:
         """Take in a pack's count (overflowed or not: the kernel counts every nonzero)."""
