@@ -45,6 +45,8 @@ ENCODINGS = ("raw", "nosign", "signplane", "auto")
 
 
 def _check_encoding(encoding: str, what: str = "encoding") -> str:
+    if type(encoding) is str and encoding in ENCODINGS:   # the common case, per call
+        return encoding
     if not isinstance(encoding, str) or encoding.lower() not in ENCODINGS:
         raise ValueError(f"{what}={encoding!r}; use one of {', '.join(ENCODINGS)}")
     return encoding.lower()
@@ -58,18 +60,24 @@ def _check_input(t: torch.Tensor, name: str) -> None:
         raise B.UnsupportedDeviceError(f"{name}: only strided (dense) tensors can be packed")
 
 
-def _check_backend(backend: str, device: torch.device) -> None:
-    allowed = ("auto", "cupy") if device.type == "cuda" else ("auto", "numpy")
-    if backend not in allowed:
-        raise B.UnsupportedDeviceError(f"backend={backend!r} for a {device.type} tensor: the "
+def _device_type(t: torch.Tensor) -> str:
+    """``t.device.type`` without making a device object (the ops run once per layer)."""
+    return "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
+
+
+def _check_backend(backend: str, device_type: str) -> None:
+    if backend == "auto":
+        return
+    if backend != ("cupy" if device_type == "cuda" else "numpy"):
+        raise B.UnsupportedDeviceError(f"backend={backend!r} for a {device_type} tensor: the "
                                        "torch ops run the CuPy-compiled kernels on CUDA and the "
                                        "NumPy reference on CPU")
 
 
-def _autocast_dtype(device: torch.device):
-    """The dtype autocast would run ``linear`` in on this device, or None."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
+def _autocast_dtype(device_type: str):
+    """The dtype autocast would run ``linear`` in on this device type, or None."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
     return None
 
 
@@ -129,15 +137,17 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     """
     _check_input(a, "a")
     encoding = _check_encoding(encoding)
-    _check_backend(backend, a.device)
-    mm = _autocast_dtype(a.device)
+    device_type = _device_type(a)
+    _check_backend(backend, device_type)
+    mm = _autocast_dtype(device_type)
     weight, bias = _autocast(weight, mm), _autocast(bias, mm)
     mm_dtype = mm if mm is not None and a.dtype != mm else None
     x, w1, b1 = recompute if recompute is not None else (None, None, None)
     a = a.contiguous()
-    pol = _policy(policy, density, a.shape, a.dtype, bool(square))
+    pol = policy if policy is not None else _policy(None, density, a.shape, a.dtype,
+                                                    bool(square))
     traced = _traced()
-    off = _offloader(offload, traced, a.device)
+    off = _offloader(offload, traced, device_type)
     capacity, square, enc = pol.capacity(a.numel()), bool(square), _encoding_id(encoding)
     args = (a, weight, bias, x, w1, b1, capacity, square, enc, DEFAULT_CHUNK_LOG2, mm_dtype,
             pol.id, off)
@@ -204,12 +214,14 @@ def _no_zero_grads(ctx) -> None:
         ctx.set_materialize_grads(False)
 
 
-def _offloader(offload, traced: bool, device: torch.device):
+def _offloader(offload, traced: bool, device_type: str):
     """The call's :class:`~.offload.Offloader`, or None; offloading is eager-only (its
     copies are ordered by events on a side stream, which neither a trace nor a CUDA
     graph capture keeps)."""
+    if offload is None:
+        return None
     off = _offload.resolve(offload)
-    if off is not None and (traced or (device.type == "cuda"
+    if off is not None and (traced or (device_type == "cuda"
                                        and torch.cuda.is_current_stream_capturing())):
         raise UnsupportedTransformError(
             "offload= runs in eager mode only: not under torch.compile, torch.func or a CUDA "
@@ -372,17 +384,18 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
                          f"vs {u.dtype}{tuple(u.shape)} on {u.device}")
     encoding = _check_encoding(encoding)
     u_enc = _u_encoding_id(encoding, u_encoding)
-    _check_backend(backend, g.device)
-    mm = _autocast_dtype(g.device)
+    device_type = _device_type(g)
+    _check_backend(backend, device_type)
+    mm = _autocast_dtype(device_type)
     weight, bias = _autocast(weight, mm), _autocast(bias, mm)
     mm_dtype = mm if mm is not None and g.dtype != mm else None
     x, wg, bg, wu, bu = recompute if recompute is not None else (None,) * 5
     g, u = g.contiguous(), u.contiguous()
-    pol = _policy(policy, density, g.shape, g.dtype, "gated")
+    pol = policy if policy is not None else _policy(None, density, g.shape, g.dtype, "gated")
     traced = _traced()
     args = (g, u, weight, bias, x, wg, bg, wu, bu, pol.capacity(g.numel()),
             _encoding_id(encoding), u_enc, DEFAULT_CHUNK_LOG2, mm_dtype, pol.id,
-            _offloader(offload, traced, g.device))
+            _offloader(offload, traced, device_type))
     if traced:
         out, _, _, _ = GatedReLULinearFunction.apply(*args)
     else:   # see relu_linear
@@ -406,7 +419,7 @@ def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign
     """``relu(x W1ᵀ + b1) W2ᵀ + b2`` (ReLU² when ``square``) with the activation stored
     packed: no host sync, exact on every batch (an overflowing one recomputes the
     activation from ``x`` in backward with the forward's own GEMM)."""
-    mm = _autocast_dtype(x.device)
+    mm = _autocast_dtype(_device_type(x))
     if mm is not None:
         # The casts autocast's linear would make, made explicitly so the recompute
         # sees exactly the tensors the first GEMM used (and saves nothing new).
@@ -422,7 +435,7 @@ def gated_relu_ffn(x, w_gate, b_gate, w_up, b_up, w2, b2, *, encoding: str = "no
     """``(relu(x Wgᵀ + bg) * (x Wuᵀ + bu)) W2ᵀ + b2`` with both activations stored packed:
     no host sync, exact on every batch (an overflowing one recomputes both from ``x``
     in backward with the forward's own GEMMs)."""
-    mm = _autocast_dtype(x.device)
+    mm = _autocast_dtype(_device_type(x))
     xg = xu = x
     if mm is not None:
         # One cast of x per GEMM, as autocast makes them: x's two gradients then meet in

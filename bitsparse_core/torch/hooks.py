@@ -235,7 +235,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             raise ValueError(f"min_sparsity={min_sparsity} must lie in [0, 1]")
         if not float(margin) >= 0.0:
             raise ValueError(f"margin={margin!r} must be >= 0")
-        _check_backend(backend, torch.device("cuda"))
+        _check_backend(backend, "cuda")
         self.min_sparsity = float(min_sparsity)
         self.min_numel = max(1, int(min_numel))
         self.encoding = _check_encoding(encoding)
