@@ -410,3 +410,40 @@ def test_opt_compiled_matches_compiled_unconverted():
     _train_same(*compiled, _lm_loss(ids), steps=2)
     assert _packed_of(model)[0].stats()["packs"] == n + 2
     dynamo.reset()
+
+
+@pytest.mark.parametrize("order, error", [
+    (("fc1", "activation_fn", "fc2"), None),
+    (("fc1", "fc2"), "fc2 called outside"),
+    (("activation_fn",), "activation_fn called outside"),
+    (("fc1", "activation_fn"), "fc1 ran without fc2"),
+], ids=["in-order", "no-activation", "activation-alone", "no-fc2"])
+def test_inline_stand_ins_hold_the_forward_to_fc1_act_fc2(order, error):
+    """A converted layer's forward sees fc1 / activation_fn / fc2 stand-ins: back to back
+    they run the packed FFN; any other use raises, and the layer's own attributes are
+    back after the call either way."""
+    import importlib
+    cv = importlib.import_module("bitsparse_core.torch.convert")
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.activation_fn = nn.Linear(4, 8), nn.Linear(8, 4), nn.ReLU()
+
+        def forward(self, x):
+            for name in order:
+                x = getattr(self, name)(x)
+            return x
+    layer = Layer()
+    linears = (layer.fc1, layer.fc2, layer.activation_fn)
+    layer.__dict__["_bitsparse_packed"] = lambda x: ("packed", x)
+    layer.__class__ = cv._inline_class(Layer)
+    x = torch.randn(2, 4)
+    if error is None:
+        out = layer(x)
+        assert out[0] == "packed" and out[1] is x
+    else:
+        with pytest.raises(RuntimeError, match=error):
+            layer(x)
+    assert (layer.fc1, layer.fc2, layer.activation_fn) == linears
+    assert not {"fc1", "fc2", "activation_fn"} & layer.__dict__.keys()

@@ -106,8 +106,14 @@ def _check_linears(fc1, fc2) -> None:
 def _packable(*linears) -> bool:
     """One dtype the packed path stores: checked at every call, since ``.to(dtype)`` or
     ``.double()`` after conversion changes it (the dense forward is then run instead)."""
-    dtypes = {lin.weight.dtype for lin in linears if lin is not None}
-    return len(dtypes) == 1 and dtypes <= TORCH_TO_BS.keys()
+    dtype = None
+    for lin in linears:
+        if lin is not None:
+            if dtype is None:
+                dtype = lin.weight.dtype
+            elif lin.weight.dtype != dtype:
+                return False
+    return dtype in TORCH_TO_BS
 
 
 def _packed(kind: str, fc1, fc2, kwargs, up=None):
@@ -223,6 +229,38 @@ class _Pending:
         self.x, self.activated = x, False
 
 
+_SHADOWED = ("fc1", "activation_fn", "fc2")
+
+
+class _StandIn:
+    """One forward's stand-ins for a converted layer's ``fc1``, ``activation_fn`` and
+    ``fc2``: ``fc1(h)`` hands on ``h``, ``act`` marks it, ``fc2`` runs ``packed`` on it;
+    ``calls`` counts the fc1 calls still without their fc2."""
+
+    __slots__ = ("packed", "calls")
+
+    def __init__(self, packed):
+        self.packed, self.calls = packed, 0
+
+    def fc1(self, h):
+        self.calls += 1
+        return _Pending(h)
+
+    @staticmethod
+    def act(p):
+        if type(p) is not _Pending:
+            raise RuntimeError("bitsparse convert: activation_fn called outside fc1 → "
+                               "activation_fn → fc2")
+        p.activated = True
+        return p
+
+    def fc2(self, p):
+        if type(p) is not _Pending or not p.activated:
+            raise RuntimeError("bitsparse convert: fc2 called outside fc1 → activation_fn → fc2")
+        self.calls -= 1
+        return self.packed(p.x)
+
+
 _SUBCLASSES: dict = {}
 
 
@@ -241,39 +279,19 @@ def _inline_class(cls):
     original = cls.forward
 
     def forward(self, *args, **kwargs):
-        packed = self.__dict__["_bitsparse_packed"]
+        d = self.__dict__
         if not _packable(self.fc1, self.fc2):
             return original(self, *args, **kwargs)
-        state = {"calls": 0}
-
-        def fc1(h):
-            state["calls"] += 1
-            return _Pending(h)
-
-        def act(p):
-            if not isinstance(p, _Pending):
-                raise RuntimeError("bitsparse convert: activation_fn called outside fc1 → "
-                                   "activation_fn → fc2")
-            p.activated = True
-            return p
-
-        def fc2(p):
-            if not isinstance(p, _Pending) or not p.activated:
-                raise RuntimeError("bitsparse convert: fc2 called outside fc1 → "
-                                   "activation_fn → fc2")
-            state["calls"] -= 1
-            return packed(p.x)
-
-        shadows = {"fc1": fc1, "activation_fn": act, "fc2": fc2}
-        saved = {k: self.__dict__[k] for k in shadows if k in self.__dict__}   # re-entrancy
-        self.__dict__.update(shadows)
+        stand_in = _StandIn(d["_bitsparse_packed"])
+        saved = [(k, d[k]) for k in _SHADOWED if k in d]   # re-entered, or plain attributes
+        d["fc1"], d["activation_fn"], d["fc2"] = stand_in.fc1, stand_in.act, stand_in.fc2
         try:
             out = original(self, *args, **kwargs)
         finally:
-            for k in shadows:
-                self.__dict__.pop(k, None)
-            self.__dict__.update(saved)
-        if state["calls"]:
+            for k in _SHADOWED:
+                d.pop(k, None)
+            d.update(saved)
+        if stand_in.calls:
             raise RuntimeError("bitsparse convert: fc1 ran without fc2")
         return out
 
