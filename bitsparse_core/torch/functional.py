@@ -106,11 +106,9 @@ _FUNCTIONAL_POLICIES: dict = {}
 _MAX_FUNCTIONAL_POLICIES = 256   # shapes vary with sequence length: keep the newest
 
 
-def _policy(policy, density, shape, dtype, square):
-    """The capacity policy of a call: the caller's, a fixed density's, or one shared by
+def _shared_policy(density, shape, dtype, square):
+    """The capacity policy of a call that brings none: a fixed density's, or one shared by
     every functional call of this shape (adapting as a module's would)."""
-    if policy is not None:
-        return policy
     key = (tuple(shape), dtype, square, density)
     pol = _FUNCTIONAL_POLICIES.get(key)
     if pol is None:
@@ -144,8 +142,8 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     mm_dtype = mm if mm is not None and a.dtype != mm else None
     x, w1, b1 = recompute if recompute is not None else (None, None, None)
     a = a.contiguous()
-    pol = policy if policy is not None else _policy(None, density, a.shape, a.dtype,
-                                                    bool(square))
+    pol = policy if policy is not None else _shared_policy(density, a.shape, a.dtype,
+                                                           bool(square))
     traced = _traced()
     off = _offloader(offload, traced, device_type)
     capacity, square, enc = pol.capacity(a.numel()), bool(square), _encoding_id(encoding)
@@ -218,8 +216,6 @@ def _offloader(offload, traced: bool, device_type: str):
     """The call's :class:`~.offload.Offloader`, or None; offloading is eager-only (its
     copies are ordered by events on a side stream, which neither a trace nor a CUDA
     graph capture keeps)."""
-    if offload is None:
-        return None
     off = _offload.resolve(offload)
     if off is not None and (traced or (device_type == "cuda"
                                        and torch.cuda.is_current_stream_capturing())):
@@ -391,7 +387,7 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
     mm_dtype = mm if mm is not None and g.dtype != mm else None
     x, wg, bg, wu, bu = recompute if recompute is not None else (None,) * 5
     g, u = g.contiguous(), u.contiguous()
-    pol = policy if policy is not None else _policy(None, density, g.shape, g.dtype, "gated")
+    pol = policy if policy is not None else _shared_policy(density, g.shape, g.dtype, "gated")
     traced = _traced()
     args = (g, u, weight, bias, x, wg, bg, wu, bu, pol.capacity(g.numel()),
             _encoding_id(encoding), u_enc, DEFAULT_CHUNK_LOG2, mm_dtype, pol.id,
