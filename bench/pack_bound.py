@@ -17,7 +17,9 @@ kernel is not touched):
 * ``nostage``, ``noassemble``, ``nomask``, ``nob2``: ``prod`` without, in turn, the
   staging of stored values in shared memory, the assembly of the W-bit stream from
   them, the mask stores, and the barrier between staging and assembly (a race: timing
-  only). Each says what one step costs where the others stay; ``a+b`` applies both.
+  only). Each says what one step costs where the others stay; ``a+b`` applies both;
+* ``file=PATH``: another version of bitsparse_pack.cu as it is (e.g. the last commit's,
+  for an A/B of a change; it must take the same arguments and fit the current scratch).
 
 The edited kernels write wrong planes on purpose; only their time is read. Each is
 launched through the production path and argument record: while a variant is timed,
@@ -38,7 +40,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 # The texts of kernels/bitsparse_pack.cu the variants edit.
-FOLD = re.compile(r"            // Each warp folds its windows;.*?\n            }\n        }\n", re.S)
+FOLD = re.compile(r"            // Warp 0 folds the tile's own group.*?"
+                  r"\n            if \(\(s_lb_flag\[0\] & 1u\) == 0u\)[^\n]*\n        }\n", re.S)
 STREAM = "        bs_copy_inner<W>(reinterpret_cast<u32*>(values_ptr), A, a, e);\n"
 LOAD = "reinterpret_cast<const uint4*>(x + base) + (warp * (SEG / V) + lane)"
 VARIANTS = ("prod", "nolb", "nolb-nowrite", "cached", "nostage", "noassemble", "nomask", "nob2")
@@ -57,12 +60,14 @@ CUTS = {
 
 
 def variant_source(src: str, name: str) -> str:
-    if "+" in name:                 # cuts applied in turn, e.g. nolb-nowrite+nostage
+    if "+" in name and not name.startswith("file="):   # cuts in turn, e.g. nolb-nowrite+nostage
         for part in name.split("+"):
             src = variant_source(src, part)
         return src
     if name == "prod":
         return src
+    if name.startswith("file="):
+        return Path(name[len("file="):]).read_text()
     if name in CUTS:
         old, new = CUTS[name]
         if src.count(old) != 1:

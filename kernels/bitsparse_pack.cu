@@ -28,7 +28,8 @@
 // after the tile's popcount scan) then INCL (the whole prefix up to and
 // including this tile), written and read as single 8-byte accesses; then
 // one 16-byte edge record per tile {first 32 stored stream bits, last 32
-// stored stream bits (top-aligned), the same two for the sign plane}.
+// stored stream bits (top-aligned), the same two for the sign plane}; then one
+// 8-byte group descriptor per 32 tiles (see BS_GROUP below).
 // Status area (in the packed allocation): u32 status, u32 pad, u64 nnz; the same
 // 16 bytes go to a pinned host slot where the caller names one (slot_ptr, else 0).
 
@@ -63,56 +64,84 @@ __device__ __forceinline__ uint4* bs_edges(u64 scratch_ptr, u64 n_tiles) {
     return reinterpret_cast<uint4*>(scratch_ptr + 16 + 8 * ((n_tiles + 1) & ~1ull));
 }
 
-// The look-back reads BS_LB_WINDOWS windows of 32 count descriptors per warp,
-// so the whole block covers the 1024 nearest predecessors in one round trip:
-// about as many tiles as a persistent grid has in flight, so that the nearest
-// inclusive descriptor is almost always among them.
-#define BS_LB_WINDOWS 4
-#define BS_LB_SPAN (32 * BS_LB_WINDOWS)
+// Group descriptors: one per 32 consecutive tiles (BS_GROUP tiles), which every tile
+// of the group adds its count to with one atomic after publishing its own: bits 48..
+// count the tiles arrived, bits 40..47 those with a nosign violation, bits 0..39 the
+// sum of their counts (at most 32 x 16384). A group whose 32 tiles have arrived stands
+// for them all, so a look-back over a persistent grid's few hundred tiles in flight
+// reads one window of its own group's tiles and one of groups, not every tile.
+#define BS_GROUP_LOG2 5
+#define BS_GROUP (1 << BS_GROUP_LOG2)
+#define BS_G_ARRIVED (1ull << 48)
+#define BS_G_NEG (1ull << 40)
+#define BS_G_COUNT ((1ull << 40) - 1ull)
 
-// Load a warp's windows: lane l of window q holds tile nearest - l - 32 q
-// (tiles before 0 read as an inclusive zero). Issued before the tile stages
-// its values, so that the round trip overlaps that work.
-__device__ __forceinline__ void bs_lookback_load(const u64* desc, i64 nearest, int lane,
-                                                 u64 (&d)[BS_LB_WINDOWS]) {
-#pragma unroll
-    for (int q = 0; q < BS_LB_WINDOWS; ++q) {
-        const i64 j = nearest - lane - 32 * q;
-        d[q] = j >= 0 ? bs_ld_u64(&desc[j]) : BS_INCL;
+__device__ __forceinline__ u64* bs_group_desc(u64 scratch_ptr, u64 n_tiles) {
+    return reinterpret_cast<u64*>(scratch_ptr + 16 + 8 * ((n_tiles + 1) & ~1ull) + 16 * n_tiles);
+}
+
+// The look-back's loads, issued an iteration stage before the fold (their round trip
+// overlaps the staging) into lb[0..1]. Warp 0: lane l < tile % 32 reads the descriptor
+// of tile - 1 - l, its group's tiles before it. Warp 1: lane l reads group h = g - 1 - l
+// (g: the first group to read) and the descriptor of its last tile; a group before
+// the first reads as an inclusive zero.
+__device__ __forceinline__ void bs_lookback_load(const u64* desc, const u64* gdesc, u64 tile,
+                                                 i64 g, int warp, int lane, u64 (&lb)[2]) {
+    if (warp == 0) {
+        lb[0] = (u32)lane < (u32)(tile & (BS_GROUP - 1)) ? bs_ld_u64(&desc[tile - 1 - lane]) : 0ull;
+    } else if (warp == 1) {
+        const i64 h = g - lane;
+        lb[0] = h >= 0 ? bs_ld_u64(&gdesc[h]) : 0ull;
+        lb[1] = h >= 0 ? bs_ld_u64(&desc[(h << BS_GROUP_LOG2) + BS_GROUP - 1]) : BS_INCL;
     }
 }
 
-// Fold a warp's loaded windows, nearest first, up to and including the first
-// inclusive descriptor: its count sum, whether one was found, and the OR of
-// the nosign flags. Waits (spins) for descriptors not yet published.
-__device__ __forceinline__ void bs_lookback_fold(const u64* desc, i64 nearest, int lane,
-                                                 u64 (&d)[BS_LB_WINDOWS], u64& sum, bool& found,
-                                                 u32& neg) {
-    u64 acc = 0;
-    u32 ng = 0;
-    bool done = false;
-#pragma unroll
-    for (int q = 0; q < BS_LB_WINDOWS; ++q) {
-        if (done) break;
-        const i64 j = nearest - lane - 32 * q;
-        while (__any_sync(BS_FULL, (d[q] >> 62) == 0ull)) {
-            if ((d[q] >> 62) == 0ull) {
-                __nanosleep(32);
-                d[q] = bs_ld_u64(&desc[j]);
-            }
+// Warp 0's fold over its group's tiles before `tile`, nearest first, up to and
+// including the first inclusive descriptor: their count, whether an inclusive one
+// was among them, the OR of their nosign flags. Waits (spins) for descriptors not yet
+// published.
+__device__ __forceinline__ void bs_fold_tiles(const u64* desc, u64 tile, int lane, u64 d,
+                                              u64& sum, bool& found, u32& neg) {
+    const bool mine = (u32)lane < (u32)(tile & (BS_GROUP - 1));
+    while (__any_sync(BS_FULL, mine && (d >> 62) == 0ull)) {
+        if (mine && (d >> 62) == 0ull) {
+            __nanosleep(32);
+            d = bs_ld_u64(&desc[tile - 1 - lane]);
         }
-        const u64 c = d[q] & BS_COUNT;
-        const u32 incl = __ballot_sync(BS_FULL, (d[q] >> 62) == 2ull);
-        const int first = incl ? __ffs(incl) - 1 : 32;
-        const bool use = lane <= first;          // lane 0 is the nearest predecessor
-        // Aggregates are at most a tile each (32 bits suffice); the one
-        // inclusive descriptor, if any, adds its 64-bit prefix.
-        acc += bs_warp_sum((use && lane != first) ? (u32)c : 0u);
-        if (incl) acc += __shfl_sync(BS_FULL, c, first);
-        ng |= bs_warp_or(use ? (u32)(d[q] >> 61) & 1u : 0u);
-        done = incl != 0u;
     }
-    sum = acc; found = done; neg = ng;
+    const u64 c = d & BS_COUNT;
+    const u32 incl = __ballot_sync(BS_FULL, mine && (d >> 62) == 2ull);
+    const int first = incl ? __ffs(incl) - 1 : 32;
+    const bool use = mine && lane <= first;
+    // Aggregates are at most a tile each (32 bits suffice); the one inclusive
+    // descriptor, if any, adds its 64-bit prefix.
+    sum = bs_warp_sum((use && lane != first) ? (u32)c : 0u) + (incl ? __shfl_sync(BS_FULL, c, first) : 0ull);
+    neg = bs_warp_or(use ? (u32)(d >> 61) & 1u : 0u);
+    found = incl != 0u;
+}
+
+// Warp 1's fold over whole groups g, g - 1, ..., g - 31, nearest first: up to the
+// first whose last tile is inclusive (its prefix ends the sum), the complete groups'
+// counts (waiting for groups whose tiles have not all arrived).
+__device__ __forceinline__ void bs_fold_groups(const u64* gdesc, i64 g, int lane, u64 (&lb)[2],
+                                               u64& sum, bool& found, u32& neg) {
+    const i64 h = g - lane;
+    const u32 bound = __ballot_sync(BS_FULL, (lb[1] >> 62) == 2ull);
+    const int first = bound ? __ffs(bound) - 1 : 32;
+    const bool whole = lane < first;          // a group wholly inside the sum
+    u64 gd = lb[0];
+    while (__any_sync(BS_FULL, whole && (gd >> 48) < (u64)BS_GROUP)) {
+        if (whole && (gd >> 48) < (u64)BS_GROUP) {
+            __nanosleep(32);
+            gd = bs_ld_u64(&gdesc[h]);
+        }
+    }
+    // A group's count fits 20 bits: 32 of them fit the 32-bit sum.
+    sum = bs_warp_sum(whole ? (u32)(gd & BS_G_COUNT) : 0u)
+        + (bound ? __shfl_sync(BS_FULL, lb[1] & BS_COUNT, first) : 0ull);
+    neg = bs_warp_or(whole ? (((gd >> 40) & 0xffull) != 0ull ? 1u : 0u)
+                           : (lane == first ? (u32)(lb[1] >> 61) & 1u : 0u));
+    found = bound != 0u;
 }
 
 // 32 bits of a tile's own stream (A, LSB-first words) starting at bit p.
@@ -381,8 +410,8 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     Buf* bufs = reinterpret_cast<Buf*>(bs_dyn_smem);
     __shared__ u32 s_warp_tot[BS_WARPS];
     __shared__ u32 s_warp_neg[BS_WARPS];
-    __shared__ u64 s_lb_sum[BS_WARPS];
-    __shared__ u32 s_lb_flag[BS_WARPS];
+    __shared__ u64 s_lb_sum[2];
+    __shared__ u32 s_lb_flag[2];
     __shared__ u64 s_first, s_next;   // tiles the block took: its first, the one to load next
     {
         u32 dyn;
@@ -392,12 +421,13 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     u64* cdesc = const_cast<u64*>(bs_count_desc(scratch_ptr));
+    u64* gdesc = bs_group_desc(scratch_ptr, n_tiles);
     const T* x = reinterpret_cast<const T*>(x_ptr);
     const u64 lane_off = (u64)(warp * SEG + lane * V);
     uint4 vec[R];                 // this thread's vectors of the classified tile
     u32 bits[R], start[R];        // their mask bits and warp-relative ranks
     u32 warp_excl = 0, n = 0, any_neg = 0;
-    u64 lb[BS_LB_WINDOWS];        // look-back windows of the tile awaiting C
+    u64 lb[2];                    // look-back loads of the tile awaiting C (warps 0 and 1)
 
     // Issue the loads of a tile's vectors, all rounds in flight.
     auto load = [&](u64 tile) {
@@ -481,8 +511,11 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
             n += t;
             any_neg |= s_warp_neg[k];
         }
-        if (tid == 0)
+        if (tid == 0) {
             bs_st_u64(&cdesc[tile], (tile == 0 ? BS_INCL : BS_AGG) | (any_neg ? BS_NEG : 0ull) | n);
+            atomicAdd(reinterpret_cast<unsigned long long*>(&gdesc[tile >> BS_GROUP_LOG2]),
+                      BS_G_ARRIVED | (any_neg ? BS_G_NEG : 0ull) | n);
+        }
     };
 
     // B(t): everything of t that needs no offset.
@@ -539,27 +572,36 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         if (tile == 0) {
             __syncthreads();                                               // B3
         } else {
-            // Each warp folds its windows; the block adds them up to the
-            // nearest inclusive count, walking on 1024 tiles per round in the
-            // rare case that none is that near.
-            for (i64 nearest = (i64)tile - 1;; nearest -= BS_WARPS * BS_LB_SPAN) {
-                const i64 mine = nearest - BS_LB_SPAN * warp;
-                if (nearest != (i64)tile - 1) bs_lookback_load(cdesc, mine, lane, lb);
+            // Warp 0 folds the tile's own group, warp 1 whole groups before it (a
+            // further 32 per round trip in the rare case that no inclusive prefix ends
+            // within 1024 tiles); warp 1's sum counts only where warp 0 found no
+            // inclusive descriptor.
+            const i64 g0 = (i64)(tile >> BS_GROUP_LOG2) - 1;
+            if (warp == 0) {
                 u64 sum;
                 bool found;
                 u32 ng;
-                bs_lookback_fold(cdesc, mine, lane, lb, sum, found, ng);
-                if (lane == 0) { s_lb_sum[warp] = sum; s_lb_flag[warp] = (found ? 1u : 0u) | (ng << 1); }
-                __syncthreads();                                           // B3
-                bool any = false;
-                for (int k = 0; k < BS_WARPS && !any; ++k) {
-                    P += s_lb_sum[k];
-                    pneg |= s_lb_flag[k] >> 1;
-                    any = (s_lb_flag[k] & 1u) != 0u;
+                bs_fold_tiles(cdesc, tile, lane, lb[0], sum, found, ng);
+                if (lane == 0) { s_lb_sum[0] = sum; s_lb_flag[0] = (found ? 1u : 0u) | (ng << 1); }
+            } else if (warp == 1) {
+                u64 acc = 0;
+                u32 ngs = 0;
+                for (i64 g = g0;; g -= BS_GROUP) {
+                    if (g != g0) bs_lookback_load(cdesc, gdesc, tile, g, warp, lane, lb);
+                    u64 sum;
+                    bool found;
+                    u32 ng;
+                    bs_fold_groups(gdesc, g, lane, lb, sum, found, ng);
+                    acc += sum;
+                    ngs |= ng;
+                    if (found) break;
                 }
-                if (any) break;
-                __syncthreads();          // all have read this round before the next writes
+                if (lane == 0) { s_lb_sum[1] = acc; s_lb_flag[1] = ngs << 1; }
             }
+            __syncthreads();                                               // B3
+            P = s_lb_sum[0];
+            pneg = s_lb_flag[0] >> 1;
+            if ((s_lb_flag[0] & 1u) == 0u) { P += s_lb_sum[1]; pneg |= s_lb_flag[1] >> 1; }
         }
         if (tid == 0) {
             if (tile > 0) bs_st_u64(&cdesc[tile], BS_INCL | ((pneg || tneg) ? BS_NEG : 0ull) | (P + tn));
@@ -617,7 +659,8 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         for (int k = 0; tile < n_tiles || prev != ~0ull; ++k) {
             const bool have = tile < n_tiles, more = have && next < n_tiles;
             const u64 claim = tid == 0 && more ? take() : 0ull;   // its round trip hides behind B and C
-            if (prev != ~0ull && prev > 0) bs_lookback_load(cdesc, (i64)prev - 1 - BS_LB_SPAN * warp, lane, lb);
+            if (prev != ~0ull && prev > 0)
+                bs_lookback_load(cdesc, gdesc, prev, (i64)(prev >> BS_GROUP_LOG2) - 1, warp, lane, lb);
             if (have) stage_tile(tile, bufs[k & 1], more ? next : n_tiles);
             if (prev != ~0ull) finish_tile(prev, bufs[(k - 1) & 1]);
             if (more) classify(next, claim);

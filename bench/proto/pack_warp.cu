@@ -1,8 +1,8 @@
 // Prototype (bench only, not used by the package): a pack in which every warp packs
 // tiles of its own, with a warp-level decoupled look-back, and no block barrier in
 // the tile loop. bench/pack_warp_proto.py compiles it after bitsparse_common.cuh and
-// bitsparse_pack.cu (whose look-back fold, descriptors, edge records, grid barrier and
-// epilogue it reuses), checks its planes byte for byte against bitsparse_pack's and
+// bitsparse_pack.cu (whose descriptors, edge records, grid barrier and epilogue it
+// reuses), checks its planes byte for byte against bitsparse_pack's and
 // times both. Plain packs (MODE_PACK) of raw and nosign streams only. Its parameter
 // list is bitsparse_pack's, so abi.PackArgs launches it.
 //
@@ -19,6 +19,56 @@
 // lie wholly inside the tile's bit range, each built from the staged values it holds
 // (bs_stream_window: no assembled copy of the stream); the tile's edge record for the
 // epilogue's stitch.
+
+// The prototype's look-back (bitsparse_pack's until session 27): a warp reads
+// BS_LB_WINDOWS windows of 32 count descriptors in one round trip.
+#define BS_LB_WINDOWS 4
+#define BS_LB_SPAN (32 * BS_LB_WINDOWS)
+
+// Load a warp's windows: lane l of window q holds tile nearest - l - 32 q
+// (tiles before 0 read as an inclusive zero). Issued before the tile stages
+// its values, so that the round trip overlaps that work.
+__device__ __forceinline__ void pw_lookback_load(const u64* desc, i64 nearest, int lane,
+                                                 u64 (&d)[BS_LB_WINDOWS]) {
+#pragma unroll
+    for (int q = 0; q < BS_LB_WINDOWS; ++q) {
+        const i64 j = nearest - lane - 32 * q;
+        d[q] = j >= 0 ? bs_ld_u64(&desc[j]) : BS_INCL;
+    }
+}
+
+// Fold a warp's loaded windows, nearest first, up to and including the first
+// inclusive descriptor: its count sum, whether one was found, and the OR of
+// the nosign flags. Waits (spins) for descriptors not yet published.
+__device__ __forceinline__ void pw_lookback_fold(const u64* desc, i64 nearest, int lane,
+                                                 u64 (&d)[BS_LB_WINDOWS], u64& sum, bool& found,
+                                                 u32& neg) {
+    u64 acc = 0;
+    u32 ng = 0;
+    bool done = false;
+#pragma unroll
+    for (int q = 0; q < BS_LB_WINDOWS; ++q) {
+        if (done) break;
+        const i64 j = nearest - lane - 32 * q;
+        while (__any_sync(BS_FULL, (d[q] >> 62) == 0ull)) {
+            if ((d[q] >> 62) == 0ull) {
+                __nanosleep(32);
+                d[q] = bs_ld_u64(&desc[j]);
+            }
+        }
+        const u64 c = d[q] & BS_COUNT;
+        const u32 incl = __ballot_sync(BS_FULL, (d[q] >> 62) == 2ull);
+        const int first = incl ? __ffs(incl) - 1 : 32;
+        const bool use = lane <= first;          // lane 0 is the nearest predecessor
+        // Aggregates are at most a tile each (32 bits suffice); the one
+        // inclusive descriptor, if any, adds its 64-bit prefix.
+        acc += bs_warp_sum((use && lane != first) ? (u32)c : 0u);
+        if (incl) acc += __shfl_sync(BS_FULL, c, first);
+        ng |= bs_warp_or(use ? (u32)(d[q] >> 61) & 1u : 0u);
+        done = incl != 0u;
+    }
+    sum = acc; found = done; neg = ng;
+}
 
 #ifndef PW_MIN_BLOCKS
 #define PW_MIN_BLOCKS 4
@@ -89,7 +139,7 @@ bitsparse_pack_warp(u64 x_ptr, u64 numel, int x_aligned,
 
         // The look-back's first windows, in flight while the mask and stage are written.
         u64 lb[BS_LB_WINDOWS];
-        if (t > 0) bs_lookback_load(cdesc, (i64)t - 1, lane, lb);
+        if (t > 0) pw_lookback_load(cdesc, (i64)t - 1, lane, lb);
 
         bs_store_mask<V, R>(reinterpret_cast<u8*>(mask_ptr) + (base >> 3), bits, 0u, rem, lane);
 #pragma unroll
@@ -106,11 +156,11 @@ bitsparse_pack_warp(u64 x_ptr, u64 numel, int x_aligned,
         u32 pneg = 0;
         if (t > 0) {
             for (i64 nearest = (i64)t - 1;; nearest -= BS_LB_SPAN) {
-                if (nearest != (i64)t - 1) bs_lookback_load(cdesc, nearest, lane, lb);
+                if (nearest != (i64)t - 1) pw_lookback_load(cdesc, nearest, lane, lb);
                 u64 sum;
                 bool found;
                 u32 ng;
-                bs_lookback_fold(cdesc, nearest, lane, lb, sum, found, ng);
+                pw_lookback_fold(cdesc, nearest, lane, lb, sum, found, ng);
                 P += sum;
                 pneg |= ng;
                 if (found) break;
