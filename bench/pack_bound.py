@@ -66,8 +66,11 @@ def variant_source(src: str, name: str) -> str:
         return src
     if name == "prod":
         return src
-    if name.startswith("file="):
-        return Path(name[len("file="):]).read_text()
+    if name.startswith("file="):           # the same common header, another kernel file
+        own = (HERE.parent / "kernels" / "bitsparse_pack.cu").read_text()
+        if not src.endswith(own):
+            raise SystemExit("pack_bound: the source does not end with bitsparse_pack.cu")
+        return src[:len(src) - len(own)] + Path(name[len("file="):]).read_text()
     if name in CUTS:
         old, new = CUTS[name]
         if src.count(old) != 1:
