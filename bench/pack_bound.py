@@ -18,8 +18,10 @@ kernel is not touched):
   staging of stored values in shared memory, the assembly of the W-bit stream from
   them, the mask stores, and the barrier between staging and assembly (a race: timing
   only). Each says what one step costs where the others stay; ``a+b`` applies both;
-* ``file=PATH``: another version of bitsparse_pack.cu as it is (e.g. the last commit's,
-  for an A/B of a change; it must take the same arguments and fit the current scratch).
+* ``file=PATH`` or ``file=PATH@SMEM``: another version of bitsparse_pack.cu as it is
+  (e.g. the last commit's, for an A/B of a change; it must take the same arguments and
+  fit the current scratch), launched with SMEM bytes of dynamic shared memory where its
+  buffers differ from the current plan's.
 
 The edited kernels write wrong planes on purpose; only their time is read. Each is
 launched through the production path and argument record: while a variant is timed,
@@ -70,7 +72,7 @@ def variant_source(src: str, name: str) -> str:
         own = (HERE.parent / "kernels" / "bitsparse_pack.cu").read_text()
         if not src.endswith(own):
             raise SystemExit("pack_bound: the source does not end with bitsparse_pack.cu")
-        return src[:len(src) - len(own)] + Path(name[len("file="):]).read_text()
+        return src[:len(src) - len(own)] + Path(name[len("file="):].split("@")[0]).read_text()
     if name in CUTS:
         old, new = CUTS[name]
         if src.count(old) != 1:
@@ -143,14 +145,15 @@ def main(argv=None) -> int:
                     mods[key] = cupy.RawModule(code=variant_source(src, v),
                                                options=("-std=c++17",), name_expressions=(name,))
                 func = int(mods[key].get_function(name).kernel.ptr)
-                grid = min(plan.n_tiles, driver.resident_blocks(func, abi.THREADS, plan.smem, dev))
+                smem = int(v.split("@")[1]) if v.startswith("file=") and "@" in v else plan.smem
+                grid = min(plan.n_tiles, driver.resident_blocks(func, abi.THREADS, smem, dev))
                 swaps = []
 
-                def swapped(f, g, block, smem, stream, args):
+                def swapped(f, g, block, sm, stream, args):
                     if f == prod_func:
                         swaps.append(1)
-                        f, g = func, grid
-                    return real(f, g, block, smem, stream, args)
+                        f, g, sm = func, grid, smem
+                    return real(f, g, block, sm, stream, args)
                 try:
                     driver.launch_cooperative = swapped
                     ms = timer(call)

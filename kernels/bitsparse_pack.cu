@@ -144,28 +144,40 @@ __device__ __forceinline__ void bs_fold_groups(const u64* gdesc, i64 g, int lane
     found = bound != 0u;
 }
 
-// 32 bits of a tile's own stream (A, LSB-first words) starting at bit p.
-__device__ __forceinline__ u32 bs_bits_at(const u32* A, u32 p) {
-    return bs_funnel_r(A[p >> 5], A[(p >> 5) + 1], p & 31u);
+// 32 bits of a tile's own stream starting at bit p: of an LSB-first word stream
+// (STREAM: the sign plane; or raw values, W = their width), or built from the staged
+// values (nosign, signplane: their low W bits back to back). Every window read lies
+// inside the stored bits (bits past them are shifted out or masked off), so what the
+// stage holds past its values never shows.
+template <int W, bool STREAM, typename T>
+__device__ __forceinline__ u32 bs_bits_at(const T* stage, u32 p) {
+    if (STREAM || W == 8 * (int)sizeof(T)) {
+        const u32* A = reinterpret_cast<const u32*>(stage);
+        return bs_funnel_r(A[p >> 5], A[(p >> 5) + 1], p & 31u);
+    }
+    return bs_stream_window<W>(stage, p);
 }
 
-// Stream words wholly inside bits [a*WW, e*WW): a tile's own stream A, which
-// starts at bit a*WW, funnel-shifted into place and written coalesced.
-template <int WW>
-__device__ __forceinline__ void bs_copy_inner(u32* out, const u32* A, u64 a, u64 e) {
-    const u64 B0 = a * (u64)WW, B1 = e * (u64)WW;
+// Stream words wholly inside bits [a*W, e*W): a tile's own stream, which starts at
+// bit a*W, shifted into place and written coalesced.
+template <int W, bool STREAM, typename T>
+__device__ __forceinline__ void bs_copy_inner(u32* out, const T* stage, u64 a, u64 e) {
+    const u64 B0 = a * (u64)W, B1 = e * (u64)W;
     const u64 k0 = (B0 + 31u) >> 5, k1 = B1 >> 5;
     if (k1 <= k0) return;
     const u32 off = (u32)((k0 << 5) - B0);
-    for (u32 i = threadIdx.x; i < (u32)(k1 - k0); i += BS_THREADS) out[k0 + i] = bs_bits_at(A, off + 32u * i);
+    for (u32 i = threadIdx.x; i < (u32)(k1 - k0); i += BS_THREADS)
+        out[k0 + i] = bs_bits_at<W, STREAM>(stage, off + 32u * i);
 }
 
-// The first and last 32 bits of the L stored bits of A (zero past L; the
-// last ones top-aligned), for bs_stitch_word.
-__device__ __forceinline__ uint2 bs_stream_edges(const u32* A, u32 L) {
+// The first and last 32 bits of the L stored bits of a tile's stream (zero past L;
+// the last ones top-aligned), for bs_stitch_word.
+template <int W, bool STREAM, typename T>
+__device__ __forceinline__ uint2 bs_stream_edges(const T* stage, u32 L) {
     if (L == 0u) return make_uint2(0u, 0u);
-    if (L < 32u) return make_uint2(A[0] & ((1u << L) - 1u), A[0] << (32u - L));
-    return make_uint2(A[0], bs_bits_at(A, L - 32u));
+    const u32 f = bs_bits_at<W, STREAM>(stage, 0u);
+    if (L < 32u) return make_uint2(f & ((1u << L) - 1u), f << (32u - L));
+    return make_uint2(f, bs_bits_at<W, STREAM>(stage, L - 32u));
 }
 
 // 32 / BITS mask bits of a 16-byte vector of a plain pack (element k -> bit k).
@@ -339,20 +351,19 @@ __device__ __noinline__ void bs_pack_epilogue(u64 scratch_ptr, u64 n_tiles, u64 
 
 // Shared memory of bitsparse_pack (dynamic, sized by the host with the same
 // formula, abi.pack_smem_bytes): two buffers, so that a tile's values
-// stay while the next tile is staged; each holds the staged values, the
-// assembled stream, the sign plane and the tile's count, nosign flag and
-// round offsets (rel: warp-relative rank of each warp's round starts).
+// stay while the next tile is staged; each holds the staged values (the value
+// stream's words are built from them as they are written out), the sign plane and
+// the tile's count, nosign flag and round offsets (rel: warp-relative rank of each
+// warp's round starts).
 template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
     enum {
         BITS = Fmt<FMT>::BITS,
         TILE = BS_WARPS * R * 32 * (16 / (int)sizeof(typename Fmt<FMT>::T)),
         W = ENC == 0 ? BITS : BITS - 1,
-        SWORDS = TILE * BITS / 32 + 4,            // staged values (+ guard words)
-        AWORDS = ENC == 0 ? 1 : TILE * W / 32 + 4,  // assembled stream (raw: the staged values)
+        SWORDS = TILE * BITS / 32 + 4,            // staged values (+ guard words: windows read past them)
         GWORDS = ENC == 2 ? TILE / 32 + 4 : 1,    // sign plane
     };
     u32 stage[SWORDS];
-    u32 a[AWORDS];
     u32 signs[GWORDS];
     u32 n, neg;
     u32 rel[BS_WARPS][R];
@@ -365,13 +376,12 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 //         previous iteration), relu_pack's output, packed warp scans; B1;
 //         publish t's count.
 //   B(t)  stage t's values in shared memory buffer k % 2 and write its mask
-//         bytes, none of which needs its offset; load the
-//         next tile's vectors; B2; assemble t's W-bit stream as whole words
-//         (32 values per thread, constant shifts) and its sign plane.
-//   C(t)  fold the look-back windows (loaded at the start of the iteration);
-//         B3; the block adds them up to the nearest inclusive count and
-//         publishes t's; chunk offsets, the stream words inside t's range
-//         shifted into place (bs_copy_inner), the edge record for
+//         bytes, none of which needs its offset; load the next tile's
+//         vectors; (signplane: B2, t's sign plane from the staged values).
+//   C(t)  warps 0 and 1 fold the look-back (loaded at the start of the
+//         iteration); B3; the block takes the offset and publishes t's
+//         inclusive count; chunk offsets, the stream words inside t's range
+//         built from the staged values (bs_copy_inner), the edge record for
 //         bs_stitch_word.
 // Iteration k issues the look-back loads of t_{k-1}, runs B(t_k), C(t_{k-1})
 // and A(t_{k+1}): a count is published about an iteration before its
@@ -381,11 +391,14 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 #ifndef BS_PACK_Y_IN_CLASSIFY
 #define BS_PACK_Y_IN_CLASSIFY 1   // relu_pack writes y in A (0: in B, where it held registers)
 #endif
+#ifndef BS_PACK_BLOCKS
+#define BS_PACK_BLOCKS 4         // a plain or masked pack's blocks per SM (64 registers)
+#endif
 #ifndef BS_PACK_FUSED_BLOCKS
 #define BS_PACK_FUSED_BLOCKS 3   // relu_pack's blocks per SM (80 registers; fp32 alone spills)
 #endif
 template <int FMT, int ENC, int MODE, int R>
-__global__ void __launch_bounds__(BS_THREADS, (MODE == 0 || MODE == 3) ? 3 : BS_PACK_FUSED_BLOCKS)
+__global__ void __launch_bounds__(BS_THREADS, (MODE == 0 || MODE == 3) ? BS_PACK_BLOCKS : BS_PACK_FUSED_BLOCKS)
 bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                u64 mask_ptr, u64 mask_len,
                u64 offsets_ptr, int off64, int chunk_log2,
@@ -540,22 +553,9 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                                 (u32)(warp * SEG), rem, lane);
         if (!BS_PACK_Y_IN_CLASSIFY) store_y(tile);
         if (next < n_tiles) load(next);
-        __syncthreads();                                                   // B2
-        const u32 groups = (n + 31u) >> 5;
-        if (ENC != 0) {
-            for (u32 q = (u32)tid; q < groups; q += BS_THREADS) {
-                u32 words[BITS];
-                const uint4* src = reinterpret_cast<const uint4*>(buf.stage + q * BITS);
-#pragma unroll
-                for (int t = 0; t < BITS / 4; ++t) {
-                    const uint4 v = src[t];
-                    words[4 * t] = v.x; words[4 * t + 1] = v.y;
-                    words[4 * t + 2] = v.z; words[4 * t + 3] = v.w;
-                }
-                bs_pack_group<BITS, W>(words, buf.a + q * W);
-            }
-        }
         if (SIGNS) {
+            __syncthreads();                                               // B2
+            const u32 groups = (n + 31u) >> 5;
             for (u32 j = (u32)tid; j < groups * 32u; j += BS_THREADS) {
                 const u32 sb = j < n ? (((u32)stage[j] >> (BITS - 1)) & 1u) : 0u;
                 const u32 word = __ballot_sync(BS_FULL, sb);
@@ -630,15 +630,15 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         }
         // Value stream (and sign plane) words inside the tile's range, clipped
         // to the capacity; the edges of what was stored, for bs_stitch_word.
-        const u32* A = ENC == 0 ? buf.stage : buf.a;
+        const T* stage = reinterpret_cast<const T*>(buf.stage);
         const u64 a = P < cap ? P : cap;
         const u64 e = P + tn < cap ? P + tn : cap;
-        bs_copy_inner<W>(reinterpret_cast<u32*>(values_ptr), A, a, e);
-        if (SIGNS) bs_copy_inner<1>(reinterpret_cast<u32*>(signs_ptr), buf.signs, a, e);
+        bs_copy_inner<W, false>(reinterpret_cast<u32*>(values_ptr), stage, a, e);
+        if (SIGNS) bs_copy_inner<1, true>(reinterpret_cast<u32*>(signs_ptr), buf.signs, a, e);
         if (tid == 0) {
             const u32 L = (u32)(e - a);
-            const uint2 m = bs_stream_edges(A, L * (u32)W);
-            const uint2 sg = SIGNS ? bs_stream_edges(buf.signs, L) : make_uint2(0u, 0u);
+            const uint2 m = bs_stream_edges<W, false>(stage, L * (u32)W);
+            const uint2 sg = SIGNS ? bs_stream_edges<1, true>(buf.signs, L) : make_uint2(0u, 0u);
             bs_edges(scratch_ptr, n_tiles)[tile] = make_uint4(m.x, m.y, sg.x, sg.y);
         }
     };

@@ -90,9 +90,7 @@ def pack_smem_bytes(dtype: _dt.DType, encoding: Encoding, rounds: int) -> int:
     """Dynamic shared memory of a pack kernel: two ``BsPackBuf`` (bitsparse_pack.cu)."""
     bits = 8 * dtype.itemsize
     tile = tile_elems(dtype, rounds)
-    w = stream_width(dtype, encoding)
     words = (tile * bits // 32 + 4                                           # stage
-             + (1 if encoding == Encoding.RAW else tile * w // 32 + 4)      # a
              + (tile // 32 + 4 if encoding == Encoding.SIGNPLANE else 1)    # signs
              + 2 + 8 * rounds)                                             # n, neg, rel
     return 2 * (-(-4 * words // 16) * 16)
