@@ -9,15 +9,15 @@ kernel is not touched):
   offset instead of folding its predecessors' counts (the block barriers stay), so
   the time left is the kernel without the coupling between blocks;
 * ``nolb-nowrite``: ``nolb`` without the value-stream words (the mask, offsets and
-  edges are still written): what the stream's assembly and stores cost;
+  edges are still written): what building and storing the stream's words cost;
 * ``cached``: every whole tile loads the first tile's 16-byte vectors (in L1 / L2 after
   the first), so the loads cost a cache hit, not a DRAM round trip; everything else,
   the look-back included, as it is: whether the pack waits on its loads (a time well
   under ``prod``'s) or on its own work (about ``prod``'s);
-* ``nostage``, ``noassemble``, ``nomask``, ``nob2``: ``prod`` without, in turn, the
-  staging of stored values in shared memory, the assembly of the W-bit stream from
-  them, the mask stores, and the barrier between staging and assembly (a race: timing
-  only). Each says what one step costs where the others stay; ``a+b`` applies both;
+* ``nostage``, ``nomask``: ``prod`` without, in turn, the staging of stored values in
+  shared memory and the mask stores. Each says what one step costs where the others
+  stay; ``a+b`` applies both (session 19 also cut the assembly of the W-bit stream and
+  the barrier before it, which the kernel no longer has);
 * ``file=PATH`` or ``file=PATH@SMEM``: another version of bitsparse_pack.cu as it is
   (e.g. the last commit's, for an A/B of a change; it must take the same arguments and
   fit the current scratch), launched with SMEM bytes of dynamic shared memory where its
@@ -44,20 +44,17 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 # The texts of kernels/bitsparse_pack.cu the variants edit.
 FOLD = re.compile(r"            // Warp 0 folds the tile's own group.*?"
                   r"\n            if \(\(s_lb_flag\[0\] & 1u\) == 0u\)[^\n]*\n        }\n", re.S)
-STREAM = "        bs_copy_inner<W>(reinterpret_cast<u32*>(values_ptr), A, a, e);\n"
+STREAM = "        bs_copy_inner<W, false>(reinterpret_cast<u32*>(values_ptr), stage, a, e);\n"
 LOAD = "reinterpret_cast<const uint4*>(x + base) + (warp * (SEG / V) + lane)"
-VARIANTS = ("prod", "nolb", "nolb-nowrite", "cached", "nostage", "noassemble", "nomask", "nob2")
-FLOOR = "nolb-nowrite+nostage+noassemble+nomask"     # what no cut above can take away
+VARIANTS = ("prod", "nolb", "nolb-nowrite", "cached", "nostage", "nomask")
+FLOOR = "nolb-nowrite+nostage+nomask"     # what no cut above can take away
 
 # name -> (text of bitsparse_pack.cu, what replaces it)
 CUTS = {
     "nostage": ("            T* p = stage + j;\n#pragma unroll\n            for (int i = 0; i < V; ++i)\n"
                 "                if ((bits[r] >> i) & 1u) *p++ = bs_lane<T>(vec[r], i);\n", ""),
-    "noassemble": ("                bs_pack_group<BITS, W>(words, buf.a + q * W);\n",
-                   "                buf.a[q * W] = words[0] ^ words[BITS - 1];\n"),
     "nomask": ("            bs_store_mask<V, R>(reinterpret_cast<u8*>(mask_ptr) + (tile_base >> 3), bits,\n"
                "                                (u32)(warp * SEG), rem, lane);\n", "            ;\n"),
-    "nob2": ("        __syncthreads();                                                   // B2\n", ""),
 }
 
 
