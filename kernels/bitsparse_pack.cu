@@ -658,6 +658,11 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         // Iteration k: look-back loads of prev, B(tile), C(prev), A(next).
         for (int k = 0; tile < n_tiles || prev != ~0ull; ++k) {
             const bool have = tile < n_tiles, more = have && next < n_tiles;
+            // An iteration's shared-memory writes come after the last one's reads across
+            // a barrier: B3 (in C) or B1 (in A) in the steady state; the first iteration
+            // (no C before its A) and the last (C alone, after an iteration without A)
+            // take one here.
+            if (prev == ~0ull || !have) __syncthreads();
             const u64 claim = tid == 0 && more ? take() : 0ull;   // its round trip hides behind B and C
             if (prev != ~0ull && prev > 0)
                 bs_lookback_load(cdesc, gdesc, prev, (i64)(prev >> BS_GROUP_LOG2) - 1, warp, lane, lb);
