@@ -423,8 +423,10 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     Buf* bufs = reinterpret_cast<Buf*>(bs_dyn_smem);
     __shared__ u32 s_warp_tot[BS_WARPS];
     __shared__ u32 s_warp_neg[BS_WARPS];
-    __shared__ u64 s_lb_sum[2];
-    __shared__ u32 s_lb_flag[2];
+    // Warps 0 and 1's folds, by the parity of the iteration: a C with no A since the
+    // last C (a block's last iteration) writes while the last C's readers may still read.
+    __shared__ u64 s_lb_sum[2][2];
+    __shared__ u32 s_lb_flag[2][2];
     __shared__ u64 s_first, s_next;   // tiles the block took: its first, the one to load next
     {
         u32 dyn;
@@ -565,8 +567,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     };
 
     // C(t): the offset, then everything that needs it.
-    auto finish_tile = [&](u64 tile, const Buf& buf) {
-        const u32 tn = buf.n, tneg = buf.neg;
+    auto finish_tile = [&](u64 tile, const Buf& buf, int par) {
         u64 P = 0;
         u32 pneg = 0;
         if (tile == 0) {
@@ -582,7 +583,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                 bool found;
                 u32 ng;
                 bs_fold_tiles(cdesc, tile, lane, lb[0], sum, found, ng);
-                if (lane == 0) { s_lb_sum[0] = sum; s_lb_flag[0] = (found ? 1u : 0u) | (ng << 1); }
+                if (lane == 0) { s_lb_sum[par][0] = sum; s_lb_flag[par][0] = (found ? 1u : 0u) | (ng << 1); }
             } else if (warp == 1) {
                 u64 acc = 0;
                 u32 ngs = 0;
@@ -596,13 +597,15 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                     ngs |= ng;
                     if (found) break;
                 }
-                if (lane == 0) { s_lb_sum[1] = acc; s_lb_flag[1] = ngs << 1; }
+                if (lane == 0) { s_lb_sum[par][1] = acc; s_lb_flag[par][1] = ngs << 1; }
             }
             __syncthreads();                                               // B3
-            P = s_lb_sum[0];
-            pneg = s_lb_flag[0] >> 1;
-            if ((s_lb_flag[0] & 1u) == 0u) { P += s_lb_sum[1]; pneg |= s_lb_flag[1] >> 1; }
+            P = s_lb_sum[par][0];
+            pneg = s_lb_flag[par][0] >> 1;
+            if ((s_lb_flag[par][0] & 1u) == 0u) { P += s_lb_sum[par][1]; pneg |= s_lb_flag[par][1] >> 1; }
         }
+        // Read after B3: in a block's last iteration no A parts them from B's writes.
+        const u32 tn = buf.n, tneg = buf.neg;
         if (tid == 0) {
             if (tile > 0) bs_st_u64(&cdesc[tile], BS_INCL | ((pneg || tneg) ? BS_NEG : 0ull) | (P + tn));
             if (tile == n_tiles - 1)
@@ -655,19 +658,17 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         load(tile);
         classify(tile, tid == 0 ? take() : 0ull);
         u64 next = s_next;
+        // The first iteration has no C (whose B3 otherwise parts an iteration's A from
+        // the last one's reads of s_warp_tot and s_next).
+        __syncthreads();
         // Iteration k: look-back loads of prev, B(tile), C(prev), A(next).
         for (int k = 0; tile < n_tiles || prev != ~0ull; ++k) {
             const bool have = tile < n_tiles, more = have && next < n_tiles;
-            // An iteration's shared-memory writes come after the last one's reads across
-            // a barrier: B3 (in C) or B1 (in A) in the steady state; the first iteration
-            // (no C before its A) and the last (C alone, after an iteration without A)
-            // take one here.
-            if (prev == ~0ull || !have) __syncthreads();
             const u64 claim = tid == 0 && more ? take() : 0ull;   // its round trip hides behind B and C
             if (prev != ~0ull && prev > 0)
                 bs_lookback_load(cdesc, gdesc, prev, (i64)(prev >> BS_GROUP_LOG2) - 1, warp, lane, lb);
             if (have) stage_tile(tile, bufs[k & 1], more ? next : n_tiles);
-            if (prev != ~0ull) finish_tile(prev, bufs[(k - 1) & 1]);
+            if (prev != ~0ull) finish_tile(prev, bufs[(k - 1) & 1], (k - 1) & 1);
             if (more) classify(next, claim);
             prev = have ? tile : ~0ull;
             tile = more ? next : n_tiles;
