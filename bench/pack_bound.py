@@ -43,7 +43,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 # The texts of kernels/bitsparse_pack.cu the variants edit.
 FOLD = re.compile(r"            // Warp 0 folds the tile's own group.*?"
-                  r"\n            if \(\(s_lb_flag\[0\] & 1u\) == 0u\)[^\n]*\n        }\n", re.S)
+                  r"\n            if \(\(s_lb_flag\[par\]\[0\] & 1u\) == 0u\)[^\n]*\n        }\n", re.S)
 STREAM = "        bs_copy_inner<W, false>(reinterpret_cast<u32*>(values_ptr), stage, a, e);\n"
 LOAD = "reinterpret_cast<const uint4*>(x + base) + (warp * (SEG / V) + lane)"
 VARIANTS = ("prod", "nolb", "nolb-nowrite", "cached", "nostage", "nomask")

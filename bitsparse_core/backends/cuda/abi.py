@@ -82,8 +82,9 @@ def stream_width(dtype: _dt.DType, enc: Encoding) -> int:
 def pack_scratch_bytes(n_tiles: int) -> int:
     """Pack scratch (zeroed before launch): the tile counter and the grid barrier's count
     (8 bytes each), an 8-byte count descriptor per tile (padded to an even count), a
-    16-byte edge record per tile, an 8-byte group descriptor per 32 tiles."""
-    return 16 + 8 * (n_tiles + n_tiles % 2) + 16 * n_tiles + 8 * -(-n_tiles // 32)
+    16-byte edge record per tile, an 8-byte group descriptor per 32 tiles (padded to an
+    even count). A multiple of 16 bytes: callers lay several out back to back."""
+    return 16 + 8 * (n_tiles + n_tiles % 2) + 16 * n_tiles + 16 * -(-n_tiles // 64)
 
 
 def pack_smem_bytes(dtype: _dt.DType, encoding: Encoding, rounds: int) -> int:
