@@ -64,6 +64,20 @@ def test_record_pointers_follow_the_fields():
     assert ctypes.c_uint64.from_address(r.pointers[out_index]).value == 0x1234
 
 
+def test_pack_scratch_holds_the_kernels_layout_in_whole_16_byte_rows():
+    """bitsparse_pack.cu's scratch: ticket and barrier count, a count descriptor per tile
+    (an even count), a 16-byte edge record per tile (bs_edges), a group descriptor per 32
+    tiles after them (bs_group_desc). Its size is a multiple of 16: the JAX FFI lays one
+    per block back to back, and the next block's edge records must stay aligned."""
+    src = read_source("bitsparse_pack.cu")
+    assert "scratch_ptr + 16 + 8 * ((n_tiles + 1) & ~1ull) + 16 * n_tiles" in src
+    assert "#define BS_GROUP_LOG2 5" in src
+    for n in [*range(1, 200), 4095, 4096, 4097, 14336, 1 << 20]:
+        end = 16 + 8 * (n + n % 2) + 16 * n + 8 * -(-n // 32)
+        size = abi.pack_scratch_bytes(n)
+        assert size % 16 == 0 and end <= size < end + 16, n
+
+
 @pytest.mark.parametrize("mode", list(abi.Mode))
 @pytest.mark.parametrize("encoding", ["raw", "nosign", "signplane"])
 def test_plan_with_capacity(mode, encoding):
