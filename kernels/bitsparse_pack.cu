@@ -82,9 +82,9 @@ __device__ __forceinline__ u64* bs_group_desc(u64 scratch_ptr, u64 n_tiles) {
 
 // The look-back's loads, issued an iteration stage before the fold (their round trip
 // overlaps the staging) into lb[0..1]. Warp 0: lane l < tile % 32 reads the descriptor
-// of tile - 1 - l, its group's tiles before it. Warp 1: lane l reads group h = g - 1 - l
-// (g: the first group to read) and the descriptor of its last tile; a group before
-// the first reads as an inclusive zero.
+// of tile - 1 - l, its group's tiles before it. Warp 1: lane l reads group h = g - l
+// (g: the nearest group to read) and the descriptor of its last tile; a group before
+// group 0 reads as an inclusive zero.
 __device__ __forceinline__ void bs_lookback_load(const u64* desc, const u64* gdesc, u64 tile,
                                                  i64 g, int warp, int lane, u64 (&lb)[2]) {
     if (warp == 0) {
@@ -392,10 +392,10 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 #define BS_PACK_Y_IN_CLASSIFY 1   // relu_pack writes y in A (0: in B, where it held registers)
 #endif
 #ifndef BS_PACK_BLOCKS
-#define BS_PACK_BLOCKS 4         // a plain or masked pack's blocks per SM (64 registers)
+#define BS_PACK_BLOCKS 4         // a plain or masked pack's blocks per SM (64 registers; fp8 spills ~24 bytes)
 #endif
 #ifndef BS_PACK_FUSED_BLOCKS
-#define BS_PACK_FUSED_BLOCKS 3   // relu_pack's blocks per SM (80 registers; fp32 alone spills)
+#define BS_PACK_FUSED_BLOCKS 3   // relu_pack's blocks per SM (72 registers)
 #endif
 template <int FMT, int ENC, int MODE, int R>
 __global__ void __launch_bounds__(BS_THREADS, (MODE == 0 || MODE == 3) ? BS_PACK_BLOCKS : BS_PACK_FUSED_BLOCKS)
