@@ -155,6 +155,7 @@ def readme() -> list:
     return [
         f"| GPU test suite (CuPy, Numba, PyTorch, JAX paths) | {g['passed']} passed"
         f"{'' if not g['failed'] else ', ' + str(g['failed']) + ' failed'}"
+        f"{' (their cause fixed after the run, not yet re-run: see the log)' if g['failed'] and g['rerun'] is None else ''}"
         f"{'' if g['rerun'] is None else ' (each failure fixed or out of memory beside a JAX worker; their re-run: ' + str(g['rerun']) + ' passed)'}; compute-sanitizer "
         f"memcheck {g['errors']} errors, racecheck {g['hazards']} hazards"
         f"{'' if not g['sanitizer_session'] else ' (run of ' + g['sanitizer_session'] + ')'} "
