@@ -256,6 +256,12 @@ def summarize(res):
             row["unpack_vs_nvcomp"] = ok[best_d]["decompress_ms"] / row["unpack_ms"]
 
 
+def _times(row, key):
+    """A row's ratio to nvCOMP's fastest codec, or '-' where nvCOMP did not run."""
+    v = row.get(key)
+    return "-" if v is None or v != v else f"{v:.1f}"
+
+
 def write_outputs(res, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "codecs.json").write_text(json.dumps(res, indent=1))
@@ -276,14 +282,17 @@ def write_outputs(res, out_dir: Path):
             f"{r['pack_exact_ms'] * 1e3:.1f} | {r['pack_exact_frac_copy']:.0%} | "
             f"{r['pack_fixed_ms'] * 1e3:.1f} | {r['pack_fixed_frac_copy']:.0%} | "
             f"{r['unpack_ms'] * 1e3:.1f} | {r['unpack_frac_copy']:.0%} | "
-            f"{r.get('pack_vs_nvcomp', float('nan')):.1f} ({r.get('pack_fixed_vs_nvcomp', float('nan')):.1f}) | "
-            f"{r.get('unpack_vs_nvcomp', float('nan')):.1f} |")
+            f"{_times(r, 'pack_vs_nvcomp')} ({_times(r, 'pack_fixed_vs_nvcomp')}) | "
+            f"{_times(r, 'unpack_vs_nvcomp')} |")
     lines += ["", "Naive PyTorch baseline (x != 0, masked_select, bit packing by shifts; masked_scatter):", "",
               "| dtype | sparsity | pack us | unpack us |", "|---|---|---|---|"]
     for b in res["baseline"]:
         lines.append(f"| {b['dtype']} | {b['sparsity']} | {b['pack_ms'] * 1e3:.0f} | {b['unpack_ms'] * 1e3:.0f} |")
-    lines += ["", "nvCOMP (same data; bf16 as uint16, fp8 as uint8; ratio = dense / compressed):", "",
-              "| dtype | sparsity | codec | ratio | compress us | decompress us |", "|---|---|---|---|---|---|"]
+    if not res["nvcomp"]:
+        lines += ["", "nvCOMP was not run (`--no-nvcomp`)."]
+    else:
+        lines += ["", "nvCOMP (same data; bf16 as uint16, fp8 as uint8; ratio = dense / compressed):", "",
+                  "| dtype | sparsity | codec | ratio | compress us | decompress us |", "|---|---|---|---|---|---|"]
     for n in res["nvcomp"]:
         if "error" in n:
             lines.append(f"| {n['dtype']} | {n['sparsity']} | - | - | {n['error']} | |")
