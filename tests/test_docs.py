@@ -133,6 +133,12 @@ def readme() -> list:
     slow = [numba[(row["dtype"], row["sparsity"])][k] / row[k] for row in cupy
             for k in ("pack_exact_ms", "pack_fixed_ms", "unpack_ms")]
     bf16_90 = next(row for row in cupy if (row["dtype"], row["sparsity"]) == ("bfloat16", 0.9))
+    c8 = result("codecs_8192x14336.json")
+    assert c8["numel"] == 8192 * 14336
+    c8_cupy = [row for row in c8["rows"] if row["backend"] == "cupy"]
+    c8_numba = {(row["dtype"], row["sparsity"]): row for row in c8["rows"] if row["backend"] == "numba"}
+    c8_slow = [c8_numba[(row["dtype"], row["sparsity"])]["pack_fixed_ms"] / row["pack_fixed_ms"]
+               for row in c8_cupy]
     # a variant whose profiled steps held a recompile (its capacity moved) counts the
     # compiler's syncs there; the table says so, and they are not the ops'
     recompiled = [name for name, v in tgv.items() if v.get("compiles", {}).get("profiled")]
@@ -251,6 +257,14 @@ def readme() -> list:
         f"{span([row['pack_fixed_vs_nvcomp'] for row in cupy], '{:.1f}')}× nvCOMP's fastest "
         f"codec. Numba: every pack and unpack {span(slow, '{:.2f}')}× CuPy's time "
         "| `bench/results/codecs.md` |",
+
+        f"| codec kernels, bf16 / fp8 [8192, 14336] elements (a later run than the row above, with the pack kernel's grouped look-back) "
+        f"| CuPy: fixed-capacity pack {span([100 * r['pack_fixed_frac_copy'] for r in c8_cupy if r['dtype'] == 'bfloat16'])} % "
+        f"(bf16) / {span([100 * r['pack_fixed_frac_copy'] for r in c8_cupy if r['dtype'] != 'bfloat16'])} % "
+        f"(fp8) of the copy bandwidth ({c8['copy_bandwidth_Bps'] / 1e12:.2f} TB/s), unpack "
+        f"{span([100 * r['unpack_frac_copy'] for r in c8_cupy])} %. Numba: fixed-capacity pack "
+        f"{span(c8_slow, '{:.2f}')}× CuPy's time "
+        "| `bench/results/codecs_8192x14336.md` |",
 
         f"| fused ops of a training step, bf16 {fz_shape}, {100 * fz_density:.0f} % nonzeros (a "
         "fresh gpt12 FFN activation) | "
