@@ -385,28 +385,6 @@ template <int BITS> BS_HD u32 bs_spread_signs(u32 s) {
     return (((s & 0xfu) * 0x00204081u) & 0x01010101u) << 7;
 }
 
-// 32 values (BITS-bit lanes of `words`, BITS words) -> their W-bit codes as a
-// continuous LSB-first stream of W words. Every shift is a compile-time constant.
-template <int BITS, int W> BS_HD void bs_pack_group(const u32* words, u32* out) {
-    const int G = 32 / BITS;
-    const u32 VMW = W >= 32 ? 0xffffffffu : ((1u << W) - 1u);
-    u32 acc[W];
-#pragma unroll
-    for (int m = 0; m < W; ++m) acc[m] = 0u;
-#pragma unroll
-    for (int t = 0; t < BITS; ++t) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const int j = t * G + g, bp = j * W, wi = bp >> 5, sh = bp & 31;
-            const u32 v = (BITS == 32 ? words[t] : (words[t] >> (g * BITS))) & VMW;
-            acc[wi] |= v << sh;
-            if (sh + W > 32 && wi + 1 < W) acc[wi + 1] |= v >> (32 - sh);
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < W; ++m) out[m] = acc[m];
-}
-
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 // ------------------------------------------------------------------------- //
 // Device-only helpers                                                       //

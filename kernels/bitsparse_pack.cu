@@ -10,9 +10,9 @@
 // so that it can load its next tile while it waits for the current one's
 // offset. A tile only ever waits for lower tiles, and those are held by blocks
 // that run. The phases of a tile are listed above the kernel; the global value
-// offset comes from a decoupled look-back over tile descriptors. The launch is
-// cooperative (every block resident at once), which the closing grid barrier
-// needs: the shared words and the tail are written after it, by all blocks.
+// offset comes from a decoupled look-back over tile and group descriptors. The
+// launch is cooperative (every block resident at once), which the closing grid
+// barrier needs: the shared words and the tail are written after it, by all blocks.
 //
 // Value streams are written as whole 32-bit words with plain stores. A tile
 // writes the words that lie wholly inside its bit range; a word that holds

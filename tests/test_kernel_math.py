@@ -79,10 +79,6 @@ template <int B> static void spread(int raw, const u32* c, u32* out, long n) {
         out[i] = raw ? bs_spread<B, B>(c[i]) : bs_spread<B, B - 1>(c[i]); }
 template <int B> static void spread_signs(const u32* s, u32* out, long n) {
     for (long i = 0; i < n; ++i) out[i] = bs_spread_signs<B>(s[i]); }
-template <int B> static void pack_group(int raw, const u32* words, u32* out, long groups) {
-    for (long g = 0; g < groups; ++g) {
-        if (raw) bs_pack_group<B, B>(words + g * B, out + g * B);
-        else bs_pack_group<B, B - 1>(words + g * B, out + g * (B - 1)); } }
 template <int B> static void expand(const u32* vals, const u32* j, const u32* mb, u32* out, long n) {
     u32 sel[16];
     for (u32 k = 0; k < 16; ++k) sel[k] = bs_byte_selector(k);
@@ -94,7 +90,6 @@ void bs_window(int bits, int raw, const void* v, const u32* b, u32* out, long n)
     BY_BITS(window, raw, v, b, out, n) }
 void bs_spread_c(int bits, int raw, const u32* c, u32* out, long n) { BY_BITS(spread, raw, c, out, n) }
 void bs_signs(int bits, const u32* s, u32* out, long n) { BY_BITS(spread_signs, s, out, n) }
-void bs_group(int bits, int raw, const u32* w, u32* out, long g) { BY_BITS(pack_group, raw, w, out, g) }
 void bs_expand(int bits, const u32* v, const u32* j, const u32* mb, u32* out, long n) {
     BY_BITS(expand, v, j, mb, out, n) }
 }
@@ -393,23 +388,6 @@ def test_stream_window_reads_the_stream(lib, bits, raw):
     bits_le = np.unpackbits(stream, bitorder="little").astype(np.uint64)
     want = (bits_le[b[:, None] + np.arange(32)] << np.arange(32, dtype=np.uint64)).sum(axis=1)
     assert np.array_equal(out, want.astype(np.uint32))
-
-
-@pytest.mark.parametrize("raw", [True, False], ids=["raw", "magnitude"])
-@pytest.mark.parametrize("bits", WIDTHS)
-def test_pack_group_matches_the_stream(lib, bits, raw):
-    """32 staged values -> their codes as stream words, as bitstream.pack writes them."""
-    from bitsparse_core.spec import bitstream
-    rng = np.random.default_rng(30 + bits)
-    width = bits if raw else bits - 1
-    groups = 512
-    vals = rng.integers(0, 1 << bits, (groups, 32), dtype=np.uint64).astype(np.uint32)
-    words = _u32(np.stack([_words_of_lanes(v.reshape(-1, 32 // bits), bits) for v in vals]))
-    out = np.zeros((groups, width), dtype=np.uint32)
-    lib.bs_group(ctypes.c_int(bits), ctypes.c_int(raw), _ptr(words), _ptr(out), ctypes.c_long(groups))
-    for g in range(groups):
-        codes = vals[g] & np.uint32((1 << width) - 1) if width < 32 else vals[g]
-        assert out[g].tobytes() == bitstream.pack(codes, width).tobytes(), g
 
 
 @pytest.mark.parametrize("bits", WIDTHS)

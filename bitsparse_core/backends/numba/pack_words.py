@@ -1,6 +1,6 @@
 """The pack's word-at-a-time element tricks: relu and nonzero flags of the
 32 / BITS elements of a 32-bit word at once, and a run of 32 staged values cut
-into its W stream words with constant shifts (CuPy's bs_pack_group)."""
+into its W stream words with constant shifts."""
 
 from __future__ import annotations
 
