@@ -1,9 +1,9 @@
 """Fixed-capacity pack timings of Numba pack variants, within one device call.
 
-    python3 bench/numba_pack_variants.py "" pack_blocks=6 lb_early=1 lb_windows=4,lb_early=1
+    python3 bench/numba_pack_variants.py "" pack_blocks=6 lb_early=1 ticket=0
 
 Each argument is one variant: ``PackVariant`` fields (``pack_rounds``,
-``pack_blocks``, ``lb_windows``, ``lb_early``; see numba_kernels), "" for the
+``pack_blocks``, ``lb_early``, ``ticket``; see numba_kernels), "" for the
 committed kernels. bf16 and fp8 e4m3fn at sparsity 0.5 and 0.9, 2^27 elements,
 encoding nosign, median of 10 CUDA-event timings as in bench_codecs.py (so the
 pack and its k_finish launch are timed together). Every variant's planes are

@@ -7,9 +7,9 @@ What only this GPU run covers (the simulator suite, tests/test_numba_sim.py,
 runs the same algorithm in CI): the kernels as NVVM compiles them (shuffle
 warp scan, warp-parallel decoupled look-back spinning on predecessors that are
 really concurrent, libdevice bit casts, float32 products on the FPU with
-subnormals kept), the 4096-element tiles and look-back windows of 32 over
-hundreds of tiles, tensors of millions of elements, inputs from CuPy (DLPack and
-``__cuda_array_interface__``), torch (bf16/fp8 through DLPack) and JAX, explicit
+subnormals kept), the 4096-element tiles, look-back windows of 32 tiles and of 32
+groups of 32 tiles over hundreds of tiles, tensors of millions of elements, inputs
+from CuPy (DLPack and ``__cuda_array_interface__``), torch (bf16/fp8 through DLPack) and JAX, explicit
 non-default streams, the pluggable allocator (torch's caching allocator), and
 agreement with the CuPy backend: the same tensors packed by both give identical
 planes, and each backend unpacks the other's output.
@@ -116,12 +116,16 @@ def test_fixed_capacity_no_sync_and_overflow(rng, dt):
     assert nnz > 0
 
 
+@pytest.mark.parametrize("incl_every", [700, 63])
 @pytest.mark.parametrize("dt", DT_PARAMS)
-def test_lookback_walks_many_windows(rng, dt):
-    """Only every 700th tile publishes its inclusive count, so look-backs walk over
-    many 32-tile windows of concurrent predecessors, past the 8 windows one round
-    trip reads (NK.LB_WINDOWS); sparse and empty tiles share stream words."""
-    be = NumbaBackend(NK.PackVariant(incl_every=700))
+def test_lookback_walks_many_windows(rng, dt, incl_every):
+    """Only every 700th (63rd) tile publishes its inclusive count, so look-backs fold
+    whole groups of concurrent predecessors, past the 32 groups one round trip reads:
+    at 700 no group's last tile is inclusive (the walk goes back to tile 0), at 63
+    only group 1's (the walk stops there, in its second window of groups); sparse
+    and empty tiles share stream words."""
+    assert NK.LB_GROUP == 32 and 63 % 32 == 31
+    be = NumbaBackend(NK.PackVariant(incl_every=incl_every))
     T = NK.kernels_for(dt.name).ptile            # the pack's tile
     n = 1500 * T + 123
     x = random_bits(rng, (n,), dt, 0.999)

@@ -14,15 +14,16 @@ simulator included, by tests/test_backend_conformance.py. What CI covers here
 violations in the status word, chunks smaller and larger than a kernel tile
 (the unpack tiles and the mask-prefix path), inputs not 8-byte aligned (the
 element-wise load path), the one-block scan, the decoupled look-back walking
-over aggregates (and carrying the nosign flag), the GPU's pack rounds, and the
-stitching of stream words shared by tiles.
+over aggregates and groups of tiles (and carrying the nosign flag), the GPU's
+pack rounds, and the stitching of stream words shared by tiles.
 
 The simulator path differs from the GPU path only in the warp scan and broadcast
 (shared memory instead of ``shfl_up_sync`` / ``shfl_sync``), the float32 bit
 casts and the byte permute (NumPy and a Python loop instead of libdevice) and
 the tile sizes (64 threads instead of 256: pack tiles of 1024 elements instead
 of 64 bytes per thread, i.e. 8192 bf16 / 16384 fp8; unpack tiles of 4096 fp8 /
-2048 others instead of 16384 / 8192; ``TILE`` 1024 instead of 4096).
+2048 others instead of 16384 / 8192; ``TILE`` 1024 instead of 4096; look-back
+groups of 4 tiles instead of 32, walked by one thread instead of warp 0's windows).
 
 What only the GPU run covers (tests/test_gpu_numba.py): the shuffle scan, the
 libdevice casts and byte permute as compiled by NVVM, float32 products on the GPU's FPU
@@ -243,3 +244,25 @@ else:
         x.view(dtype.uint)[17] = 5
         p = be.pack(x, encoding="nosign", chunk_log2=9, capacity=x.size)
         assert be.read_status(p) == 0
+
+    @pytest.mark.parametrize("incl_every", [1000, 7])
+    def test_lookback_folds_groups(incl_every):
+        """Eleven tiles, three groups (the simulator's groups are 4 tiles). At 1000 only
+        tile 0 is inclusive: each tile of groups 1 and 2 sums its own group's earlier
+        tiles, then whole groups' descriptors back to the start. At 7 group 1's last
+        tile is inclusive: group 2's tiles stop there. An empty tile, and a sign bit in
+        tile 1 whose nosign flag reaches the status word through group 0's descriptor
+        (or tile 7's inclusive one)."""
+        assert NK.LB_GROUP == 4
+        be = NumbaBackend(NK.PackVariant(incl_every=incl_every))
+        dtype = D.BFLOAT16
+        T = NK.kernels_for(dtype.name).ptile
+        x = random_tensor(_rng("groups", incl_every), (10 * T + 9,), dtype, 0.8, signed=False)
+        x.view(dtype.uint)[5 * T:6 * T] = 0
+        nnz = int(np.count_nonzero(x.view(dtype.uint)))
+        for enc, cap in (("nosign", None), ("signplane", nnz - 40)):
+            p = be.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
+            _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
+        x.view(dtype.uint)[T + 3] = dtype.sign_mask | 9
+        p = be.pack(x, encoding="nosign", chunk_log2=9, capacity=x.size)
+        assert be.read_status(p) & 1

@@ -430,12 +430,13 @@ class NumbaBackend:
         enc = lay.encoding
         kern = K.kernels_for(dt.name, self.variant)   # the pack's variant
         n_tiles = _ceil_div(numel, kern.ptile)      # the pack's own tile size
-        # Scratch: ticket, unused, a descriptor per tile (zeroed); each tile's start
-        # and the total; 16 bytes of stream edges per tile (for k_finish).
-        head = (K.SCRATCH_HEAD + n_tiles) * 8
+        # Scratch: the look-back's (ticket, unused, a descriptor per tile and per
+        # group; zeroed); each tile's start and the total; 16 bytes of stream edges
+        # per tile (for k_finish).
+        head = K.scratch_slots(n_tiles) * 8
         scratch = P.alloc(head + 8 * (n_tiles + 1) + 16 * n_tiles, st, allocator)
         P.memset0(scratch, 0, head, st)
-        desc = P.view(scratch, 0, K.SCRATCH_HEAD + n_tiles, np.int64)
+        desc = P.view(scratch, 0, K.scratch_slots(n_tiles), np.int64)
         starts = P.view(scratch, head, n_tiles + 1, np.int64)
         edges = P.view(scratch, head + 8 * (n_tiles + 1), 4 * n_tiles, np.uint32)
         xe, x64, use64 = self._dense_views(P, buf, numel, dt)

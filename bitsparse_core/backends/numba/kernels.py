@@ -29,17 +29,19 @@ from .common import (FULL_MASK, G, GPT, LANE_N, MODE_MASKED, MODE_PACK, MODE_REL
 from .edges import make_finish
 from .elements import elem
 from .fused import make_gated, make_relu_backward
-from .lookback import LB_AGG, LB_COUNT, LB_INCL, LB_NEG, LB_SHIFT, LB_WINDOWS, SCRATCH_HEAD
+from .lookback import (LB_AGG, LB_COUNT, LB_GROUP, LB_INCL, LB_NEG, LB_SHIFT, SCRATCH_HEAD,
+                       scratch_slots)
 from .pack import PACK_JIT, make_pack_kernels, pack_rounds_for
 from .scan import COUNT_MASK, FLAG_SHIFT, k_mask_count, k_scan
 from .unpack import UNPACK_JIT, UNPACK_ROWS, make_unpack_kernels
 
 __all__ = [  # what the backend, tests and bench scripts read from this module
     "COMMITTED", "COUNT_MASK", "DtypeKernels", "PackVariant", "FLAG_SHIFT", "FULL_MASK", "G", "GPT", "LANE_N", "LB_AGG",
-    "LB_COUNT", "LB_INCL", "LB_NEG", "LB_SHIFT", "LB_WINDOWS", "MODE_MASKED", "MODE_PACK",
+    "LB_COUNT", "LB_GROUP", "LB_INCL", "LB_NEG", "LB_SHIFT", "MODE_MASKED", "MODE_PACK",
     "MODE_RELU", "MODE_RELU2", "NOSIGN", "NT", "NW", "PACK_JIT", "RAW", "SCAN_NT", "SCAN_PER",
     "SCRATCH_HEAD", "SIGNPLANE", "SIM", "TILE", "TILE_LOG2", "ULANE_N", "UNPACK_JIT",
-    "UNPACK_ROWS", "UNT", "UNW", "k_mask_count", "k_scan", "kernels_for", "pack_rounds_for"]
+    "UNPACK_ROWS", "UNT", "UNW", "k_mask_count", "k_scan", "kernels_for", "pack_rounds_for",
+    "scratch_slots"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +51,15 @@ class PackVariant:
 
     ``pack_rounds``: groups of 8 elements per pack thread instead of the target's (the
     simulator tests run the GPU's this way); ``pack_blocks``: the blocks per SM the plain
-    and masked pack's launch bounds ask for (default 5); ``lb_windows``: the look-back's
-    windows per round trip; ``lb_early``: publish the count and issue the look-back's
-    reads before staging, not after; ``ticket=False``: a block's tile is its block index
+    and masked pack's launch bounds ask for (default 5); ``lb_early``: publish the count
+    and issue the look-back's reads before staging, not after; ``ticket=False``: a
+    block's tile is its block index
     (no atomic ticket and no barrier before the loads; forward progress then rests on
     blocks being dispatched in index order, as CUB's scans assume); ``incl_every``: a
     tile publishes its inclusive count only every this many tiles (a launch argument:
     tests raise it to make look-backs walk)."""
     pack_rounds: int | None = None
     pack_blocks: int | None = None
-    lb_windows: int = LB_WINDOWS
     lb_early: bool = False
     ticket: bool = True
     incl_every: int = 1
@@ -79,7 +80,7 @@ class DtypeKernels:
         self.name, self.variant = name, variant
         self.bits = el.BITS
         geo, self.pack = make_pack_kernels(el, variant.pack_rounds, variant.pack_blocks,
-                                           variant.lb_windows, variant.lb_early, variant.ticket)
+                                           variant.lb_early, variant.ticket)
         self.ptile, self.ptile_log2 = geo.PTILE, geo.PTILE_LOG2
         self.finish = make_finish(el.W)
         self.utile_log2, self.unpack = make_unpack_kernels(el)

@@ -1,29 +1,48 @@
-"""The pack's decoupled look-back: per-tile descriptors in the scratch buffer.
+"""The pack's decoupled look-back over tiles and groups of tiles.
 
 Each pack tile publishes its count (one 8-byte descriptor) as soon as it has
-staged its values, then finds its value offset from its predecessors'
-descriptors: on a GPU warp 0 reads ``windows`` windows of 32 per round trip
-with warp votes; under the simulator one thread walks back (blocks run in
-order there).
+staged its values, and adds it to its group's descriptor (LB_GROUP tiles per
+group, one 64-bit ``atomic.add``: tiles, nosign tiles and count in fields). A
+tile then finds its value offset in two steps: its own group's earlier tiles
+back to the nearest inclusive one, and, where none is, whole earlier groups back
+to the first whose last tile is inclusive (a group counts once all its tiles
+have added to it). On a GPU warp 0 reads both windows of 32 in one round trip,
+so one round trip covers 32 groups (1024 tiles) where per-tile windows covered
+32 tiles; under the simulator one thread walks the same descriptors (blocks run
+in order there), and groups are 4 tiles so small tensors span several.
+
+The scratch (int64, zeroed): ticket, unused, one descriptor per tile, one per
+group (:func:`scratch_slots`).
 """
 
 from __future__ import annotations
 
-import functools
-
-from numba import cuda, int32, int64
+from numba import cuda, int64
 
 from .common import FULL_MASK, SIM
 
-# Look-back descriptors (int64): state in bits 61-62, the nosign flag (a stored value
-# has its sign bit set: this tile's, or any up to it once inclusive) in bit 60, count below.
+# Tile descriptors: state in bits 61-62, the nosign flag (a stored value has its
+# sign bit set: this tile's, or any up to it once inclusive) in bit 60, count below.
 LB_SHIFT = 61
 LB_NEG = 1 << 60
 LB_COUNT = LB_NEG - 1
 LB_AGG = 1 << LB_SHIFT           # the tile's own count is published
 LB_INCL = 2 << LB_SHIFT          # the count up to and including the tile is published
 SCRATCH_HEAD = 2                 # int64 slots before the descriptors: ticket, unused
-LB_WINDOWS = 8                   # look-back: 32-descriptor windows per lane and round trip
+# Group descriptors: tiles added in bits 48.., of them with the nosign flag in bits
+# 40-47, their counts below (32 tiles of at most 16384 values: 2**19).
+LB_GROUP_LOG2 = 2 if SIM else 5
+LB_GROUP = 1 << LB_GROUP_LOG2
+GD_TILES = 48
+GD_NEG = 40
+GD_COUNT = (1 << GD_NEG) - 1
+GD_ADD = 1 << GD_TILES           # one tile's share of the tiles field
+
+
+def scratch_slots(n_tiles: int) -> int:
+    """int64 slots of the look-back's scratch: the head, a descriptor per tile and
+    one per group of LB_GROUP tiles."""
+    return SCRATCH_HEAD + n_tiles + -(-n_tiles // LB_GROUP)
 
 
 @cuda.jit(device=True)
@@ -32,105 +51,155 @@ def _rd64(a, i):
     return cuda.atomic.add(a, i, int64(0))
 
 
-
 @cuda.jit(device=True)
 def publish(desc, tile, n, neg, t):
     """Thread 0: the tile's count in one 8-byte descriptor, with its nosign flag
-    (inclusive for tile 0)."""
+    (inclusive for tile 0), then its share of its group's descriptor (after the
+    tile descriptors: the grid's size places it)."""
     if t == 0:
         d = n
+        g = n | GD_ADD
         if neg != 0:
             d |= LB_NEG
+            g |= int64(1) << GD_NEG
         if tile == 0:
             cuda.atomic.exch(desc, SCRATCH_HEAD, int64(LB_INCL) | d)
         else:
             cuda.atomic.exch(desc, SCRATCH_HEAD + tile, int64(LB_AGG) | d)
+        gbase = SCRATCH_HEAD + int64(cuda.gridDim.x)
+        cuda.atomic.add(desc, gbase + (tile >> LB_GROUP_LOG2), g)
 
 
 if SIM:
-    def _make_lookback(windows):
-        return _lb_load, _lookback
-
     @cuda.jit(device=True)
-    def _lb_load(desc, tile, lane, f):
+    def lb_load(desc, tile, lane, f):
         pass
 
     @cuda.jit(device=True)
-    def _lookback(desc, tile, lane, f):
+    def lookback(desc, tile, lane, f):
         """(values before ``tile``, OR of their nosign flags) in lane 0.
-        Simulator: one thread walks back (blocks run in order there)."""
+        Simulator: one thread walks the tiles of its group, then whole groups."""
         acc = int64(0)
         neg = int64(0)
         if lane == 0:
+            first = (tile >> LB_GROUP_LOG2) << LB_GROUP_LOG2
             j = tile - 1
-            while j >= 0:
+            while j >= first:
                 d = _rd64(desc, SCRATCH_HEAD + j)
                 while (d >> LB_SHIFT) == 0:
                     d = _rd64(desc, SCRATCH_HEAD + j)
                 acc += d & LB_COUNT
                 neg |= d & LB_NEG
                 if (d >> LB_SHIFT) == 2:
-                    break
+                    return acc, int64(neg != 0)
                 j -= 1
+            gbase = SCRATCH_HEAD + int64(cuda.gridDim.x)
+            g = (tile >> LB_GROUP_LOG2) - 1
+            while g >= 0:
+                ld = _rd64(desc, SCRATCH_HEAD + (g << LB_GROUP_LOG2) + LB_GROUP - 1)
+                gd = _rd64(desc, gbase + g)
+                while (ld >> LB_SHIFT) != 2 and (gd >> GD_TILES) != LB_GROUP:
+                    ld = _rd64(desc, SCRATCH_HEAD + (g << LB_GROUP_LOG2) + LB_GROUP - 1)
+                    gd = _rd64(desc, gbase + g)
+                if (ld >> LB_SHIFT) == 2:
+                    acc += ld & LB_COUNT
+                    neg |= ld & LB_NEG
+                    break
+                acc += gd & GD_COUNT
+                neg |= (gd >> GD_NEG) & 0xFF
+                g -= 1
         return acc, int64(neg != 0)
 else:
-    @functools.lru_cache(maxsize=None)
-    def _make_lookback(windows):
-        """Warp 0's look-back, reading ``windows`` windows of 32 descriptors per
-        round trip (LB_WINDOWS unless a variant asks otherwise)."""
-        @cuda.jit(device=True)
-        def _lb_load(desc, tile, lane, f):
-            """Issue the reads of the ``windows`` nearest windows: f[q] of lane l is the
-            descriptor of tile - 1 - l - 32 q (tiles before 0 read as an inclusive 0)."""
-            for q in range(windows):
-                j = tile - 1 - lane - 32 * q
-                d = int64(LB_INCL)
-                if j >= 0:
-                    d = _rd64(desc, SCRATCH_HEAD + j)
-                f[q] = d
+    @cuda.jit(device=True)
+    def _group_load(desc, g, f):
+        """f[1], f[2] of a lane: group ``g``'s descriptor and its last tile's (before
+        group 0: an empty complete group and an inclusive 0)."""
+        gd = int64(GD_ADD * LB_GROUP)
+        ld = int64(LB_INCL)
+        if g >= 0:
+            ld = _rd64(desc, SCRATCH_HEAD + (g << LB_GROUP_LOG2) + LB_GROUP - 1)
+            gd = _rd64(desc, SCRATCH_HEAD + int64(cuda.gridDim.x) + g)
+        f[1] = gd
+        f[2] = ld
 
-        @cuda.jit(device=True)
-        def _lookback(desc, tile, lane, f):
-            """(values before ``tile``, OR of their nosign flags) in every lane of warp 0,
-            from the windows _lb_load issued into f. Nearest window first: wait until
-            its descriptors are published, sum their counts up to the nearest
-            inclusive one (aggregates in 32 bits with the flags in bits 24.., the
-            inclusive count by a shuffle); with none there, the next window, and past
-            the last one the next ``windows`` are read (one round trip)."""
-            acc = int64(0)
-            neg = int32(0)
-            base = tile - 1
+    @cuda.jit(device=True)
+    def lb_load(desc, tile, lane, f):
+        """Issue warp 0's reads, one round trip: f[0] of lane l is the descriptor
+        of tile - 1 - l within the tile's group (an empty aggregate before the
+        group's first tile), f[1] and f[2] group (tile's group) - 1 - l's."""
+        first = (tile >> LB_GROUP_LOG2) << LB_GROUP_LOG2
+        j = tile - 1 - lane
+        d = int64(LB_AGG)
+        if j >= first:
+            d = _rd64(desc, SCRATCH_HEAD + j)
+        f[0] = d
+        _group_load(desc, (tile >> LB_GROUP_LOG2) - 1 - lane, f)
+
+    @cuda.jit(device=True)
+    def _upto_nearest(incl):
+        """Lanes up to and including the nearest (lowest) lane set in ``incl``, all
+        32 when none is: the lanes a window's sum needs."""
+        if incl == 0:
+            return int64(FULL_MASK)
+        return ((incl & -incl) << 1) - 1
+
+    @cuda.jit(device=True)
+    def _warp_sum(c):
+        o = 16
+        while o > 0:
+            c += cuda.shfl_xor_sync(FULL_MASK, c, o)
+            o >>= 1
+        return c
+
+    @cuda.jit(device=True)
+    def lookback(desc, tile, lane, f):
+        """(values before ``tile``, OR of their nosign flags) in every lane of warp 0,
+        from the reads lb_load issued into f. First the tile's group: wait until the
+        descriptors up to the nearest inclusive one are published and sum their
+        counts (an inclusive descriptor's count is its prefix). With none there, the
+        groups: lanes up to the nearest group whose last tile is inclusive wait for
+        it or for their group to be complete, then the group sums and that tile's
+        prefix are added; with none there, the next 32 groups (one round trip)."""
+        j = tile - 1 - lane
+        d = f[0]
+        while True:
+            incl = int64(cuda.ballot_sync(FULL_MASK, (d >> LB_SHIFT) == 2))
+            need = _upto_nearest(incl)
+            if (int64(cuda.ballot_sync(FULL_MASK, (d >> LB_SHIFT) == 0)) & need) == 0:
+                break
+            if (d >> LB_SHIFT) == 0:
+                d = _rd64(desc, SCRATCH_HEAD + j)
+        mine = ((need >> lane) & 1) != 0
+        c = int64(0)
+        if mine:
+            c = d & LB_COUNT
+        acc = _warp_sum(c)
+        neg = cuda.ballot_sync(FULL_MASK, mine and (d & LB_NEG) != 0)
+        g = (tile >> LB_GROUP_LOG2) - 1 - lane
+        while incl == 0:
+            gd = f[1]
+            ld = f[2]
             while True:
-                done = False
-                for q in range(windows):
-                    if not done:
-                        j = base - lane - 32 * q
-                        d = f[q]
-                        while cuda.any_sync(FULL_MASK, (d >> LB_SHIFT) == 0):
-                            if (d >> LB_SHIFT) == 0:
-                                d = _rd64(desc, SCRATCH_HEAD + j)
-                        incl = int64(cuda.ballot_sync(FULL_MASK, (d >> LB_SHIFT) == 2))
-                        first = 32
-                        if incl != 0:                                # the nearest inclusive one
-                            first = cuda.popc(int32((incl & -incl) - 1))
-                        c = int32(0)
-                        if lane < first:
-                            c = int32(d & LB_COUNT)                  # an aggregate: one tile's count
-                        if lane <= first and (d & LB_NEG) != 0:
-                            c |= int32(1 << 24)
-                        o = 16
-                        while o > 0:
-                            c = int32(c + cuda.shfl_xor_sync(FULL_MASK, c, o))
-                            o >>= 1
-                        acc += int64(c & 0xFFFFFF)
-                        neg |= c >> 24
-                        if incl != 0:
-                            acc += cuda.shfl_sync(FULL_MASK, d, first) & LB_COUNT
-                            done = True
-                if done:
+                incl = int64(cuda.ballot_sync(FULL_MASK, (ld >> LB_SHIFT) == 2))
+                need = _upto_nearest(incl)
+                ready = (ld >> LB_SHIFT) == 2 or (gd >> GD_TILES) == LB_GROUP
+                if (int64(cuda.ballot_sync(FULL_MASK, not ready)) & need) == 0:
                     break
-                base -= 32 * windows
-                _lb_load(desc, base + 1, lane, f)
-            return acc, int64(neg != 0)
-
-        return _lb_load, _lookback
+                if not ready:
+                    ld = _rd64(desc, SCRATCH_HEAD + (g << LB_GROUP_LOG2) + LB_GROUP - 1)
+                    gd = _rd64(desc, SCRATCH_HEAD + int64(cuda.gridDim.x) + g)
+            c = int64(0)
+            gneg = False
+            if ((need >> lane) & 1) != 0:
+                if (ld >> LB_SHIFT) == 2:            # the nearest inclusive: its prefix
+                    c = ld & LB_COUNT
+                    gneg = (ld & LB_NEG) != 0
+                else:                                # a whole group before it
+                    c = gd & GD_COUNT
+                    gneg = ((gd >> GD_NEG) & 0xFF) != 0
+            acc += _warp_sum(c)
+            neg |= cuda.ballot_sync(FULL_MASK, gneg)
+            if incl == 0:
+                g -= 32
+                _group_load(desc, g, f)
+        return acc, int64(neg != 0)

@@ -36,7 +36,7 @@ from .common import (FULL_MASK, LANE_N, MODE_MASKED, MODE_PACK, MODE_RELU, MODE_
                      NOSIGN, NT, NW, RAW, SIGNPLANE, SIM, _u, _warp_excl_scan,
                      _warp_excl_scan64)
 from .edges import copy_inner, stream_edges
-from .lookback import LB_INCL, LB_NEG, LB_WINDOWS, SCRATCH_HEAD, _make_lookback, publish
+from .lookback import LB_INCL, LB_NEG, SCRATCH_HEAD, lb_load, lookback, publish
 from .pack_words import make_pack_run, make_word_ops
 
 MODES = (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)
@@ -104,8 +104,7 @@ def pack_jit(pack_blocks: int | None = None) -> dict:
     return PACK_JIT
 
 
-def make_pack_kernels(el, pack_rounds=None, pack_blocks=None, lb_windows=LB_WINDOWS,
-                      lb_early=False, ticket=True):
+def make_pack_kernels(el, pack_rounds=None, pack_blocks=None, lb_early=False, ticket=True):
     """(geometry, {(mode, encoding): k_pack}) of element type ``el``; the keywords
     are DtypeKernels' A/B knobs."""
     geo = pack_geometry(el, pack_rounds)
@@ -113,16 +112,14 @@ def make_pack_kernels(el, pack_rounds=None, pack_blocks=None, lb_windows=LB_WIND
     load = _make_load(el, geo)
     words = make_word_ops(el)
     pack_run = make_pack_run(el)
-    lb = _make_lookback(lb_windows)
     chunk_offsets = _make_chunk_offsets(geo)
     kernels = {}
     for mode in MODES:
         classify = _make_classify(el, geo, mode, words)
         for enc in (RAW, NOSIGN, SIGNPLANE):
             store = _make_store(el.W, enc)
-            kernels[(mode, enc)] = make_pack(el, geo, mode, enc, jit[mode], lb, lb_windows,
-                                             lb_early, ticket, load, classify, pack_run,
-                                             chunk_offsets, store)
+            kernels[(mode, enc)] = make_pack(el, geo, mode, enc, jit[mode], lb_early, ticket,
+                                             load, classify, pack_run, chunk_offsets, store)
     return geo, kernels
 
 
@@ -265,8 +262,8 @@ def _make_store(W, enc):
     return store_values
 
 
-def make_pack(el, geo, mode, enc, jit, lb, LBW, lb_early, ticket, load_elems, classify,
-              pack_run, chunk_offsets, store_values):
+def make_pack(el, geo, mode, enc, jit, lb_early, ticket, load_elems, classify, pack_run,
+              chunk_offsets, store_values):
     """The pack kernel of one mode and encoding (both compile-time constants,
     so the other modes' code and the run-time encoding tests drop out)."""
     SIGNS = enc == SIGNPLANE
@@ -275,7 +272,6 @@ def make_pack(el, geo, mode, enc, jit, lb, LBW, lb_early, ticket, load_elems, cl
     STAGE_W, A_W, SG_W, PCNT_N, PRS_N = geo.STAGE_W, geo.A_W, geo.SG_W, geo.PCNT_N, geo.PRS_N
     ITEM, PER_WORD, BITS, EMASK = el.ITEM, el.PER_WORD, el.BITS, el.EMASK
     SIGN_ALL, pk_excl = geo.SIGN_ALL, geo.pk_excl
-    lb_load, lookback = lb
 
     @cuda.jit(**jit)
     def k_pack(xe, x64, use64, numel, ye, y64, ouse64, msrc, cap, incl_every,
@@ -283,7 +279,8 @@ def make_pack(el, geo, mode, enc, jit, lb, LBW, lb_early, ticket, load_elems, cl
         """One-pass pack. mode 0: x's nonzeros; 1: relu(x)'s, writing y = relu(x);
         2: the same with y = relu(x)**2; 3 (masked_pack): x at the set bits of the
         mask plane ``msrc`` (mask and offsets are then shared, not written).
-        ``scratch`` (int64, zeroed): ticket, unused, one descriptor per tile;
+        ``scratch`` (int64, zeroed): ticket, unused, one descriptor per tile and
+        one per group of tiles (lookback.scratch_slots);
         ``starts`` (int64): each tile's first value index, then the total;
         ``edges`` (uint32): 4 per tile (k_finish); ``stat`` (int64): status
         word, total count. ``incl_every`` > 1 makes only every such tile publish
@@ -303,7 +300,7 @@ def make_pack(el, geo, mode, enc, jit, lb, LBW, lb_early, ticket, load_elems, cl
         sh_p = cuda.shared.array(2, int64)
         xw = cuda.local.array(PXW, int64)           # the elements, kept in registers
         mb = cuda.local.array(PMB, int32)           # their mask bytes, 4 per word
-        lbf = cuda.local.array(LBW, int64)          # warp 0: look-back descriptors
+        lbf = cuda.local.array(3, int64)            # warp 0: look-back descriptors
         if ticket:
             if t == 0:
                 sh_p[0] = cuda.atomic.add(scratch, 0, int64(1))
