@@ -1,22 +1,28 @@
 """Where an exact pack's time goes beyond a fixed-capacity pack's (issue 20).
 
-An exact pack (``bc.pack(x)``, CuPy backend, torch CUDA input) packs the mask and
-offsets into one allocation and the values into a worst-case one, waits for the count
-(which the kernel writes to a pinned host slot before it ends), copies the stored
-values into an exact-size allocation and then builds the exact plan. This times, per
-call, on the GPU's clock (CUDA events on the call's stream) and the host's
+An exact pack (``bc.pack(x)``, torch CUDA input, the CuPy or the Numba backend) packs
+the mask and offsets into one allocation and the values into a worst-case one, waits for
+the count (written to a pinned host slot before the pack's kernels end), copies the
+stored values into an exact-size allocation and then builds the exact plan. This times,
+per call, on the GPU's clock (CUDA events on the call's stream) and the host's
 (perf_counter):
 
-* ``pack``: from the call's start to the end of the pack kernel (a GPU event behind it);
-* ``wait``: the host blocked in the count's read, and the GPU idle from the kernel's end
+* ``pack``: from the call's start to the end of the pack's kernels (a GPU event behind
+  them; Numba's stitching kernel included);
+* ``host in run``: the host's time to queue them (hidden behind the GPU sleep unless
+  it is longer);
+* ``wait``: the host blocked in the count's read, and the GPU idle from the kernels' end
   until the host queued the first shrink copy (the gap the GPU waits for the host);
-* ``shrink``: the copies' GPU time;
+* ``copies``: from there to the event after the copies (the exact allocation's and the
+  copies' host time included);
+* ``after``: the rest of the call (the exact plan and the PackedTensor, host work the
+  end event waits for when it outlasts the copies);
 
 beside the same input's fixed-capacity pack at K = nnz, in the same run. The wrapped
 steps are the backend's own; a GPU sleep before each call hides the host's work up to
 the pack's launch, as bench_codecs.py does.
 
-    python bench/profile_exact.py [--numel 134217728] [--reps 10] > exact.txt
+    python bench/profile_exact.py [--backend cupy] [--numel 134217728] [--reps 10] > exact.txt
 """
 
 from __future__ import annotations
@@ -36,17 +42,20 @@ def main(argv=None) -> int:
     ap.add_argument("--numel", type=int, default=1 << 27)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sparsities", default="0.5,0.9,0.99")
+    ap.add_argument("--backend", default="cupy", choices=("cupy", "numba"))
     args = ap.parse_args(argv)
     import torch
 
     import bitsparse_core as bc
     from bench_codecs import Timer, relu_like
-    from bitsparse_core.backends.cupy import backend as cb
 
     stream = torch.cuda.Stream()
     timer = Timer(torch, stream, args.reps)
     marks = {}
-    steps = cb._CupySteps
+    if args.backend == "cupy":
+        from bitsparse_core.backends.cupy.backend import _CupySteps as steps
+    else:
+        from bitsparse_core.backends.numba.backend import _NumbaSteps as steps
     orig = {n: getattr(steps, n) for n in ("run", "read_head", "shrink")}
 
     # Events are made ahead (cudaEventCreate is host time the GPU would wait for
@@ -59,7 +68,9 @@ def main(argv=None) -> int:
         return e
 
     def run(self, plan, fixed=True, count=False):
+        t0 = time.perf_counter()
         block = orig["run"](self, plan, fixed, count)
+        marks["host_run_s"] = time.perf_counter() - t0
         marks["packed"] = event()
         return block
 
@@ -77,14 +88,15 @@ def main(argv=None) -> int:
         marks["shrunk"] = event()
         return out
 
-    print(f"{torch.cuda.get_device_name()}, {args.numel} elements, bf16, nosign; median of "
-          f"{args.reps}; us")
-    print("sparsity | fixed K | exact | pack (in exact) | host from the count to the first "
-          "copy | GPU idle before the copies | copies")
+    print(f"{torch.cuda.get_device_name()}, {args.backend}, {args.numel} elements, bf16, "
+          f"nosign; median of {args.reps}; us")
+    print("sparsity | fixed K | exact | pack (in exact) | host in run | host from the count "
+          "to the first copy | GPU idle before the copies | copies | after | exact / fixed")
     for sp in (float(s) for s in args.sparsities.split(",")):
         x = relu_like(torch, args.numel, sp, torch.bfloat16, seed=int(sp * 1000))
         nnz = int(torch.count_nonzero(x.view(torch.int16)))
-        fixed = timer(lambda: bc.pack(x, capacity=nnz, encoding="nosign", stream=stream))
+        fixed = timer(lambda: bc.pack(x, capacity=nnz, encoding="nosign", stream=stream,
+                                      backend=args.backend))
         rows = []
         for n, f in (("run", run), ("read_head", read_head), ("shrink", shrink)):
             setattr(steps, n, f)
@@ -95,7 +107,7 @@ def main(argv=None) -> int:
                     timer.flush.sum(dtype=torch.int32)
                     torch.cuda._sleep(timer.sleep_cycles)
                     start = event()
-                    bc.pack(x, encoding="nosign", stream=stream)
+                    bc.pack(x, encoding="nosign", stream=stream, backend=args.backend)
                     end = event()
                     if i >= 3:
                         rows.append((start, end, dict(marks)))
@@ -110,8 +122,11 @@ def main(argv=None) -> int:
         host = med([1e6 * m["host_to_shrink_s"] for *_, m in rows])
         idle = med([us(m["packed"], m["shrink_start"]) for *_, m in rows])
         copies = med([us(m["shrink_start"], m["shrunk"]) for *_, m in rows])
-        print(f"{sp} | {1e3 * fixed:.1f} | {exact:.1f} | {pack:.1f} | {host:.1f} | {idle:.1f} | "
-              f"{copies:.1f}", flush=True)
+        after = med([us(m["shrunk"], e) for _, e, m in rows])
+        run_host = med([1e6 * m["host_run_s"] for *_, m in rows])
+        print(f"{sp} | {1e3 * fixed:.1f} | {exact:.1f} | {pack:.1f} | {run_host:.1f} | "
+              f"{host:.1f} | {idle:.1f} | {copies:.1f} | {after:.1f} | "
+              f"{exact / (1e3 * fixed):.2f}", flush=True)
     return 0
 
 
