@@ -26,6 +26,7 @@ CI tests it without a GPU.
 from __future__ import annotations
 
 import numpy as np
+from numba import cuda as _cuda
 
 from ...errors import OutputMismatchError, UnsupportedDeviceError
 from ...packed import PackedTensor
@@ -37,6 +38,15 @@ from ..cuda import protocol
 from ..cuda import host, slots
 from ..cuda.host import pack_plan
 from . import kernels as K
+
+
+def _one_context(method):
+    """Run a backend entry point inside one Numba context scope: the Numba calls and
+    launches inside it find the CUDA context in thread-local storage; outside such a
+    scope each asks the driver for it again (~24 times per pack; bench/NOTES.md,
+    session 28)."""
+    return _cuda.require_context(method)
+
 
 Encoding = _fmt.Encoding
 
@@ -391,6 +401,7 @@ class NumbaBackend:
         return mask, cnt, K.TILE_LOG2, scratch
 
     # ----------------------------------------------------------- packing
+    @_one_context
     def pack(self, x, *, dtype=None, encoding="auto", chunk_log2=_fmt.DEFAULT_CHUNK_LOG2,
              capacity=None, stream=None, allocator=None) -> PackedTensor:
         P = _platform()
@@ -399,6 +410,7 @@ class NumbaBackend:
         return self._pack(P, st, buf, shape, dt, K.MODE_PACK, encoding, chunk_log2, capacity,
                           allocator)
 
+    @_one_context
     def relu_pack(self, a, *, square=False, dtype=None, encoding="nosign",
                   chunk_log2=_fmt.DEFAULT_CHUNK_LOG2, capacity=None, stream=None, allocator=None):
         P = _platform()
@@ -499,6 +511,7 @@ class NumbaBackend:
             p.extra["_scratch"] = keep   # read by kernels still queued on the stream
         return p
 
+    @_one_context
     def masked_pack(self, u, p_mask, *, dtype=None, encoding="signplane", stream=None,
                     allocator=None) -> PackedTensor:
         P = _platform()
@@ -518,6 +531,7 @@ class NumbaBackend:
                             offsets=p_mask.offsets, extra={"shares_mask": True})
 
     # ----------------------------------------------------------- unpacking
+    @_one_context
     def unpack(self, p: PackedTensor, *, out=None, stream=None, allocator=None):
         P = _platform()
         protocol.check_packed(p)
@@ -531,6 +545,7 @@ class NumbaBackend:
         self._decode(P, st, p, 0, None, obuf, allocator)
         return result
 
+    @_one_context
     def relu2_backward(self, grad, p, *, stream=None, allocator=None):
         P = _platform()
         protocol.check_packed(p)
@@ -559,6 +574,7 @@ class NumbaBackend:
                  numel, toff, shift, *self._stored(P, p), ge, g64, gfast, oe, o64, ofast)
         del keep  # the allocator orders its reuse after the queued kernel
 
+    @_one_context
     def relu_backward(self, grad, p, *, stream=None, allocator=None):
         P = _platform()
         protocol.check_packed(p)
@@ -577,6 +593,7 @@ class NumbaBackend:
                      block, st, mask, numel, ge, g64, gfast, oe, o64, ofast)
         return result
 
+    @_one_context
     def gated_backward(self, grad, p_r, p_u, *, stream=None, allocator=None):
         P = _platform()
         protocol.check_packed(p_r)
@@ -613,6 +630,7 @@ class NumbaBackend:
     def _pstream(self, P, p):
         return P.stream(p.extra.get("stream", 0)) if not K.SIM else None
 
+    @_one_context
     def read_nnz(self, p) -> int:
         P = _platform()
         lay = p.layout
@@ -620,6 +638,7 @@ class NumbaBackend:
         return int(P.read(P.import_plane(p.offsets), lay.n_chunks * w, 1, np.dtype(f"<u{w}"),
                           self._pstream(P, p))[0])
 
+    @_one_context
     def read_status(self, p) -> int:
         if p.status is None:
             return 0
@@ -629,6 +648,7 @@ class NumbaBackend:
                                                  self._pstream(P, p))[0])
         return p.extra["status_value"]
 
+    @_one_context
     def to_numpy(self, array) -> np.ndarray:
         if K.SIM:
             return np.asarray(array).copy()
