@@ -61,7 +61,7 @@ def main() -> None:
     arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
     et = {8: types.uint8, 16: types.uint16, 32: types.uint32}[k.bits]
     u8, u32, u64, el, i64, b = arr(types.uint8), arr(types.uint32), arr(types.uint64), arr(et), types.int64, types.boolean
-    unpack_sig = (u8, i64, u32, i64, u8, u32, i64, u8, u32, i64, el, u64, b, el, u64, b)
+    unpack_sig = (u8, i64, u32, i64, u8, u32, i64, u8, u32, i64, el, u64, b, el, u64, b, b)
     pack_sig = (el, u64, b, i64, el, u64, b, u8, i64, i64, u8, u32, i64, el, u32, u32,
                 arr(types.int64), arr(types.int64), u32, arr(types.int64))
     finish_sig = (arr(types.int64), u32, i64, arr(types.int64), i64, i64, b, el, u32, u32)

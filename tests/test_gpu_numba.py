@@ -211,6 +211,25 @@ def test_misaligned_input_and_out(rng):
 
 
 @pytest.mark.parametrize("dt", DT_PARAMS)
+def test_unpack_out_aligned_to_8_or_16_bytes(rng, dt):
+    """The unpack stores whole rows as 16-byte words into an output aligned to 16
+    bytes, and as 8-byte words into one aligned to 8 only: both give the input's
+    bits, over several tiles and a partial last row."""
+    torch = pytest.importorskip("torch")           # CuPy has no bf16 / fp8 arrays for out=
+    n = 3 * (1 << NK.kernels_for(dt.name).utile_log2[0]) + 1001
+    x = random_bits(rng, (n,), dt, 0.7)
+    p = BE.pack(dev(x), dtype=dt.name, encoding="signplane", chunk_log2=9)
+    step = 8 // dt.itemsize
+    for shift, align in ((0, 0), (step, 8)):
+        base = torch.zeros(n + step, dtype=getattr(torch, dt.name), device="cuda")
+        out = base[shift:shift + n]
+        assert out.data_ptr() % 16 == align
+        assert BE.unpack(p, out=out) is out
+        got = out.cpu().view(torch.uint8).numpy()
+        assert np.array_equal(got, x.view(np.uint8)), align
+
+
+@pytest.mark.parametrize("dt", DT_PARAMS)
 def test_unpack_tiles_and_chunk_sizes(rng, dt):
     """Plain unpack tiles (``utile_log2[0]``: 16384 fp8 / 8192 others) are larger
     than ``TILE`` (4096): tensors over many of them with an odd size (partial last

@@ -570,8 +570,9 @@ class NumbaBackend:
             ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
         else:
             ge, g64, gfast = oe, o64, False
+        o16 = ofast and P.ptr(obuf) % 16 == 0
         P.launch(kern.unpack[(op, int(p.encoding))], n_tiles, K.UNT, st, mask,
-                 numel, toff, shift, *self._stored(P, p), ge, g64, gfast, oe, o64, ofast)
+                 numel, toff, shift, *self._stored(P, p), ge, g64, gfast, oe, o64, ofast, o16)
         del keep  # the allocator orders its reuse after the queued kernel
 
     @_one_context

@@ -3,10 +3,11 @@ the target-specific primitives and the block-wide rank helpers.
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, float32 bits are reinterpreted and bytes permuted (PRMT)
-through libdevice; under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which
-has no warp intrinsics, the warp scan goes through shared memory, the bit casts
-go through NumPy, PRMT is a Python loop over the four bytes, and tiles are
-smaller so small tensors still span several tiles (blocks of 64 threads,
+through libdevice, and the unpack stores 16-byte words by inline PTX; under the
+CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which has no warp intrinsics, the
+warp scan goes through shared memory, the bit casts go through NumPy, PRMT is a
+Python loop over the four bytes, a 16-byte store is two 8-byte ones, and tiles
+are smaller so small tensors still span several tiles (blocks of 64 threads,
 ``TILE`` = 1024). The rest is the same source, so CI exercises the algorithms
 without a GPU.
 
@@ -81,6 +82,12 @@ if SIM:
         return np.uint32((int(a) * int(b)) & 0xFFFFFFFF)
 
     @cuda.jit(device=True)
+    def _store16(a64, i, lo, hi):
+        """a64[i], a64[i + 1] = lo, hi (on a GPU one 16-byte store)."""
+        a64[i] = lo
+        a64[i + 1] = hi
+
+    @cuda.jit(device=True)
     def _warp_lanes(v, lane, t, sh_lane):
         # Shared-memory stand-in for the warp intrinsics (the simulator has no
         # shuffles): every lane publishes v and gets its warp's 32 values.
@@ -111,7 +118,10 @@ if SIM:
 
     _warp_excl_scan64 = _warp_excl_scan
 else:
-    from numba.cuda import libdevice
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils, libdevice
+    from numba.cuda.extending import intrinsic
 
     @cuda.jit(device=True)
     def _as_f32(u):
@@ -135,6 +145,33 @@ else:
     def _mul32(a, b):
         """The low 32 bits of a * b."""
         return uint32(uint32(a) * uint32(b))
+
+    @intrinsic
+    def _store16(typingctx, a64, i, lo, hi):
+        """a64[i], a64[i + 1] = lo, hi as one 16-byte store (``st.global.v2.u64``; Numba
+        itself stores at most 8 bytes per instruction). a64: a 1-D uint64 array in
+        global memory whose element i lies on a 16-byte boundary; no bounds check."""
+        if not (isinstance(a64, types.Array) and a64.ndim == 1 and a64.dtype == types.uint64
+                and isinstance(i, types.Integer)):
+            return None
+        sig = types.void(a64, i, lo, hi)
+
+        def codegen(context, builder, sig, args):
+            aty, ity, lty, hty = sig.args
+            arr, idx, lv, hv = args
+            ary = context.make_array(aty)(context, builder, value=arr)
+            idx = context.cast(builder, idx, ity, types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [idx], wraparound=False)
+            lv = context.cast(builder, lv, lty, types.uint64)
+            hv = context.cast(builder, hv, hty, types.uint64)
+            u64 = ir.IntType(64)
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, u64, u64])
+            st = ir.InlineAsm(fnty, "st.global.v2.u64 [$0], {$1, $2};", "l,l,l,~{memory}",
+                              side_effect=True)
+            builder.call(st, [ptr, lv, hv])
+            return context.get_dummy_value()
+
+        return sig, codegen
 
     @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):

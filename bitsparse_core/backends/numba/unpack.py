@@ -27,7 +27,7 @@ import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
 
 from .common import (FULL_MASK, NOSIGN, RAW, SIGNPLANE, SIM, TILE, ULANE_N, UNT, UNW, _load_word,
-                     _prmt, _u, _warp_incl_scan, _warp_last)
+                     _prmt, _store16, _u, _warp_incl_scan, _warp_last)
 
 UNPACK_ROWS = 4
 # Unpack: six 256-thread blocks per SM (42 registers); the relu2 backward op's float
@@ -182,16 +182,22 @@ def _make_rows(el, ug, op, expand_word):
 
     @cuda.jit(device=True)
     def emit_row(vals, sel, o, v, gv, b, j, e0, tfull, numel, ge, g64, guse64,
-                 oe, o64, ouse64):
+                 oe, o64, ouse64, o16):
         """Expand and store the row at element e0 with mask bits b, whose first
-        set element takes stored value j of the tile."""
+        set element takes stored value j of the tile; a whole row of an output
+        aligned to 16 bytes (``o16``) goes out in 16-byte stores."""
         if tfull or e0 < numel:
             for m in range(OW):
                 mb = uint32((b >> uint32(m * GE)) & uint32((1 << GE) - 1))
                 o[m] = expand_word(vals, sel, j, mb)
                 j = int32(j + cuda.popc(mb))
             full = tfull or e0 + UV <= numel
-            if op == 0 and ouse64 and full:
+            if op == 0 and o16 and full:
+                for p in range(OW // 4):
+                    lo = uint64(o[4 * p]) | (uint64(o[4 * p + 1]) << uint64(32))
+                    hi = uint64(o[4 * p + 2]) | (uint64(o[4 * p + 3]) << uint64(32))
+                    _store16(o64, _u(e0 * BITS // 64 + 2 * p), lo, hi)
+            elif op == 0 and ouse64 and full:
                 for p in range(OW // 2):
                     pair = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
                     o64[_u(e0 * BITS // 64 + p)] = pair
@@ -233,7 +239,7 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
 
     @cuda.jit(**UNPACK_JIT[op])
     def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
-                 ge, g64, guse64, oe, o64, ouse64):
+                 ge, g64, guse64, oe, o64, ouse64, o16):
         """Dense output of one tile of UT elements. op 0: the stored patterns
         (unpack); op 1: relu2_backward, 2*r*grad where r > 0, else +0. The
         tile's stored values are toff[(i << UTL) >> toff_shift] up to the
@@ -242,7 +248,9 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
         (empty when unaligned), nvb its length (likewise the signs).
         The UR <= 4 rows are written out (scalars, not a loop over a local
         array: the compiler does not always unroll it, and the array then
-        lives in local memory)."""
+        lives in local memory). ``ouse64``: the output is 8-byte aligned (o64
+        views it), ``o16``: 16-byte aligned (op 0 stores whole rows as 16-byte
+        words)."""
         t = cuda.threadIdx.x
         lane = t & 31
         warp = t >> 5
@@ -339,15 +347,15 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
                 before = int32(before + sh_tot[w])
 
         emit_row(vals, sel, o, v, gv, b0, int32(before + st0), row0, tfull, numel,
-                 ge, g64, guse64, oe, o64, ouse64)
+                 ge, g64, guse64, oe, o64, ouse64, o16)
         if UR > 1:
             emit_row(vals, sel, o, v, gv, b1, int32(before + st1), row0 + URS, tfull,
-                     numel, ge, g64, guse64, oe, o64, ouse64)
+                     numel, ge, g64, guse64, oe, o64, ouse64, o16)
         if UR > 2:
             emit_row(vals, sel, o, v, gv, b2, int32(before + st2), row0 + 2 * URS,
-                     tfull, numel, ge, g64, guse64, oe, o64, ouse64)
+                     tfull, numel, ge, g64, guse64, oe, o64, ouse64, o16)
             emit_row(vals, sel, o, v, gv, b3, int32(before + st3), row0 + 3 * URS,
-                     tfull, numel, ge, g64, guse64, oe, o64, ouse64)
+                     tfull, numel, ge, g64, guse64, oe, o64, ouse64, o16)
     return k_unpack
 
 
