@@ -136,22 +136,27 @@ def test_nonzero_runs_and_empty_tiles(request):
             assert_bits(bc.unpack(p), x)
 
 
-def test_misaligned_input_and_out(request):
+@pytest.mark.parametrize("offset_bytes", [None, 8], ids=["one-element", "8-bytes"])
+def test_misaligned_input_and_out(request, offset_bytes):
+    """Input and out= views off a 16-byte boundary: one element off (scalar loads and
+    stores), or 8 bytes off (two 8-byte loads and stores per vector); the bytes before
+    the out= view stay untouched."""
     rng = _rng(request)
     for dt in (_dt.BFLOAT16, _dt.FLOAT8_E4M3FN, _dt.FLOAT32):
+        k = 1 if offset_bytes is None else offset_bytes // dt.itemsize
         x = random_bits(rng, (50_001,), dt, 0.7)
-        big = cp.zeros(x.size + 1, dtype=dt.uint)
-        big[1:] = dev(x)
-        view = big[1:]
-        assert view.data.ptr % 16 != 0
+        big = cp.zeros(x.size + k, dtype=dt.uint)
+        big[k:] = dev(x)
+        view = big[k:]
+        assert view.data.ptr % 16 == k * dt.itemsize
         ref = reference.pack_array(x, dt, "signplane")
         p = bc.pack(view, dtype=dt.name, encoding="signplane", backend="cupy")
-        assert_same(p, ref, f"misaligned {dt.name}")
-        out = cp.full(x.size + 3, 0x5A, dtype=dt.uint)
-        res = bc.unpack(p, out=_Bits(out[3:], dt))
+        assert_same(p, ref, f"misaligned {dt.name} by {k}")
+        out = cp.full(x.size + k, 0x5A, dtype=dt.uint)
+        res = bc.unpack(p, out=_Bits(out[k:], dt))
         assert isinstance(res, _Bits)
-        assert np.array_equal(cp.asnumpy(out[3:]), x.view(dt.uint))
-        assert np.all(cp.asnumpy(out[:3]) == 0x5A)
+        assert np.array_equal(cp.asnumpy(out[k:]), x.view(dt.uint))
+        assert np.all(cp.asnumpy(out[:k]) == 0x5A)
 
 
 class _Bits:
