@@ -443,8 +443,8 @@ template <typename T> BS_D void bs_set_lane(uint4& v, int i, T x) {
 
 // The V elements of one 16-byte vector at element index g of a tensor of
 // numel elements: one vector load when aligned and in range, two 8-byte loads
-// when in range at an 8-byte boundary (a view 8 bytes into another tensor:
-// scalars there cost 4-12 x), else scalars (zero past the end).
+// when in range at an 8-byte boundary (a view 8 bytes into another tensor,
+// where scalars would be several times slower), else scalars (zero past the end).
 template <typename T> BS_D uint4 bs_load_vec(const T* x, u64 g, u64 numel, bool aligned) {
     const int V = 16 / sizeof(T);
     if (aligned && g + V <= numel) return *reinterpret_cast<const uint4*>(x + g);

@@ -53,11 +53,10 @@ class PackVariant:
     simulator tests run the GPU's this way); ``pack_blocks``: the blocks per SM the plain
     and masked pack's launch bounds ask for (default 5); ``lb_early``: publish the count
     and issue the look-back's reads before staging, not after; ``ticket=False``: a
-    block's tile is its block index
-    (no atomic ticket and no barrier before the loads; forward progress then rests on
-    blocks being dispatched in index order, as CUB's scans assume); ``incl_every``: a
-    tile publishes its inclusive count only every this many tiles (a launch argument:
-    tests raise it to make look-backs walk)."""
+    block's tile is its block index (no atomic ticket and no barrier before the loads;
+    forward progress then rests on blocks being dispatched in index order, as CUB's
+    scans assume); ``incl_every``: a tile publishes its inclusive count only every this
+    many tiles (a launch argument: tests raise it to make look-backs walk)."""
     pack_rounds: int | None = None
     pack_blocks: int | None = None
     lb_early: bool = False

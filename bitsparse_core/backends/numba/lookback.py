@@ -145,6 +145,7 @@ else:
 
     @cuda.jit(device=True)
     def _warp_sum(c):
+        """The int64 sum of c over warp 0's lanes, in every lane."""
         o = 16
         while o > 0:
             c += cuda.shfl_xor_sync(FULL_MASK, c, o)
