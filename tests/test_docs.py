@@ -95,6 +95,15 @@ def host_us(op: str, backend: str, mode: str) -> float:
                 if (s["op"], s["backend"], s["mode"]) == (op, backend, mode))
 
 
+def numba_over_cupy(codecs: dict, keys) -> tuple:
+    """``(CuPy's rows, {key: Numba's time / CuPy's, row by row})`` of a codec bench."""
+    cupy = [row for row in codecs["rows"] if row["backend"] == "cupy"]
+    numba = {(row["dtype"], row["sparsity"]): row for row in codecs["rows"]
+             if row["backend"] == "numba"}
+    return cupy, {k: [numba[(row["dtype"], row["sparsity"])][k] / row[k] for row in cupy]
+                  for k in keys}
+
+
 def size_ratio(zeros: float, numel: int = 1 << 20) -> float:
     """Dense / packed bytes of a bf16 nosign tensor (the format's size formula)."""
     import bitsparse_core as bc
@@ -127,18 +136,11 @@ def readme() -> list:
     t2 = r["kinds"]["relu2"]["variants"]
     jm = jax_modes()
     cd = result("codecs.json")
-    cupy = [row for row in cd["rows"] if row["backend"] == "cupy"]
-    numba = {(row["dtype"], row["sparsity"]): row for row in cd["rows"]
-             if row["backend"] == "numba"}
-    slow = {k: [numba[(row["dtype"], row["sparsity"])][k] / row[k] for row in cupy]
-            for k in ("pack_exact_ms", "pack_fixed_ms", "unpack_ms")}
+    cupy, slow = numba_over_cupy(cd, ("pack_exact_ms", "pack_fixed_ms", "unpack_ms"))
     bf16_90 = next(row for row in cupy if (row["dtype"], row["sparsity"]) == ("bfloat16", 0.9))
     c8 = result("codecs_8192x14336.json")
     assert c8["numel"] == 8192 * 14336
-    c8_cupy = [row for row in c8["rows"] if row["backend"] == "cupy"]
-    c8_numba = {(row["dtype"], row["sparsity"]): row for row in c8["rows"] if row["backend"] == "numba"}
-    c8_slow = {k: [c8_numba[(row["dtype"], row["sparsity"])][k] / row[k] for row in c8_cupy]
-               for k in ("pack_fixed_ms", "unpack_ms")}
+    c8_cupy, c8_slow = numba_over_cupy(c8, ("pack_fixed_ms", "unpack_ms"))
     # a variant whose profiled steps held a recompile (its capacity moved) counts the
     # compiler's syncs there; the table says so, and they are not the ops'
     recompiled = [name for name, v in tgv.items() if v.get("compiles", {}).get("profiled")]
