@@ -18,8 +18,8 @@ capacity), so the fraction of the copy bandwidth is the op's roofline share.
 
 ``--variants``: NVRTC option sets (``name=-DA=1 -DB=1;name2=...``) that each run in a
 process of their own (CuPy caches a kernel per option set), e.g. the kernels' A/B
-switches ``BS_FUSED_PER_ELEMENT``, ``BS_FUSED_BLOCKS``, ``BS_PACK_FUSED_BLOCKS`` and
-``BS_PACK_Y_IN_CLASSIFY``; ``PACK_ROUNDS=n`` and ``FUSED_ROUNDS=n`` tokens (no ``-D``) set the
+switches ``BS_FUSED_PER_ELEMENT``, ``BS_FUSED_BLOCKS`` and ``BS_PACK_FUSED_BLOCKS``
+(session 21's ``BS_PACK_Y_IN_CLASSIFY`` left in session 29); ``PACK_ROUNDS=n`` and ``FUSED_ROUNDS=n`` tokens (no ``-D``) set the
 packs' and the fused unpack ops' rounds per warp in that process (``abi.PACK_ROUNDS``,
 ``abi.FUSED_ROUNDS``: host-side choices). Every process hashes the
 ops' outputs; the table says whether a variant's bytes equal the default build's.
@@ -47,9 +47,8 @@ from plotting import pyplot  # noqa: E402
 
 CASES = (((8192, 4096), 0.5), ((8192, 4096), 0.1), ((8192, 14336), 0.1))
 OPS = ("relu_pack", "relu2_pack", "relu2_backward", "relu2_backward+square", "gated_backward")
-# session 20's relu_pack (2 rounds, 4 blocks per SM, y written in B); y written in B alone
-DEFAULT_VARIANTS = ("before=PACK_ROUNDS=2 -DBS_PACK_FUSED_BLOCKS=4 -DBS_PACK_Y_IN_CLASSIFY=0;"
-                    "y-in-B=-DBS_PACK_Y_IN_CLASSIFY=0")
+# relu_pack at 2 rounds and 4 blocks per SM (session 20's geometry)
+DEFAULT_VARIANTS = "before=PACK_ROUNDS=2 -DBS_PACK_FUSED_BLOCKS=4"
 ROUND_TOKENS = ("PACK_ROUNDS", "FUSED_ROUNDS")   # abi constants a variant may set
 ROUNDS_ENV = "BITSPARSE_BENCH_ROUNDS"             # how they reach the variant's processes
 

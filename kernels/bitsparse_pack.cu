@@ -388,9 +388,6 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 // successors load it (fewer spins on unpublished counts: issuing the loads one
 // stage earlier measured 5 % slower, bench/NOTES.md), and B's work hides the
 // loads' round trip.
-#ifndef BS_PACK_Y_IN_CLASSIFY
-#define BS_PACK_Y_IN_CLASSIFY 1   // relu_pack writes y in A (0: in B, where it held registers)
-#endif
 #ifndef BS_PACK_BLOCKS
 #define BS_PACK_BLOCKS 4         // a plain or masked pack's blocks per SM (64 registers; fp8 spills ~24 bytes)
 #endif
@@ -510,7 +507,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
             }
             bits[r] = b;
         }
-        if (BS_PACK_Y_IN_CLASSIFY) store_y(tile);
+        store_y(tile);
         // Ranks: per-round counts packed into 8- or 16-bit fields of warp scans
         // (bs_scan_rounds), then over warps.
         const u32 wtot = bs_scan_rounds<R, V>(bits, lane, start);
@@ -553,7 +550,6 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         if (MODE != BS_MODE_MASKED)
             bs_store_mask<V, R>(reinterpret_cast<u8*>(mask_ptr) + (tile_base >> 3), bits,
                                 (u32)(warp * SEG), rem, lane);
-        if (!BS_PACK_Y_IN_CLASSIFY) store_y(tile);
         if (next < n_tiles) load(next);
         if (SIGNS) {
             __syncthreads();                                               // B2
