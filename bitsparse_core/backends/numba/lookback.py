@@ -52,6 +52,26 @@ def _rd64(a, i):
 
 
 @cuda.jit(device=True)
+def tile_slot(tile):
+    """The scratch slot of a tile's descriptor."""
+    return SCRATCH_HEAD + tile
+
+
+@cuda.jit(device=True)
+def _group_slot(g):
+    """The scratch slot of group g's descriptor, after the tiles' (one block per tile:
+    the grid's size is their number)."""
+    return SCRATCH_HEAD + int64(cuda.gridDim.x) + g
+
+
+@cuda.jit(device=True)
+def _read_group(desc, g):
+    """Group g's descriptor and its last tile's."""
+    return (_rd64(desc, _group_slot(g)),
+            _rd64(desc, tile_slot((g << LB_GROUP_LOG2) + LB_GROUP - 1)))
+
+
+@cuda.jit(device=True)
 def publish(desc, tile, n, neg, t):
     """Thread 0: the tile's count in one 8-byte descriptor, with its nosign flag
     (inclusive for tile 0), then its share of its group's descriptor (after the
@@ -62,12 +82,8 @@ def publish(desc, tile, n, neg, t):
         if neg != 0:
             d |= LB_NEG
             g |= int64(1) << GD_NEG
-        if tile == 0:
-            cuda.atomic.exch(desc, SCRATCH_HEAD, int64(LB_INCL) | d)
-        else:
-            cuda.atomic.exch(desc, SCRATCH_HEAD + tile, int64(LB_AGG) | d)
-        gbase = SCRATCH_HEAD + int64(cuda.gridDim.x)
-        cuda.atomic.add(desc, gbase + (tile >> LB_GROUP_LOG2), g)
+        cuda.atomic.exch(desc, tile_slot(tile), int64(LB_INCL if tile == 0 else LB_AGG) | d)
+        cuda.atomic.add(desc, _group_slot(tile >> LB_GROUP_LOG2), g)
 
 
 if SIM:
@@ -85,22 +101,19 @@ if SIM:
             first = (tile >> LB_GROUP_LOG2) << LB_GROUP_LOG2
             j = tile - 1
             while j >= first:
-                d = _rd64(desc, SCRATCH_HEAD + j)
+                d = _rd64(desc, tile_slot(j))
                 while (d >> LB_SHIFT) == 0:
-                    d = _rd64(desc, SCRATCH_HEAD + j)
+                    d = _rd64(desc, tile_slot(j))
                 acc += d & LB_COUNT
                 neg |= d & LB_NEG
                 if (d >> LB_SHIFT) == 2:
                     return acc, int64(neg != 0)
                 j -= 1
-            gbase = SCRATCH_HEAD + int64(cuda.gridDim.x)
             g = (tile >> LB_GROUP_LOG2) - 1
             while g >= 0:
-                ld = _rd64(desc, SCRATCH_HEAD + (g << LB_GROUP_LOG2) + LB_GROUP - 1)
-                gd = _rd64(desc, gbase + g)
+                gd, ld = _read_group(desc, g)
                 while (ld >> LB_SHIFT) != 2 and (gd >> GD_TILES) != LB_GROUP:
-                    ld = _rd64(desc, SCRATCH_HEAD + (g << LB_GROUP_LOG2) + LB_GROUP - 1)
-                    gd = _rd64(desc, gbase + g)
+                    gd, ld = _read_group(desc, g)
                 if (ld >> LB_SHIFT) == 2:
                     acc += ld & LB_COUNT
                     neg |= ld & LB_NEG
@@ -117,8 +130,7 @@ else:
         gd = int64(GD_ADD * LB_GROUP)
         ld = int64(LB_INCL)
         if g >= 0:
-            ld = _rd64(desc, SCRATCH_HEAD + (g << LB_GROUP_LOG2) + LB_GROUP - 1)
-            gd = _rd64(desc, SCRATCH_HEAD + int64(cuda.gridDim.x) + g)
+            gd, ld = _read_group(desc, g)
         f[1] = gd
         f[2] = ld
 
@@ -131,7 +143,7 @@ else:
         j = tile - 1 - lane
         d = int64(LB_AGG)
         if j >= first:
-            d = _rd64(desc, SCRATCH_HEAD + j)
+            d = _rd64(desc, tile_slot(j))
         f[0] = d
         _group_load(desc, (tile >> LB_GROUP_LOG2) - 1 - lane, f)
 
@@ -169,7 +181,7 @@ else:
             if (int64(cuda.ballot_sync(FULL_MASK, (d >> LB_SHIFT) == 0)) & need) == 0:
                 break
             if (d >> LB_SHIFT) == 0:
-                d = _rd64(desc, SCRATCH_HEAD + j)
+                d = _rd64(desc, tile_slot(j))
         mine = ((need >> lane) & 1) != 0
         c = int64(0)
         if mine:
@@ -187,8 +199,7 @@ else:
                 if (int64(cuda.ballot_sync(FULL_MASK, not ready)) & need) == 0:
                     break
                 if not ready:
-                    ld = _rd64(desc, SCRATCH_HEAD + (g << LB_GROUP_LOG2) + LB_GROUP - 1)
-                    gd = _rd64(desc, SCRATCH_HEAD + int64(cuda.gridDim.x) + g)
+                    gd, ld = _read_group(desc, g)
             c = int64(0)
             gneg = False
             if ((need >> lane) & 1) != 0:

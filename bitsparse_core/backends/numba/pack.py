@@ -36,7 +36,7 @@ from .common import (FULL_MASK, LANE_N, MODE_MASKED, MODE_PACK, MODE_RELU, MODE_
                      NOSIGN, NT, NW, RAW, SIGNPLANE, SIM, _u, _warp_excl_scan,
                      _warp_excl_scan64)
 from .edges import copy_inner, stream_edges
-from .lookback import LB_INCL, LB_NEG, SCRATCH_HEAD, lb_load, lookback, publish
+from .lookback import LB_INCL, LB_NEG, lb_load, lookback, publish, tile_slot
 from .pack_words import make_pack_run, make_word_ops
 
 MODES = (MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED)
@@ -374,7 +374,7 @@ def make_pack(el, geo, mode, enc, jit, lb_early, ticket, load_elems, classify, p
                     d = int64(LB_INCL) | (P + n)
                     if pneg != 0:
                         d |= LB_NEG
-                    cuda.atomic.exch(scratch, SCRATCH_HEAD + tile, d)
+                    cuda.atomic.exch(scratch, tile_slot(tile), d)
                 starts[tile] = P
                 if tile == n_tiles - 1:
                     starts[n_tiles] = P + n
