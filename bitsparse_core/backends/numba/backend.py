@@ -60,15 +60,14 @@ class _Alloc:
     (:func:`..cuda.host.pack_plan`): one allocation (sections 64-byte aligned in format
     order, then the status area), or an exact pack's two (``split``: the head with
     the mask, the offsets and the status area, and the tail with the values and signs,
-    :attr:`..cuda.host.PackPlan.head_bytes`; ``head``, ``tail``: a head to share and a
-    tail already filled, the shrink's)."""
+    :attr:`..cuda.host.PackPlan.head_bytes`; ``head``: a head to share, the shrink's)."""
 
-    def __init__(self, P, plan, st, allocator, split=False, head=None, tail=None):
+    def __init__(self, P, plan, st, allocator, split=False, head=None):
         self.plan, self.lay = plan, plan.lay
         (mo, ml), (oo, ol), (vo, vl), (so, sl) = plan.spans
         if split:
             self.head = head if head is not None else P.alloc(plan.head_bytes, st, allocator)
-            self.tail = tail if tail is not None else P.alloc(plan.tail_bytes, st, allocator)
+            self.tail = P.alloc(plan.tail_bytes, st, allocator)
             self.at = {"mask": (self.head, mo, ml), "offsets": (self.head, oo, ol),
                        "values": (self.tail, 0, vl),
                        "signs": (self.tail, plan.tail_signs_offset, sl)}
@@ -117,14 +116,12 @@ class _NumbaSteps:
         return int(status) & 0xFFFFFFFF, int(total)
 
     def shrink(self, plan, al, nnz):
-        # The copies are queued before the exact plan is built: the GPU waits for them.
         P, st = self.P, self.st
-        tail_bytes, copies = host.tail_shrink(plan, nnz)
-        tail = P.alloc(tail_bytes, st, self.allocator)
+        _, copies = host.tail_shrink(plan, nnz)
+        out = _Alloc(P, plan.with_capacity(nnz), st, self.allocator, split=True, head=al.head)
         for d, s, n in copies:
-            P.copy(tail, d, al.tail, s, n, st)
-        return _Alloc(P, plan.with_capacity(nnz), st, self.allocator, split=True, head=al.head,
-                      tail=tail)
+            P.copy(out.tail, d, al.tail, s, n, st)
+        return out
 
     def packed(self, plan, al, nnz, pending_status):
         return self.backend._packed(self.P, self.st, plan.lay, al, nnz, pending_status, self.keep)
