@@ -18,12 +18,14 @@ kernel is not touched):
   shared memory and the mask stores. Each says what one step costs where the others
   stay; ``a+b`` applies both (session 19 also cut the assembly of the W-bit stream and
   the barrier before it, which the kernel no longer has);
-* ``file=PATH`` or ``file=PATH@SMEM``: another version of bitsparse_pack.cu as it is
-  (e.g. the last commit's, for an A/B of a change; it must take the same arguments and
-  fit the current scratch), launched with SMEM bytes of dynamic shared memory where its
-  buffers differ from the current plan's.
+* ``file=PATH``, ``file=PATH@SMEM`` or ``file=PATH@SMEM@THREADS``: another version of
+  bitsparse_pack.cu as it is (e.g. the last commit's, for an A/B of a change, or a
+  prototype under bench/proto/; it must take the same arguments and fit the current
+  scratch), launched with SMEM bytes of dynamic shared memory and THREADS threads a
+  block where they differ from the current plan's. Its packed bytes (``to_bytes``) are compared
+  with the package's kernel's on every row; "(planes differ)" marks a mismatch.
 
-The edited kernels write wrong planes on purpose; only their time is read. Each is
+The edited kernels above write wrong planes on purpose; only their time is read. Each is
 launched through the production path and argument record: while a variant is timed,
 the driver's cooperative launch of the package's kernel launches the variant instead
 (with the grid that fits it), and the bench checks that every timed call did.
@@ -41,6 +43,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+from bitsparse_core.backends.cuda import abi  # noqa: E402
+
 # The texts of kernels/bitsparse_pack.cu the variants edit.
 FOLD = re.compile(r"            // Warp 0 folds the tile's own group.*?"
                   r"\n            if \(\(s_lb_flag\[par\]\[0\] & 1u\) == 0u\)[^\n]*\n        }\n", re.S)
@@ -56,6 +60,14 @@ CUTS = {
     "nomask": ("            bs_store_mask<V, R>(reinterpret_cast<u8*>(mask_ptr) + (tile_base >> 3), bits,\n"
                "                                (u32)(warp * SEG), rem, lane);\n", "            ;\n"),
 }
+
+
+def launch_shape(name: str, smem: int) -> tuple:
+    """(dynamic shared memory, threads a block) of a variant: the plan's unless a
+    ``file=`` variant names its own (``@SMEM``, ``@SMEM@THREADS``)."""
+    parts = name.split("@") if name.startswith("file=") else [name]
+    return (int(parts[1]) if len(parts) > 1 else smem,
+            int(parts[2]) if len(parts) > 2 else abi.THREADS)
 
 
 def variant_source(src: str, name: str) -> str:
@@ -106,7 +118,7 @@ def main(argv=None) -> int:
     import bitsparse_core as bc
     from bench_codecs import Timer, relu_like
     from bitsparse_core import dtypes as D
-    from bitsparse_core.backends.cuda import abi, driver, host
+    from bitsparse_core.backends.cuda import driver, host
     from bitsparse_core.backends.cupy import kernels as ck
     from bitsparse_core.spec.format import Encoding
 
@@ -129,7 +141,7 @@ def main(argv=None) -> int:
 
             def call():
                 return bc.pack(x, encoding="nosign", capacity=nnz, backend="cupy", stream=stream)
-            call()
+            ref = call().to_bytes()          # the package's kernel's planes
             base = timer(call)
             plan = host.pack_plan(tuple(x.shape), dt, Encoding.NOSIGN, nnz, 12, abi.Mode.PACK)
             prod_func = host.kernel(dev, "pack", fmt, int(Encoding.NOSIGN), int(abi.Mode.PACK),
@@ -142,14 +154,14 @@ def main(argv=None) -> int:
                     mods[key] = cupy.RawModule(code=variant_source(src, v),
                                                options=("-std=c++17",), name_expressions=(name,))
                 func = int(mods[key].get_function(name).kernel.ptr)
-                smem = int(v.split("@")[1]) if v.startswith("file=") and "@" in v else plan.smem
-                grid = min(plan.n_tiles, driver.resident_blocks(func, abi.THREADS, smem, dev))
+                smem, threads = launch_shape(v, plan.smem)
+                grid = min(plan.n_tiles, driver.resident_blocks(func, threads, smem, dev))
                 swaps = []
 
                 def swapped(f, g, block, sm, stream, args):
                     if f == prod_func:
                         swaps.append(1)
-                        f, g, sm = func, grid, smem
+                        f, g, block, sm = func, grid, threads, smem
                     return real(f, g, block, sm, stream, args)
                 try:
                     driver.launch_cooperative = swapped
@@ -159,9 +171,16 @@ def main(argv=None) -> int:
                 if len(swaps) < a.reps:
                     raise SystemExit(f"pack_bound: {v} was launched {len(swaps)} times, not on "
                                      f"every timed call")
-                row.append(ms)
-            print(f"{dname} | {sp} | {1e3 * base:.1f} | "
-                  + " | ".join(f"{1e3 * ms:.1f}" for ms in row), flush=True)
+                note = ""
+                if v.startswith("file="):      # another version of the kernel: its planes too
+                    try:
+                        driver.launch_cooperative = swapped
+                        got = call()
+                    finally:
+                        driver.launch_cooperative = real
+                    note = "" if got.to_bytes() == ref else " (planes differ)"
+                row.append(f"{1e3 * ms:.1f}{note}")
+            print(f"{dname} | {sp} | {1e3 * base:.1f} | " + " | ".join(row), flush=True)
     return 0
 
 

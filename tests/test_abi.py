@@ -57,6 +57,16 @@ def test_warp_tile_prototype_takes_the_pack_record():
             == _params(read_source("bitsparse_pack.cu"), "bitsparse_pack"))
 
 
+@pytest.mark.parametrize("proto", ["pack_cpasync.cu", "pack_lbwarp.cu"])
+def test_pack_prototypes_take_the_pack_record(proto):
+    """bench/pack_bound.py swaps the prototypes in for the package's kernel (``file=``),
+    launched with the package's argument record."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "proto" / proto
+    assert (_params(path.read_text(), "bitsparse_pack")
+            == _params(read_source("bitsparse_pack.cu"), "bitsparse_pack"))
+
+
 def test_record_pointers_follow_the_fields():
     r = abi.UnpackArgs()
     r.out = 0x1234

@@ -29,3 +29,20 @@ def test_prod_is_the_kernel_and_unknown_names_are_refused():
     assert pack_bound.variant_source(src, "prod") == src
     with pytest.raises(SystemExit, match="no variant"):
         pack_bound.variant_source(src, "nolb-typo")
+
+
+def test_file_variants_name_their_launch_shape():
+    from bitsparse_core.backends.cuda import abi
+    assert pack_bound.launch_shape("nolb", 33088) == (33088, abi.THREADS)
+    assert pack_bound.launch_shape("file=k.cu", 33088) == (33088, abi.THREADS)
+    assert pack_bound.launch_shape("file=k.cu@49472", 33088) == (49472, abi.THREADS)
+    assert pack_bound.launch_shape("file=k.cu@49472@288", 33088) == (49472, 288)
+
+
+@pytest.mark.parametrize("proto", ["pack_cpasync.cu", "pack_lbwarp.cu"])
+def test_prototypes_replace_the_kernel_file(proto):
+    """The prototypes' text stands in for kernels/bitsparse_pack.cu after the common header."""
+    src = _source("bitsparse_pack.cu")
+    path = Path(__file__).resolve().parents[1] / "bench" / "proto" / proto
+    out = pack_bound.variant_source(src, f"file={path}@49472@288")
+    assert out.endswith(path.read_text()) and "bitsparse_pack(u64 x_ptr" in out
