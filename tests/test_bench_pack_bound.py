@@ -39,10 +39,35 @@ def test_file_variants_name_their_launch_shape():
     assert pack_bound.launch_shape("file=k.cu@49472@288", 33088) == (49472, 288)
 
 
-@pytest.mark.parametrize("proto", ["pack_cpasync.cu", "pack_lbwarp.cu"])
-def test_prototypes_replace_the_kernel_file(proto):
-    """The prototypes' text stands in for kernels/bitsparse_pack.cu after the common header."""
+@pytest.mark.parametrize("name", sorted(pack_bound.pack_protos.PROTOS))
+def test_prototypes_apply_to_the_kernel_and_name_their_launch(name):
+    from bitsparse_core.backends.cuda import abi
     src = _source("bitsparse_pack.cu")
-    path = Path(__file__).resolve().parents[1] / "bench" / "proto" / proto
-    out = pack_bound.variant_source(src, f"file={path}@49472@288")
-    assert out.endswith(path.read_text()) and "bitsparse_pack(u64 x_ptr" in out
+    out = pack_bound.variant_source(src, name)
+    assert out != src and "bitsparse_pack(u64 x_ptr" in out
+    smem, threads = pack_bound.launch_shape(name, 33088)
+    assert smem == 33088 + pack_bound.pack_protos.INPUT_TILE
+    assert threads == (abi.THREADS + 32 if name.startswith("lookback-warp") else abi.THREADS)
+
+
+def test_the_input_tile_is_a_pack_tile():
+    from bitsparse_core.backends.cuda import abi
+    assert pack_bound.pack_protos.INPUT_TILE == abi.WARPS * abi.PACK_ROUNDS * 32 * 16
+
+
+@pytest.mark.parametrize("name", sorted(pack_bound.pack_protos.PROTOS))
+def test_prototypes_compile(tmp_path, name):
+    """nvcc (where there is one: not in CI) compiles each prototype's plain bf16 and fp8
+    nosign packs for sm_90, as the GPU machine's NVRTC will."""
+    import shutil
+    import subprocess
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    src = pack_bound.variant_source(_source("bitsparse_pack.cu"), name)
+    src += "".join(f"\ntemplate __global__ decltype(bitsparse_pack<{f},1,0,4>) bitsparse_pack<{f},1,0,4>;"
+                   for f in (0, 3))
+    cu = tmp_path / "proto.cu"
+    cu.write_text(src)
+    subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-cubin", str(cu), "-o", str(tmp_path / "p.cubin")],
+                   check=True, capture_output=True)
