@@ -26,6 +26,20 @@ def test_every_package_of_the_tree_is_in_the_wheel():
     assert PYPROJECT["tool"]["setuptools"]["package-dir"]["bitsparse_core._kernels"] == "kernels"
 
 
+def test_the_kernels_folder_does_not_shadow_a_kernels_package():
+    """A checkout's root is first on sys.path when code runs from it; a regular package
+    named ``kernels`` there would stand in for the Hugging Face ``kernels`` package, which
+    transformers (5.x) imports, and the import would fail. The folder stays a plain one."""
+    import subprocess
+    import sys
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    code = ("import importlib.util, sys; sys.path.insert(0, sys.argv[1]); "
+            "s = importlib.util.find_spec('kernels'); print(s.origin if s else None)")
+    origin = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    assert origin in ("None", "") or not origin.startswith(str(ROOT / "kernels")), origin
+
+
 def test_license_is_the_apache_2_text_and_ships():
     text = (ROOT / "LICENSE").read_text()
     assert PYPROJECT["project"]["license"] == "Apache-2.0"
