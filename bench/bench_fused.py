@@ -18,8 +18,8 @@ capacity), so the fraction of the copy bandwidth is the op's roofline share.
 
 ``--variants``: NVRTC option sets (``name=-DA=1 -DB=1;name2=...``) that each run in a
 process of their own (CuPy caches a kernel per option set), e.g. the kernels' A/B
-switches ``BS_FUSED_PER_ELEMENT``, ``BS_FUSED_BLOCKS`` and ``BS_PACK_FUSED_BLOCKS``
-(session 21's ``BS_PACK_Y_IN_CLASSIFY`` left in session 29); ``PACK_ROUNDS=n`` and ``FUSED_ROUNDS=n`` tokens (no ``-D``) set the
+switches ``BS_FUSED_PER_ELEMENT``, ``BS_FUSED_BLOCKS`` and ``BS_PACK_FUSED_BLOCKS``;
+``PACK_ROUNDS=n`` and ``FUSED_ROUNDS=n`` tokens (no ``-D``) set the
 packs' and the fused unpack ops' rounds per warp in that process (``abi.PACK_ROUNDS``,
 ``abi.FUSED_ROUNDS``: host-side choices). Every process hashes the
 ops' outputs; the table says whether a variant's bytes equal the default build's.

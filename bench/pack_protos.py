@@ -28,6 +28,8 @@ kernel, through the production launch, and checks its packed bytes against it.
 
 from __future__ import annotations
 
+from bitsparse_core.backends.cuda import abi
+
 COPY_ASYNC = (
     # the copy helpers (cp.async from sm_80 on)
     ("""\
@@ -504,12 +506,13 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
 )
 
 # name -> (edits in order, extra dynamic shared memory in bytes, threads a block)
-INPUT_TILE = 16384              # one tile of 16-byte vectors: 8 warps x 4 rounds x 32 lanes
+INPUT_TILE = abi.WARPS * abi.PACK_ROUNDS * 32 * 16     # one tile of 16-byte vectors
 PROTOS = {
-    "copy-async": (COPY_ASYNC, INPUT_TILE, 256),
-    "lookback-warp": (COPY_ASYNC + LOOKBACK_WARP, INPUT_TILE, 288),
+    "copy-async": (COPY_ASYNC, INPUT_TILE, abi.THREADS),
+    "lookback-warp": (COPY_ASYNC + LOOKBACK_WARP, INPUT_TILE, abi.THREADS + 32),
     "lookback-warp3": (COPY_ASYNC + LOOKBACK_WARP
-                       + (("#define BS_LB_BLOCKS 4 ", "#define BS_LB_BLOCKS 3 "),), INPUT_TILE, 288),
+                       + (("#define BS_LB_BLOCKS 4 ", "#define BS_LB_BLOCKS 3 "),),
+                       INPUT_TILE, abi.THREADS + 32),
 }
 
 

@@ -50,11 +50,6 @@ def test_prototypes_apply_to_the_kernel_and_name_their_launch(name):
     assert threads == (abi.THREADS + 32 if name.startswith("lookback-warp") else abi.THREADS)
 
 
-def test_the_input_tile_is_a_pack_tile():
-    from bitsparse_core.backends.cuda import abi
-    assert pack_bound.pack_protos.INPUT_TILE == abi.WARPS * abi.PACK_ROUNDS * 32 * 16
-
-
 @pytest.mark.parametrize("name", sorted(pack_bound.pack_protos.PROTOS))
 def test_prototypes_compile(tmp_path, name):
     """nvcc (where there is one: not in CI) compiles each prototype's plain bf16 and fp8
