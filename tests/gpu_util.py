@@ -8,10 +8,22 @@ at a chosen sparsity, -0.0, NaNs with payloads, infinities and subnormals.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 
 from bitsparse_core import dtypes as _dt
+
+
+def find_nvcc():
+    """Path of an nvcc (PATH, $CUDA_HOME, /usr/local/cuda), or None: CI has none."""
+    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"),
+                 "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand):
+            return cand
+    return None
 
 
 def require_cuda(module: str = "cupy"):

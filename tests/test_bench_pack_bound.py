@@ -54,9 +54,10 @@ def test_prototypes_apply_to_the_kernel_and_name_their_launch(name):
 def test_prototypes_compile(tmp_path, name):
     """nvcc (where there is one: not in CI) compiles each prototype's plain bf16 and fp8
     nosign packs for sm_90, as the GPU machine's NVRTC will."""
-    import shutil
     import subprocess
-    nvcc = shutil.which("nvcc")
+
+    from gpu_util import find_nvcc
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("no nvcc")
     src = pack_bound.variant_source(_source("bitsparse_pack.cu"), name)

@@ -14,22 +14,14 @@ Needs nvcc. It skips without one: CI has none, but the GPU machine and CUDA dev 
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 
 import pytest
 
 from bitsparse_core.backends.cupy.kernels import _source, all_kernel_keys, kernel_spec
 
-
-def _nvcc():
-    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"),
-                 "/usr/local/cuda/bin/nvcc"):
-        if cand and os.path.isfile(cand):
-            return cand
-    return None
+from gpu_util import find_nvcc
 
 
 def _kernels_by_file() -> dict:
@@ -46,7 +38,7 @@ LOCAL = re.compile(r"\b(ld|st)\.local\b")
 
 @pytest.mark.parametrize("file", sorted(KERNELS))
 def test_no_kernel_loads_or_stores_local_memory(tmp_path, file):
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("no nvcc")
     names = sorted(KERNELS[file])
