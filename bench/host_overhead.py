@@ -39,7 +39,7 @@ that cost is paid per layer and is not hidden when the GPU work is short.
 
 * Small tensor (``--small``, default 1x4096): the GPU work is negligible, so
   the wall time of a tight loop is host time. ``host_us`` = wall time of a
-  ``--iters`` (200) call loop / iters, with no synchronization inside the
+  ``--iters`` (1000) call loop / iters, with no synchronization inside the
   loop (one ``torch.cuda.synchronize()`` before it), outputs collected in a
   list (so no call frees the previous call's memory) and dropped after the
   loop; garbage collection off during the loop. The loop runs ``--repeats``
@@ -162,8 +162,8 @@ def parse_args(argv=None):
                     help="comma-separated shapes, '' for none (default: 8192x16384,8192x14336; "
                          "with --cpu-smoke: 16x4096)")
     ap.add_argument("--sparsity", type=float, default=0.9)
-    ap.add_argument("--iters", type=int, default=200, help="calls per small-tensor loop")
-    ap.add_argument("--repeats", type=int, default=3, help="small-tensor loops (median reported)")
+    ap.add_argument("--iters", type=int, default=1000, help="calls per small-tensor loop")
+    ap.add_argument("--repeats", type=int, default=5, help="small-tensor loops (median reported)")
     ap.add_argument("--warmup", type=int, default=20, help="warm-up calls per op (at least 20)")
     ap.add_argument("--large-iters", type=int, default=30, help="calls per large-tensor loop")
     ap.add_argument("--gpu-reps", type=int, default=20, help="CUDA-event timed calls per op")

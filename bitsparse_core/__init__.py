@@ -53,13 +53,18 @@ def _torch_device(x) -> int:
     return -1
 
 
+_interop = None     # backends.cuda.interop, imported on the first torch CUDA call
+
+
 def _context(x, stream, allocator):
     """``(stream, allocator, torch device or -1)`` of a GPU call on ``x``: torch's
     current stream and caching allocator for torch data where the caller named none."""
     dev = _torch_device(x)
     if dev >= 0 and (stream is None or allocator is None):
-        from .backends.cuda.interop import torch_defaults
-        stream, allocator = torch_defaults(dev, stream, allocator)
+        global _interop
+        if _interop is None:
+            from .backends.cuda import interop as _interop
+        stream, allocator = _interop.torch_defaults(dev, stream, allocator)
     return stream, allocator, dev
 
 

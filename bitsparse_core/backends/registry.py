@@ -60,6 +60,7 @@ class Backend(Protocol):
 _FACTORIES: Dict[str, Callable[[], Backend]] = {}
 _DEVICE_TYPES: Dict[str, str] = {}
 _INSTANCES: Dict[str, Backend] = {}
+_AUTO: Dict[str, Backend] = {}      # device type -> what "auto" chose (asked on every call)
 
 
 def register_backend(name: str, device_type: str, factory: Callable[[], Backend]) -> None:
@@ -67,6 +68,7 @@ def register_backend(name: str, device_type: str, factory: Callable[[], Backend]
     _FACTORIES[name] = factory
     _DEVICE_TYPES[name] = device_type
     _INSTANCES.pop(name, None)
+    _AUTO.clear()
 
 
 def registered_backends() -> dict:
@@ -105,9 +107,13 @@ def select_backend(requested: str, device_type: str) -> Backend:
         if not be.is_available():
             raise BackendUnavailableError(f"backend {requested!r} is not available here")
         return be
+    chosen = _AUTO.get(device_type)
+    if chosen is not None:
+        return chosen
     for name, dev in _DEVICE_TYPES.items():
         if dev == device_type and backend_available(name):
-            return get_backend(name)
+            chosen = _AUTO[device_type] = get_backend(name)
+            return chosen
     candidates = [n for n, d in _DEVICE_TYPES.items() if d == device_type]
     raise UnsupportedDeviceError(
         f"no available backend for {device_type} tensors (registered for it: {candidates or 'none'}); "

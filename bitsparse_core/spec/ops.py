@@ -97,8 +97,15 @@ def relu2_backward(grad: np.ndarray, p: PackedTensor) -> np.ndarray:
     return np.where(r32 > 0, g, np.zeros((), dtype=p.dtype.numpy)).astype(p.dtype.numpy)
 
 
+_MASKED_NAMES = {"auto": _fmt.Encoding.SIGNPLANE,
+                 **{e.name.lower(): e for e in _fmt.Encoding}}
+
+
 def masked_encoding(encoding) -> _fmt.Encoding:
     """A masked pack's encoding; ``"auto"`` is signplane (the companion is signed)."""
+    known = _MASKED_NAMES.get(encoding) if type(encoding) is str else None
+    if known is not None:                 # the lower-case names, without parsing
+        return known
     if isinstance(encoding, str) and encoding.lower() == "auto":
         return _fmt.Encoding.SIGNPLANE
     return _fmt.Encoding.parse(encoding)

@@ -44,21 +44,26 @@ def check(rc: int, what: str) -> None:
 def launch(func: int, grid: int, block: int, smem: int, stream: int, args) -> None:
     """``func<<<grid, block, smem, stream>>>(*args)``; ``args`` an :mod:`.abi` record."""
     if grid > 0:
-        check(lib().cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, stream, args.pointers,
-                                   None), "cuLaunchKernel")
+        rc = lib().cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, stream, args.pointers, None)
+        if rc:
+            check(rc, "cuLaunchKernel")
 
 
 def launch_cooperative(func: int, grid: int, block: int, smem: int, stream: int, args) -> None:
     """A launch whose blocks are all resident at once (the pack kernel's closing grid
     barrier relies on it); needs no relocatable device code."""
     if grid > 0:
-        check(lib().cuLaunchCooperativeKernel(func, grid, 1, 1, block, 1, 1, smem, stream,
-                                              args.pointers), "cuLaunchCooperativeKernel")
+        rc = lib().cuLaunchCooperativeKernel(func, grid, 1, 1, block, 1, 1, smem, stream,
+                                             args.pointers)
+        if rc:
+            check(rc, "cuLaunchCooperativeKernel")
 
 
 def memset0(ptr: int, nbytes: int, stream: int) -> None:
     if nbytes:
-        check(lib().cuMemsetD8Async(ptr, 0, nbytes, stream), "cuMemsetD8Async")
+        rc = lib().cuMemsetD8Async(ptr, 0, nbytes, stream)
+        if rc:
+            check(rc, "cuMemsetD8Async")
 
 
 def copy(dst: int, src: int, nbytes: int, stream: int) -> None:
