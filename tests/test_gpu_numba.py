@@ -413,3 +413,42 @@ def test_torch_allocator_sees_memory(rng):
     assert_same(p, reference.pack_array(x, dt, "signplane", capacity=x.size), "torch allocator")
     y = BE.unpack(p, allocator=alloc)
     assert_bits(y, x, "torch allocator unpack")
+
+
+# --------------------------------------------------------------------------- #
+# launches by function handle                                                 #
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("dt", DT_PARAMS)
+def test_every_kernel_launches_by_handle_after_its_first_launch(rng, dt):
+    """Each kernel the ops launch passes launch.py's checks (parameter sizes from the
+    driver, values against Numba's marshalling), and the results of launches by handle
+    (every call after a kernel's first) are the reference's."""
+    from bitsparse_core.backends.numba import backend as nb
+    from bitsparse_core.backends.numba.launch import HandleLaunch
+    shape = (5, 40961)
+    a = _no_neg_nan(random_bits(rng, shape, dt, 0.4), dt)
+    g = random_bits(rng, shape, dt, 0.05)
+    u = random_bits(rng, shape, dt, 0.1)
+    y_ref, p_ref = reference_ops.relu_pack(a, dt, chunk_log2=16)
+    pu_ref = reference_ops.masked_pack(u, dt, p_ref, encoding="signplane")
+    with np.errstate(all="ignore"):
+        gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
+        r2_ref = reference_ops.relu2_backward(g, p_ref)
+    for turn in range(2):
+        y, p = BE.relu_pack(dev(a), dtype=dt.name, chunk_log2=16)
+        p_fix = BE.pack(dev(y_ref), dtype=dt.name, encoding="nosign", capacity=p_ref.nnz,
+                        chunk_log2=16)
+        p_u = BE.masked_pack(dev(u), p, dtype=dt.name)
+        gg, gu = BE.gated_backward(_tdev(g, dt), p, p_u)
+        where = f"{dt.name} turn {turn}"
+        assert_bits(y, y_ref, where)
+        assert_same(p, p_ref, where)
+        assert_same(p_u, pu_ref, where)
+        assert_bits(BE.unpack(p_fix), y_ref, where)
+        assert_bits(BE.relu_backward(_tdev(g, dt), p), reference_ops.relu_backward(g, p_ref), where)
+        assert_bits(BE.relu2_backward(_tdev(g, dt), p), r2_ref, where)
+        assert_bits(gg, gg_ref, where)
+        assert_bits(gu, gu_ref, where)
+    launches = nb._platform()._local.launches
+    kept = [key[0] for key, launch in launches.items() if not isinstance(launch, HandleLaunch)]
+    assert launches and not kept, f"kernels left on the dispatcher: {kept}"

@@ -25,6 +25,8 @@ CI tests it without a GPU.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import cuda as _cuda
 
@@ -38,6 +40,7 @@ from ..cuda import protocol
 from ..cuda import host, slots
 from ..cuda.host import pack_plan
 from . import kernels as K
+from .launch import KernelArray, first_launch, kind_of
 
 
 def _one_context(method):
@@ -212,6 +215,7 @@ class _GpuPlatform:
         from ..cuda import interop as ci
         self.cuda, self.driver, self.devicearray, self.ci = cuda, driver, devicearray, ci
         self._streams = {}
+        self._local = threading.local()     # launch records: one set per thread
 
     # A stream is (raw handle, device, numba Stream).
     def stream(self, stream):
@@ -262,29 +266,26 @@ class _GpuPlatform:
         return self.ci.plane_of(buf, off, nbytes, np_dtype, st[0] if st is not None else 0)
 
     def view(self, buf, off, count, np_dtype):
-        dt = np.dtype(np_dtype)
-        ptr = int(buf.ptr) + off if count else 0
-        data = self.driver.MemoryPointer(self.cuda.current_context(),
-                                         self.driver.binding.CUdeviceptr(ptr),
-                                         size=count * dt.itemsize, owner=buf)
-        return self.devicearray.DeviceNDArray(shape=(count,), strides=(dt.itemsize,), dtype=dt,
-                                              gpu_data=data, stream=0)
+        dt = np_dtype if isinstance(np_dtype, np.dtype) else np.dtype(np_dtype)
+        return KernelArray(int(buf.ptr) + off if count else 0, count, dt, buf)
 
-    # Copies, fills and reads go through the CUDA runtime on raw pointers (as the
-    # CuPy backend's do): a Numba device-array view per call costs tens of
-    # microseconds of Python, which the exact-size pack pays after its host sync.
+    def _device_array(self, a):
+        """A Numba device array of a KernelArray (what the dispatcher takes)."""
+        data = self.driver.MemoryPointer(self.cuda.current_context(),
+                                         self.driver.binding.CUdeviceptr(a.ptr),
+                                         size=a.count * a.dtype.itemsize, owner=a.owner)
+        return self.devicearray.DeviceNDArray(shape=(a.count,), strides=(a.dtype.itemsize,),
+                                              dtype=a.dtype, gpu_data=data, stream=0)
+
+    # Fills and copies go through the driver on raw pointers (as the CuPy backend's
+    # do), in the context the entry point's Numba scope made current; reads through
+    # the CUDA runtime. A Numba device-array view per call costs tens of microseconds
+    # of Python, which the exact-size pack pays after its host sync.
     def memset0(self, buf, off, nbytes, st):
-        if nbytes:
-            rt = self.ci._runtime()
-            with self._on_dev():
-                rt.memsetAsync(int(buf.ptr) + off, 0, nbytes, st[0])
+        driver.memset0(int(buf.ptr) + off, nbytes, st[0])
 
     def copy(self, dst, doff, src, soff, nbytes, st):
-        if nbytes:
-            rt = self.ci._runtime()
-            with self._on_dev():
-                rt.memcpyAsync(int(dst.ptr) + doff, int(src.ptr) + soff, nbytes,
-                               rt.memcpyDeviceToDevice, st[0])
+        driver.copy(int(dst.ptr) + doff, int(src.ptr) + soff, nbytes, st[0])
 
     def read(self, buf, off, count, np_dtype, st):
         out = np.zeros(count, dtype=np_dtype)
@@ -313,8 +314,23 @@ class _GpuPlatform:
         return cupy.cuda.Device(self._dev())
 
     def launch(self, kernel, grid, block, st, *args):
-        if grid > 0:
-            kernel[grid, block, st[1]](*args)
+        """By the kernel's handle (:mod:`.launch`) once a launch through the dispatcher
+        has compiled it for these kinds of arguments on this device and thread."""
+        if grid <= 0:
+            return
+        cache = getattr(self._local, "launches", None)
+        if cache is None:
+            cache = self._local.launches = {}
+        key = (kernel, self._dev(), *map(kind_of, args))
+        fast = cache.get(key, False)
+        if fast:
+            fast(grid, block, st[0], args)
+            return
+        numba_args = [self._device_array(a) if type(a) is KernelArray else a for a in args]
+        if fast is None:                       # not covered: the dispatcher, every time
+            kernel[grid, block, st[1]](*numba_args)
+        else:
+            cache[key] = first_launch(kernel, grid, block, st[1], args, numba_args)
 
     def order_after(self, p, st):
         """Make our stream wait for the work that produced p's planes (on p's stream)."""
