@@ -90,11 +90,6 @@ def jax_modes() -> dict:
     return {m["mode"]: m for m in result("jax_ffn.json")["modes"]}
 
 
-def host_us(op: str, backend: str, mode: str) -> float:
-    return next(s["host_us"] for s in result("host_overhead.json")["summary"]
-                if (s["op"], s["backend"], s["mode"]) == (op, backend, mode))
-
-
 def numba_over_cupy(codecs: dict, keys) -> tuple:
     """``(CuPy's rows, {key: Numba's time / CuPy's, row by row})`` of a codec bench."""
     cupy = [row for row in codecs["rows"] if row["backend"] == "cupy"]
@@ -130,8 +125,9 @@ def readme() -> list:
     tp = bu["throughput"]
     common = bu["common_batch"]
     small = next(i for i in result("host_overhead.json")["inputs"] if i["size"] == "small")
-    public = [s["host_us"] for s in result("host_overhead.json")["summary"]
-              if s["backend"] == "cupy"]   # the bc.* calls, both modes, small input
+    public = {be: [s["host_us"] for s in result("host_overhead.json")["summary"]
+                   if s["backend"] == be and s["op"] != "torch_empty"]
+              for be in ("cupy", "numba", "torch")}    # the bc.* calls and x + x, small input
     r, c, zeros = torch_ffn()
     t2 = r["kinds"]["relu2"]["variants"]
     jm = jax_modes()
@@ -224,11 +220,10 @@ def readme() -> list:
         f"({pct(tp['ours-nosign']['tokens_per_s'] / tp['checkpoint']['tokens_per_s'], 0)}) "
         "| `bench/results/train_gpt_budget.md` |",
 
-        f"| host time per call, {small['numel']}-element bf16 tensor | torch ops: unpack "
-        f"{host_us('unpack', 'torch.ops', 'torch-ops'):.1f} µs, relu2_backward "
-        f"{host_us('relu2_backward', 'torch.ops', 'torch-ops'):.1f} µs, relu_pack "
-        f"{host_us('relu_pack', 'torch.ops', 'torch-ops'):.1f} µs; public `bc.*` API (CuPy) "
-        f"{span(public, '{:.1f}')} µs | `bench/results/host_overhead.md` |",
+        f"| host time per call, {small['numel']}-element bf16 tensor | public `bc.*` API on "
+        f"torch tensors: CuPy {span(public['cupy'], '{:.1f}')} µs, Numba "
+        f"{span(public['numba'], '{:.1f}')} µs (torch's `x + x` on the same host: "
+        f"{span(public['torch'], '{:.1f}')} µs) | `bench/results/host_overhead.md` |",
 
         f"| {c['layers']}-layer bf16 ReLU² FFN stack, d={c['d']}, f={c['f']}, {c['tokens']} "
         f"tokens, {zeros} % zeros (PyTorch) | peak {mib(t2['ours_nosign']['peak_mib'])} MiB vs "
