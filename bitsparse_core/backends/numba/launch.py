@@ -92,7 +92,7 @@ class HandleLaunch:
         from numba.core import types
         self.func = _function_handle(kernel)
         self.cooperative = bool(getattr(kernel, "cooperative", False))
-        fields, self.slots, self.arrays = [], [], []
+        fields, self.slots, self.is_array = [], [], []
         for ty, arg in zip(kernel.argument_types, args):
             if isinstance(ty, types.Array):
                 if ty.ndim != 1 or ty.layout != "C" or type(arg) is not KernelArray:
@@ -102,17 +102,17 @@ class HandleLaunch:
                      _INT64(item)]
                 fields += f
                 self.slots.append((f[2], f[4], f[5]))      # count, data, shape
-                self.arrays.append(True)
+                self.is_array.append(True)
             elif isinstance(ty, types.Boolean):
                 f = ctypes.c_bool()
                 fields.append(f)
                 self.slots.append(f)
-                self.arrays.append(False)
+                self.is_array.append(False)
             elif isinstance(ty, types.Integer):
                 f = getattr(ctypes, f"c_{ty}")()
                 fields.append(f)
                 self.slots.append(f)
-                self.arrays.append(False)
+                self.is_array.append(False)
             else:
                 raise TypeError(f"argument type {ty} is not covered")
         self.fields = fields
@@ -123,7 +123,7 @@ class HandleLaunch:
                             f"{[ctypes.sizeof(f) for f in fields]}")
 
     def fill(self, args) -> None:
-        for is_array, slot, arg in zip(self.arrays, self.slots, args):
+        for is_array, slot, arg in zip(self.is_array, self.slots, args):
             if is_array:
                 slot[0].value = slot[2].value = arg.count
                 slot[1].value = arg.ptr
