@@ -174,3 +174,51 @@ def test_without_launch_callbacks_the_dispatcher_stays(no_driver):
     args = _args()
     assert L.first_launch(d, 4, 256, 0, args, _numba_args(args)) is None
     assert d.calls == 1
+
+
+def test_the_platform_launches_by_handle_after_the_first_launch(monkeypatch):
+    """_GpuPlatform.launch's cache: the first launch of a kernel for a set of argument
+    kinds goes through the dispatcher with Numba device arrays and keeps what
+    first_launch returns; later ones call that; a kernel first_launch did not cover
+    (None) keeps the dispatcher; other argument kinds or another device start afresh."""
+    backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
+    if backend.K.SIM:
+        pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
+    P = backend._GpuPlatform()
+    device = [0]
+    monkeypatch.setattr(P, "_dev", lambda: device[0])
+    monkeypatch.setattr(P, "_device_array", lambda a: ("numba array", a.ptr))
+    handled, firsts = [], []
+
+    def fake_first(dispatcher, grid, block, stream, args, numba_args):
+        firsts.append((dispatcher, numba_args))
+        dispatcher.calls += 1
+        return None if dispatcher.keep else (lambda g, b, s, a: handled.append((g, b, s, a)))
+    monkeypatch.setattr(backend, "first_launch", fake_first)
+
+    class Dispatcher:
+        def __init__(self, keep):
+            self.keep, self.calls = keep, 0
+
+        def __getitem__(self, config):
+            return lambda *numba_args: setattr(self, "calls", self.calls + 1)
+
+    st = (5, "numba stream")
+    k = Dispatcher(keep=False)
+    args = [L.KernelArray(4096, 10, U8, None), 3, True]
+    P.launch(k, 4, 256, st, *args)
+    assert k.calls == 1 and firsts[0][1] == [("numba array", 4096), 3, True] and not handled
+    P.launch(k, 8, 256, st, *args)
+    P.launch(k, 2, 128, st, L.KernelArray(8192, 99, U8, None), 7, False)   # same kinds
+    assert k.calls == 1 and [h[:3] for h in handled] == [(8, 256, 5), (2, 128, 5)]
+    P.launch(k, 4, 256, st, L.KernelArray(4096, 10, U64, None), 3, True)   # another dtype
+    device[0] = 1
+    P.launch(k, 4, 256, st, *args)                                         # another device
+    assert k.calls == 3 and len(handled) == 2
+    P.launch(k, 0, 256, st, *args)                                         # an empty grid
+    assert k.calls == 3 and len(handled) == 2
+
+    kept = Dispatcher(keep=True)
+    for _ in range(3):
+        P.launch(kept, 4, 256, st, *args)
+    assert kept.calls == 3 and len(firsts) == 4     # first_launch once, the dispatcher after
