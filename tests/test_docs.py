@@ -125,9 +125,9 @@ def readme() -> list:
     tp = bu["throughput"]
     common = bu["common_batch"]
     small = next(i for i in result("host_overhead.json")["inputs"] if i["size"] == "small")
-    public = {be: [s["host_us"] for s in result("host_overhead.json")["summary"]
-                   if s["backend"] == be and s["op"] != "torch_empty"]
-              for be in ("cupy", "numba", "torch")}    # the bc.* calls and x + x, small input
+    host_small = {be: [s["host_us"] for s in result("host_overhead.json")["summary"]
+                       if s["backend"] == be and s["op"] != "torch_empty"]
+                  for be in ("cupy", "numba", "torch")}    # the bc.* calls and x + x
     r, c, zeros = torch_ffn()
     t2 = r["kinds"]["relu2"]["variants"]
     jm = jax_modes()
@@ -221,9 +221,9 @@ def readme() -> list:
         "| `bench/results/train_gpt_budget.md` |",
 
         f"| host time per call, {small['numel']}-element bf16 tensor | public `bc.*` API on "
-        f"torch tensors: CuPy {span(public['cupy'], '{:.1f}')} µs, Numba "
-        f"{span(public['numba'], '{:.1f}')} µs (torch's `x + x` on the same host: "
-        f"{span(public['torch'], '{:.1f}')} µs) | `bench/results/host_overhead.md` |",
+        f"torch tensors: CuPy {span(host_small['cupy'], '{:.1f}')} µs, Numba "
+        f"{span(host_small['numba'], '{:.1f}')} µs (torch's `x + x` on the same host: "
+        f"{span(host_small['torch'], '{:.1f}')} µs) | `bench/results/host_overhead.md` |",
 
         f"| {c['layers']}-layer bf16 ReLU² FFN stack, d={c['d']}, f={c['f']}, {c['tokens']} "
         f"tokens, {zeros} % zeros (PyTorch) | peak {mib(t2['ours_nosign']['peak_mib'])} MiB vs "
