@@ -18,14 +18,12 @@ kernel is not touched):
   shared memory and the mask stores. Each says what one step costs where the others
   stay; ``a+b`` applies both (session 19 also cut the assembly of the W-bit stream and
   the barrier before it, which the kernel no longer has);
-* the prototypes of ``bench/pack_protos.py`` (``copy-async``, ``lookback-warp``,
-  ``lookback-warp3``), with the shared memory and block size each names;
 * ``file=PATH``, ``file=PATH@SMEM`` or ``file=PATH@SMEM@THREADS``: another version of
   bitsparse_pack.cu as it is (e.g. the last commit's, for an A/B of a change; it must
   take the same arguments and fit the current scratch), launched with SMEM bytes of
   dynamic shared memory and THREADS threads a block where they differ from the plan's.
 
-The packed bytes (``to_bytes``) of a prototype or a ``file=`` kernel are compared with
+The packed bytes (``to_bytes``) of a ``file=`` kernel are compared with
 the package's kernel's on every row; "(planes differ)" marks a mismatch.
 
 The edited kernels above write wrong planes on purpose; only their time is read. Each is
@@ -46,7 +44,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-import pack_protos  # noqa: E402
 from bitsparse_core.backends.cuda import abi  # noqa: E402
 
 # The texts of kernels/bitsparse_pack.cu the variants edit.
@@ -68,10 +65,7 @@ CUTS = {
 
 def launch_shape(name: str, smem: int) -> tuple:
     """(dynamic shared memory, threads a block) of a variant: the plan's, unless a
-    prototype or a ``file=`` variant names its own (``@SMEM``, ``@SMEM@THREADS``)."""
-    if name in pack_protos.PROTOS:
-        _, extra, threads = pack_protos.PROTOS[name]
-        return smem + extra, threads
+    ``file=`` variant names its own (``@SMEM``, ``@SMEM@THREADS``)."""
     parts = name.split("@") if name.startswith("file=") else [name]
     return (int(parts[1]) if len(parts) > 1 else smem,
             int(parts[2]) if len(parts) > 2 else abi.THREADS)
@@ -84,8 +78,6 @@ def variant_source(src: str, name: str) -> str:
         return src
     if name == "prod":
         return src
-    if name in pack_protos.PROTOS:
-        return pack_protos.proto_source(src, name)
     if name.startswith("file="):           # the same common header, another kernel file
         own = (HERE.parent / "kernels" / "bitsparse_pack.cu").read_text()
         if not src.endswith(own):
@@ -101,8 +93,7 @@ def variant_source(src: str, name: str) -> str:
             raise SystemExit("pack_bound: the whole-tile load was not found in bitsparse_pack.cu")
         return src.replace(LOAD, "reinterpret_cast<const uint4*>(x) + (warp * (SEG / V) + lane)")
     if name not in ("nolb", "nolb-nowrite"):
-        known = ", ".join(VARIANTS + tuple(pack_protos.PROTOS))
-        raise SystemExit(f"pack_bound: no variant {name!r} (known: {known})")
+        raise SystemExit(f"pack_bound: no variant {name!r} (known: {', '.join(VARIANTS)})")
     fold = FOLD.search(src)
     if fold is None:
         raise SystemExit("pack_bound: the look-back fold was not found in bitsparse_pack.cu")
@@ -183,7 +174,7 @@ def main(argv=None) -> int:
                     raise SystemExit(f"pack_bound: {v} was launched {len(swaps)} times, not on "
                                      f"every timed call")
                 note = ""
-                if v.startswith("file=") or v in pack_protos.PROTOS:   # a whole kernel
+                if v.startswith("file="):            # a whole kernel
                     try:
                         driver.launch_cooperative = swapped
                         got = call()

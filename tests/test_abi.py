@@ -57,19 +57,6 @@ def test_warp_tile_prototype_takes_the_pack_record():
             == _params(read_source("bitsparse_pack.cu"), "bitsparse_pack"))
 
 
-def test_pack_prototypes_take_the_pack_record():
-    """bench/pack_bound.py launches bench/pack_protos.py's prototypes in the package
-    kernel's place, with its argument record."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import pack_protos
-    src = read_source("bitsparse_pack.cu")
-    for name in pack_protos.PROTOS:
-        assert (_params(pack_protos.proto_source(src, name), "bitsparse_pack")
-                == _params(src, "bitsparse_pack")), name
-
-
 def test_record_pointers_follow_the_fields():
     r = abi.UnpackArgs()
     r.out = 0x1234
