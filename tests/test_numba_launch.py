@@ -70,7 +70,7 @@ def no_driver(monkeypatch):
 def test_kernel_array_is_plain_data():
     a = L.KernelArray(4096, 10, U8, owner := object())
     assert (a.ptr, a.count, a.size, a.dtype, a.owner) == (4096, 10, 10, U8, owner)
-    assert L.kind_of(a) == U8 and L.kind_of(3) is int and L.kind_of(True) is bool
+    assert L.kinds_of([a, 3, True]) == (U8, int, bool)
 
 
 @pytest.mark.parametrize("n,flag", [(1000, True), (0, False), (8, True)])
@@ -185,8 +185,6 @@ def test_the_platform_launches_by_handle_after_the_first_launch(monkeypatch):
     if backend.K.SIM:
         pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
     P = backend._GpuPlatform()
-    device = [0]
-    monkeypatch.setattr(P, "_dev", lambda: device[0])
     monkeypatch.setattr(P, "_device_array", lambda a: ("numba array", a.ptr))
     handled, firsts = [], []
 
@@ -203,7 +201,7 @@ def test_the_platform_launches_by_handle_after_the_first_launch(monkeypatch):
         def __getitem__(self, config):
             return lambda *numba_args: setattr(self, "calls", self.calls + 1)
 
-    st = (5, "numba stream")
+    st = (5, "numba stream", 0)         # (handle, Numba stream, device)
     k = Dispatcher(keep=False)
     args = [L.KernelArray(4096, 10, U8, None), 3, True]
     P.launch(k, 4, 256, st, *args)
@@ -212,8 +210,7 @@ def test_the_platform_launches_by_handle_after_the_first_launch(monkeypatch):
     P.launch(k, 2, 128, st, L.KernelArray(8192, 99, U8, None), 7, False)   # same kinds
     assert k.calls == 1 and [h[:3] for h in handled] == [(8, 256, 5), (2, 128, 5)]
     P.launch(k, 4, 256, st, L.KernelArray(4096, 10, U64, None), 3, True)   # another dtype
-    device[0] = 1
-    P.launch(k, 4, 256, st, *args)                                         # another device
+    P.launch(k, 4, 256, (5, "numba stream", 1), *args)                    # another device
     assert k.calls == 3 and len(handled) == 2
     P.launch(k, 0, 256, st, *args)                                         # an empty grid
     assert k.calls == 3 and len(handled) == 2

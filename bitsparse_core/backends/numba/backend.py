@@ -40,7 +40,7 @@ from ..cuda import protocol
 from ..cuda import host, slots
 from ..cuda.host import pack_plan
 from . import kernels as K
-from .launch import KernelArray, first_launch, kind_of
+from .launch import KernelArray, first_launch, kinds_of
 
 
 def _one_context(method):
@@ -217,44 +217,46 @@ class _GpuPlatform:
         self._streams = {}
         self._local = threading.local()     # launch records: one set per thread
 
-    # A stream is (raw handle, device, numba Stream).
+    # A stream is (raw handle, numba Stream, device): the entry point's Numba context
+    # scope fixes the device, so it is asked for once per call.
     def stream(self, stream):
         h = self.ci.stream_handle(stream)
         ns = self._streams.get(h)
         if ns is None:
             ns = self.cuda.external_stream(h) if h else self.cuda.default_stream()
             self._streams[h] = ns
-        return h, ns
+        return h, ns, self._dev()
 
     def device(self, st):
-        return ("cuda", int(self.cuda.get_current_device().id))
+        return ("cuda", st[2])
 
     def _dev(self):
         return int(self.cuda.get_current_device().id)
 
     def import_dense(self, x, dtype, st):
         t = self.ci.import_cuda(x, dtype=dtype, stream=st[0])
-        self._check_dev(t.device)
+        if t.device != st[2]:
+            raise UnsupportedDeviceError(f"tensor on cuda:{t.device}, but Numba's current device "
+                                         f"is cuda:{st[2]}; select it with numba.cuda.select_device")
         return t, tuple(t.shape), t.dtype
-
-    def _check_dev(self, device):
-        if device != self._dev():
-            raise UnsupportedDeviceError(f"tensor on cuda:{device}, but Numba's current device is "
-                                         f"cuda:{self._dev()}; select it with numba.cuda.select_device")
 
     def import_out(self, out, shape, dt, st):
         t = self.ci.import_cuda(out, stream=st[0])
-        self.ci.check_out(t, shape, dt, self._dev())
+        self.ci.check_out(t, shape, dt, st[2])
         return t
 
     def new_dense(self, shape, dt, st, allocator):
-        arr = self.ci.CudaArray.empty(shape, dt, self._dev(), st[0], allocator)
+        arr = self.ci.CudaArray.empty(shape, dt, st[2], st[0], allocator)
         return arr, arr
 
     def alloc(self, nbytes, st, allocator):
-        return self.ci.allocate(nbytes, self._dev(), st[0], allocator)
+        return self.ci.allocate(nbytes, st[2], st[0], allocator)
 
     def import_plane(self, plane):
+        """A plane as a buffer with ``ptr`` (what :meth:`view` reads): our planes are
+        that already; any other CUDA array is read through its interface."""
+        if isinstance(plane, self.ci.CudaArray):
+            return plane
         cai = plane.__cuda_array_interface__
         n = _fmt.numel_of(cai["shape"]) * int(cai["typestr"][2:])
         return self.ci.DeviceBuffer(int(cai["data"][0] or 0), n, self._dev(), plane)
@@ -291,7 +293,7 @@ class _GpuPlatform:
         out = np.zeros(count, dtype=np_dtype)
         if out.nbytes:
             rt = self.ci._runtime()
-            with self._on_dev():
+            with self._on_dev(st):
                 rt.memcpyAsync(out.ctypes.data, int(buf.ptr) + off, out.nbytes,
                                rt.memcpyDeviceToHost, st[0])
                 rt.streamSynchronize(st[0])
@@ -303,15 +305,15 @@ class _GpuPlatform:
     def copy_to_slot(self, slot, buf, off, st):
         """The status area's 16 bytes into a pinned slot, in stream order (the Numba
         kernel does not write the slot itself as the CUDA C++ one does)."""
-        with self._on_dev():
+        with self._on_dev(st):
             driver.copy_to_host(slot, int(buf.ptr) + off, abi.SLOT_BYTES, st[0])
 
     def device_sync(self):
         self.cuda.synchronize()
 
-    def _on_dev(self):
+    def _on_dev(self, st):
         import cupy
-        return cupy.cuda.Device(self._dev())
+        return cupy.cuda.Device(st[2])
 
     def launch(self, kernel, grid, block, st, *args):
         """By the kernel's handle (:mod:`.launch`) once a launch through the dispatcher
@@ -321,7 +323,7 @@ class _GpuPlatform:
         cache = getattr(self._local, "launches", None)
         if cache is None:
             cache = self._local.launches = {}
-        key = (kernel, self._dev(), *map(kind_of, args))
+        key = (kernel, st[2], kinds_of(args))
         fast = cache.get(key, False)
         if fast:
             fast(grid, block, st[0], args)
@@ -655,15 +657,18 @@ class NumbaBackend:
         return int(P.read(P.import_plane(p.offsets), lay.n_chunks * w, 1, np.dtype(f"<u{w}"),
                           self._pstream(P, p))[0])
 
-    @_one_context
     def read_status(self, p) -> int:
         if p.status is None:
             return 0
-        if "status_value" not in p.extra:  # final once the pack has run
-            P = _platform()
-            p.extra["status_value"] = int(P.read(P.import_plane(p.status), 0, 1, np.int32,
-                                                 self._pstream(P, p))[0])
-        return p.extra["status_value"]
+        code = p.extra.get("status_value")  # final once the pack has run: read once
+        if code is None:
+            code = p.extra["status_value"] = self._read_status_now(p)
+        return code
+
+    @_one_context
+    def _read_status_now(self, p) -> int:
+        P = _platform()
+        return int(P.read(P.import_plane(p.status), 0, 1, np.int32, self._pstream(P, p))[0])
 
     @_one_context
     def to_numpy(self, array) -> np.ndarray:

@@ -92,6 +92,16 @@ def _kernels(name: str, variant: PackVariant) -> DtypeKernels:
     return DtypeKernels(name, variant)
 
 
+_COMMITTED_BY_NAME: dict = {}
+
+
 def kernels_for(name: str, variant: PackVariant = COMMITTED) -> DtypeKernels:
-    """The kernels of one dtype and pack variant, built once."""
+    """The kernels of one dtype and pack variant, built once. The committed variant's
+    are looked up by name alone: every op asks, and hashing a variant record (or making
+    its ``compiled()`` copy) costs microseconds of host time."""
+    if variant is COMMITTED:
+        kern = _COMMITTED_BY_NAME.get(name)
+        if kern is None:
+            kern = _COMMITTED_BY_NAME[name] = _kernels(name, COMMITTED)
+        return kern
     return _kernels(name, variant.compiled())

@@ -50,11 +50,10 @@ class KernelArray:
         return self.count
 
 
-def kind_of(arg):
-    """The part of an argument that selects a compiled kernel (cache key)."""
-    if type(arg) is KernelArray:
-        return arg.dtype
-    return type(arg)
+def kinds_of(args) -> tuple:
+    """What of each argument selects a compiled kernel (a launch cache's key): an
+    array's dtype, any other argument's type."""
+    return tuple([a.dtype if type(a) is KernelArray else type(a) for a in args])
 
 
 def _param_sizes(func: int) -> list | None:
