@@ -108,6 +108,10 @@ def make(name: str, jit=None, bitcast_f32=None, bitcast_u32=None) -> Funcs:
             if IS_FN:
                 return s | FN_NAN
             return s | QNAN_SMALL
+        if IS_BF16:
+            # Same exponent range as float32: nearest-even is a carry into the kept
+            # half, which also rounds overflow to inf and keeps subnormals.
+            return (f + 0x7FFF + ((f >> 16) & 1)) >> 16
         if a == F32_INF:
             if IS_FN:
                 return s | FN_NAN
