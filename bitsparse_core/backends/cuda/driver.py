@@ -98,6 +98,22 @@ def alloc_host(nbytes: int) -> int:
     return p.value
 
 
+def has_context() -> bool:
+    """Whether the calling thread has a current CUDA context (False before ``cuInit``)."""
+    ctx = _P()
+    return lib().cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and bool(ctx.value)
+
+
+def current_device() -> int | None:
+    """The device ordinal of the calling thread's current context, None without one
+    (a ``CUdevice`` is its ordinal, as Numba, CuPy and PyTorch take it to be)."""
+    if not has_context():
+        return None
+    dev = ctypes.c_int()
+    check(lib().cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
+    return dev.value
+
+
 def sync_stream(stream: int) -> None:
     check(lib().cuStreamSynchronize(_P(stream)), "cuStreamSynchronize")
 

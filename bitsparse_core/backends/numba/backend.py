@@ -25,6 +25,7 @@ CI tests it without a GPU.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -44,11 +45,20 @@ from .launch import KernelArray, first_launch, kinds_of
 
 
 def _one_context(method):
-    """Run a backend entry point inside one Numba context scope: the Numba calls and
-    launches inside it find the CUDA context in thread-local storage; outside such a
-    scope each asks the driver for it again (~24 times per pack; bench/NOTES.md,
-    session 28)."""
-    return _cuda.require_context(method)
+    """Run a backend entry point where a CUDA context is current. When the calling
+    thread has one (PyTorch's, CuPy's or Numba's primary context), the entry point runs
+    as it is: its launches and copies go through the driver, and the device comes from
+    the context (:meth:`_GpuPlatform._dev`). Otherwise it runs inside a Numba context
+    scope, which makes Numba's context current; entering one asks the driver and
+    Numba's runtime for the context on every call (bench/NOTES.md, session 31)."""
+    scoped = _cuda.require_context(method)
+
+    @functools.wraps(method)
+    def entry(*args, **kwargs):
+        if K.SIM or not driver.has_context():
+            return scoped(*args, **kwargs)
+        return method(*args, **kwargs)
+    return entry
 
 
 Encoding = _fmt.Encoding
@@ -63,21 +73,27 @@ class _Alloc:
     (:func:`..cuda.host.pack_plan`): one allocation (sections 64-byte aligned in format
     order, then the status area), or an exact pack's two (``split``: the head with
     the mask, the offsets and the status area, and the tail with the values and signs,
-    :attr:`..cuda.host.PackPlan.head_bytes`; ``head``: a head to share, the shrink's)."""
+    :attr:`..cuda.host.PackPlan.head_bytes`; ``head``: a head to share, the shrink's).
+    ``scratch``: bytes of the pack kernel's scratch behind the last allocation
+    (``self.scratch``: its buffer and offset), so that a pack allocates once."""
 
-    def __init__(self, P, plan, st, allocator, split=False, head=None):
+    def __init__(self, P, plan, st, allocator, split=False, head=None, scratch=0):
         self.plan, self.lay = plan, plan.lay
         (mo, ml), (oo, ol), (vo, vl), (so, sl) = plan.spans
         if split:
             self.head = head if head is not None else P.alloc(plan.head_bytes, st, allocator)
-            self.tail = P.alloc(plan.tail_bytes, st, allocator)
+            at = _fmt.align(plan.tail_bytes)
+            self.tail = P.alloc(at + scratch, st, allocator)
+            self.scratch = (self.tail, at)
             self.at = {"mask": (self.head, mo, ml), "offsets": (self.head, oo, ol),
                        "values": (self.tail, 0, vl),
                        "signs": (self.tail, plan.tail_signs_offset, sl)}
             self.status = (self.head, vo)
             self.buffers = ((self.head, plan.head_bytes), (self.tail, plan.tail_bytes))
         else:
-            buf = P.alloc(plan.nbytes, st, allocator)
+            at = _fmt.align(plan.nbytes)
+            buf = P.alloc(at + scratch, st, allocator)
+            self.scratch = (buf, at)
             self.at = {"mask": (buf, mo, ml), "offsets": (buf, oo, ol), "values": (buf, vo, vl),
                        "signs": (buf, so, sl)}
             if plan.mode == Mode.MASKED:         # its mask and offsets are the mask tensor's
@@ -100,15 +116,14 @@ class _NumbaSteps:
     def __init__(self, backend, P, st, buf, dt, mode, allocator, ybuf):
         self.backend, self.P, self.st, self.buf, self.dt = backend, P, st, buf, dt
         self.mode, self.allocator, self.ybuf = mode, allocator, ybuf
-        self.keep = None
         self.slot = 0
 
     def run(self, plan, fixed, count=False):
-        al = _Alloc(self.P, plan, self.st, self.allocator, split=not fixed)
+        al = _Alloc(self.P, plan, self.st, self.allocator, split=not fixed,
+                    scratch=self.backend._scratch_bytes(plan.lay.numel, self.dt)[1])
         self.slot = self.P.take_slot() if count else 0
-        self.keep = self.backend._run_pack(self.P, self.st, self.buf, plan.lay.numel, self.dt,
-                                           self.mode, plan.lay, al, self.allocator, self.ybuf,
-                                           None, zero_tail=fixed, slot=self.slot)
+        self.backend._run_pack(self.P, self.st, self.buf, plan.lay.numel, self.dt, self.mode,
+                               plan.lay, al, self.ybuf, None, zero_tail=fixed, slot=self.slot)
         return al
 
     def read_head(self, plan, al):
@@ -127,7 +142,7 @@ class _NumbaSteps:
         return out
 
     def packed(self, plan, al, nnz, pending_status):
-        return self.backend._packed(self.P, self.st, plan.lay, al, nnz, pending_status, self.keep)
+        return self.backend._packed(self.P, self.st, plan.lay, al, nnz, pending_status)
 
 
 # ----------------------------------------------------------------------------
@@ -231,7 +246,8 @@ class _GpuPlatform:
         return ("cuda", st[2])
 
     def _dev(self):
-        return int(self.cuda.get_current_device().id)
+        dev = driver.current_device()
+        return dev if dev is not None else int(self.cuda.get_current_device().id)
 
     def import_dense(self, x, dtype, st):
         t = self.ci.import_cuda(x, dtype=dtype, stream=st[0])
@@ -445,30 +461,38 @@ class NumbaBackend:
         return protocol.pack(steps, tuple(shape), dt, encoding, chunk_log2, capacity,
                              Mode(mode))
 
-    def _run_pack(self, P, st, buf, numel, dt, mode, lay, al, allocator, ybuf, p_mask,
-                  zero_tail, slot=0):
+    def _scratch_bytes(self, numel, dt):
+        """(zeroed head, total) bytes of a pack's scratch: the look-back's (ticket,
+        unused, a descriptor per tile and per group; zeroed before each pack), each
+        tile's start and the total, and 16 bytes of stream edges per tile (for
+        k_finish)."""
+        if numel == 0:
+            return 0, 0
+        n_tiles = _ceil_div(numel, K.kernels_for(dt.name, self.variant).ptile)
+        head = K.scratch_slots(n_tiles) * 8
+        return head, head + 8 * (n_tiles + 1) + 16 * n_tiles
+
+    def _run_pack(self, P, st, buf, numel, dt, mode, lay, al, ybuf, p_mask, zero_tail,
+                  slot=0):
         """Launch the one-pass pack into ``al`` (and, at fixed capacity, zero what
-        lies past the stored values); the status and count then go to ``slot`` (a
-        pinned host slot, 0 for none) ahead of the stitching kernel. Returns the
-        scratch, which must outlive the queued kernels."""
+        lies past the stored values), with its scratch at ``al.scratch``; the status
+        and count then go to ``slot`` (a pinned host slot, 0 for none) ahead of the
+        stitching kernel."""
         if numel == 0:
             for b, n in al.buffers:
                 P.memset0(b, 0, n, st)
             if slot:
                 slots.write(slot, 0, 0)
-            return None
+            return
         enc = lay.encoding
         kern = K.kernels_for(dt.name, self.variant)   # the pack's variant
         n_tiles = _ceil_div(numel, kern.ptile)      # the pack's own tile size
-        # Scratch: the look-back's (ticket, unused, a descriptor per tile and per
-        # group; zeroed); each tile's start and the total; 16 bytes of stream edges
-        # per tile (for k_finish).
-        head = K.scratch_slots(n_tiles) * 8
-        scratch = P.alloc(head + 8 * (n_tiles + 1) + 16 * n_tiles, st, allocator)
-        P.memset0(scratch, 0, head, st)
-        desc = P.view(scratch, 0, K.scratch_slots(n_tiles), np.int64)
-        starts = P.view(scratch, head, n_tiles + 1, np.int64)
-        edges = P.view(scratch, head + 8 * (n_tiles + 1), 4 * n_tiles, np.uint32)
+        head, _ = self._scratch_bytes(numel, dt)
+        scratch, s0 = al.scratch
+        P.memset0(scratch, s0, head, st)
+        desc = P.view(scratch, s0, head // 8, np.int64)
+        starts = P.view(scratch, s0 + head, n_tiles + 1, np.int64)
+        edges = P.view(scratch, s0 + head + 8 * (n_tiles + 1), 4 * n_tiles, np.uint32)
         xe, x64, use64 = self._dense_views(P, buf, numel, dt)
         if ybuf is not None:
             ye, y64, yfast = self._dense_views(P, ybuf, numel, dt)
@@ -482,7 +506,7 @@ class NumbaBackend:
             msrc = mask
         else:
             msrc = P.view(P.import_plane(p_mask.mask), 0, lay.mask[1], np.uint8)
-            mask, offsets = msrc, P.view(scratch, 0, 0, np.uint32)
+            mask, offsets = msrc, P.view(scratch, s0, 0, np.uint32)
         P.launch(kern.pack[(mode, int(enc))], n_tiles, K.NT, st, xe, x64, use64, numel, ye, y64,
                  yfast, msrc, lay.capacity, int(self.variant.incl_every), mask, offsets, lay.chunk_log2, vt,
                  vw, sw, desc, starts, edges, stat)
@@ -499,7 +523,6 @@ class NumbaBackend:
                 grid = max(grid, min(_ceil_div(max(words, 1), 256), 4096))
             P.launch(kern.finish, grid, block, st, starts, edges, n_tiles, stat, lay.capacity,
                      int(enc), zero, vt, vw, sw)
-        return scratch
 
     @staticmethod
     def _value_views(P, lay, al):
@@ -513,8 +536,7 @@ class NumbaBackend:
         sw = al.view(P, "signs", _ceil_div(sn, 4) if enc == Encoding.SIGNPLANE else 0, np.uint32)
         return vt, vw, sw
 
-    def _packed(self, P, st, lay, al, nnz, with_status, keep, mask=None, offsets=None,
-                extra=None):
+    def _packed(self, P, st, lay, al, nnz, with_status, mask=None, offsets=None, extra=None):
         odt = np.dtype(f"<u{lay.offset_width}")
         p = PackedTensor(tuple(lay.shape), lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
                          al.plane(P, "mask", np.uint8, st) if mask is None else mask,
@@ -525,8 +547,6 @@ class NumbaBackend:
                                  if with_status else None),
                          extra=dict(extra or {}))
         p.extra["stream"] = st[0] if st is not None else 0
-        if keep is not None:
-            p.extra["_scratch"] = keep   # read by kernels still queued on the stream
         return p
 
     @_one_context
@@ -541,11 +561,11 @@ class NumbaBackend:
         P.order_after(p_mask, st)
         nnz = p_mask.nnz  # the companion stores every masked position (sync if pending)
         plan = pack_plan(tuple(shape), dt, enc, nnz, p_mask.chunk_log2, Mode.MASKED)
-        al = _Alloc(P, plan, st, allocator)
+        al = _Alloc(P, plan, st, allocator, scratch=self._scratch_bytes(p_mask.numel, dt)[1])
         lay = plan.lay
-        keep = self._run_pack(P, st, buf, p_mask.numel, dt, K.MODE_MASKED, lay, al, allocator,
-                              None, p_mask, zero_tail=False)
-        return self._packed(P, st, lay, al, nnz, enc == Encoding.NOSIGN, keep, mask=p_mask.mask,
+        self._run_pack(P, st, buf, p_mask.numel, dt, K.MODE_MASKED, lay, al, None, p_mask,
+                       zero_tail=False)
+        return self._packed(P, st, lay, al, nnz, enc == Encoding.NOSIGN, mask=p_mask.mask,
                             offsets=p_mask.offsets, extra={"shares_mask": True})
 
     # ----------------------------------------------------------- unpacking
