@@ -126,8 +126,9 @@ def readme() -> list:
     common = bu["common_batch"]
     small = next(i for i in result("host_overhead.json")["inputs"] if i["size"] == "small")
     host_small = {be: [s["host_us"] for s in result("host_overhead.json")["summary"]
-                       if s["backend"] == be and s["op"] != "torch_empty"]
-                  for be in ("cupy", "numba", "torch")}    # the bc.* calls and x + x
+                       if s["backend"] == be and s["op"] != "torch_empty"
+                       and s["mode"] != "callable"]
+                  for be in ("cupy", "numba", "torch")}    # the bc.* calls (torch mode), x + x
     r, c, zeros = torch_ffn()
     t2 = r["kinds"]["relu2"]["variants"]
     jm = jax_modes()
@@ -221,7 +222,7 @@ def readme() -> list:
         "| `bench/results/train_gpt_budget.md` |",
 
         f"| host time per call, {small['numel']}-element bf16 tensor | public `bc.*` API on "
-        f"torch tensors: CuPy {span(host_small['cupy'], '{:.1f}')} µs, Numba "
+        f"torch tensors (torch's stream and allocator): CuPy {span(host_small['cupy'], '{:.1f}')} µs, Numba "
         f"{span(host_small['numba'], '{:.1f}')} µs (torch's `x + x` on the same host: "
         f"{span(host_small['torch'], '{:.1f}')} µs) | `bench/results/host_overhead.md` |",
 
