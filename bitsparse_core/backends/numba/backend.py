@@ -232,8 +232,8 @@ class _GpuPlatform:
         self._streams = {}
         self._local = threading.local()     # launch records: one set per thread
 
-    # A stream is (raw handle, numba Stream, device): the entry point's Numba context
-    # scope fixes the device, so it is asked for once per call.
+    # A stream is (raw handle, numba Stream, device): the context current in the entry
+    # point fixes the device, so it is asked for once per call.
     def stream(self, stream):
         h = self.ci.stream_handle(stream)
         ns = self._streams.get(h)
