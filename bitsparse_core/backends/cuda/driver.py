@@ -106,12 +106,10 @@ def has_context() -> bool:
 
 def current_device() -> int | None:
     """The device ordinal of the calling thread's current context, None without one
-    (a ``CUdevice`` is its ordinal, as Numba, CuPy and PyTorch take it to be)."""
-    if not has_context():
-        return None
+    (the call fails then; a ``CUdevice`` is its ordinal, as Numba, CuPy and PyTorch take
+    it to be)."""
     dev = ctypes.c_int()
-    check(lib().cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
-    return dev.value
+    return dev.value if lib().cuCtxGetDevice(ctypes.byref(dev)) == 0 else None
 
 
 def sync_stream(stream: int) -> None:

@@ -117,8 +117,7 @@ def same_stream(a: int, b: int) -> bool:
 
 def stream_wait(consumer: int, producer: int, device: int) -> None:
     """Make ``consumer`` wait for the work queued so far on ``producer``."""
-    # same_stream, written out: every op asks this of each input
-    if consumer != producer and not (consumer in (0, 1) and producer in (0, 1)):
+    if not same_stream(consumer, producer):
         driver.stream_wait(consumer, producer)
 
 
@@ -207,7 +206,7 @@ def _from_torch(t, dtype, stream: int) -> CudaTensor:
     if not t.is_contiguous() and t.numel():
         raise NonContiguousError(f"tensor with shape {tuple(t.shape)} and strides {t.stride()} "
                                  "is not C-contiguous; call .contiguous() first")
-    dt = _TORCH_DTYPES.get(t.dtype) if _TORCH_DTYPES else _format_dtype_of(t)
+    dt = _format_dtype_of(t)
     if dt is None or dtype is not None:
         code = 2 if t.dtype.is_floating_point else (0 if t.dtype.is_signed else 1)
         dt = resolve_dtype(code, 8 * t.element_size(), 1, dtype)

@@ -120,7 +120,7 @@ class _NumbaSteps:
 
     def run(self, plan, fixed, count=False):
         al = _Alloc(self.P, plan, self.st, self.allocator, split=not fixed,
-                    scratch=self.backend._scratch_bytes(plan.lay.numel, self.dt)[1])
+                    scratch=self.backend._scratch_bytes(plan.lay.numel, self.dt)[2])
         self.slot = self.P.take_slot() if count else 0
         self.backend._run_pack(self.P, self.st, self.buf, plan.lay.numel, self.dt, self.mode,
                                plan.lay, al, self.ybuf, None, zero_tail=fixed, slot=self.slot)
@@ -462,15 +462,15 @@ class NumbaBackend:
                              Mode(mode))
 
     def _scratch_bytes(self, numel, dt):
-        """(zeroed head, total) bytes of a pack's scratch: the look-back's (ticket,
-        unused, a descriptor per tile and per group; zeroed before each pack), each
-        tile's start and the total, and 16 bytes of stream edges per tile (for
-        k_finish)."""
+        """(tiles, zeroed head, total bytes) of a pack's scratch: the look-back's
+        (ticket, unused, a descriptor per tile and per group; zeroed before each pack),
+        each tile's start and the total, and 16 bytes of stream edges per tile (for
+        k_finish). Tiles are the pack kernel's own."""
         if numel == 0:
-            return 0, 0
+            return 0, 0, 0
         n_tiles = _ceil_div(numel, K.kernels_for(dt.name, self.variant).ptile)
         head = K.scratch_slots(n_tiles) * 8
-        return head, head + 8 * (n_tiles + 1) + 16 * n_tiles
+        return n_tiles, head, head + 8 * (n_tiles + 1) + 16 * n_tiles
 
     def _run_pack(self, P, st, buf, numel, dt, mode, lay, al, ybuf, p_mask, zero_tail,
                   slot=0):
@@ -486,8 +486,7 @@ class NumbaBackend:
             return
         enc = lay.encoding
         kern = K.kernels_for(dt.name, self.variant)   # the pack's variant
-        n_tiles = _ceil_div(numel, kern.ptile)      # the pack's own tile size
-        head, _ = self._scratch_bytes(numel, dt)
+        n_tiles, head, _ = self._scratch_bytes(numel, dt)
         scratch, s0 = al.scratch
         P.memset0(scratch, s0, head, st)
         desc = P.view(scratch, s0, head // 8, np.int64)
@@ -561,7 +560,7 @@ class NumbaBackend:
         P.order_after(p_mask, st)
         nnz = p_mask.nnz  # the companion stores every masked position (sync if pending)
         plan = pack_plan(tuple(shape), dt, enc, nnz, p_mask.chunk_log2, Mode.MASKED)
-        al = _Alloc(P, plan, st, allocator, scratch=self._scratch_bytes(p_mask.numel, dt)[1])
+        al = _Alloc(P, plan, st, allocator, scratch=self._scratch_bytes(p_mask.numel, dt)[2])
         lay = plan.lay
         self._run_pack(P, st, buf, p_mask.numel, dt, K.MODE_MASKED, lay, al, None, p_mask,
                        zero_tail=False)
