@@ -455,6 +455,56 @@ def test_every_kernel_launches_by_handle_after_its_first_launch(rng, dt):
     assert launches and not kept, f"kernels left on the dispatcher: {kept}"
 
 
+@pytest.mark.parametrize("dt", DT_PARAMS)
+def test_a_plan_packs_other_tensors_by_its_own_records(rng, dt):
+    """From a plan's third pack on a thread, its launches go by records of its own that
+    take only the new addresses (backend._PackLaunches): two tensors packed in turn with
+    one plan, at 8-byte aligned and misaligned addresses in turn, give the reference's
+    bytes (and the CuPy backend's) every time, in every pack variant: fixed capacity,
+    exact (two blocks, the count to a pinned slot), relu_pack, masked_pack."""
+    from bitsparse_core.backends.numba import backend as nb
+    nb._PACK_LAUNCHES._entries().clear()
+    cb = bc.get_backend("cupy") if CUPY_OK else None
+    shape, c = (3, 40961), 12
+    xs = [_unsigned(random_bits(rng, shape, dt, sp), dt) for sp in (0.6, 0.8)]
+    as_ = [_no_neg_nan(random_bits(rng, shape, dt, sp), dt) for sp in (0.3, 0.5)]
+    us = [random_bits(rng, shape, dt, 0.1) for _ in range(2)]
+    m = random_bits(rng, shape, dt, 0.7)
+    cap = max(int(np.count_nonzero(x.view(dt.uint))) for x in xs) + 5
+    cap_r = max(reference_ops.relu_pack(a, dt, chunk_log2=c)[1].nnz for a in as_) + 3
+    fixed_ref = [reference.pack_array(x, dt, "nosign", capacity=cap, chunk_log2=c) for x in xs]
+    exact_ref = [reference.pack_array(x, dt, "signplane", chunk_log2=c) for x in xs]
+    relu_ref = [reference_ops.relu_pack(a, dt, chunk_log2=c, capacity=cap_r) for a in as_]
+    m_ref = reference.pack_array(m, dt, "signplane", chunk_log2=c)
+    masks = [BE.pack(dev(m), dtype=dt.name, encoding="signplane", chunk_log2=c) for _ in range(2)]
+    masked_ref = [reference_ops.masked_pack(u, dt, m_ref) for u in us]
+
+    def placed(x, off):
+        """x on the device ``off`` elements past an 8-byte aligned address."""
+        return dev(np.concatenate([x.reshape(-1)[:off], x.reshape(-1)]))[off:].reshape(x.shape)
+
+    for turn in range(10):
+        i, off = turn % 2, (turn // 2) % 2
+        where = f"{dt.name} turn {turn}"
+        x = placed(xs[i], off)
+        assert (x.data.ptr % 8 != 0) == bool(off)
+        p = BE.pack(x, dtype=dt.name, encoding="nosign", capacity=cap, chunk_log2=c)
+        assert_same(p, fixed_ref[i], f"fixed {where}")
+        if cb is not None:
+            assert_same(p, cb.pack(x, dtype=dt.name, encoding="nosign", capacity=cap,
+                                   chunk_log2=c), f"fixed vs cupy {where}")
+        assert_same(BE.pack(dev(xs[i]), dtype=dt.name, encoding="signplane", chunk_log2=c),
+                    exact_ref[i], f"exact {where}")
+        y, pr = BE.relu_pack(dev(as_[i]), dtype=dt.name, capacity=cap_r, chunk_log2=c)
+        assert_bits(y, relu_ref[i][0], f"relu y {where}")
+        assert_same(pr, relu_ref[i][1], f"relu {where}")
+        assert_same(BE.masked_pack(dev(us[i]), masks[i], dtype=dt.name), masked_ref[i],
+                    f"masked {where}")
+    kept = [v for _, v in nb._PACK_LAUNCHES._entries().values()]
+    # fixed (aligned and not), exact, relu_pack, masked_pack
+    assert sum(type(v) is nb._PackLaunches for v in kept) == 5, kept
+
+
 @pytest.mark.xdist_group("bfloat16")
 def test_entry_points_run_with_or_without_a_current_context(rng):
     """With a current context (here torch's) an op runs in it, on the device it names;

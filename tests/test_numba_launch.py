@@ -2,7 +2,9 @@
 
 The record's layout is checked here against Numba's own marshalling of the same
 arguments (``_Kernel._prepare_args``, run on a stand-in kernel), and the guards that
-keep a kernel on the dispatcher are exercised with a stand-in dispatcher. The
+keep a kernel on the dispatcher are exercised with a stand-in dispatcher; a pack
+plan's records of its own (BoundLaunch, backend._PackLaunches) are checked against
+what the platform's launches fill, on stand-in memory. The
 driver's side (the function handle, ``cuFuncGetParamInfo``, the launch itself) runs
 only on a GPU: tests/test_gpu_numba.py runs every Numba op through it.
 """
@@ -10,6 +12,7 @@ only on a GPU: tests/test_gpu_numba.py runs every Numba op through it.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 import pytest
@@ -219,3 +222,174 @@ def test_the_platform_launches_by_handle_after_the_first_launch(monkeypatch):
     for _ in range(3):
         P.launch(kept, 4, 256, st, *args)
     assert kept.calls == 3 and len(firsts) == 4     # first_launch once, the dispatcher after
+
+
+# --------------------------------------------------------------------------- #
+# records bound to a call's buffers (a pack plan's launches)                  #
+# --------------------------------------------------------------------------- #
+class _Buf:
+    """A device buffer stand-in: what KernelArray owners and the platform read."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def _bound_args(a, b, n=1000, flag=True):
+    """TYPES' arguments with the first array 64 bytes into ``a`` and the second at ``b``."""
+    return [L.KernelArray(a.ptr + 64 if n else 0, n, U8, a), n * 3, flag, 7,
+            L.KernelArray(b.ptr if n else 0, n // 8, U64, b)]
+
+
+@pytest.mark.parametrize("n", [1000, 0])
+def test_a_bound_launch_writes_the_data_pointers_of_its_buffers(no_driver, monkeypatch, n):
+    """A BoundLaunch built from one call's arguments, launched with other addresses of
+    the same buffers, launches the record a fill of that call's arguments would make:
+    only the non-empty arrays' data fields change."""
+    launched = []
+    monkeypatch.setattr(L.driver, "launch", lambda func, grid, block, smem, stream, rec:
+                        launched.append((func, grid, block, stream, rec.values())))
+    kernel = _Kernel(TYPES)
+    a, b = _Buf(0x7000_0000), _Buf(0x7100_0000)
+    first = _bound_args(a, b, n)
+    bound = L.BoundLaunch(L.HandleLaunch(kernel, first), L.Launch(object(), 4, 256, first),
+                          (a, b), (a.ptr, b.ptr))
+    a2, b2 = _Buf(0x9000_0008), _Buf(0x5000_0000)
+    bound(11, [a2.ptr, b2.ptr])
+    want = L.HandleLaunch(kernel, first)
+    want.fill(_bound_args(a2, b2, n))
+    assert launched == [(0x1234, 4, 256, 11, want.values())]
+    assert len(bound.data) == (2 if n else 0)
+    assert bound.record.kernel is kernel
+
+
+def test_a_bound_launch_needs_every_array_in_its_buffers(no_driver):
+    a, b = _Buf(0x7000_0000), _Buf(0x7100_0000)
+    args = _bound_args(a, b)
+    with pytest.raises(TypeError, match="none of"):
+        L.BoundLaunch(L.HandleLaunch(_Kernel(TYPES), args), L.Launch(object(), 4, 256, args),
+                      (a,), (a.ptr,))
+
+
+def test_per_thread_entries_are_the_threads_own_and_bounded():
+    cache, plan, other = L.PerThread(3), object(), object()
+    cache.put(("k", id(plan)), plan, "record")
+    assert cache.get(("k", id(plan)), plan) == "record"
+    assert cache.get(("k", id(plan)), other) is None        # another object, the same id
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(cache.get(("k", id(plan)), plan)))
+    t.start()
+    t.join()
+    assert seen == [None]
+    for i in range(3):
+        cache.put(i, plan, i)
+    assert cache.get(("k", id(plan)), plan) is None and cache.get(2, plan) == 2
+
+
+class _CompiledStandIn:
+    """A compiled kernel stand-in for a dispatcher: argument types from the arguments."""
+
+    sizes: dict = {}
+
+    def __init__(self, dispatcher, args):
+        from numba.np.numpy_support import from_dtype
+        self.dispatcher, self.argument_types, sizes = dispatcher, [], []
+        for a in args:
+            if type(a) is L.KernelArray:
+                self.argument_types.append(numba_types.Array(from_dtype(a.dtype), 1, "C"))
+                sizes += [8] * 7
+            elif type(a) is bool:
+                self.argument_types.append(numba_types.boolean)
+                sizes.append(1)
+            else:
+                self.argument_types.append(numba_types.int64)
+                sizes.append(8)
+        self.sizes[id(dispatcher)] = sizes
+
+
+def _record_platform(backend, launched):
+    """A _GpuPlatform on stand-in memory: allocations at fixed addresses, fills and
+    launches written to ``launched`` (a launch as the record its arguments fill)."""
+    class RecordingPlatform(backend._GpuPlatform):
+        def __init__(self):
+            self._local = threading.local()
+            self.next = 1 << 32
+
+        def alloc(self, nbytes, st, allocator):
+            buf = _Buf(self.next)
+            self.next += nbytes + 4096
+            return buf
+
+        def import_plane(self, plane):
+            return plane
+
+        def memset0(self, buf, off, nbytes, st):
+            launched.append(("memset", buf.ptr + off, nbytes, st[0]))
+
+        def launch(self, kernel, grid, block, st, *args):
+            cache = self._local.__dict__.setdefault("launches", {})
+            key = (kernel, st[2], L.kinds_of(args))
+            if key not in cache:
+                cache[key] = L.HandleLaunch(_CompiledStandIn(kernel, args), args)
+            cache[key].fill(args)
+            launched.append((id(kernel), grid, block, st[0], cache[key].values()))
+    return RecordingPlatform()
+
+
+def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypatch):
+    """_run_pack's records (a plan's third call on: the first marks it, the second
+    builds them) launch the records that P.launch fills from the views of each call,
+    for inputs at changing and differently aligned addresses, in every pack variant:
+    fixed capacity, the worst case of an exact pack (two blocks), relu_pack with y,
+    masked_pack. The run without records is the reference."""
+    backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
+    if backend.K.SIM:
+        pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
+    from types import SimpleNamespace
+
+    from bitsparse_core import dtypes as _dt
+    from bitsparse_core.backends.cuda.abi import Mode
+    from bitsparse_core.backends.cuda.host import pack_plan
+    from bitsparse_core.spec.format import Encoding
+    K, dt = backend.K, _dt.BFLOAT16
+    monkeypatch.setattr(L, "_function_handle", lambda kernel: id(kernel.dispatcher))
+    monkeypatch.setattr(L, "_param_sizes", lambda func: _CompiledStandIn.sizes[func])
+    be, shape, st = backend.NumbaBackend(), (3, 20001), (7, None, 0)
+    numel = shape[0] * shape[1]
+
+    def plan(enc, cap, mode=Mode.PACK):
+        return pack_plan(shape, dt, enc, cap, 12, mode)
+
+    def calls(P):
+        for turn in range(7):
+            # turns 0-2 and 4-6 alternate addresses; 3 onwards x is 2 bytes off 8
+            x = _Buf((1 << 40) + (turn % 2) * (1 << 30) + (2 if turn >= 3 else 0))
+            y = _Buf((1 << 41) + (turn % 2) * (1 << 30))
+            for enc, cap, fixed in ((Encoding.NOSIGN, 9000, True), (Encoding.RAW, 9000, True),
+                                    (Encoding.SIGNPLANE, numel, False)):
+                backend._NumbaSteps(be, P, st, x, dt, K.MODE_PACK, None, None).run(
+                    plan(enc, cap), fixed)
+            backend._NumbaSteps(be, P, st, x, dt, K.MODE_RELU, None, y).run(
+                plan(Encoding.NOSIGN, 9000, Mode.RELU), True)
+            masked = plan(Encoding.SIGNPLANE, 7000, Mode.MASKED)
+            al = backend._Alloc(P, masked, st, None, scratch=be._scratch_bytes(numel, dt)[2])
+            p_mask = SimpleNamespace(mask=_Buf((1 << 42) + (turn % 2) * 64))
+            be._run_pack(P, st, x, numel, dt, K.MODE_MASKED, masked.lay, al, None, p_mask,
+                         zero_tail=False)
+
+    class NoRecords(L.PerThread):
+        def get(self, key, anchor):
+            return None
+
+    reference, launched, by_driver = [], [], []
+    monkeypatch.setattr(backend, "_PACK_LAUNCHES", NoRecords(1024))
+    calls(_record_platform(backend, reference))
+
+    def driver_launch(func, grid, block, smem, stream, rec):
+        by_driver.append(func)
+        launched.append((func, grid, block, stream, rec.values()))
+    monkeypatch.setattr(L.driver, "launch", driver_launch)
+    monkeypatch.setattr(backend, "_PACK_LAUNCHES", L.PerThread(1024))
+    calls(_record_platform(backend, launched))
+    assert launched == reference
+    # turns 2, 5 and 6: the pack and finish of 4 variants, the pack of raw and masked
+    assert len(by_driver) == 3 * (4 * 2 + 2)

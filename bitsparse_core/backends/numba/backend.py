@@ -41,7 +41,7 @@ from ..cuda import protocol
 from ..cuda import host, slots
 from ..cuda.host import pack_plan
 from . import kernels as K
-from .launch import KernelArray, first_launch, kinds_of
+from .launch import BoundLaunch, KernelArray, Launch, PerThread, first_launch, kinds_of, log
 
 
 def _one_context(method):
@@ -75,7 +75,8 @@ class _Alloc:
     the mask, the offsets and the status area, and the tail with the values and signs,
     :attr:`..cuda.host.PackPlan.head_bytes`; ``head``: a head to share, the shrink's).
     ``scratch``: bytes of the pack kernel's scratch behind the last allocation
-    (``self.scratch``: its buffer and offset), so that a pack allocates once."""
+    (``self.scratch``: its buffer and offset), so that a pack allocates once.
+    ``blocks``: the allocations, head first."""
 
     def __init__(self, P, plan, st, allocator, split=False, head=None, scratch=0):
         self.plan, self.lay = plan, plan.lay
@@ -85,6 +86,7 @@ class _Alloc:
             at = _fmt.align(plan.tail_bytes)
             self.tail = P.alloc(at + scratch, st, allocator)
             self.scratch = (self.tail, at)
+            self.blocks = (self.head, self.tail)
             self.at = {"mask": (self.head, mo, ml), "offsets": (self.head, oo, ol),
                        "values": (self.tail, 0, vl),
                        "signs": (self.tail, plan.tail_signs_offset, sl)}
@@ -94,6 +96,7 @@ class _Alloc:
             at = _fmt.align(plan.nbytes)
             buf = P.alloc(at + scratch, st, allocator)
             self.scratch = (buf, at)
+            self.blocks = (buf,)
             self.at = {"mask": (buf, mo, ml), "offsets": (buf, oo, ol), "values": (buf, vo, vl),
                        "signs": (buf, so, sl)}
             if plan.mode == Mode.MASKED:         # its mask and offsets are the mask tensor's
@@ -143,6 +146,48 @@ class _NumbaSteps:
 
     def packed(self, plan, al, nnz, pending_status):
         return self.backend._packed(self.P, self.st, plan.lay, al, nnz, pending_status)
+
+
+# A plan gets launch records of its own the second time this thread packs with it: a
+# masked pack's plan follows its mask's count, so it may never come back, and building
+# the records costs more than a few launches through the platform.
+_PACK_LAUNCHES = PerThread(1024)
+_SEEN_ONCE, _NOT_COVERED = "seen once", "not covered"
+
+
+class _PackLaunches:
+    """One pack plan's launches (the pack kernel, and k_finish where it runs), each by a
+    :class:`.launch.BoundLaunch`: a call writes the buffers' addresses, nothing else."""
+
+    __slots__ = ("pack", "finish")
+
+    def __init__(self, pack: BoundLaunch, finish: BoundLaunch | None):
+        self.pack, self.finish = pack, finish
+
+    @classmethod
+    def build(cls, P, st, pack: Launch, finish: Launch | None, buffers, addresses):
+        """From one call's launches, each already queued by ``P.launch`` (which compiled
+        the kernel and checked its record); None where either kernel is not covered."""
+        def bind(launch):
+            if launch is None:
+                return None
+            template = P.handle_launch(launch.kernel, st, launch.args)
+            if template is None:
+                raise TypeError("it launches through the dispatcher")
+            return BoundLaunch(template, launch, buffers, addresses)
+        try:
+            return cls(bind(pack), bind(finish))
+        except Exception as exc:  # noqa: BLE001 -- any mismatch: the plan keeps P.launch
+            log.info("a pack plan keeps launching through the platform: %s", exc)
+            return None
+
+    def queue(self, P, st, addresses, status, slot):
+        """The pack, the status copy to ``slot`` (0: none), then k_finish, in stream order."""
+        self.pack(st[0], addresses)
+        if slot:
+            P.copy_to_slot(slot, *status, st)
+        if self.finish is not None:
+            self.finish(st[0], addresses)
 
 
 # ----------------------------------------------------------------------------
@@ -350,6 +395,12 @@ class _GpuPlatform:
         else:
             cache[key] = first_launch(kernel, grid, block, st[1], args, numba_args)
 
+    def handle_launch(self, kernel, st, args):
+        """The HandleLaunch :meth:`launch` keeps for arguments of these kinds on this
+        thread and device; None where it has none (not covered, or not launched yet)."""
+        launches = getattr(self._local, "launches", None) or {}
+        return launches.get((kernel, st[2], kinds_of(args))) or None
+
     def order_after(self, p, st):
         """Make our stream wait for the work that produced p's planes (on p's stream)."""
         self.ci.stream_wait(st[0], protocol.producer_stream(p, st[0]), p.device[1])
@@ -477,18 +528,60 @@ class NumbaBackend:
         """Launch the one-pass pack into ``al`` (and, at fixed capacity, zero what
         lies past the stored values), with its scratch at ``al.scratch``; the status
         and count then go to ``slot`` (a pinned host slot, 0 for none) ahead of the
-        stitching kernel."""
+        stitching kernel. On a GPU, a plan this thread has packed with before launches
+        by records of its own (:class:`_PackLaunches`)."""
         if numel == 0:
             for b, n in al.buffers:
                 P.memset0(b, 0, n, st)
             if slot:
                 slots.write(slot, 0, 0)
             return
-        enc = lay.encoding
         kern = K.kernels_for(dt.name, self.variant)   # the pack's variant
         n_tiles, head, _ = self._scratch_bytes(numel, dt)
+        P.memset0(*al.scratch, head, st)
+        mask_plane = None if p_mask is None else P.import_plane(p_mask.mask)
+        # every buffer a launch argument lies in, in an order the key fixes
+        buffers = (buf, buf if ybuf is None else ybuf, *al.blocks,
+                   *(() if mask_plane is None else (mask_plane,)))
+        key = kept = None
+        if not K.SIM:
+            addresses = [P.ptr(b) for b in buffers]
+            key = self._pack_key(st, kern, mode, al, addresses, ybuf is not None,
+                                 p_mask is not None, zero_tail)
+            kept = _PACK_LAUNCHES.get(key, al.plan)
+            if type(kept) is _PackLaunches:
+                kept.queue(P, st, addresses, al.status, slot)
+                return
+        pack, finish = self._pack_launches(P, kern, n_tiles, head, numel, dt, mode, lay, al,
+                                           buf, ybuf, mask_plane, zero_tail)
+        P.launch(pack.kernel, pack.grid, pack.block, st, *pack.args)
+        if slot:
+            P.copy_to_slot(slot, *al.status, st)
+        if finish is not None:
+            P.launch(finish.kernel, finish.grid, finish.block, st, *finish.args)
+        if key is not None and kept is not _NOT_COVERED:
+            kept = (_SEEN_ONCE if kept is None else
+                    _PackLaunches.build(P, st, pack, finish, buffers, addresses) or _NOT_COVERED)
+            _PACK_LAUNCHES.put(key, al.plan, kept)
+
+    def _pack_key(self, st, kern, mode, al, addresses, has_y, masked, zero_tail):
+        """What fixes every argument of a pack's launches but the buffers' addresses
+        (and so the arguments' kinds): the plan (counts, offsets, capacity, chunk size),
+        the device, the kernels (dtype, compiled variant) and incl_every, the mode,
+        zero_tail, one block or two, whether y and a mask tensor are given, and which
+        dense tensors are 8-byte aligned (the word views of the others are empty)."""
+        return (id(al.plan), st[2], kern, self.variant.incl_every, mode, zero_tail,
+                len(al.blocks), has_y, masked, addresses[0] % 8 == 0,
+                has_y and addresses[1] % 8 == 0)
+
+    def _pack_launches(self, P, kern, n_tiles, head, numel, dt, mode, lay, al, buf, ybuf,
+                       mask_plane, zero_tail):
+        """``(pack, finish)``: the pack kernel's launch over kernel views of ``al``, the
+        dense input ``buf``, relu_pack's output ``ybuf`` and masked_pack's mask plane,
+        and k_finish's, which writes the stream words shared by tiles (value streams)
+        and, at fixed capacity, the zeros past the stored values (None: neither)."""
+        enc = lay.encoding
         scratch, s0 = al.scratch
-        P.memset0(scratch, s0, head, st)
         desc = P.view(scratch, s0, head // 8, np.int64)
         starts = P.view(scratch, s0 + head, n_tiles + 1, np.int64)
         edges = P.view(scratch, s0 + head + 8 * (n_tiles + 1), 4 * n_tiles, np.uint32)
@@ -499,29 +592,27 @@ class NumbaBackend:
             ye, y64, yfast = xe, x64, False
         vt, vw, sw = self._value_views(P, lay, al)
         stat = P.view(*al.status, 2, np.int64)
-        if p_mask is None:
+        if mask_plane is None:
             mask = al.view(P, "mask", lay.mask[1], np.uint8)
             offsets = al.view(P, "offsets", lay.n_chunks + 1, np.dtype(f"<u{lay.offset_width}"))
             msrc = mask
         else:
-            msrc = P.view(P.import_plane(p_mask.mask), 0, lay.mask[1], np.uint8)
+            msrc = P.view(mask_plane, 0, lay.mask[1], np.uint8)
             mask, offsets = msrc, P.view(scratch, s0, 0, np.uint32)
-        P.launch(kern.pack[(mode, int(enc))], n_tiles, K.NT, st, xe, x64, use64, numel, ye, y64,
-                 yfast, msrc, lay.capacity, int(self.variant.incl_every), mask, offsets, lay.chunk_log2, vt,
-                 vw, sw, desc, starts, edges, stat)
-        if slot:
-            P.copy_to_slot(slot, *al.status, st)
-        # The stream words shared by tiles (value streams), and at fixed capacity
-        # the zeros past the stored values: one small kernel.
+        pack = Launch(kern.pack[(mode, int(enc))], n_tiles, K.NT,
+                      (xe, x64, use64, numel, ye, y64, yfast, msrc, lay.capacity,
+                       int(self.variant.incl_every), mask, offsets, lay.chunk_log2, vt, vw, sw,
+                       desc, starts, edges, stat))
         zero = zero_tail and lay.capacity > 0
-        if enc != Encoding.RAW or zero:
-            block = 256 if not K.SIM else 32
-            grid = _ceil_div(n_tiles + 1, block) if enc != Encoding.RAW else 1
-            if zero:                                # a grid-stride loop past that
-                words = lay.capacity if enc == Encoding.RAW else max(vw.size, sw.size)
-                grid = max(grid, min(_ceil_div(max(words, 1), 256), 4096))
-            P.launch(kern.finish, grid, block, st, starts, edges, n_tiles, stat, lay.capacity,
-                     int(enc), zero, vt, vw, sw)
+        if enc == Encoding.RAW and not zero:
+            return pack, None
+        block = 256 if not K.SIM else 32
+        grid = _ceil_div(n_tiles + 1, block) if enc != Encoding.RAW else 1
+        if zero:                                # a grid-stride loop past that
+            words = lay.capacity if enc == Encoding.RAW else max(vw.size, sw.size)
+            grid = max(grid, min(_ceil_div(max(words, 1), 256), 4096))
+        return pack, Launch(kern.finish, grid, block,
+                            (starts, edges, n_tiles, stat, lay.capacity, int(enc), zero, vt, vw, sw))
 
     @staticmethod
     def _value_views(P, lay, al):

@@ -12,6 +12,11 @@ launch ran and lays out Numba's parameter list once: an array is seven parameter
 boolean one of its width. Later launches write the few fields that change and call
 ``cuLaunchKernel`` (:mod:`..cuda.driver`).
 
+Where a caller's launches differ between calls only in where a few buffers are (one
+pack plan's), a :class:`BoundLaunch` holds a record of its own with every other field
+written once, and a launch writes only the arrays' data pointers; :class:`PerThread`
+keeps such objects, one set per thread.
+
 The layout is Numba's private ABI, so it is checked against the compiled kernel
 before it is used: the parameters' number and sizes against the driver's
 ``cuFuncGetParamInfo``, and the values against what Numba's own marshalling
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,6 +55,14 @@ class KernelArray:
     @property
     def size(self) -> int:
         return self.count
+
+
+class Launch(NamedTuple):
+    """One kernel launch as a caller queues it: a Numba dispatcher, grid, block, arguments."""
+    kernel: object
+    grid: int
+    block: int
+    args: tuple
 
 
 def kinds_of(args) -> tuple:
@@ -89,6 +104,7 @@ class HandleLaunch:
 
     def __init__(self, kernel, args):
         from numba.core import types
+        self.kernel = kernel            # so that another record can be built for it
         self.func = _function_handle(kernel)
         self.cooperative = bool(getattr(kernel, "cooperative", False))
         fields, self.slots, self.is_array = [], [], []
@@ -133,12 +149,79 @@ class HandleLaunch:
         """The record's fields as integers (for the check against Numba's marshalling)."""
         return [int(f.value or 0) for f in self.fields]
 
-    def __call__(self, grid: int, block: int, stream: int, args) -> None:
-        self.fill(args)
+    def launch(self, grid: int, block: int, stream: int) -> None:
+        """Launch with the record as it stands."""
         if self.cooperative:
             driver.launch_cooperative(self.func, grid, block, 0, stream, self)
         else:
             driver.launch(self.func, grid, block, 0, stream, self)
+
+    def __call__(self, grid: int, block: int, stream: int, args) -> None:
+        self.fill(args)
+        self.launch(grid, block, stream)
+
+
+class BoundLaunch:
+    """One kernel's launches whose arguments differ between calls only in the addresses
+    of ``buffers`` (the same buffers, in the same order, every call): a
+    :class:`HandleLaunch` of its own, filled once from a call's arguments; a launch then
+    writes each array's data pointer (its buffer's address plus the offset it had in
+    that call; a null one stays null) and calls the driver. Counts, shapes, item sizes
+    and every scalar are the caller's to keep fixed (its cache key).
+
+    ``template``: the HandleLaunch that checked this kernel against Numba's
+    marshalling for arguments of these kinds; raises TypeError where an array argument
+    lies in none of the buffers."""
+
+    __slots__ = ("record", "grid", "block", "data")
+
+    def __init__(self, template: HandleLaunch, launch: Launch, buffers, addresses):
+        record = HandleLaunch(template.kernel, launch.args)
+        record.fill(launch.args)
+        self.record, self.grid, self.block = record, launch.grid, launch.block
+        self.data = [(slot[1], *_place(arg, buffers, addresses))
+                     for is_array, slot, arg in zip(record.is_array, record.slots, launch.args)
+                     if is_array and arg.ptr]
+
+    def __call__(self, stream: int, addresses) -> None:
+        for data, i, offset in self.data:
+            data.value = addresses[i] + offset
+        self.record.launch(self.grid, self.block, stream)
+
+
+def _place(arg: KernelArray, buffers, addresses) -> tuple:
+    """(index, byte offset) of an array argument in the buffer that owns it."""
+    for i, buf in enumerate(buffers):
+        if arg.owner is buf:
+            return i, arg.ptr - addresses[i]
+    raise TypeError("an array argument lies in none of the launch's buffers")
+
+
+class PerThread:
+    """Launch objects by key, one set per thread (a launch reads its record while ctypes
+    has released the GIL, so threads never share one), at most ``limit`` per thread
+    (then emptied). ``anchor``: the object an ``id`` in the key stands for; an entry
+    made for another object that had the same id is not returned."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._local = threading.local()
+
+    def _entries(self) -> dict:
+        entries = getattr(self._local, "entries", None)
+        if entries is None:
+            entries = self._local.entries = {}
+        return entries
+
+    def get(self, key, anchor):
+        entry = self._entries().get(key)
+        return entry[1] if entry is not None and entry[0] is anchor else None
+
+    def put(self, key, anchor, value) -> None:
+        entries = self._entries()
+        if len(entries) >= self.limit:
+            entries.clear()
+        entries[key] = (anchor, value)
 
 
 def numba_values(kernel, args, stream) -> list:
