@@ -686,21 +686,22 @@ class NumbaBackend:
         return result
 
     def _decode(self, P, st, p, op, gbuf, obuf, allocator):
+        """Queue unpack kernel ``op`` (0: unpack, 1: relu2_backward) of p into obuf."""
         numel, dt = p.numel, p.dtype
         kern = K.kernels_for(dt.name)
         tile_log2 = kern.utile_log2[op]
-        n_tiles = _ceil_div(numel, 1 << tile_log2)
-        if n_tiles == 0:
+        if numel == 0:
             return
         mask, toff, shift, keep = self._tile_offsets(P, p, st, allocator, tile_log2)
-        oe, o64, ofast = self._dense_views(P, obuf, numel, dt)
+        oe, o64, fast = self._dense_views(P, obuf, numel, dt)
         if gbuf is not None:
             ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
+            fast = fast and gfast
         else:
-            ge, g64, gfast = oe, o64, False
-        o16 = ofast and P.ptr(obuf) % 16 == 0
-        P.launch(kern.unpack[(op, int(p.encoding))], n_tiles, K.UNT, st, mask,
-                 numel, toff, shift, *self._stored(P, p), ge, g64, gfast, oe, o64, ofast, o16)
+            ge, g64 = oe, o64
+        o16 = fast and P.ptr(obuf) % 16 == 0
+        P.launch(kern.unpack[(op, int(p.encoding))], _ceil_div(numel, 1 << tile_log2), K.UNT, st,
+                 mask, numel, toff, shift, *self._stored(P, p), ge, g64, fast, oe, o64, o16)
         del keep  # the allocator orders its reuse after the queued kernel
 
     @_one_context
@@ -737,18 +738,40 @@ class NumbaBackend:
         numel, dt = p_r.numel, p_r.dtype
         gg_buf, grad_g = P.new_dense(p_r.shape, dt, st, allocator)
         gu_buf, grad_u = P.new_dense(p_r.shape, dt, st, allocator)
-        n_tiles = _ceil_div(numel, K.TILE)
-        if n_tiles:
-            mr, tr, shr, keep_r = self._tile_offsets(P, p_r, st, allocator)
-            mu, tu, shu, keep_u = self._tile_offsets(P, p_u, st, allocator)
-            ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
-            og, og64, ogf = self._dense_views(P, gg_buf, numel, dt)
-            ou, ou64, ouf = self._dense_views(P, gu_buf, numel, dt)
-            P.launch(K.kernels_for(dt.name).gated, n_tiles, K.NT, st,
-                     mr, tr, shr, int(p_r.encoding), *self._stored(P, p_r),
-                     mu, tu, shu, int(p_u.encoding), *self._stored(P, p_u),
-                     numel, ge, g64, gfast, og, og64, ou, ou64, ogf and ouf)
+        if numel:
+            self._gated(P, st, p_r, p_u, gbuf, gg_buf, gu_buf, allocator)
         return grad_g, grad_u
+
+    def _gated(self, P, st, p_r, p_u, gbuf, gg_buf, gu_buf, allocator):
+        """Queue the gated kernel: u's values read under r's mask where u was packed
+        under it (masked_pack), else from u unpacked first."""
+        numel, dt = p_r.numel, p_r.dtype
+        kern = K.kernels_for(dt.name)
+        shared = (p_u.chunk_log2 == p_r.chunk_log2
+                  and P.ptr(P.import_plane(p_u.mask)) == P.ptr(P.import_plane(p_r.mask))
+                  and P.ptr(P.import_plane(p_u.offsets)) == P.ptr(P.import_plane(p_r.offsets)))
+        op = K.OP_GATED if shared else K.OP_GATED_DENSE
+        tile_log2 = kern.utile_log2[op]
+        mask, toff, shift, keep = self._tile_offsets(P, p_r, st, allocator, tile_log2)
+        ge, g64, fast = self._dense_views(P, gbuf, numel, dt)
+        og, og64, gg_fast = self._dense_views(P, gg_buf, numel, dt)
+        ou, ou64, gu_fast = self._dense_views(P, gu_buf, numel, dt)
+        if shared:
+            u_stored = self._stored(P, p_u)
+            ue, u64, u_fast = ge, g64, True
+            key = (op, int(p_r.encoding), int(p_u.encoding))
+        else:
+            ubuf, _ = P.new_dense(p_u.shape, dt, st, allocator)
+            self._decode(P, st, p_u, 0, None, ubuf, allocator)
+            u_stored = (mask, P.view(ubuf, 0, 0, np.uint32), 0) * 2  # unread
+            ue, u64, u_fast = self._dense_views(P, ubuf, numel, dt)
+            key = (op, int(p_r.encoding))
+        fast = fast and gg_fast and gu_fast and u_fast
+        o16 = fast and P.ptr(gg_buf) % 16 == 0 and P.ptr(gu_buf) % 16 == 0
+        P.launch(kern.unpack[key], _ceil_div(numel, 1 << tile_log2), K.UNT, st, mask, numel,
+                 toff, shift, *self._stored(P, p_r), *u_stored, ue, u64, ge, g64, fast,
+                 og, og64, ou, ou64, o16)
+        del keep  # the allocator orders its reuse (and u's) after the queued kernel
 
     def _grad(self, P, st, grad, p):
         gbuf, shape, dt = P.import_dense(grad, None, st)

@@ -8,8 +8,10 @@ tile:
   decoupled look-back (:mod:`.lookback`), plus ``finish`` (:mod:`.edges`), which
   writes the stream words shared by tiles;
 * :mod:`.unpack` (``DtypeKernels.utile_log2``): 256 threads x UNPACK_ROWS rows
-  of 16 bytes, one kernel per (op, encoding);
-* :mod:`.fused`: ``gated`` and ``relu_backward``, ``TILE`` = 4096 elements;
+  of 16 bytes, one kernel per (op, encoding); the fused ops that read packed
+  values (relu2_backward, the gated op) are ops of the same kernels, in
+  ``TILE``-element tiles, their arithmetic in :mod:`.fused_rows`;
+* :mod:`.fused`: ``relu_backward`` (the mask only);
 * :mod:`.scan`: the tile offsets of chunks larger than a tile.
 
 :mod:`.common` holds the target switch (GPU or the CUDA simulator), the shared
@@ -28,20 +30,21 @@ from .common import (FULL_MASK, G, GPT, LANE_N, MODE_MASKED, MODE_PACK, MODE_REL
                      ULANE_N, UNT, UNW)
 from .edges import make_finish
 from .elements import elem
-from .fused import make_gated, make_relu_backward
+from .fused import make_relu_backward
 from .lookback import (LB_AGG, LB_COUNT, LB_GROUP, LB_INCL, LB_NEG, LB_SHIFT, SCRATCH_HEAD,
                        scratch_slots)
 from .pack import PACK_JIT, make_pack_kernels, pack_rounds_for
 from .scan import COUNT_MASK, FLAG_SHIFT, k_mask_count, k_scan
+from .fused_rows import OP_GATED, OP_GATED_DENSE, OP_RELU2
 from .unpack import UNPACK_JIT, UNPACK_ROWS, make_unpack_kernels
 
 __all__ = [  # what the backend, tests and bench scripts read from this module
-    "COMMITTED", "COUNT_MASK", "DtypeKernels", "PackVariant", "FLAG_SHIFT", "FULL_MASK", "G", "GPT", "LANE_N", "LB_AGG",
-    "LB_COUNT", "LB_GROUP", "LB_INCL", "LB_NEG", "LB_SHIFT", "MODE_MASKED", "MODE_PACK",
-    "MODE_RELU", "MODE_RELU2", "NOSIGN", "NT", "NW", "PACK_JIT", "RAW", "SCAN_NT", "SCAN_PER",
-    "SCRATCH_HEAD", "SIGNPLANE", "SIM", "TILE", "TILE_LOG2", "ULANE_N", "UNPACK_JIT",
-    "UNPACK_ROWS", "UNT", "UNW", "k_mask_count", "k_scan", "kernels_for", "pack_rounds_for",
-    "scratch_slots"]
+    "COMMITTED", "COUNT_MASK", "DtypeKernels", "PackVariant", "FLAG_SHIFT", "FULL_MASK", "G",
+    "GPT", "LANE_N", "LB_AGG", "LB_COUNT", "LB_GROUP", "LB_INCL", "LB_NEG", "LB_SHIFT",
+    "MODE_MASKED", "MODE_PACK", "MODE_RELU", "MODE_RELU2", "NOSIGN", "NT", "NW", "OP_GATED",
+    "OP_GATED_DENSE", "OP_RELU2", "PACK_JIT", "RAW", "SCAN_NT", "SCAN_PER", "SCRATCH_HEAD",
+    "SIGNPLANE", "SIM", "TILE", "TILE_LOG2", "ULANE_N", "UNPACK_JIT", "UNPACK_ROWS", "UNT",
+    "UNW", "k_mask_count", "k_scan", "kernels_for", "pack_rounds_for", "scratch_slots"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +86,6 @@ class DtypeKernels:
         self.ptile, self.ptile_log2 = geo.PTILE, geo.PTILE_LOG2
         self.finish = make_finish(el.W)
         self.utile_log2, self.unpack = make_unpack_kernels(el)
-        self.gated = make_gated(el)
         self.relu_backward = make_relu_backward(el)
 
 

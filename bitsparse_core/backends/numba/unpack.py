@@ -1,5 +1,7 @@
-"""The unpack kernels (``DtypeKernels.unpack``), one per (op, encoding): op 0
-the stored patterns, op 1 relu2_backward (2*r*grad where r > 0, else +0).
+"""The kernels that expand packed tiles (``DtypeKernels.unpack``): op 0 the stored
+patterns (unpack), op 1 relu2_backward (2*r*grad where r > 0, else +0), op 2 the
+gated backward with u packed under r's mask, op 3 the same with u dense; one kernel
+per op and encoding(s). The fused ops' arithmetic is :mod:`.fused_rows`'.
 
 In the CuPy backend's per-word form: the tile's value range [P, Pe) comes from
 the tile-offset array at both ends, so its stored values are decoded before the
@@ -15,7 +17,7 @@ Unpack tiles have their own size: UR rows of 16 bytes (fp32: 32) per thread, so
 an unpack tile is UR * UNT * 16 bytes of output whatever the dtype (op 0:
 UNPACK_ROWS = 4 rows, i.e. 16384 fp8 / 8192 bf16 / 8192 fp32 elements on the
 GPU, as the CuPy unpack; under the simulator 4096 fp8 / 2048 others, the GPU's
-per-thread shapes). The relu2 backward op keeps TILE elements.
+per-thread shapes). The fused ops keep TILE elements.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
 
 from .common import (FULL_MASK, NOSIGN, RAW, SIGNPLANE, SIM, TILE, ULANE_N, UNT, UNW, _load_word,
-                     _prmt, _store16, _u, _warp_incl_scan, _warp_last)
+                     _prmt, _u, _warp_incl_scan, _warp_last)
+from .fused_rows import OP_GATED, OP_GATED_DENSE, OP_RELU2, make_fused_row, store_words
 
 UNPACK_ROWS = 4
-# Unpack: six 256-thread blocks per SM (42 registers); the relu2 backward op's float
-# products need more registers, four blocks.
-UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in (0, 1)}
-TWO = 0x40000000                 # float32 bits of 2.0
+OPS = (0, OP_RELU2, OP_GATED, OP_GATED_DENSE)
+# Unpack: six 256-thread blocks per SM (42 registers); the fused ops' float products
+# need more registers, four blocks.
+UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in OPS}
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,10 @@ def unpack_geometry(el) -> UnpackGeom:
     URS = 32 * UV                    # elements per warp round
     OW = UV * BITS // 32             # output words per row
     # Rows per thread and tile size (log2) per op: plain unpack UNPACK_ROWS rows,
-    # relu2 backward TILE elements.
-    UR_OP = {0: UNPACK_ROWS, 1: max(1, TILE // (UV * UNT))}
-    utile_log2 = {op: int(UR_OP[op] * UV * UNT).bit_length() - 1 for op in (0, 1)}
-    for op in (0, 1):
+    # the fused ops TILE elements.
+    UR_OP = {op: UNPACK_ROWS if op == 0 else max(1, TILE // (UV * UNT)) for op in OPS}
+    utile_log2 = {op: int(UR_OP[op] * UV * UNT).bit_length() - 1 for op in OPS}
+    for op in OPS:
         assert (1 << utile_log2[op]) == UR_OP[op] * UV * UNT >= TILE
     # PRMT selector per mask bits of a word: the next values' bytes go to the
     # selected elements' slots, selector nibble 4 (a zero byte of y = 0) elsewhere.
@@ -164,8 +167,8 @@ def _make_rows(el, ug, op, expand_word):
     """(row_bits, emit_row): a row's mask bits and its expanded, stored output."""
     BITS, GE, EMASK = el.BITS, el.GE, el.EMASK
     UV, UMB, OW = ug.UV, ug.UMB, ug.OW
-    widen, narrow, is_pos, fmul = el.widen, el.narrow, el.is_pos, el.fmul
-    load_group, store_group = el.load_group, el.store_group
+    store_group = el.store_group
+    fused_row = make_fused_row(el, ug, op) if op else None
 
     @cuda.jit(device=True)
     def row_bits(mask, e0, guard, ngroups):
@@ -181,121 +184,48 @@ def _make_rows(el, ug, op, expand_word):
         return b
 
     @cuda.jit(device=True)
-    def emit_row(vals, sel, o, v, gv, b, j, e0, tfull, numel, ge, g64, guse64,
-                 oe, o64, ouse64, o16):
-        """Expand and store the row at element e0 with mask bits b, whose first
-        set element takes stored value j of the tile; a whole row of an output
-        aligned to 16 bytes (``o16``) goes out in 16-byte stores."""
+    def emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b, j, e0, tfull, numel,
+                 ge, g64, ue, u64, fast, oe, o64, o2e, o2_64, o16):
+        """Expand the row at element e0 with mask bits b, whose first set element takes
+        stored value j of the tile (``vals``; the gated op's u: the same of ``vals2``),
+        and store it (op 0) or the fused op's results. ``fast``: every operand and result
+        8-byte aligned (a whole row then moves as words), ``o16``: the results 16-byte
+        aligned (16-byte stores)."""
         if tfull or e0 < numel:
             for m in range(OW):
                 mb = uint32((b >> uint32(m * GE)) & uint32((1 << GE) - 1))
                 o[m] = expand_word(vals, sel, j, mb)
+                if op == OP_GATED:
+                    w2[m] = expand_word(vals2, sel, j, mb)
                 j = int32(j + cuda.popc(mb))
             full = tfull or e0 + UV <= numel
-            if op == 0 and o16 and full:
-                for p in range(OW // 4):
-                    lo = uint64(o[4 * p]) | (uint64(o[4 * p + 1]) << uint64(32))
-                    hi = uint64(o[4 * p + 2]) | (uint64(o[4 * p + 3]) << uint64(32))
-                    _store16(o64, _u(e0 * BITS // 64 + 2 * p), lo, hi)
-            elif op == 0 and ouse64 and full:
-                for p in range(OW // 2):
-                    pair = uint64(o[2 * p]) | (uint64(o[2 * p + 1]) << uint64(32))
-                    o64[_u(e0 * BITS // 64 + p)] = pair
+            if op != 0:
+                fused_row(o, w2, gw, uw, v, gv, uv, e0, full, numel, ge, g64, ue, u64, fast,
+                          oe, o64, o2e, o2_64, o16)
+            elif full and fast:
+                store_words(o64, e0, BITS, OW, o, o16)
             else:
                 for h in range(UMB):
                     g = (e0 >> 3) + h
                     for i in range(8):
                         e = 8 * h + i
                         v[i] = int64(o[e // GE] >> ((e % GE) * BITS)) & EMASK
-                    if op == 1:
-                        load_group(ge, g64, guse64 and g * 8 + 8 <= numel, numel, g, gv)
-                        for i in range(8):
-                            rj = v[i]
-                            if is_pos(rj):
-                                v[i] = narrow(fmul(widen(gv[i]), fmul(widen(rj), TWO)))
-                            else:
-                                v[i] = 0
-                    store_group(oe, o64, ouse64 and g * 8 + 8 <= numel, numel, g, v)
+                    store_group(oe, o64, fast and g * 8 + 8 <= numel, numel, g, v)
 
     return row_bits, emit_row
 
 
-def make_unpack(el, ug, op, enc, spread_signs, expand_word):
-    """The unpack kernel of one op and encoding (compile-time constants)."""
+def make_decode(el, enc, spread_signs):
+    """``decode``: a tile's stored values [off, off + n) of encoding ``enc`` into
+    ``vals``, GE per shared word (word q holds values GE q .. GE q + GE - 1)."""
     BITS, W, GE = el.BITS, el.W, el.GE
-    UV, URS, OW, SEL = ug.UV, ug.URS, ug.OW, ug.SEL
     spread = _make_spread(el, enc)
-    row_bits, emit_row = _make_rows(el, ug, op, expand_word)
     WD = BITS if enc == RAW else W
     WG = GE * WD                 # stream bits per decoded word
-    UR = ug.UR_OP[op]            # rows per thread
-    UTL = ug.utile_log2[op]
-    UT = 1 << UTL                # elements per tile
-    SEG = UR * URS               # elements per warp
-    VALS_W = UT * BITS // 32 + 4     # decoded words (+ guards for the pair reads)
-    assert UR in (1, 2, 4)
     GE_LOG2 = GE.bit_length() - 1
-    SEL_N = 16 if BITS == 8 else 1
 
-    @cuda.jit(**UNPACK_JIT[op])
-    def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
-                 ge, g64, guse64, oe, o64, ouse64, o16):
-        """Dense output of one tile of UT elements. op 0: the stored patterns
-        (unpack); op 1: relu2_backward, 2*r*grad where r > 0, else +0. The
-        tile's stored values are toff[(i << UTL) >> toff_shift] up to the
-        same at tile i + 1 (toff has one entry past the last tile or chunk);
-        vb/vw: the values plane as bytes and as its whole 32-bit words
-        (empty when unaligned), nvb its length (likewise the signs).
-        The UR <= 4 rows are written out (scalars, not a loop over a local
-        array: the compiler does not always unroll it, and the array then
-        lives in local memory). ``ouse64``: the output is 8-byte aligned (o64
-        views it), ``o16``: 16-byte aligned (op 0 stores whole rows as 16-byte
-        words)."""
-        t = cuda.threadIdx.x
-        lane = t & 31
-        warp = t >> 5
-        tile = int64(cuda.blockIdx.x)
-        vals = cuda.shared.array(VALS_W, uint32)
-        sh_tot = cuda.shared.array(UNW, int32)
-        sh_lane = cuda.shared.array(ULANE_N, int32)
-        sel = cuda.shared.array(SEL_N, uint32)
-        if BITS == 8 and t < SEL_N:
-            sel[t] = cuda.const.array_like(SEL)[t]   # read after the rank barrier
-        o = cuda.local.array(OW, uint32)
-        v = cuda.local.array(8, int64)
-        gv = cuda.local.array(8, int64)
-        ngroups = (numel + 7) >> 3
-        base = tile << UTL
-        tfull = base + UT <= numel       # no per-row bounds in a whole tile
-        row0 = base + (warp * SEG + lane * UV)
-
-        # The tile's value range (its loads first: the decode waits on them).
-        off = int64(toff[_u(base >> toff_shift)])
-        ie = ((tile + 1) << UTL) >> toff_shift
-        if ie > toff.size - 1:
-            ie = toff.size - 1
-        n = int64(toff[_u(ie)]) - off
-        # Mask bits of this thread's rows (round r: element row0 + r * URS). A
-        # whole tile loads them without a test between (all loads in flight).
-        b1 = uint32(0)
-        b2 = uint32(0)
-        b3 = uint32(0)
-        if tfull:
-            b0 = row_bits(mask, row0, False, ngroups)
-            if UR > 1:
-                b1 = row_bits(mask, row0 + URS, False, ngroups)
-            if UR > 2:
-                b2 = row_bits(mask, row0 + 2 * URS, False, ngroups)
-                b3 = row_bits(mask, row0 + 3 * URS, False, ngroups)
-        else:
-            b0 = row_bits(mask, row0, True, ngroups)
-            if UR > 1:
-                b1 = row_bits(mask, row0 + URS, True, ngroups)
-            if UR > 2:
-                b2 = row_bits(mask, row0 + 2 * URS, True, ngroups)
-                b3 = row_bits(mask, row0 + 3 * URS, True, ngroups)
-
-        # The tile's stored values, GE per shared word.
+    @cuda.jit(device=True)
+    def decode(vals, t, off, n, vb, vw, nvb, sb, sw, nsb):
         words = (n + GE - 1) >> GE_LOG2
         bit0 = off * WD
         w0 = bit0 >> 5
@@ -332,7 +262,48 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
                 vals[_u(q)] = c
                 q += UNT
 
-        # Ranks within the warp (rounds in order), then the warps before this one.
+    return decode
+
+
+def make_tile(el, ug, op):
+    """(tile_values, rows_bits, rows_starts): a tile's stored-value range, its thread's
+    rows' mask bits and each row's first stored value (block-wide: it synchronizes,
+    which also publishes the decoded values)."""
+    UR = ug.UR_OP[op]            # rows per thread
+    UTL = ug.utile_log2[op]
+    URS = ug.URS
+    assert UR in (1, 2, 4)
+    row_bits = _make_rows(el, ug, 0, None)[0]
+
+    @cuda.jit(device=True)
+    def tile_values(toff, toff_shift, tile):
+        """(off, n): the tile's stored values are [off, off + n). toff has one entry
+        past the last tile or chunk."""
+        off = int64(toff[_u((tile << UTL) >> toff_shift)])
+        ie = ((tile + 1) << UTL) >> toff_shift
+        if ie > toff.size - 1:
+            ie = toff.size - 1
+        return off, int64(toff[_u(ie)]) - off
+
+    @cuda.jit(device=True)
+    def rows_bits(mask, row0, tfull, ngroups):
+        """Mask bits of the thread's rows (round r: element row0 + r URS). A whole tile
+        loads them without a test between (all loads in flight)."""
+        b1 = uint32(0)
+        b2 = uint32(0)
+        b3 = uint32(0)
+        guard = not tfull
+        b0 = row_bits(mask, row0, guard, ngroups)
+        if UR > 1:
+            b1 = row_bits(mask, row0 + URS, guard, ngroups)
+        if UR > 2:
+            b2 = row_bits(mask, row0 + 2 * URS, guard, ngroups)
+            b3 = row_bits(mask, row0 + 3 * URS, guard, ngroups)
+        return b0, b1, b2, b3
+
+    @cuda.jit(device=True)
+    def rows_starts(b0, b1, b2, b3, lane, t, warp, sh_tot, sh_lane):
+        """Ranks within the warp (rounds in order), then the warps before this one."""
         st0, st1, acc = scan_pair(int32(0), b0, b1, UR > 1, UR > 1, lane, t, sh_lane)
         st2 = int32(0)
         st3 = int32(0)
@@ -345,23 +316,150 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
         for w in range(UNW):
             if w < warp:
                 before = int32(before + sh_tot[w])
+        return (int32(before + st0), int32(before + st1), int32(before + st2),
+                int32(before + st3))
 
-        emit_row(vals, sel, o, v, gv, b0, int32(before + st0), row0, tfull, numel,
-                 ge, g64, guse64, oe, o64, ouse64, o16)
+    return tile_values, rows_bits, rows_starts
+
+
+def _shapes(el, ug, op):
+    UR = ug.UR_OP[op]
+    UT = 1 << ug.utile_log2[op]
+    return (UR, UT, UR * ug.URS, UT * el.BITS // 32 + 4,   # + guards for the pair reads
+            16 if el.BITS == 8 else 1)
+
+
+def make_unpack(el, ug, op, enc, spread_signs, expand_word):
+    """The unpack kernel of op 0 (unpack) or 1 (relu2_backward) and an encoding."""
+    BITS, UV, OW, SEL = el.BITS, ug.UV, ug.OW, ug.SEL
+    UR, UT, SEG, VALS_W, SEL_N = _shapes(el, ug, op)
+    UTL = ug.utile_log2[op]
+    URS = ug.URS
+    decode = make_decode(el, enc, spread_signs)
+    tile_values, rows_bits, rows_starts = make_tile(el, ug, op)
+    emit_row = _make_rows(el, ug, op, expand_word)[1]
+
+    @cuda.jit(**UNPACK_JIT[op])
+    def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
+                 ge, g64, fast, oe, o64, o16):
+        """Dense output of one tile of UT elements. op 0: the stored patterns
+        (unpack); op 1: relu2_backward, 2*r*grad where r > 0, else +0. The
+        tile's stored values are toff[(i << UTL) >> toff_shift] up to the
+        same at tile i + 1; vb/vw: the values plane as bytes and as its whole
+        32-bit words (empty when unaligned), nvb its length (likewise the signs).
+        ``fast``: grad (op 1) and the output 8-byte aligned (g64, o64 view
+        them), ``o16``: the output 16-byte aligned. The UR <= 4 rows are
+        written out (scalars, not a loop over a local array: the compiler does
+        not always unroll it, and the array then lives in local memory)."""
+        t = cuda.threadIdx.x
+        lane = t & 31
+        warp = t >> 5
+        tile = int64(cuda.blockIdx.x)
+        vals = cuda.shared.array(VALS_W, uint32)
+        sh_tot = cuda.shared.array(UNW, int32)
+        sh_lane = cuda.shared.array(ULANE_N, int32)
+        sel = cuda.shared.array(SEL_N, uint32)
+        if BITS == 8 and t < SEL_N:
+            sel[t] = cuda.const.array_like(SEL)[t]   # read after the rank barrier
+        o = cuda.local.array(OW, uint32)
+        gw = cuda.local.array(OW, uint32)
+        v = cuda.local.array(8, int64)
+        gv = cuda.local.array(8, int64)
+        ngroups = (numel + 7) >> 3
+        base = tile << UTL
+        tfull = base + UT <= numel       # no per-row bounds in a whole tile
+        row0 = base + (warp * SEG + lane * UV)
+        off, n = tile_values(toff, toff_shift, tile)
+        b0, b1, b2, b3 = rows_bits(mask, row0, tfull, ngroups)
+        decode(vals, t, off, n, vb, vw, nvb, sb, sw, nsb)
+        j0, j1, j2, j3 = rows_starts(b0, b1, b2, b3, lane, t, warp, sh_tot, sh_lane)
+        emit_row(vals, vals, sel, o, o, gw, gw, v, gv, gv, b0, j0, row0, tfull, numel,
+                 ge, g64, ge, g64, fast, oe, o64, oe, o64, o16)
         if UR > 1:
-            emit_row(vals, sel, o, v, gv, b1, int32(before + st1), row0 + URS, tfull,
-                     numel, ge, g64, guse64, oe, o64, ouse64, o16)
+            emit_row(vals, vals, sel, o, o, gw, gw, v, gv, gv, b1, j1, row0 + URS, tfull,
+                     numel, ge, g64, ge, g64, fast, oe, o64, oe, o64, o16)
         if UR > 2:
-            emit_row(vals, sel, o, v, gv, b2, int32(before + st2), row0 + 2 * URS,
-                     tfull, numel, ge, g64, guse64, oe, o64, ouse64, o16)
-            emit_row(vals, sel, o, v, gv, b3, int32(before + st3), row0 + 3 * URS,
-                     tfull, numel, ge, g64, guse64, oe, o64, ouse64, o16)
+            emit_row(vals, vals, sel, o, o, gw, gw, v, gv, gv, b2, j2, row0 + 2 * URS,
+                     tfull, numel, ge, g64, ge, g64, fast, oe, o64, oe, o64, o16)
+            emit_row(vals, vals, sel, o, o, gw, gw, v, gv, gv, b3, j3, row0 + 3 * URS,
+                     tfull, numel, ge, g64, ge, g64, fast, oe, o64, oe, o64, o16)
     return k_unpack
 
 
+def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
+    """The gated backward kernel: op 2 with u packed under r's mask (encoding ``uenc``),
+    op 3 with u dense."""
+    BITS, UV, OW, SEL = el.BITS, ug.UV, ug.OW, ug.SEL
+    UR, UT, SEG, VALS_W, SEL_N = _shapes(el, ug, op)
+    UTL = ug.utile_log2[op]
+    URS = ug.URS
+    VALS2_W = VALS_W if op == OP_GATED else 1
+    decode = make_decode(el, enc, spread_signs)
+    decode_u = make_decode(el, uenc, spread_signs)
+    tile_values, rows_bits, rows_starts = make_tile(el, ug, op)
+    emit_row = _make_rows(el, ug, op, expand_word)[1]
+
+    @cuda.jit(**UNPACK_JIT[op])
+    def k_gated(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
+                uvb, uvw, nuvb, usb, usw, nusb, ue, u64, ge, g64, fast, og, og64, ou, ou64, o16):
+        """gated_backward of one tile of UT elements: og = grad u where r > 0, else +0
+        (grad_g), ou = grad r (grad_u). r's planes as k_unpack's; op 2: u's values and
+        signs likewise (uvb .. nusb), under r's mask and offsets; op 3: u dense (ue,
+        u64). ``fast``: grad, u and both outputs 8-byte aligned; ``o16``: both
+        outputs 16-byte aligned."""
+        t = cuda.threadIdx.x
+        lane = t & 31
+        warp = t >> 5
+        tile = int64(cuda.blockIdx.x)
+        vals = cuda.shared.array(VALS_W, uint32)
+        vals2 = cuda.shared.array(VALS2_W, uint32)
+        sh_tot = cuda.shared.array(UNW, int32)
+        sh_lane = cuda.shared.array(ULANE_N, int32)
+        sel = cuda.shared.array(SEL_N, uint32)
+        if BITS == 8 and t < SEL_N:
+            sel[t] = cuda.const.array_like(SEL)[t]   # read after the rank barrier
+        o = cuda.local.array(OW, uint32)
+        w2 = cuda.local.array(OW, uint32)
+        gw = cuda.local.array(OW, uint32)
+        uw = cuda.local.array(OW, uint32)
+        v = cuda.local.array(8, int64)
+        gv = cuda.local.array(8, int64)
+        uv = cuda.local.array(8, int64)
+        ngroups = (numel + 7) >> 3
+        base = tile << UTL
+        tfull = base + UT <= numel
+        row0 = base + (warp * SEG + lane * UV)
+        off, n = tile_values(toff, toff_shift, tile)
+        b0, b1, b2, b3 = rows_bits(mask, row0, tfull, ngroups)
+        decode(vals, t, off, n, vb, vw, nvb, sb, sw, nsb)
+        if op == OP_GATED:
+            decode_u(vals2, t, off, n, uvb, uvw, nuvb, usb, usw, nusb)
+        j0, j1, j2, j3 = rows_starts(b0, b1, b2, b3, lane, t, warp, sh_tot, sh_lane)
+        emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b0, j0, row0, tfull, numel,
+                 ge, g64, ue, u64, fast, og, og64, ou, ou64, o16)
+        if UR > 1:
+            emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b1, j1, row0 + URS, tfull,
+                     numel, ge, g64, ue, u64, fast, og, og64, ou, ou64, o16)
+        if UR > 2:
+            emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b2, j2, row0 + 2 * URS,
+                     tfull, numel, ge, g64, ue, u64, fast, og, og64, ou, ou64, o16)
+            emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b3, j3, row0 + 3 * URS,
+                     tfull, numel, ge, g64, ue, u64, fast, og, og64, ou, ou64, o16)
+    return k_gated
+
+
 def make_unpack_kernels(el):
-    """(utile_log2, {(op, encoding): k_unpack}) of element type ``el``."""
+    """(utile_log2, kernels): {(op, encoding): k_unpack} for ops 0 and 1,
+    {(OP_GATED, encoding, u's encoding): k_gated} and {(OP_GATED_DENSE, encoding): k_gated}."""
     ug = unpack_geometry(el)
     spread_signs, expand_word = make_word_expand(el, ug)
-    return ug.utile_log2, {(op, enc): make_unpack(el, ug, op, enc, spread_signs, expand_word)
-                           for op in (0, 1) for enc in (RAW, NOSIGN, SIGNPLANE)}
+    encs = (RAW, NOSIGN, SIGNPLANE)
+    kernels = {(op, enc): make_unpack(el, ug, op, enc, spread_signs, expand_word)
+               for op in (0, OP_RELU2) for enc in encs}
+    for enc in encs:
+        kernels[OP_GATED_DENSE, enc] = make_gated(el, ug, OP_GATED_DENSE, enc, RAW,
+                                                  spread_signs, expand_word)
+        for uenc in encs:
+            kernels[OP_GATED, enc, uenc] = make_gated(el, ug, OP_GATED, enc, uenc,
+                                                      spread_signs, expand_word)
+    return ug.utile_log2, kernels
