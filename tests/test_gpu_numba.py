@@ -533,3 +533,43 @@ def test_entry_points_run_with_or_without_a_current_context(rng):
     assert_same(p, want, "current context")
     assert_same(seen["planes"], want, "fresh thread")
     assert_bits(seen["unpacked"], x, "fresh thread unpack")
+
+
+@pytest.mark.xdist_group("float16")
+def test_float16_conversions_are_the_reference_ones():
+    """The fused ops' float16 conversions on the GPU (the conversion instructions): every
+    float16 pattern but NaN widened to float32 exactly, and float32 values rounded to
+    float16 as NumPy rounds them (nearest-even, overflow to inf, subnormals kept) near
+    float16's range. NaN is left out: a NaN operand makes a NaN product, and the fused
+    ops compute that row by bitfloat's per-element rules (fused_rows)."""
+    from numba import cuda
+    from bitsparse_core.backends.numba.common import _f16_round, _f16_widen
+
+    @cuda.jit
+    def k(h, wide, f, rounded):
+        i = cuda.grid(1)
+        if i < h.size:
+            wide[i] = _f16_widen(h[i])
+        if i < f.size:
+            rounded[i] = _f16_round(f[i])
+
+    h = np.arange(1 << 16, dtype=np.uint16)
+    rng = np.random.default_rng(7)
+    # Exponents 96..143 (float16's subnormals to past its overflow), every low-bit
+    # pattern near a rounding boundary, and random mantissas; signs both ways.
+    e = np.arange(96, 144, dtype=np.uint32)
+    low = np.concatenate([np.arange(0, 1 << 14, dtype=np.uint32),
+                          rng.integers(0, 1 << 23, 1 << 14, dtype=np.uint32)])
+    f = ((e[:, None] << 23) | low[None, :]).reshape(-1)
+    f = np.concatenate([f, f | 0x80000000, np.array([0, 0x80000000, 0x7F800000, 0xFF800000],
+                                                    dtype=np.uint32)])
+    wide = cuda.device_array(h.size, dtype=np.int64)
+    rounded = cuda.device_array(f.size, dtype=np.int64)
+    n = max(h.size, f.size)
+    k[(n + 255) // 256, 256](cuda.to_device(h), wide, cuda.to_device(f), rounded)
+    want_wide = h.view(np.float16).astype(np.float32).view(np.uint32)
+    num = ~np.isnan(h.view(np.float16))
+    np.testing.assert_array_equal(wide.copy_to_host().astype(np.uint32)[num], want_wide[num])
+    with np.errstate(over="ignore"):
+        want_round = f.view(np.float32).astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(rounded.copy_to_host().astype(np.uint16), want_round)

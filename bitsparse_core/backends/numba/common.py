@@ -3,13 +3,14 @@ the target-specific primitives and the block-wide rank helpers.
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, float32 bits are reinterpreted and bytes permuted (PRMT)
-through libdevice, and the unpack stores 16-byte words by inline PTX; under the
-CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which has no warp intrinsics, the
-warp scan goes through shared memory, the bit casts go through NumPy, PRMT is a
-Python loop over the four bytes, a 16-byte store is two 8-byte ones, and tiles
-are smaller so small tensors still span several tiles (blocks of 64 threads,
-``TILE`` = 1024). The rest is the same source, so CI exercises the algorithms
-without a GPU.
+through libdevice, float16 is converted by the conversion instructions, and the
+unpack stores 16-byte words by inline PTX; under the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``), which has no warp intrinsics, the warp scan goes
+through shared memory, the bit casts and float16 conversions go through NumPy,
+PRMT is a Python loop over the four bytes, a 16-byte store is two 8-byte ones,
+and tiles are smaller so small tensors still span several tiles (blocks of 64
+threads, ``TILE`` = 1024). The rest is the same source, so CI exercises the
+algorithms without a GPU.
 
 All index arithmetic is int64 (tensors may exceed 2**31 elements); element
 patterns are widened to int64 as soon as they are loaded. Hot array accesses
@@ -81,6 +82,17 @@ if SIM:
         """The low 32 bits of a * b (NumPy's uint32 product warns on the wrap)."""
         return np.uint32((int(a) * int(b)) & 0xFFFFFFFF)
 
+    def _f16_widen(x):
+        """float32 bits of the float16 pattern x (exact)."""
+        h = np.array([int(x) & 0xFFFF], dtype=np.uint16).view(np.float16)
+        return np.int64(h.astype(np.float32).view(np.uint32)[0])
+
+    def _f16_round(p):
+        """float32 bits p (not NaN) rounded to float16, nearest-even."""
+        f = np.array([int(p) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)
+        with np.errstate(over="ignore"):
+            return np.int64(f.astype(np.float16).view(np.uint16)[0])
+
     @cuda.jit(device=True)
     def _store16(a64, i, lo, hi):
         """a64[i], a64[i + 1] = lo, hi (on a GPU one 16-byte store)."""
@@ -145,6 +157,33 @@ else:
     def _mul32(a, b):
         """The low 32 bits of a * b."""
         return uint32(uint32(a) * uint32(b))
+
+    def _convert(src, dst, op):
+        """An intrinsic: the low bits of an integer as float ``src``, converted to float
+        ``dst`` by LLVM instruction ``op`` (fpext / fptrunc: the conversion instruction,
+        round to nearest even), returned as the bits of ``dst`` in an int64."""
+        bits = {"half": 16, "float": 32}
+
+        @intrinsic
+        def conv(typingctx, x):
+            if not isinstance(x, types.Integer):
+                return None
+            sig = types.int64(x)
+
+            def codegen(context, builder, sig, args):
+                v = builder.trunc(args[0], ir.IntType(bits[src])) if x.bitwidth > bits[src] \
+                    else args[0]
+                f = builder.bitcast(v, ir.HalfType() if src == "half" else ir.FloatType())
+                g = getattr(builder, op)(f, ir.HalfType() if dst == "half" else ir.FloatType())
+                return builder.zext(builder.bitcast(g, ir.IntType(bits[dst])), ir.IntType(64))
+
+            return sig, codegen
+        return conv
+
+    _f16_widen = _convert("half", "float", "fpext")
+    _f16_widen.__doc__ = "float32 bits of the float16 pattern x (exact)."
+    _f16_round = _convert("float", "half", "fptrunc")
+    _f16_round.__doc__ = "float32 bits p (not NaN) rounded to float16, nearest-even."
 
     @intrinsic
     def _store16(typingctx, a64, i, lo, hi):

@@ -3,12 +3,13 @@
 gated op's ``g u`` where ``r > 0`` (grad_g) and ``g r`` (grad_u).
 
 A row is computed a 32-bit word at a time in float32: each lane is widened to
-float32 bits (bf16: a shift), multiplied on the FPU and rounded back (bf16: one
-carry), and the row is stored whole. Where a product is NaN the lanes' payloads
-follow x86's rules in the reference (first NaN operand quieted, 0 * inf the default
-NaN), which the FPU does not give, so that row is computed again element by element
-through :mod:`bitsparse_core.bitfloat`; so is every fp8 row (no float8 arithmetic to
-gain from), a row past the end of the tensor and every row of an operand that is not
+float32 bits (bf16: a shift; fp16: the conversion instruction), multiplied on the
+FPU and rounded back (bf16: one carry; fp16: the conversion instruction), and the
+row is stored whole. Where a product is NaN the lanes' payloads follow x86's rules
+in the reference (first NaN operand quieted, 0 * inf the default NaN), which the FPU
+does not give, so that row is computed again element by element through
+:mod:`bitsparse_core.bitfloat`; so is every fp8 row (no float8 arithmetic to gain
+from), a row past the end of the tensor and every row of an operand that is not
 8-byte aligned. The CUDA C++ kernel splits its work the same way (``bs_fused_vec``).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from numba import cuda, int64, uint32, uint64
 
-from .common import _as_f32, _as_u32, _store16, _u
+from .common import _as_f32, _as_u32, _f16_round, _f16_widen, _store16, _u
 
 TWO = 0x40000000                 # float32 bits of 2.0
 F32_INF = 0x7F800000
@@ -81,12 +82,14 @@ def make_word_ops(el):
     """(relu2_word, gated_word): one 32-bit word's results and whether a lane is NaN."""
     BITS, GE, LMASK = el.BITS, el.GE, (1 << el.BITS) - 1
     widen, narrow = el.widen, el.narrow
-    IS_BF16 = el.name == "bfloat16"
+    IS_BF16, IS_F16 = el.name == "bfloat16", el.name == "float16"
 
     @cuda.jit(device=True)
     def wide(x):
         if IS_BF16:
             return x << 16
+        if IS_F16:
+            return _f16_widen(x)
         return widen(x)
 
     @cuda.jit(device=True)
@@ -94,6 +97,8 @@ def make_word_ops(el):
         """float32 bits p (not NaN) rounded to the dtype, nearest-even."""
         if IS_BF16:
             return (p + 0x7FFF + ((p >> 16) & 1)) >> 16
+        if IS_F16:
+            return _f16_round(p)
         return narrow(p)
 
     @cuda.jit(device=True)
@@ -144,11 +149,12 @@ def make_fused_row(el, ug, op):
     relu2_word, gated_word = make_word_ops(el)
 
     @cuda.jit(device=True)
-    def by_words(o, w2, gw, uw, e0, g64, u64, o64, o2_64, o16):
+    def by_words(o, w2, gw, uw, e0, g64, u64, o64, o2_64, o16, g_loaded):
         """The row a word at a time, the results in ``gw`` (relu2's, grad_g) and ``uw``
         (grad_u), ``o`` and ``w2`` kept for the per-element rules; False (nothing
-        stored) where a result is NaN."""
-        load_words(g64, e0, BITS, OW, gw)
+        stored) where a result is NaN. ``g_loaded``: gw holds the row's grad already."""
+        if not g_loaded:
+            load_words(g64, e0, BITS, OW, gw)
         if op == OP_GATED_DENSE:
             load_words(u64, e0, BITS, OW, uw)
         nan = False
@@ -197,11 +203,31 @@ def make_fused_row(el, ug, op):
 
     @cuda.jit(device=True)
     def fused_row(o, w2, gw, uw, v, gv, uv, e0, full, numel, ge, g64, ue, u64, fast,
-                  oe, o64, o2e, o2_64, o16):
-        """``fast``: every operand and result 8-byte aligned (``o16``: results 16-byte)."""
+                  oe, o64, o2e, o2_64, o16, g_loaded):
+        """``fast``: every operand and result 8-byte aligned (``o16``: results 16-byte);
+        ``g_loaded``: gw holds the row's grad (see :func:`preload_grad`)."""
         if WORDS and full and fast:
-            if by_words(o, w2, gw, uw, e0, g64, u64, o64, o2_64, o16):
+            if by_words(o, w2, gw, uw, e0, g64, u64, o64, o2_64, o16, g_loaded):
                 return
         by_elements(o, w2, v, gv, uv, e0, numel, ge, g64, ue, u64, fast, oe, o64, o2e, o2_64)
 
     return fused_row
+
+
+def make_preload_grad(el, ug):
+    """``preload_grad``: a whole tile's rows of grad into gw0 / gw1 before the values
+    are decoded and ranked, so that their loads are in flight meanwhile (True where it
+    loaded; fp8 rows are computed per element and load nothing here)."""
+    BITS, OW = el.BITS, ug.OW
+    WORDS = BITS != 8
+
+    @cuda.jit(device=True)
+    def preload_grad(g64, row0, second, rows, fast, tfull, gw0, gw1):
+        if not (WORDS and fast and tfull):
+            return False
+        load_words(g64, row0, BITS, OW, gw0)
+        if rows > 1:
+            load_words(g64, second, BITS, OW, gw1)
+        return True
+
+    return preload_grad

@@ -30,7 +30,8 @@ from numba import cuda, int32, int64, uint32, uint64
 
 from .common import (FULL_MASK, NOSIGN, RAW, SIGNPLANE, SIM, TILE, ULANE_N, UNT, UNW, _load_word,
                      _prmt, _u, _warp_incl_scan, _warp_last)
-from .fused_rows import OP_GATED, OP_GATED_DENSE, OP_RELU2, make_fused_row, store_words
+from .fused_rows import (OP_GATED, OP_GATED_DENSE, OP_RELU2, make_fused_row, make_preload_grad,
+                         store_words)
 
 UNPACK_ROWS = 4
 OPS = (0, OP_RELU2, OP_GATED, OP_GATED_DENSE)
@@ -185,12 +186,12 @@ def _make_rows(el, ug, op, expand_word):
 
     @cuda.jit(device=True)
     def emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b, j, e0, tfull, numel,
-                 ge, g64, ue, u64, fast, oe, o64, o2e, o2_64, o16):
+                 ge, g64, ue, u64, fast, oe, o64, o2e, o2_64, o16, g_loaded):
         """Expand the row at element e0 with mask bits b, whose first set element takes
         stored value j of the tile (``vals``; the gated op's u: the same of ``vals2``),
         and store it (op 0) or the fused op's results. ``fast``: every operand and result
         8-byte aligned (a whole row then moves as words), ``o16``: the results 16-byte
-        aligned (16-byte stores)."""
+        aligned (16-byte stores), ``g_loaded``: gw holds the row's grad already."""
         if tfull or e0 < numel:
             for m in range(OW):
                 mb = uint32((b >> uint32(m * GE)) & uint32((1 << GE) - 1))
@@ -201,7 +202,7 @@ def _make_rows(el, ug, op, expand_word):
             full = tfull or e0 + UV <= numel
             if op != 0:
                 fused_row(o, w2, gw, uw, v, gv, uv, e0, full, numel, ge, g64, ue, u64, fast,
-                          oe, o64, o2e, o2_64, o16)
+                          oe, o64, o2e, o2_64, o16, g_loaded)
             elif full and fast:
                 store_words(o64, e0, BITS, OW, o, o16)
             else:
@@ -292,13 +293,20 @@ def make_tile(el, ug, op):
         b1 = uint32(0)
         b2 = uint32(0)
         b3 = uint32(0)
-        guard = not tfull
-        b0 = row_bits(mask, row0, guard, ngroups)
-        if UR > 1:
-            b1 = row_bits(mask, row0 + URS, guard, ngroups)
-        if UR > 2:
-            b2 = row_bits(mask, row0 + 2 * URS, guard, ngroups)
-            b3 = row_bits(mask, row0 + 3 * URS, guard, ngroups)
+        if tfull:
+            b0 = row_bits(mask, row0, False, ngroups)
+            if UR > 1:
+                b1 = row_bits(mask, row0 + URS, False, ngroups)
+            if UR > 2:
+                b2 = row_bits(mask, row0 + 2 * URS, False, ngroups)
+                b3 = row_bits(mask, row0 + 3 * URS, False, ngroups)
+        else:
+            b0 = row_bits(mask, row0, True, ngroups)
+            if UR > 1:
+                b1 = row_bits(mask, row0 + URS, True, ngroups)
+            if UR > 2:
+                b2 = row_bits(mask, row0 + 2 * URS, True, ngroups)
+                b3 = row_bits(mask, row0 + 3 * URS, True, ngroups)
         return b0, b1, b2, b3
 
     @cuda.jit(device=True)
@@ -338,6 +346,7 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
     decode = make_decode(el, enc, spread_signs)
     tile_values, rows_bits, rows_starts = make_tile(el, ug, op)
     emit_row = _make_rows(el, ug, op, expand_word)[1]
+    preload_grad = make_preload_grad(el, ug)
 
     @cuda.jit(**UNPACK_JIT[op])
     def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
@@ -362,7 +371,8 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
         if BITS == 8 and t < SEL_N:
             sel[t] = cuda.const.array_like(SEL)[t]   # read after the rank barrier
         o = cuda.local.array(OW, uint32)
-        gw = cuda.local.array(OW, uint32)
+        gw = cuda.local.array(OW, uint32)            # relu2: the rows' grad, then results
+        gw1 = cuda.local.array(OW, uint32)
         v = cuda.local.array(8, int64)
         gv = cuda.local.array(8, int64)
         ngroups = (numel + 7) >> 3
@@ -371,18 +381,21 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
         row0 = base + (warp * SEG + lane * UV)
         off, n = tile_values(toff, toff_shift, tile)
         b0, b1, b2, b3 = rows_bits(mask, row0, tfull, ngroups)
+        g_loaded = False
+        if op != 0:
+            g_loaded = preload_grad(g64, row0, row0 + URS, UR, fast, tfull, gw, gw1)
         decode(vals, t, off, n, vb, vw, nvb, sb, sw, nsb)
         j0, j1, j2, j3 = rows_starts(b0, b1, b2, b3, lane, t, warp, sh_tot, sh_lane)
         emit_row(vals, vals, sel, o, o, gw, gw, v, gv, gv, b0, j0, row0, tfull, numel,
-                 ge, g64, ge, g64, fast, oe, o64, oe, o64, o16)
+                 ge, g64, ge, g64, fast, oe, o64, oe, o64, o16, g_loaded)
         if UR > 1:
-            emit_row(vals, vals, sel, o, o, gw, gw, v, gv, gv, b1, j1, row0 + URS, tfull,
-                     numel, ge, g64, ge, g64, fast, oe, o64, oe, o64, o16)
+            emit_row(vals, vals, sel, o, o, gw1, gw1, v, gv, gv, b1, j1, row0 + URS, tfull,
+                     numel, ge, g64, ge, g64, fast, oe, o64, oe, o64, o16, g_loaded)
         if UR > 2:
             emit_row(vals, vals, sel, o, o, gw, gw, v, gv, gv, b2, j2, row0 + 2 * URS,
-                     tfull, numel, ge, g64, ge, g64, fast, oe, o64, oe, o64, o16)
+                     tfull, numel, ge, g64, ge, g64, fast, oe, o64, oe, o64, o16, False)
             emit_row(vals, vals, sel, o, o, gw, gw, v, gv, gv, b3, j3, row0 + 3 * URS,
-                     tfull, numel, ge, g64, ge, g64, fast, oe, o64, oe, o64, o16)
+                     tfull, numel, ge, g64, ge, g64, fast, oe, o64, oe, o64, o16, False)
     return k_unpack
 
 
@@ -398,6 +411,8 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
     decode_u = make_decode(el, uenc, spread_signs)
     tile_values, rows_bits, rows_starts = make_tile(el, ug, op)
     emit_row = _make_rows(el, ug, op, expand_word)[1]
+    preload_grad = make_preload_grad(el, ug)
+    assert UR <= 2
 
     @cuda.jit(**UNPACK_JIT[op])
     def k_gated(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
@@ -420,8 +435,9 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
             sel[t] = cuda.const.array_like(SEL)[t]   # read after the rank barrier
         o = cuda.local.array(OW, uint32)
         w2 = cuda.local.array(OW, uint32)
-        gw = cuda.local.array(OW, uint32)
-        uw = cuda.local.array(OW, uint32)
+        gw = cuda.local.array(OW, uint32)            # the rows' grad, then grad_g
+        gw1 = cuda.local.array(OW, uint32)
+        uw = cuda.local.array(OW, uint32)            # op 3: u; then grad_u
         v = cuda.local.array(8, int64)
         gv = cuda.local.array(8, int64)
         uv = cuda.local.array(8, int64)
@@ -431,20 +447,16 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
         row0 = base + (warp * SEG + lane * UV)
         off, n = tile_values(toff, toff_shift, tile)
         b0, b1, b2, b3 = rows_bits(mask, row0, tfull, ngroups)
+        g_loaded = preload_grad(g64, row0, row0 + URS, UR, fast, tfull, gw, gw1)
         decode(vals, t, off, n, vb, vw, nvb, sb, sw, nsb)
         if op == OP_GATED:
             decode_u(vals2, t, off, n, uvb, uvw, nuvb, usb, usw, nusb)
         j0, j1, j2, j3 = rows_starts(b0, b1, b2, b3, lane, t, warp, sh_tot, sh_lane)
         emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b0, j0, row0, tfull, numel,
-                 ge, g64, ue, u64, fast, og, og64, ou, ou64, o16)
+                 ge, g64, ue, u64, fast, og, og64, ou, ou64, o16, g_loaded)
         if UR > 1:
-            emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b1, j1, row0 + URS, tfull,
-                     numel, ge, g64, ue, u64, fast, og, og64, ou, ou64, o16)
-        if UR > 2:
-            emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b2, j2, row0 + 2 * URS,
-                     tfull, numel, ge, g64, ue, u64, fast, og, og64, ou, ou64, o16)
-            emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b3, j3, row0 + 3 * URS,
-                     tfull, numel, ge, g64, ue, u64, fast, og, og64, ou, ou64, o16)
+            emit_row(vals, vals2, sel, o, w2, gw1, uw, v, gv, uv, b1, j1, row0 + URS, tfull,
+                     numel, ge, g64, ue, u64, fast, og, og64, ou, ou64, o16, g_loaded)
     return k_gated
 
 
