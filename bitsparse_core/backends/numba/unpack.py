@@ -267,12 +267,15 @@ def make_decode(el, enc, spread_signs):
 
 
 def make_tile(el, ug, op):
-    """(tile_values, rows_bits, rows_starts): a tile's stored-value range, its thread's
-    rows' mask bits and each row's first stored value (block-wide: it synchronizes,
-    which also publishes the decoded values)."""
+    """(tile_head, rows_starts): where a thread's rows are, the tile's stored-value
+    range and the rows' mask bits; then each row's first stored value (block-wide: it
+    synchronizes, which also publishes the decoded values)."""
     UR = ug.UR_OP[op]            # rows per thread
     UTL = ug.utile_log2[op]
+    UT = 1 << UTL
     URS = ug.URS
+    SEG = UR * URS               # elements per warp
+    UV = ug.UV
     assert UR in (1, 2, 4)
     row_bits = _make_rows(el, ug, 0, None)[0]
 
@@ -327,24 +330,37 @@ def make_tile(el, ug, op):
         return (int32(before + st0), int32(before + st1), int32(before + st2),
                 int32(before + st3))
 
-    return tile_values, rows_bits, rows_starts
+    @cuda.jit(device=True)
+    def tile_head(mask, numel, toff, toff_shift):
+        """(t, lane, warp, tfull, row0, off, n, b0, b1, b2, b3): the thread, whether the
+        tile is whole (no per-row bounds), the thread's first row, the tile's stored
+        values [off, off + n) and the rows' mask bits (their loads issued first)."""
+        t = cuda.threadIdx.x
+        tile = int64(cuda.blockIdx.x)
+        base = tile << UTL
+        tfull = base + UT <= numel
+        row0 = base + ((t >> 5) * SEG + (t & 31) * UV)
+        off, n = tile_values(toff, toff_shift, tile)
+        b0, b1, b2, b3 = rows_bits(mask, row0, tfull, (numel + 7) >> 3)
+        return t, t & 31, t >> 5, tfull, row0, off, n, b0, b1, b2, b3
+
+    return tile_head, rows_starts
 
 
 def _shapes(el, ug, op):
-    UR = ug.UR_OP[op]
+    """(rows per thread, decoded words per tile (+ guards for the pair reads), fp8's
+    selector table size)."""
     UT = 1 << ug.utile_log2[op]
-    return (UR, UT, UR * ug.URS, UT * el.BITS // 32 + 4,   # + guards for the pair reads
-            16 if el.BITS == 8 else 1)
+    return ug.UR_OP[op], UT * el.BITS // 32 + 4, 16 if el.BITS == 8 else 1
 
 
 def make_unpack(el, ug, op, enc, spread_signs, expand_word):
     """The unpack kernel of op 0 (unpack) or 1 (relu2_backward) and an encoding."""
-    BITS, UV, OW, SEL = el.BITS, ug.UV, ug.OW, ug.SEL
-    UR, UT, SEG, VALS_W, SEL_N = _shapes(el, ug, op)
-    UTL = ug.utile_log2[op]
+    BITS, OW, SEL = el.BITS, ug.OW, ug.SEL
+    UR, VALS_W, SEL_N = _shapes(el, ug, op)
     URS = ug.URS
     decode = make_decode(el, enc, spread_signs)
-    tile_values, rows_bits, rows_starts = make_tile(el, ug, op)
+    tile_head, rows_starts = make_tile(el, ug, op)
     emit_row = _make_rows(el, ug, op, expand_word)[1]
     preload_grad = make_preload_grad(el, ug)
 
@@ -360,10 +376,8 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
         them), ``o16``: the output 16-byte aligned. The UR <= 4 rows are
         written out (scalars, not a loop over a local array: the compiler does
         not always unroll it, and the array then lives in local memory)."""
-        t = cuda.threadIdx.x
-        lane = t & 31
-        warp = t >> 5
-        tile = int64(cuda.blockIdx.x)
+        t, lane, warp, tfull, row0, off, n, b0, b1, b2, b3 = tile_head(mask, numel, toff,
+                                                                       toff_shift)
         vals = cuda.shared.array(VALS_W, uint32)
         sh_tot = cuda.shared.array(UNW, int32)
         sh_lane = cuda.shared.array(ULANE_N, int32)
@@ -375,12 +389,6 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
         gw1 = cuda.local.array(OW, uint32)
         v = cuda.local.array(8, int64)
         gv = cuda.local.array(8, int64)
-        ngroups = (numel + 7) >> 3
-        base = tile << UTL
-        tfull = base + UT <= numel       # no per-row bounds in a whole tile
-        row0 = base + (warp * SEG + lane * UV)
-        off, n = tile_values(toff, toff_shift, tile)
-        b0, b1, b2, b3 = rows_bits(mask, row0, tfull, ngroups)
         g_loaded = False
         if op != 0:
             g_loaded = preload_grad(g64, row0, row0 + URS, UR, fast, tfull, gw, gw1)
@@ -402,14 +410,13 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
 def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
     """The gated backward kernel: op 2 with u packed under r's mask (encoding ``uenc``),
     op 3 with u dense."""
-    BITS, UV, OW, SEL = el.BITS, ug.UV, ug.OW, ug.SEL
-    UR, UT, SEG, VALS_W, SEL_N = _shapes(el, ug, op)
-    UTL = ug.utile_log2[op]
+    BITS, OW, SEL = el.BITS, ug.OW, ug.SEL
+    UR, VALS_W, SEL_N = _shapes(el, ug, op)
     URS = ug.URS
     VALS2_W = VALS_W if op == OP_GATED else 1
     decode = make_decode(el, enc, spread_signs)
     decode_u = make_decode(el, uenc, spread_signs)
-    tile_values, rows_bits, rows_starts = make_tile(el, ug, op)
+    tile_head, rows_starts = make_tile(el, ug, op)
     emit_row = _make_rows(el, ug, op, expand_word)[1]
     preload_grad = make_preload_grad(el, ug)
     assert UR <= 2
@@ -422,12 +429,10 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
         signs likewise (uvb .. nusb), under r's mask and offsets; op 3: u dense (ue,
         u64). ``fast``: grad, u and both outputs 8-byte aligned; ``o16``: both
         outputs 16-byte aligned."""
-        t = cuda.threadIdx.x
-        lane = t & 31
-        warp = t >> 5
-        tile = int64(cuda.blockIdx.x)
+        t, lane, warp, tfull, row0, off, n, b0, b1, b2, b3 = tile_head(mask, numel, toff,
+                                                                       toff_shift)
         vals = cuda.shared.array(VALS_W, uint32)
-        vals2 = cuda.shared.array(VALS2_W, uint32)
+        vals2 = cuda.shared.array(VALS2_W, uint32)   # op 2: u's values
         sh_tot = cuda.shared.array(UNW, int32)
         sh_lane = cuda.shared.array(ULANE_N, int32)
         sel = cuda.shared.array(SEL_N, uint32)
@@ -441,12 +446,6 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
         v = cuda.local.array(8, int64)
         gv = cuda.local.array(8, int64)
         uv = cuda.local.array(8, int64)
-        ngroups = (numel + 7) >> 3
-        base = tile << UTL
-        tfull = base + UT <= numel
-        row0 = base + (warp * SEG + lane * UV)
-        off, n = tile_values(toff, toff_shift, tile)
-        b0, b1, b2, b3 = rows_bits(mask, row0, tfull, ngroups)
         g_loaded = preload_grad(g64, row0, row0 + URS, UR, fast, tfull, gw, gw1)
         decode(vals, t, off, n, vb, vw, nvb, sb, sw, nsb)
         if op == OP_GATED:
