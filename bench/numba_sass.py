@@ -3,7 +3,8 @@
     python3 bench/numba_sass.py [--dtype bfloat16] [--out /tmp] [--all] [--variant k=v,...]
 
 Compiles the nosign unpack and plain-pack kernels (with --all every op, mode and
-encoding: does each compile for sm_90?) to PTX with numba-cuda, assembles
+encoding, the fused ops' unpack kernels included: does each compile for sm_90?) to
+PTX with numba-cuda, assembles
 them with ptxas and disassembles with cuobjdump (both from the pip CUDA packages or
 the PATH), then prints instructions, registers and local-memory accesses per kernel:
 a cheap check of a Numba change before spending device time on it. numba-cuda asks
@@ -61,16 +62,24 @@ def main() -> None:
     arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
     et = {8: types.uint8, 16: types.uint16, 32: types.uint32}[k.bits]
     u8, u32, u64, el, i64, b = arr(types.uint8), arr(types.uint32), arr(types.uint64), arr(et), types.int64, types.boolean
-    unpack_sig = (u8, i64, u32, i64, u8, u32, i64, u8, u32, i64, el, u64, b, el, u64, b, b)
+    planes = (u8, u32, i64, u8, u32, i64)          # a packed tensor's values and signs
+    unpack_sig = (u8, i64, u32, i64, *planes, el, u64, b, el, u64, b)
+    gated_sig = (u8, i64, u32, i64, *planes, *planes, el, u64, el, u64, b, el, u64, el, u64, b)
     pack_sig = (el, u64, b, i64, el, u64, b, u8, i64, i64, u8, u32, i64, el, u32, u32,
                 arr(types.int64), arr(types.int64), u32, arr(types.int64))
     finish_sig = (arr(types.int64), u32, i64, arr(types.int64), i64, i64, b, el, u32, u32)
     encs = (K.RAW, K.NOSIGN, K.SIGNPLANE) if a.all else (K.NOSIGN,)
     ename = {K.RAW: "raw", K.NOSIGN: "nosign", K.SIGNPLANE: "signplane"}
     kernels = {}
-    for op in ((0, 1) if a.all else (0,)):
+    for op in ((0, K.OP_RELU2) if a.all else (0,)):
         for e in encs:
             kernels[f"unpack{'_relu2bw' if op else ''}_{ename[e]}"] = (k.unpack[(op, e)], unpack_sig)
+    if a.all:
+        for e in encs:
+            kernels[f"gated_dense_u_{ename[e]}"] = (k.unpack[(K.OP_GATED_DENSE, e)], gated_sig)
+            for ue in encs:
+                kernels[f"gated_{ename[e]}_u_{ename[ue]}"] = (k.unpack[(K.OP_GATED, e, ue)],
+                                                              gated_sig)
     for mode in ((K.MODE_PACK, K.MODE_RELU, K.MODE_RELU2, K.MODE_MASKED) if a.all else (K.MODE_PACK,)):
         for e in encs:
             kernels[f"pack{'_mode%d' % mode if mode else ''}_{ename[e]}"] = (k.pack[(mode, e)], pack_sig)
