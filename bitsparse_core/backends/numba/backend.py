@@ -763,7 +763,8 @@ class NumbaBackend:
         else:
             ubuf, _ = P.new_dense(p_u.shape, dt, st, allocator)
             self._decode(P, st, p_u, 0, None, ubuf, allocator)
-            u_stored = (mask, P.view(ubuf, 0, 0, np.uint32), 0) * 2  # unread
+            # op 3 reads u dense: its planes' arguments are empty ones of their kinds
+            u_stored = (mask, P.view(ubuf, 0, 0, np.uint32), 0) * 2
             ue, u64, u_fast = self._dense_views(P, ubuf, numel, dt)
             key = (op, int(p_r.encoding))
         fast = fast and gg_fast and gu_fast and u_fast

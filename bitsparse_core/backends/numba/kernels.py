@@ -31,11 +31,11 @@ from .common import (FULL_MASK, G, GPT, LANE_N, MODE_MASKED, MODE_PACK, MODE_REL
 from .edges import make_finish
 from .elements import elem
 from .fused import make_relu_backward
+from .fused_rows import OP_GATED, OP_GATED_DENSE, OP_RELU2
 from .lookback import (LB_AGG, LB_COUNT, LB_GROUP, LB_INCL, LB_NEG, LB_SHIFT, SCRATCH_HEAD,
                        scratch_slots)
 from .pack import PACK_JIT, make_pack_kernels, pack_rounds_for
 from .scan import COUNT_MASK, FLAG_SHIFT, k_mask_count, k_scan
-from .fused_rows import OP_GATED, OP_GATED_DENSE, OP_RELU2
 from .unpack import UNPACK_JIT, UNPACK_ROWS, make_unpack_kernels
 
 __all__ = [  # what the backend, tests and bench scripts read from this module

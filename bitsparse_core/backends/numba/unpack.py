@@ -1,7 +1,7 @@
 """The kernels that expand packed tiles (``DtypeKernels.unpack``): op 0 the stored
 patterns (unpack), op 1 relu2_backward (2*r*grad where r > 0, else +0), op 2 the
 gated backward with u packed under r's mask, op 3 the same with u dense; one kernel
-per op and encoding(s). The fused ops' arithmetic is :mod:`.fused_rows`'.
+per op and encoding(s). The fused ops' arithmetic is in :mod:`.fused_rows`.
 
 In the CuPy backend's per-word form: the tile's value range [P, Pe) comes from
 the tile-offset array at both ends, so its stored values are decoded before the
@@ -35,8 +35,8 @@ from .fused_rows import (OP_GATED, OP_GATED_DENSE, OP_RELU2, make_fused_row, mak
 
 UNPACK_ROWS = 4
 OPS = (0, OP_RELU2, OP_GATED, OP_GATED_DENSE)
-# Unpack: six 256-thread blocks per SM (42 registers); the fused ops' float products
-# need more registers, four blocks.
+# Unpack: six 256-thread blocks per SM (40 registers); the fused ops' float products
+# need more registers (45-62), four blocks.
 UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in OPS}
 
 
@@ -164,12 +164,9 @@ def _make_spread(el, enc):
     return spread
 
 
-def _make_rows(el, ug, op, expand_word):
-    """(row_bits, emit_row): a row's mask bits and its expanded, stored output."""
-    BITS, GE, EMASK = el.BITS, el.GE, el.EMASK
-    UV, UMB, OW = ug.UV, ug.UMB, ug.OW
-    store_group = el.store_group
-    fused_row = make_fused_row(el, ug, op) if op else None
+def _make_row_bits(ug):
+    """``row_bits``: a row's mask bits."""
+    UMB = ug.UMB
 
     @cuda.jit(device=True)
     def row_bits(mask, e0, guard, ngroups):
@@ -183,6 +180,16 @@ def _make_rows(el, ug, op, expand_word):
             else:
                 b = uint32(b | (uint32(mask[_u(g + h)]) << uint32(8 * h)))
         return b
+
+    return row_bits
+
+
+def _make_emit_row(el, ug, op, expand_word):
+    """``emit_row``: a row expanded and stored (op 0), or the fused op's results."""
+    BITS, GE, EMASK = el.BITS, el.GE, el.EMASK
+    UV, UMB, OW = ug.UV, ug.UMB, ug.OW
+    store_group = el.store_group
+    fused_row = make_fused_row(el, ug, op) if op else None
 
     @cuda.jit(device=True)
     def emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b, j, e0, tfull, numel,
@@ -213,7 +220,7 @@ def _make_rows(el, ug, op, expand_word):
                         v[i] = int64(o[e // GE] >> ((e % GE) * BITS)) & EMASK
                     store_group(oe, o64, fast and g * 8 + 8 <= numel, numel, g, v)
 
-    return row_bits, emit_row
+    return emit_row
 
 
 def make_decode(el, enc, spread_signs):
@@ -277,7 +284,7 @@ def make_tile(el, ug, op):
     SEG = UR * URS               # elements per warp
     UV = ug.UV
     assert UR in (1, 2, 4)
-    row_bits = _make_rows(el, ug, 0, None)[0]
+    row_bits = _make_row_bits(ug)
 
     @cuda.jit(device=True)
     def tile_values(toff, toff_shift, tile):
@@ -361,7 +368,7 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
     URS = ug.URS
     decode = make_decode(el, enc, spread_signs)
     tile_head, rows_starts = make_tile(el, ug, op)
-    emit_row = _make_rows(el, ug, op, expand_word)[1]
+    emit_row = _make_emit_row(el, ug, op, expand_word)
     preload_grad = make_preload_grad(el, ug)
 
     @cuda.jit(**UNPACK_JIT[op])
@@ -417,7 +424,7 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
     decode = make_decode(el, enc, spread_signs)
     decode_u = make_decode(el, uenc, spread_signs)
     tile_head, rows_starts = make_tile(el, ug, op)
-    emit_row = _make_rows(el, ug, op, expand_word)[1]
+    emit_row = _make_emit_row(el, ug, op, expand_word)
     preload_grad = make_preload_grad(el, ug)
     assert UR <= 2
 
