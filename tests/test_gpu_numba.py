@@ -536,40 +536,55 @@ def test_entry_points_run_with_or_without_a_current_context(rng):
 
 
 @pytest.mark.xdist_group("float16")
-def test_float16_conversions_are_the_reference_ones():
-    """The fused ops' float16 conversions on the GPU (the conversion instructions): every
-    float16 pattern but NaN widened to float32 exactly, and float32 values rounded to
-    float16 as NumPy rounds them (nearest-even, overflow to inf, subnormals kept) near
-    float16's range. NaN is left out: a NaN operand makes a NaN product, and the fused
-    ops compute that row by bitfloat's per-element rules (fused_rows)."""
+def test_half_conversions_are_the_reference_ones():
+    """The fused ops' 16-bit float conversions on the GPU (the conversion instructions):
+    every float16 pattern but NaN widened to float32 exactly, and pairs of float32 values
+    rounded to float16 and to bfloat16 as NumPy and ml_dtypes round them (nearest-even,
+    overflow to inf, subnormals kept), the first of a pair in the word's upper half. NaN
+    is left out: a NaN operand makes a NaN product, and the fused ops compute that row by
+    bitfloat's per-element rules (fused_rows)."""
+    import ml_dtypes
     from numba import cuda
-    from bitsparse_core.backends.numba.common import _f16_round, _f16_widen
+    from bitsparse_core.backends.numba.common import (_bf16_round_pair, _f16_round_pair,
+                                                      _f16_widen)
 
     @cuda.jit
-    def k(h, wide, f, rounded):
+    def k(h, wide, hi, lo, r16, rb16):
         i = cuda.grid(1)
         if i < h.size:
             wide[i] = _f16_widen(h[i])
-        if i < f.size:
-            rounded[i] = _f16_round(f[i])
+        if i < hi.size:
+            r16[i] = _f16_round_pair(hi[i], lo[i])
+            rb16[i] = _bf16_round_pair(hi[i], lo[i])
 
     h = np.arange(1 << 16, dtype=np.uint16)
     rng = np.random.default_rng(7)
-    # Exponents 96..143 (float16's subnormals to past its overflow), every low-bit
-    # pattern near a rounding boundary, and random mantissas; signs both ways.
-    e = np.arange(96, 144, dtype=np.uint32)
-    low = np.concatenate([np.arange(0, 1 << 14, dtype=np.uint32),
-                          rng.integers(0, 1 << 23, 1 << 14, dtype=np.uint32)])
+    # Every exponent but NaN's and inf's (each dtype's subnormals, normals and overflow),
+    # the low bits near either dtype's rounding boundary (bit 12 for float16, 15 for
+    # bfloat16) and random mantissas; signs both ways; zeros and infinities.
+    e = np.arange(0, 255, dtype=np.uint32)
+    near = np.arange(-64, 64, dtype=np.int64)
+    low = np.concatenate([(b + near) & 0x7FFFFF for b in (0, 1 << 12, 1 << 13, 1 << 15,
+                                                           1 << 16, 1 << 17)]
+                         + [rng.integers(0, 1 << 23, 512)]).astype(np.uint32)
+    low = low | (rng.integers(0, 1 << 7, low.size).astype(np.uint32) << 16)
     f = ((e[:, None] << 23) | low[None, :]).reshape(-1)
-    f = np.concatenate([f, f | 0x80000000, np.array([0, 0x80000000, 0x7F800000, 0xFF800000],
+    f = np.concatenate([f, f | 0x80000000, np.array([0, 0x80000000, 0x7F800000, 0xFF800000,
+                                                     0x7F7FFFFF, 0xFF7FFFFF],
                                                     dtype=np.uint32)])
+    hi, lo = f, rng.permutation(f)
     wide = cuda.device_array(h.size, dtype=np.int64)
-    rounded = cuda.device_array(f.size, dtype=np.int64)
+    r16 = cuda.device_array(f.size, dtype=np.int64)
+    rb16 = cuda.device_array(f.size, dtype=np.int64)
     n = max(h.size, f.size)
-    k[(n + 255) // 256, 256](cuda.to_device(h), wide, cuda.to_device(f), rounded)
+    k[(n + 255) // 256, 256](cuda.to_device(h), wide, cuda.to_device(hi), cuda.to_device(lo),
+                             r16, rb16)
     want_wide = h.view(np.float16).astype(np.float32).view(np.uint32)
     num = ~np.isnan(h.view(np.float16))
     np.testing.assert_array_equal(wide.copy_to_host().astype(np.uint32)[num], want_wide[num])
-    with np.errstate(over="ignore"):
-        want_round = f.view(np.float32).astype(np.float16).view(np.uint16)
-    np.testing.assert_array_equal(rounded.copy_to_host().astype(np.uint16), want_round)
+    for got, dtype in ((r16, np.float16), (rb16, ml_dtypes.bfloat16)):
+        with np.errstate(over="ignore"):
+            half = [a.view(np.float32).astype(dtype).view(np.uint16).astype(np.int64)
+                    for a in (hi, lo)]
+        np.testing.assert_array_equal(got.copy_to_host(), (half[0] << 16) | half[1],
+                                      err_msg=np.dtype(dtype).name)

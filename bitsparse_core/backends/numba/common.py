@@ -3,11 +3,12 @@ the target-specific primitives and the block-wide rank helpers.
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, float32 bits are reinterpreted and bytes permuted (PRMT)
-through libdevice, float16 is converted by the conversion instructions, and the
-unpack stores 16-byte words by inline PTX; under the CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1``), which has no warp intrinsics, the warp scan goes
-through shared memory, the bit casts and float16 conversions go through NumPy,
-PRMT is a Python loop over the four bytes, a 16-byte store is two 8-byte ones,
+through libdevice, float16 and bfloat16 are converted by the conversion
+instructions (two float32 lanes rounded by one), and the unpack stores 16-byte
+words by inline PTX; under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which
+has no warp intrinsics, the warp scan goes through shared memory, the bit casts
+and 16-bit float conversions go through NumPy and ml_dtypes, PRMT is a Python
+loop over the four bytes, a 16-byte store is two 8-byte ones,
 and tiles are smaller so small tensors still span several tiles (blocks of 64
 threads, ``TILE`` = 1024). The rest is the same source, so CI exercises the
 algorithms without a GPU.
@@ -20,6 +21,7 @@ index with ``uint64(i)`` (``_u``): Numba adds a negative-index wraparound
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 # numba-cuda <= 0.30 registers an overload for np.row_stack when it first
@@ -87,11 +89,19 @@ if SIM:
         h = np.array([int(x) & 0xFFFF], dtype=np.uint16).view(np.float16)
         return np.int64(h.astype(np.float32).view(np.uint32)[0])
 
-    def _f16_round(p):
-        """float32 bits p (not NaN) rounded to float16, nearest-even."""
-        f = np.array([int(p) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)
-        with np.errstate(over="ignore"):
-            return np.int64(f.astype(np.float16).view(np.uint16)[0])
+    def _round_pair(np_dtype):
+        def round_pair(hi, lo):
+            """float32 bits hi, lo (not NaN) rounded to the 16-bit dtype, nearest-even,
+            as one word: hi's result in the upper half."""
+            f = np.array([int(lo) & 0xFFFFFFFF, int(hi) & 0xFFFFFFFF],
+                         dtype=np.uint32).view(np.float32)
+            with np.errstate(over="ignore"):
+                h = f.astype(np_dtype).view(np.uint16)
+            return np.int64(int(h[0]) | (int(h[1]) << 16))
+        return round_pair
+
+    _bf16_round_pair = _round_pair(ml_dtypes.bfloat16)
+    _f16_round_pair = _round_pair(np.float16)
 
     @cuda.jit(device=True)
     def _store16(a64, i, lo, hi):
@@ -182,8 +192,31 @@ else:
 
     _f16_widen = _convert("half", "float", "fpext")
     _f16_widen.__doc__ = "float32 bits of the float16 pattern x (exact)."
-    _f16_round = _convert("float", "half", "fptrunc")
-    _f16_round.__doc__ = "float32 bits p (not NaN) rounded to float16, nearest-even."
+
+    def _round_pair(kind):
+        """An intrinsic: float32 bits hi, lo rounded to 16-bit float ``kind`` (bf16,
+        f16), nearest-even, by one ``cvt.rn.{kind}x2.f32`` (sm_80 and later), returned
+        as one word in an int64: hi's result in the upper half. Not for NaN inputs
+        (the instruction gives the canonical NaN, not the reference's payload)."""
+        @intrinsic
+        def round_pair(typingctx, hi, lo):
+            if not (isinstance(hi, types.Integer) and isinstance(lo, types.Integer)):
+                return None
+            sig = types.int64(hi, lo)
+
+            def codegen(context, builder, sig, args):
+                i32, f32 = ir.IntType(32), ir.FloatType()
+                a, b = (builder.bitcast(builder.trunc(v, i32) if t.bitwidth > 32 else v, f32)
+                        for v, t in zip(args, sig.args))
+                cvt = ir.InlineAsm(ir.FunctionType(i32, [f32, f32]),
+                                   f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f")
+                return builder.zext(builder.call(cvt, [a, b]), ir.IntType(64))
+
+            return sig, codegen
+        return round_pair
+
+    _bf16_round_pair = _round_pair("bf16")
+    _f16_round_pair = _round_pair("f16")
 
     @intrinsic
     def _store16(typingctx, a64, i, lo, hi):

@@ -4,7 +4,7 @@ gated op's ``g u`` where ``r > 0`` (grad_g) and ``g r`` (grad_u).
 
 A row is computed a 32-bit word at a time in float32: each lane is widened to
 float32 bits (bf16: a shift; fp16: the conversion instruction), multiplied on the
-FPU and rounded back (bf16: one carry; fp16: the conversion instruction), and the
+FPU and rounded back two lanes at a time (one ``cvt.rn.{bf16,f16}x2.f32``), and the
 row is stored whole. Where a product is NaN the lanes' payloads follow x86's rules
 in the reference (first NaN operand quieted, 0 * inf the default NaN), which the FPU
 does not give, so that row is computed again element by element through
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from numba import cuda, int64, uint32, uint64
 
-from .common import _as_f32, _as_u32, _f16_round, _f16_widen, _store16, _u
+from .common import _as_f32, _as_u32, _bf16_round_pair, _f16_round_pair, _f16_widen, _store16, _u
 
 TWO = 0x40000000                 # float32 bits of 2.0
 F32_INF = 0x7F800000
@@ -93,13 +93,14 @@ def make_word_ops(el):
         return widen(x)
 
     @cuda.jit(device=True)
-    def round_to(p):
-        """float32 bits p (not NaN) rounded to the dtype, nearest-even."""
+    def round_pair(p0, p1):
+        """float32 bits p0, p1 (not NaN) rounded to the dtype, nearest-even, as one
+        word's two lanes (p1's the upper)."""
         if IS_BF16:
-            return (p + 0x7FFF + ((p >> 16) & 1)) >> 16
+            return _bf16_round_pair(p1, p0)
         if IS_F16:
-            return _f16_round(p)
-        return narrow(p)
+            return _f16_round_pair(p1, p0)
+        return narrow(p0) | (narrow(p1) << BITS)
 
     @cuda.jit(device=True)
     def relu2_word(gw, rw):
@@ -110,7 +111,7 @@ def make_word_ops(el):
             return uint32(p), _nan32(p)
         p0 = _relu2_lane(wide(g & LMASK), wide(r & LMASK))
         p1 = _relu2_lane(wide(g >> BITS), wide(r >> BITS))
-        return uint32(round_to(p0) | (round_to(p1) << BITS)), _nan32(p0) or _nan32(p1)
+        return uint32(round_pair(p0, p1)), _nan32(p0) or _nan32(p1)
 
     @cuda.jit(device=True)
     def gated_word(gw, rw, uw):
@@ -131,8 +132,7 @@ def make_word_ops(el):
         b0 = _mul32(g0, r0)
         b1 = _mul32(g1, r1)
         nan = _nan32(a0) or _nan32(a1) or _nan32(b0) or _nan32(b1)
-        return (uint32(round_to(a0) | (round_to(a1) << BITS)),
-                uint32(round_to(b0) | (round_to(b1) << BITS)), nan)
+        return uint32(round_pair(a0, a1)), uint32(round_pair(b0, b1)), nan
 
     return relu2_word, gated_word
 
