@@ -505,6 +505,62 @@ def test_a_plan_packs_other_tensors_by_its_own_records(rng, dt):
     assert sum(type(v) is nb._PackLaunches for v in kept) == 5, kept
 
 
+@pytest.mark.parametrize("dt", DT_PARAMS)
+def test_unpack_ops_launch_other_tensors_by_their_own_records(rng, dt):
+    """From a key's third call on a thread, the unpack family launches by records of its
+    own that take only the new addresses (NumbaBackend._queue): two packed tensors of one
+    layout, their gradients at 8-byte aligned and misaligned addresses in turn, through
+    unpack (into a fresh and a given output), relu2_backward, relu_backward and both
+    gated forms (u under r's mask, u under its own), give the reference's bytes every
+    time."""
+    from bitsparse_core.backends.numba import backend as nb
+    nb._OP_LAUNCHES._entries().clear()
+    shape, c = (3, 40961), 12
+    as_ = [_no_neg_nan(random_bits(rng, shape, dt, sp), dt) for sp in (0.4, 0.6)]
+    gs = [random_bits(rng, shape, dt, 0.05) for _ in range(2)]
+    us = [random_bits(rng, shape, dt, 0.1) for _ in range(2)]
+    refs = [reference_ops.relu_pack(a, dt, chunk_log2=c, capacity=a.size) for a in as_]
+    packed = [BE.relu_pack(dev(a), dtype=dt.name, chunk_log2=c, capacity=a.size)[1]
+              for a in as_]
+    masked = [BE.masked_pack(dev(u), p, dtype=dt.name) for u, p in zip(us, packed)]
+    own = [BE.pack(dev(u), dtype=dt.name, encoding="signplane", chunk_log2=c,
+                   capacity=u.size) for u in us]
+
+    def placed(x, off):
+        """x on the device ``off`` elements past an 8-byte aligned address."""
+        flat = dev(np.concatenate([x.reshape(-1)[:off], x.reshape(-1)]))
+        return ci.CudaArray(flat.data.ptr + off * dt.itemsize, shape, dt, flat.device.id, flat,
+                            cp.cuda.get_current_stream().ptr)
+
+    for turn in range(8):
+        i, off = turn % 2, turn // 4
+        where = f"{dt.name} turn {turn}"
+        (y_ref, p_ref), p, g = refs[i], packed[i], gs[i]
+        gd = placed(g, off)
+        assert (gd.ptr % 8 != 0) == bool(off)
+        out = dev(np.zeros_like(y_ref))
+        BE.unpack(p, out=out)
+        assert_bits(out, y_ref, f"unpack out= {where}")
+        assert_bits(BE.unpack(p), y_ref, f"unpack {where}")
+        with np.errstate(all="ignore"):
+            assert_bits(BE.relu2_backward(gd, p), reference_ops.relu2_backward(g, p_ref),
+                        f"relu2_backward {where}")
+            assert_bits(BE.relu_backward(gd, p), reference_ops.relu_backward(g, p_ref),
+                        f"relu_backward {where}")
+            for pu, form in ((masked[i], "masked"), (own[i], "own")):
+                gg_ref, gu_ref = reference_ops.gated_backward(
+                    g, p_ref, reference.pack_array(us[i], dt, "signplane", capacity=us[i].size,
+                                                   chunk_log2=c)
+                    if form == "own" else reference_ops.masked_pack(us[i], dt, p_ref))
+                gg, gu = BE.gated_backward(gd, p, pu)
+                assert_bits(gg, gg_ref, f"gated {form} grad_g {where}")
+                assert_bits(gu, gu_ref, f"gated {form} grad_u {where}")
+    # every key came back (two packed tensors per layout): each has its record, ten in
+    # all (unpack, u's own unpack, and four ops at two alignments of the gradient)
+    kept = [v for _, v in nb._OP_LAUNCHES._entries().values()]
+    assert len(kept) >= 10 and all(type(v) is nb.BoundLaunch for v in kept), kept
+
+
 @pytest.mark.xdist_group("bfloat16")
 def test_entry_points_run_with_or_without_a_current_context(rng):
     """With a current context (here torch's) an op runs in it, on the device it names;

@@ -393,3 +393,80 @@ def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypa
     assert launched == reference
     # turns 2, 5 and 6: the pack and finish of 4 variants, the pack of raw and masked
     assert len(by_driver) == 3 * (4 * 2 + 2)
+
+
+def test_unpack_family_launches_by_its_own_records_what_the_platform_would(monkeypatch):
+    """The unpack family's records (NumbaBackend._queue: a key's third call on) launch
+    the records that P.launch fills from each call's views, for planes, gradients and
+    outputs at changing and differently aligned addresses, in every op: unpack,
+    relu2_backward, relu_backward, gated_backward with u packed under r's mask (op 2) and
+    under its own (op 3, u unpacked first), and an unpack whose chunks are larger than
+    the kernel's tile (a scratch per call: never a record). The run without records is
+    the reference."""
+    backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
+    if backend.K.SIM:
+        pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
+    from types import SimpleNamespace
+
+    from bitsparse_core import dtypes as _dt
+    from bitsparse_core.spec.format import Encoding, cached_layout
+    dt, shape, st = _dt.BFLOAT16, (3, 20001), (7, None, 0)
+    numel = shape[0] * shape[1]
+    monkeypatch.setattr(L, "_function_handle", lambda kernel: id(kernel.dispatcher))
+    monkeypatch.setattr(L, "_param_sizes", lambda func: _CompiledStandIn.sizes[func])
+    be = backend.NumbaBackend()
+
+    def packed(base, enc, cap, chunk_log2=12, mask=None, offsets=None):
+        """A packed tensor's stand-in: its planes at ``base`` (+1 byte for odd values)."""
+        return SimpleNamespace(
+            shape=shape, numel=numel, dtype=dt, encoding=enc, chunk_log2=chunk_log2,
+            layout=cached_layout(shape, dt, enc, cap, chunk_log2),
+            mask=mask or _Buf(base), offsets=offsets or _Buf(base + (1 << 20)),
+            values=_Buf(base + (2 << 20) + (base >> 24) % 2), signs=_Buf(base + (3 << 20)))
+
+    def calls(P):
+        for turn in range(7):
+            at = (1 << 40) + (turn % 2) * (1 << 30) + (turn >= 3) * (1 << 24)
+            odd = 2 if turn >= 3 else 0          # from turn 3 the gradient is 2 bytes off 8
+            p = packed(at, Encoding.NOSIGN, 9000)
+            p_big = packed(at + (8 << 20), Encoding.SIGNPLANE, 9000, chunk_log2=16)
+            p_u = packed(at + (16 << 20), Encoding.SIGNPLANE, 9000, mask=p.mask,
+                         offsets=p.offsets)
+            p_own = packed(at + (24 << 20), Encoding.RAW, numel)
+            g = _Buf((1 << 41) + (turn % 2) * 4096 + odd)
+            outs = [_Buf((1 << 42) + k * (1 << 28) + (turn % 2) * 4096) for k in range(3)]
+            be._decode(P, st, p, 0, None, outs[0], None)
+            be._decode(P, st, p, 1, g, outs[1], None)
+            be._decode(P, st, p_big, 0, None, outs[2], None)
+            be._gated(P, st, p, p_u, g, outs[0], outs[1], None)
+            be._gated(P, st, p, p_own, g, outs[1], outs[2], None)
+            be._relu_backward(P, st, p, g, outs[2])
+
+    def platform(launched):
+        P = _record_platform(backend, launched)
+
+        def new_dense(shape_, dt_, st_, allocator):     # 256-byte aligned, as allocators give
+            buf = P.alloc(-(-numel * dt_.itemsize // 256) * 256, st_, allocator)
+            return buf, buf
+
+        P.new_dense = new_dense
+        return P
+
+    class NoRecords(L.PerThread):
+        def get(self, key, anchor):
+            return None
+
+    reference, launched, by_driver = [], [], []
+    monkeypatch.setattr(backend, "_OP_LAUNCHES", NoRecords(1024))
+    calls(platform(reference))
+
+    def driver_launch(func, grid, block, smem, stream, rec):
+        by_driver.append(func)
+        launched.append((func, grid, block, stream, rec.values()))
+    monkeypatch.setattr(L.driver, "launch", driver_launch)
+    monkeypatch.setattr(backend, "_OP_LAUNCHES", L.PerThread(1024))
+    calls(platform(launched))
+    assert launched == reference
+    # turns 2, 5 and 6: unpack, relu2_backward, both gated (op 3 with its u's unpack)
+    # and relu_backward by records; the large chunks' unpack (three launches) never
+    assert len(by_driver) == 3 * 6

@@ -155,6 +155,22 @@ _PACK_LAUNCHES = PerThread(1024)
 _SEEN_ONCE, _NOT_COVERED = "seen once", "not covered"
 
 
+# The unpack family's launches likewise, keyed by what fixes every argument but the
+# buffers' addresses (:meth:`NumbaBackend._queue`).
+_OP_LAUNCHES = PerThread(1024)
+
+
+def _bind(P, st, launch: Launch | None, buffers, addresses) -> BoundLaunch | None:
+    """A BoundLaunch of ``launch``, already queued by ``P.launch`` (which compiled the
+    kernel and checked its record); TypeError where the kernel is not covered."""
+    if launch is None:
+        return None
+    template = P.handle_launch(launch.kernel, st, launch.args)
+    if template is None:
+        raise TypeError("it launches through the dispatcher")
+    return BoundLaunch(template, launch, buffers, addresses)
+
+
 class _PackLaunches:
     """One pack plan's launches (the pack kernel, and k_finish where it runs), each by a
     :class:`.launch.BoundLaunch`: a call writes the buffers' addresses, nothing else."""
@@ -166,17 +182,10 @@ class _PackLaunches:
 
     @classmethod
     def build(cls, P, st, pack: Launch, finish: Launch | None, buffers, addresses):
-        """From one call's launches, each already queued by ``P.launch`` (which compiled
-        the kernel and checked its record); None where either kernel is not covered."""
-        def bind(launch):
-            if launch is None:
-                return None
-            template = P.handle_launch(launch.kernel, st, launch.args)
-            if template is None:
-                raise TypeError("it launches through the dispatcher")
-            return BoundLaunch(template, launch, buffers, addresses)
+        """From one call's launches; None where either kernel is not covered."""
         try:
-            return cls(bind(pack), bind(finish))
+            return cls(_bind(P, st, pack, buffers, addresses),
+                       _bind(P, st, finish, buffers, addresses))
         except Exception as exc:  # noqa: BLE001 -- any mismatch: the plan keeps P.launch
             log.info("a pack plan keeps launching through the platform: %s", exc)
             return None
@@ -449,41 +458,47 @@ class NumbaBackend:
         return el, w64, fast
 
     @staticmethod
-    def _plane_views(P, plane, nbytes):
-        """(bytes, uint32 words) views of a plane; the word view covers the whole
-        words only, and is empty when the plane is not 4-byte aligned (the kernels
-        then read bytes)."""
-        buf = P.import_plane(plane)
+    def _planes(P, p) -> tuple:
+        """p's (mask, offsets, values, signs) as buffers the views and launch records
+        take (:meth:`_GpuPlatform.import_plane`), each imported once per call."""
+        return (P.import_plane(p.mask), P.import_plane(p.offsets), P.import_plane(p.values),
+                P.import_plane(p.signs))
+
+    @staticmethod
+    def _plane_views(P, buf, nbytes):
+        """(bytes, uint32 words) views of an imported plane; the word view covers the
+        whole words only, and is empty when the plane is not 4-byte aligned (the
+        kernels then read bytes)."""
         b8 = P.view(buf, 0, nbytes, np.uint8)
         w32 = P.view(buf, 0, nbytes // 4 if P.ptr(buf) % 4 == 0 else 0, np.uint32)
         return b8, w32
 
-    def _stored(self, P, p):
+    def _stored(self, P, p, planes):
         """Kernel arguments of p's values and signs: (vb, vw, nvb, sb, sw, nsb)."""
         lay = p.layout
-        vb, vw = self._plane_views(P, p.values, lay.values[1])
-        sb, sw = self._plane_views(P, p.signs, lay.signs[1])
+        vb, vw = self._plane_views(P, planes[2], lay.values[1])
+        sb, sw = self._plane_views(P, planes[3], lay.signs[1])
         return vb, vw, lay.values[1], sb, sw, lay.signs[1]
 
-    def _tile_offsets(self, P, p, st, allocator, tile_log2=K.TILE_LOG2):
-        """(mask, array, shift, keep): the first value index of the kernel's tile i
+    def _tile_offsets(self, P, p, planes, st, allocator, tile_log2=K.TILE_LOG2):
+        """(mask, array, shift): the first value index of the kernel's tile i
         (``1 << tile_log2`` elements, a multiple of K.TILE) is
-        array[(i << tile_log2) >> shift]; ``keep`` must outlive the queued kernels.
-        When chunks are larger than the kernel's tile, the array holds the prefix
-        counts per K.TILE elements (k_mask_count's tile), which serves any larger tile."""
+        array[(i << tile_log2) >> shift]. When chunks are larger than the kernel's
+        tile, the array holds the prefix counts per K.TILE elements (k_mask_count's
+        tile, which serves any larger tile) in a scratch allocation it keeps alive."""
         lay = p.layout
         n_tiles = _ceil_div(p.numel, K.TILE)
-        mask = P.view(P.import_plane(p.mask), 0, lay.mask[1], np.uint8)
+        mask = P.view(planes[0], 0, lay.mask[1], np.uint8)
         if p.chunk_log2 <= tile_log2:
             odt = np.dtype(f"<u{lay.offset_width}")
-            return mask, P.view(P.import_plane(p.offsets), 0, lay.n_chunks + 1, odt), p.chunk_log2, None
+            return mask, P.view(planes[1], 0, lay.n_chunks + 1, odt), p.chunk_log2
         # Chunks span several tiles: prefix-sum the mask's popcount per K.TILE elements.
         scratch = P.alloc((n_tiles + 3) * 8, st, allocator)
         cnt = P.view(scratch, 0, n_tiles + 1, np.int64)
         info = P.view(scratch, (n_tiles + 1) * 8, 2, np.int64)
         P.launch(K.k_mask_count, n_tiles, K.NT, st, mask, (p.numel + 7) >> 3, cnt)
         P.launch(K.k_scan, 1, K.SCAN_NT, st, cnt, n_tiles, info)
-        return mask, cnt, K.TILE_LOG2, scratch
+        return mask, cnt, K.TILE_LOG2
 
     # ----------------------------------------------------------- packing
     @_one_context
@@ -688,21 +703,59 @@ class NumbaBackend:
     def _decode(self, P, st, p, op, gbuf, obuf, allocator):
         """Queue unpack kernel ``op`` (0: unpack, 1: relu2_backward) of p into obuf."""
         numel, dt = p.numel, p.dtype
-        kern = K.kernels_for(dt.name)
-        tile_log2 = kern.utile_log2[op]
         if numel == 0:
             return
-        mask, toff, shift, keep = self._tile_offsets(P, p, st, allocator, tile_log2)
-        oe, o64, fast = self._dense_views(P, obuf, numel, dt)
-        if gbuf is not None:
-            ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
-            fast = fast and gfast
+        kern = K.kernels_for(dt.name)
+        tile_log2 = kern.utile_log2[op]
+        planes = self._planes(P, p)
+
+        def launch():
+            mask, toff, shift = self._tile_offsets(P, p, planes, st, allocator, tile_log2)
+            oe, o64, fast = self._dense_views(P, obuf, numel, dt)
+            if gbuf is not None:
+                ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
+                fast = fast and gfast
+            else:
+                ge, g64 = oe, o64
+            o16 = fast and P.ptr(obuf) % 16 == 0
+            return Launch(kern.unpack[(op, int(p.encoding))], _ceil_div(numel, 1 << tile_log2),
+                          K.UNT, (mask, numel, toff, shift, *self._stored(P, p, planes), ge, g64,
+                                  fast, oe, o64, o16))
+        # chunks larger than the tile: a scratch of prefix counts per call, no record
+        key = ("unpack", op, id(p.layout)) if p.chunk_log2 <= tile_log2 else None
+        self._queue(P, st, key, p.layout,
+                    (*planes, obuf) if gbuf is None else (*planes, gbuf, obuf), launch)
+
+    def _queue(self, P, st, key, anchor, buffers, launch):
+        """Queue the :class:`.launch.Launch` that ``launch()`` makes. ``key`` (with
+        ``anchor``, the object an ``id`` in it stands for; None: no record) fixes every
+        argument but the addresses of ``buffers``, which hold every array argument; the
+        addresses' alignment joins it (it fixes the word views' lengths). The second
+        time a thread queues a key, the launch gets a record of its own
+        (:class:`.launch.BoundLaunch`), which later calls fill with the addresses alone."""
+        if key is None or K.SIM:
+            made = launch()
+            P.launch(made.kernel, made.grid, made.block, st, *made.args)
+            return
+        addresses = [P.ptr(b) for b in buffers]
+        key = (*key, st[2], *[a & 15 for a in addresses])
+        kept = _OP_LAUNCHES.get(key, anchor)
+        if type(kept) is BoundLaunch:
+            kept(st[0], addresses)
+            return
+        made = launch()
+        P.launch(made.kernel, made.grid, made.block, st, *made.args)
+        if kept is _NOT_COVERED:
+            return
+        if kept is _SEEN_ONCE:
+            try:
+                kept = _bind(P, st, made, buffers, addresses)
+            except Exception as exc:  # noqa: BLE001 -- any mismatch: it keeps P.launch
+                log.info("an unpack-family launch keeps the platform: %s", exc)
+                kept = _NOT_COVERED
         else:
-            ge, g64 = oe, o64
-        o16 = fast and P.ptr(obuf) % 16 == 0
-        P.launch(kern.unpack[(op, int(p.encoding))], _ceil_div(numel, 1 << tile_log2), K.UNT, st,
-                 mask, numel, toff, shift, *self._stored(P, p), ge, g64, fast, oe, o64, o16)
-        del keep  # the allocator orders its reuse after the queued kernel
+            kept = _SEEN_ONCE
+        _OP_LAUNCHES.put(key, anchor, kept)
 
     @_one_context
     def relu_backward(self, grad, p, *, stream=None, allocator=None):
@@ -711,17 +764,28 @@ class NumbaBackend:
         st = P.stream(stream)
         P.order_after(p, st)
         gbuf = self._grad(P, st, grad, p)
+        obuf, result = P.new_dense(p.shape, p.dtype, st, allocator)
+        self._relu_backward(P, st, p, gbuf, obuf)
+        return result
+
+    def _relu_backward(self, P, st, p, gbuf, obuf):
+        """Queue the relu_backward kernel: grad where p's mask bit is set, else 0."""
         numel, dt = p.numel, p.dtype
-        obuf, result = P.new_dense(p.shape, dt, st, allocator)
         ngroups = (numel + 7) >> 3
-        if ngroups:
-            mask = P.view(P.import_plane(p.mask), 0, p.layout.mask[1], np.uint8)
+        if not ngroups:
+            return
+        mbuf = P.import_plane(p.mask)
+
+        def launch():
+            mask = P.view(mbuf, 0, p.layout.mask[1], np.uint8)
             ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
             oe, o64, ofast = self._dense_views(P, obuf, numel, dt)
             block = 32 if K.SIM else 256
-            P.launch(K.kernels_for(dt.name).relu_backward, min(_ceil_div(ngroups, block), 8192),
-                     block, st, mask, numel, ge, g64, gfast, oe, o64, ofast)
-        return result
+            return Launch(K.kernels_for(dt.name).relu_backward,
+                          min(_ceil_div(ngroups, block), 8192), block,
+                          (mask, numel, ge, g64, gfast, oe, o64, ofast))
+        self._queue(P, st, ("relu_backward", id(p.layout)), p.layout, (mbuf, gbuf, obuf),
+                    launch)
 
     @_one_context
     def gated_backward(self, grad, p_r, p_u, *, stream=None, allocator=None):
@@ -747,32 +811,49 @@ class NumbaBackend:
         under it (masked_pack), else from u unpacked first."""
         numel, dt = p_r.numel, p_r.dtype
         kern = K.kernels_for(dt.name)
-        shared = (p_u.chunk_log2 == p_r.chunk_log2
-                  and P.ptr(P.import_plane(p_u.mask)) == P.ptr(P.import_plane(p_r.mask))
-                  and P.ptr(P.import_plane(p_u.offsets)) == P.ptr(P.import_plane(p_r.offsets)))
+        r_planes = self._planes(P, p_r)
+        shared = p_u.mask is p_r.mask and p_u.offsets is p_r.offsets     # masked_pack's
+        if shared:
+            u_planes = (P.import_plane(p_u.values), P.import_plane(p_u.signs))
+        else:
+            u_planes = self._planes(P, p_u)
+            shared = (p_u.chunk_log2 == p_r.chunk_log2
+                      and P.ptr(u_planes[0]) == P.ptr(r_planes[0])
+                      and P.ptr(u_planes[1]) == P.ptr(r_planes[1]))
+            u_planes = u_planes[2:]
         op = K.OP_GATED if shared else K.OP_GATED_DENSE
         tile_log2 = kern.utile_log2[op]
-        mask, toff, shift, keep = self._tile_offsets(P, p_r, st, allocator, tile_log2)
-        ge, g64, fast = self._dense_views(P, gbuf, numel, dt)
-        og, og64, gg_fast = self._dense_views(P, gg_buf, numel, dt)
-        ou, ou64, gu_fast = self._dense_views(P, gu_buf, numel, dt)
         if shared:
-            u_stored = self._stored(P, p_u)
-            ue, u64, u_fast = ge, g64, True
-            key = (op, int(p_r.encoding), int(p_u.encoding))
+            lay_u = p_u.layout
+            ubuf, u_key = None, (int(lay_u.encoding), lay_u.values[1], lay_u.signs[1])
+            buffers = (*r_planes, *u_planes, gbuf, gg_buf, gu_buf)
         else:
             ubuf, _ = P.new_dense(p_u.shape, dt, st, allocator)
             self._decode(P, st, p_u, 0, None, ubuf, allocator)
-            # op 3 reads u dense: its planes' arguments are empty ones of their kinds
-            u_stored = (mask, P.view(ubuf, 0, 0, np.uint32), 0) * 2
-            ue, u64, u_fast = self._dense_views(P, ubuf, numel, dt)
-            key = (op, int(p_r.encoding))
-        fast = fast and gg_fast and gu_fast and u_fast
-        o16 = fast and P.ptr(gg_buf) % 16 == 0 and P.ptr(gu_buf) % 16 == 0
-        P.launch(kern.unpack[key], _ceil_div(numel, 1 << tile_log2), K.UNT, st, mask, numel,
-                 toff, shift, *self._stored(P, p_r), *u_stored, ue, u64, ge, g64, fast,
-                 og, og64, ou, ou64, o16)
-        del keep  # the allocator orders its reuse (and u's) after the queued kernel
+            u_key = None
+            buffers = (*r_planes, ubuf, gbuf, gg_buf, gu_buf)
+
+        def launch():
+            mask, toff, shift = self._tile_offsets(P, p_r, r_planes, st, allocator, tile_log2)
+            ge, g64, fast = self._dense_views(P, gbuf, numel, dt)
+            og, og64, gg_fast = self._dense_views(P, gg_buf, numel, dt)
+            ou, ou64, gu_fast = self._dense_views(P, gu_buf, numel, dt)
+            if shared:
+                u_stored = self._stored(P, p_u, (None, None, *u_planes))
+                ue, u64, u_fast = ge, g64, True
+                kernel = kern.unpack[(op, int(p_r.encoding), int(p_u.encoding))]
+            else:
+                # op 3 reads u dense: its planes' arguments are empty ones of their kinds
+                u_stored = (mask, P.view(ubuf, 0, 0, np.uint32), 0) * 2
+                ue, u64, u_fast = self._dense_views(P, ubuf, numel, dt)
+                kernel = kern.unpack[(op, int(p_r.encoding))]
+            fast = fast and gg_fast and gu_fast and u_fast
+            o16 = fast and P.ptr(gg_buf) % 16 == 0 and P.ptr(gu_buf) % 16 == 0
+            return Launch(kernel, _ceil_div(numel, 1 << tile_log2), K.UNT,
+                          (mask, numel, toff, shift, *self._stored(P, p_r, r_planes), *u_stored,
+                           ue, u64, ge, g64, fast, og, og64, ou, ou64, o16))
+        key = (("gated", op, id(p_r.layout), u_key) if p_r.chunk_log2 <= tile_log2 else None)
+        self._queue(P, st, key, p_r.layout, buffers, launch)
 
     def _grad(self, P, st, grad, p):
         gbuf, shape, dt = P.import_dense(grad, None, st)

@@ -1,0 +1,816 @@
+"""The ``numba`` backend: format-v1 pack/unpack and the fused ops with Numba CUDA.
+
+Same contract and bit-exact results as the NumPy reference (see
+:mod:`bitsparse_core.backends`); the kernels live in
+:mod:`.kernels` and its siblings, the shared GPU plumbing (streams, zero-copy
+inputs, the pluggable allocator, DLPack outputs) in :mod:`..cuda.interop`. A
+packed tensor is one allocation (an exact pack's two: its mask and offsets apart
+from its values), its planes are views into it
+(:class:`..cuda.interop.DevicePlane`, like the CuPy backend's, so either
+backend unpacks the other's tensors).
+
+Exact, fixed-capacity and ``"auto"`` packing follow the host protocol both CUDA
+backends share (:mod:`..cuda.protocol`), with allocations laid out by its plans;
+``masked_pack`` of a tensor whose count is still pending syncs once (the
+companion's capacity is that count, as in the reference).
+
+A packed tensor remembers the stream it was made on (``extra["stream"]``); an
+op on another stream first makes that stream wait for it (an event), so planes
+are never read before they are written.
+
+Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the same host code runs on
+NumPy arrays standing in for device memory (:class:`_SimPlatform`); that is how
+CI tests it without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+from numba import cuda as _cuda
+
+from ...errors import OutputMismatchError, UnsupportedDeviceError
+from ...packed import PackedTensor
+from ...spec import format as _fmt
+from ...spec.ops import masked_encoding
+from ..cuda import abi, driver
+from ..cuda.abi import Mode
+from ..cuda import protocol
+from ..cuda import host, slots
+from ..cuda.host import pack_plan
+from . import kernels as K
+from .launch import BoundLaunch, KernelArray, Launch, PerThread, first_launch, kinds_of, log
+
+
+def _one_context(method):
+    """Run a backend entry point where a CUDA context is current. When the calling
+    thread has one (PyTorch's, CuPy's or Numba's primary context), the entry point runs
+    as it is: its launches and copies go through the driver, and the device comes from
+    the context (:meth:`_GpuPlatform._dev`). Otherwise it runs inside a Numba context
+    scope, which makes Numba's context current; entering one asks the driver and
+    Numba's runtime for the context on every call (bench/NOTES.md, session 31)."""
+    scoped = _cuda.require_context(method)
+
+    @functools.wraps(method)
+    def entry(*args, **kwargs):
+        if K.SIM or not driver.has_context():
+            return scoped(*args, **kwargs)
+        return method(*args, **kwargs)
+    return entry
+
+
+Encoding = _fmt.Encoding
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Alloc:
+    """One packed tensor's memory, laid out by the shared host plan
+    (:func:`..cuda.host.pack_plan`): one allocation (sections 64-byte aligned in format
+    order, then the status area), or an exact pack's two (``split``: the head with
+    the mask, the offsets and the status area, and the tail with the values and signs,
+    :attr:`..cuda.host.PackPlan.head_bytes`; ``head``: a head to share, the shrink's).
+    ``scratch``: bytes of the pack kernel's scratch behind the last allocation
+    (``self.scratch``: its buffer and offset), so that a pack allocates once.
+    ``blocks``: the allocations, head first."""
+
+    def __init__(self, P, plan, st, allocator, split=False, head=None, scratch=0):
+        self.plan, self.lay = plan, plan.lay
+        (mo, ml), (oo, ol), (vo, vl), (so, sl) = plan.spans
+        if split:
+            self.head = head if head is not None else P.alloc(plan.head_bytes, st, allocator)
+            at = _fmt.align(plan.tail_bytes)
+            self.tail = P.alloc(at + scratch, st, allocator)
+            self.scratch = (self.tail, at)
+            self.blocks = (self.head, self.tail)
+            self.at = {"mask": (self.head, mo, ml), "offsets": (self.head, oo, ol),
+                       "values": (self.tail, 0, vl),
+                       "signs": (self.tail, plan.tail_signs_offset, sl)}
+            self.status = (self.head, vo)
+            self.buffers = ((self.head, plan.head_bytes), (self.tail, plan.tail_bytes))
+        else:
+            at = _fmt.align(plan.nbytes)
+            buf = P.alloc(at + scratch, st, allocator)
+            self.scratch = (buf, at)
+            self.blocks = (buf,)
+            self.at = {"mask": (buf, mo, ml), "offsets": (buf, oo, ol), "values": (buf, vo, vl),
+                       "signs": (buf, so, sl)}
+            if plan.mode == Mode.MASKED:         # its mask and offsets are the mask tensor's
+                del self.at["mask"], self.at["offsets"]
+            self.status = (buf, plan.status_offset)
+            self.buffers = ((buf, plan.nbytes),)
+
+    def plane(self, P, name, np_dtype, st):
+        buf, off, n = self.at[name]
+        return P.plane(buf, off, n, np_dtype, st)
+
+    def view(self, P, name, count, np_dtype):
+        buf, off, _ = self.at[name]
+        return P.view(buf, off, count, np_dtype)
+
+
+class _NumbaSteps:
+    """The protocol's steps (:mod:`..cuda.protocol`) for one Numba pack call."""
+
+    def __init__(self, backend, P, st, buf, dt, mode, allocator, ybuf):
+        self.backend, self.P, self.st, self.buf, self.dt = backend, P, st, buf, dt
+        self.mode, self.allocator, self.ybuf = mode, allocator, ybuf
+        self.slot = 0
+
+    def run(self, plan, fixed, count=False):
+        al = _Alloc(self.P, plan, self.st, self.allocator, split=not fixed,
+                    scratch=self.backend._scratch_bytes(plan.lay.numel, self.dt)[2])
+        self.slot = self.P.take_slot() if count else 0
+        self.backend._run_pack(self.P, self.st, self.buf, plan.lay.numel, self.dt, self.mode,
+                               plan.lay, al, self.ybuf, None, zero_tail=fixed, slot=self.slot)
+        return al
+
+    def read_head(self, plan, al):
+        slot, self.slot = self.slot, 0
+        if slot:
+            return slots.wait(slot, self.st[0])
+        status, total = self.P.read(*al.status, 2, np.int64, self.st)
+        return int(status) & 0xFFFFFFFF, int(total)
+
+    def shrink(self, plan, al, nnz):
+        P, st = self.P, self.st
+        _, copies = host.tail_shrink(plan, nnz)
+        out = _Alloc(P, plan.with_capacity(nnz), st, self.allocator, split=True, head=al.head)
+        for d, s, n in copies:
+            P.copy(out.tail, d, al.tail, s, n, st)
+        return out
+
+    def packed(self, plan, al, nnz, pending_status):
+        return self.backend._packed(self.P, self.st, plan.lay, al, nnz, pending_status)
+
+
+# A plan gets launch records of its own the second time this thread packs with it: a
+# masked pack's plan follows its mask's count, so it may never come back, and building
+# the records costs more than a few launches through the platform.
+_PACK_LAUNCHES = PerThread(1024)
+_SEEN_ONCE, _NOT_COVERED = "seen once", "not covered"
+
+
+class _PackLaunches:
+    """One pack plan's launches (the pack kernel, and k_finish where it runs), each by a
+    :class:`.launch.BoundLaunch`: a call writes the buffers' addresses, nothing else."""
+
+    __slots__ = ("pack", "finish")
+
+    def __init__(self, pack: BoundLaunch, finish: BoundLaunch | None):
+        self.pack, self.finish = pack, finish
+
+    @classmethod
+    def build(cls, P, st, pack: Launch, finish: Launch | None, buffers, addresses):
+        """From one call's launches, each already queued by ``P.launch`` (which compiled
+        the kernel and checked its record); None where either kernel is not covered."""
+        def bind(launch):
+            if launch is None:
+                return None
+            template = P.handle_launch(launch.kernel, st, launch.args)
+            if template is None:
+                raise TypeError("it launches through the dispatcher")
+            return BoundLaunch(template, launch, buffers, addresses)
+        try:
+            return cls(bind(pack), bind(finish))
+        except Exception as exc:  # noqa: BLE001 -- any mismatch: the plan keeps P.launch
+            log.info("a pack plan keeps launching through the platform: %s", exc)
+            return None
+
+    def queue(self, P, st, addresses, status, slot):
+        """The pack, the status copy to ``slot`` (0: none), then k_finish, in stream order."""
+        self.pack(st[0], addresses)
+        if slot:
+            P.copy_to_slot(slot, *status, st)
+        if self.finish is not None:
+            self.finish(st[0], addresses)
+
+
+# ----------------------------------------------------------------------------
+# Platforms: where device memory comes from and how kernels see it.
+# ----------------------------------------------------------------------------
+class _SimPlatform:
+    """NumPy arrays as device memory, for the CUDA simulator."""
+
+    def __init__(self):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        self._fake = FakeCUDAArray
+
+    def stream(self, stream):
+        return None
+
+    def device(self, st):
+        return ("cuda", 0)
+
+    def import_dense(self, x, dtype, st):
+        from ...dlpack import to_numpy
+        arr, dt = to_numpy(x, dtype)
+        return arr.reshape(-1).view(np.uint8), tuple(arr.shape), dt
+
+    def import_out(self, out, shape, dt, st):
+        from ...dlpack import to_numpy
+        arr, odt = to_numpy(out)
+        if odt != dt or tuple(arr.shape) != tuple(shape):
+            raise OutputMismatchError(f"out has {odt.name}{tuple(arr.shape)}; "
+                                      f"need {dt.name}{tuple(shape)}")
+        if not arr.flags.writeable:
+            raise OutputMismatchError("out is read-only")
+        return arr.reshape(-1).view(np.uint8)
+
+    def new_dense(self, shape, dt, st, allocator):
+        from ...dlpack import exportable
+        n = _fmt.numel_of(shape) * dt.itemsize
+        buf = self.alloc(n, st, allocator)
+        return buf, exportable(buf[:n].view(dt.numpy).reshape(shape))
+
+    def alloc(self, nbytes, st, allocator):
+        if allocator is not None:
+            return np.asarray(allocator(int(nbytes), 0, 0)).reshape(-1).view(np.uint8)
+        # Poisoned, not zeroed: the tests see any byte a kernel fails to write.
+        return np.full(int(nbytes), 0xA5, dtype=np.uint8)
+
+    def import_plane(self, plane):
+        return np.asarray(plane).reshape(-1).view(np.uint8)
+
+    def ptr(self, buf):
+        return buf.ctypes.data
+
+    def plane(self, buf, off, nbytes, np_dtype, st):
+        return buf[off:off + nbytes].view(np_dtype)
+
+    def view(self, buf, off, count, np_dtype):
+        size = np.dtype(np_dtype).itemsize
+        return self._fake(buf[off:off + count * size].view(np_dtype))
+
+    def memset0(self, buf, off, nbytes, st):
+        buf[off:off + nbytes] = 0
+
+    def copy(self, dst, doff, src, soff, nbytes, st):
+        dst[doff:doff + nbytes] = src[soff:soff + nbytes]
+
+    def read(self, buf, off, count, np_dtype, st):
+        size = np.dtype(np_dtype).itemsize
+        return buf[off:off + count * size].view(np_dtype).copy()
+
+    def take_slot(self) -> int:
+        return 0       # no pinned slots here: a count is read from the status area
+
+    def launch(self, kernel, grid, block, st, *args):
+        kernel[grid, block](*args)
+
+    def order_after(self, p, st):
+        pass
+
+
+class _GpuPlatform:
+    """Device memory through cuda_interop; kernels see zero-copy Numba views."""
+
+    def __init__(self):
+        from numba import cuda
+        from numba.cuda.cudadrv import devicearray, driver
+        from ..cuda import interop as ci
+        self.cuda, self.driver, self.devicearray, self.ci = cuda, driver, devicearray, ci
+        self._streams = {}
+        self._local = threading.local()     # launch records: one set per thread
+
+    # A stream is (raw handle, numba Stream, device): the context current in the entry
+    # point fixes the device, so it is asked for once per call.
+    def stream(self, stream):
+        h = self.ci.stream_handle(stream)
+        ns = self._streams.get(h)
+        if ns is None:
+            ns = self.cuda.external_stream(h) if h else self.cuda.default_stream()
+            self._streams[h] = ns
+        return h, ns, self._dev()
+
+    def device(self, st):
+        return ("cuda", st[2])
+
+    def _dev(self):
+        dev = driver.current_device()
+        return dev if dev is not None else int(self.cuda.get_current_device().id)
+
+    def import_dense(self, x, dtype, st):
+        t = self.ci.import_cuda(x, dtype=dtype, stream=st[0])
+        if t.device != st[2]:
+            raise UnsupportedDeviceError(f"tensor on cuda:{t.device}, but Numba's current device "
+                                         f"is cuda:{st[2]}; select it with numba.cuda.select_device")
+        return t, tuple(t.shape), t.dtype
+
+    def import_out(self, out, shape, dt, st):
+        t = self.ci.import_cuda(out, stream=st[0])
+        self.ci.check_out(t, shape, dt, st[2])
+        return t
+
+    def new_dense(self, shape, dt, st, allocator):
+        arr = self.ci.CudaArray.empty(shape, dt, st[2], st[0], allocator)
+        return arr, arr
+
+    def alloc(self, nbytes, st, allocator):
+        return self.ci.allocate(nbytes, st[2], st[0], allocator)
+
+    def import_plane(self, plane):
+        """A plane as a buffer with ``ptr`` (what :meth:`view` reads): our planes are
+        that already; any other CUDA array is read through its interface."""
+        if isinstance(plane, self.ci.CudaArray):
+            return plane
+        cai = plane.__cuda_array_interface__
+        n = _fmt.numel_of(cai["shape"]) * int(cai["typestr"][2:])
+        return self.ci.DeviceBuffer(int(cai["data"][0] or 0), n, self._dev(), plane)
+
+    def ptr(self, buf):
+        return int(buf.ptr)
+
+    def plane(self, buf, off, nbytes, np_dtype, st):
+        return self.ci.plane_of(buf, off, nbytes, np_dtype, st[0] if st is not None else 0)
+
+    def view(self, buf, off, count, np_dtype):
+        dt = np_dtype if isinstance(np_dtype, np.dtype) else np.dtype(np_dtype)
+        return KernelArray(int(buf.ptr) + off if count else 0, count, dt, buf)
+
+    def _device_array(self, a):
+        """A Numba device array of a KernelArray (what the dispatcher takes)."""
+        data = self.driver.MemoryPointer(self.cuda.current_context(),
+                                         self.driver.binding.CUdeviceptr(a.ptr),
+                                         size=a.count * a.dtype.itemsize, owner=a.owner)
+        return self.devicearray.DeviceNDArray(shape=(a.count,), strides=(a.dtype.itemsize,),
+                                              dtype=a.dtype, gpu_data=data, stream=0)
+
+    # Fills and copies go through the driver on raw pointers (as the CuPy backend's
+    # do), in the context the entry point's Numba scope made current; reads through
+    # the CUDA runtime. A Numba device-array view per call costs tens of microseconds
+    # of Python, which the exact-size pack pays after its host sync.
+    def memset0(self, buf, off, nbytes, st):
+        driver.memset0(int(buf.ptr) + off, nbytes, st[0])
+
+    def copy(self, dst, doff, src, soff, nbytes, st):
+        driver.copy(int(dst.ptr) + doff, int(src.ptr) + soff, nbytes, st[0])
+
+    def read(self, buf, off, count, np_dtype, st):
+        out = np.zeros(count, dtype=np_dtype)
+        if out.nbytes:
+            rt = self.ci._runtime()
+            with self._on_dev(st):
+                rt.memcpyAsync(out.ctypes.data, int(buf.ptr) + off, out.nbytes,
+                               rt.memcpyDeviceToHost, st[0])
+                rt.streamSynchronize(st[0])
+        return out
+
+    def take_slot(self) -> int:
+        return slots.take()
+
+    def copy_to_slot(self, slot, buf, off, st):
+        """The status area's 16 bytes into a pinned slot, in stream order (the Numba
+        kernel does not write the slot itself as the CUDA C++ one does)."""
+        with self._on_dev(st):
+            driver.copy_to_host(slot, int(buf.ptr) + off, abi.SLOT_BYTES, st[0])
+
+    def device_sync(self):
+        self.cuda.synchronize()
+
+    def _on_dev(self, st):
+        import cupy
+        return cupy.cuda.Device(st[2])
+
+    def launch(self, kernel, grid, block, st, *args):
+        """By the kernel's handle (:mod:`.launch`) once a launch through the dispatcher
+        has compiled it for these kinds of arguments on this device and thread."""
+        if grid <= 0:
+            return
+        cache = getattr(self._local, "launches", None)
+        if cache is None:
+            cache = self._local.launches = {}
+        key = (kernel, st[2], kinds_of(args))
+        fast = cache.get(key, False)
+        if fast:
+            fast(grid, block, st[0], args)
+            return
+        numba_args = [self._device_array(a) if type(a) is KernelArray else a for a in args]
+        if fast is None:                       # not covered: the dispatcher, every time
+            kernel[grid, block, st[1]](*numba_args)
+        else:
+            cache[key] = first_launch(kernel, grid, block, st[1], args, numba_args)
+
+    def handle_launch(self, kernel, st, args):
+        """The HandleLaunch :meth:`launch` keeps for arguments of these kinds on this
+        thread and device; None where it has none (not covered, or not launched yet)."""
+        launches = getattr(self._local, "launches", None) or {}
+        return launches.get((kernel, st[2], kinds_of(args))) or None
+
+    def order_after(self, p, st):
+        """Make our stream wait for the work that produced p's planes (on p's stream)."""
+        self.ci.stream_wait(st[0], protocol.producer_stream(p, st[0]), p.device[1])
+
+
+_PLATFORM = None
+
+
+def _platform():
+    global _PLATFORM
+    if _PLATFORM is None:
+        _PLATFORM = _SimPlatform() if K.SIM else _GpuPlatform()
+    return _PLATFORM
+
+
+# ----------------------------------------------------------------------------
+# The backend
+# ----------------------------------------------------------------------------
+class NumbaBackend:
+    """CUDA backend written with ``numba.cuda.jit``."""
+
+    name = "numba"
+    device_type = "cuda"
+
+    def __init__(self, variant: K.PackVariant = K.COMMITTED):
+        self.variant = variant      # tests and A/B timings pass others (kernels.PackVariant)
+
+    def is_available(self) -> bool:
+        if K.SIM:
+            return True
+        try:
+            from numba import cuda
+            import cupy  # noqa: F401 -- cuda_interop's allocator and runtime calls
+            return bool(cuda.is_available())
+        except Exception:  # noqa: BLE001 -- no numba-cuda, CuPy, driver or device: unavailable
+            return False
+
+    # ----------------------------------------------------------- views
+    @staticmethod
+    def _dense_views(P, buf, numel, dt):
+        """(elements, uint64 words, fast) views of a dense tensor; ``fast`` when it is
+        8-byte aligned (whole groups of 8 elements then move as uint64 words)."""
+        el = P.view(buf, 0, numel, dt.uint)
+        fast = P.ptr(buf) % 8 == 0
+        w64 = P.view(buf, 0, numel * dt.itemsize // 8 if fast else 0, np.uint64)
+        return el, w64, fast
+
+    @staticmethod
+    def _plane_views(P, plane, nbytes):
+        """(bytes, uint32 words) views of a plane; the word view covers the whole
+        words only, and is empty when the plane is not 4-byte aligned (the kernels
+        then read bytes)."""
+        buf = P.import_plane(plane)
+        b8 = P.view(buf, 0, nbytes, np.uint8)
+        w32 = P.view(buf, 0, nbytes // 4 if P.ptr(buf) % 4 == 0 else 0, np.uint32)
+        return b8, w32
+
+    def _stored(self, P, p):
+        """Kernel arguments of p's values and signs: (vb, vw, nvb, sb, sw, nsb)."""
+        lay = p.layout
+        vb, vw = self._plane_views(P, p.values, lay.values[1])
+        sb, sw = self._plane_views(P, p.signs, lay.signs[1])
+        return vb, vw, lay.values[1], sb, sw, lay.signs[1]
+
+    def _tile_offsets(self, P, p, st, allocator, tile_log2=K.TILE_LOG2):
+        """(mask, array, shift, keep): the first value index of the kernel's tile i
+        (``1 << tile_log2`` elements, a multiple of K.TILE) is
+        array[(i << tile_log2) >> shift]; ``keep`` must outlive the queued kernels.
+        When chunks are larger than the kernel's tile, the array holds the prefix
+        counts per K.TILE elements (k_mask_count's tile), which serves any larger tile."""
+        lay = p.layout
+        n_tiles = _ceil_div(p.numel, K.TILE)
+        mask = P.view(P.import_plane(p.mask), 0, lay.mask[1], np.uint8)
+        if p.chunk_log2 <= tile_log2:
+            odt = np.dtype(f"<u{lay.offset_width}")
+            return mask, P.view(P.import_plane(p.offsets), 0, lay.n_chunks + 1, odt), p.chunk_log2, None
+        # Chunks span several tiles: prefix-sum the mask's popcount per K.TILE elements.
+        scratch = P.alloc((n_tiles + 3) * 8, st, allocator)
+        cnt = P.view(scratch, 0, n_tiles + 1, np.int64)
+        info = P.view(scratch, (n_tiles + 1) * 8, 2, np.int64)
+        P.launch(K.k_mask_count, n_tiles, K.NT, st, mask, (p.numel + 7) >> 3, cnt)
+        P.launch(K.k_scan, 1, K.SCAN_NT, st, cnt, n_tiles, info)
+        return mask, cnt, K.TILE_LOG2, scratch
+
+    # ----------------------------------------------------------- packing
+    @_one_context
+    def pack(self, x, *, dtype=None, encoding="auto", chunk_log2=_fmt.DEFAULT_CHUNK_LOG2,
+             capacity=None, stream=None, allocator=None) -> PackedTensor:
+        P = _platform()
+        st = P.stream(stream)
+        buf, shape, dt = P.import_dense(x, dtype, st)
+        return self._pack(P, st, buf, shape, dt, K.MODE_PACK, encoding, chunk_log2, capacity,
+                          allocator)
+
+    @_one_context
+    def relu_pack(self, a, *, square=False, dtype=None, encoding="nosign",
+                  chunk_log2=_fmt.DEFAULT_CHUNK_LOG2, capacity=None, stream=None, allocator=None):
+        P = _platform()
+        st = P.stream(stream)
+        buf, shape, dt = P.import_dense(a, dtype, st)
+        ybuf, y = P.new_dense(shape, dt, st, allocator)
+        p = self._pack(P, st, buf, shape, dt, K.MODE_RELU2 if square else K.MODE_RELU, encoding,
+                       chunk_log2, capacity, allocator, ybuf)
+        return y, p
+
+    def _pack(self, P, st, buf, shape, dt, mode, encoding, chunk_log2, capacity, allocator,
+              ybuf=None):
+        steps = _NumbaSteps(self, P, st, buf, dt, mode, allocator, ybuf)
+        return protocol.pack(steps, tuple(shape), dt, encoding, chunk_log2, capacity,
+                             Mode(mode))
+
+    def _scratch_bytes(self, numel, dt):
+        """(tiles, zeroed head, total bytes) of a pack's scratch: the look-back's
+        (ticket, unused, a descriptor per tile and per group; zeroed before each pack),
+        each tile's start and the total, and 16 bytes of stream edges per tile (for
+        k_finish). Tiles are the pack kernel's own."""
+        if numel == 0:
+            return 0, 0, 0
+        n_tiles = _ceil_div(numel, K.kernels_for(dt.name, self.variant).ptile)
+        head = K.scratch_slots(n_tiles) * 8
+        return n_tiles, head, head + 8 * (n_tiles + 1) + 16 * n_tiles
+
+    def _run_pack(self, P, st, buf, numel, dt, mode, lay, al, ybuf, p_mask, zero_tail,
+                  slot=0):
+        """Launch the one-pass pack into ``al`` (and, at fixed capacity, zero what
+        lies past the stored values), with its scratch at ``al.scratch``; the status
+        and count then go to ``slot`` (a pinned host slot, 0 for none) ahead of the
+        stitching kernel. On a GPU, a plan this thread has packed with before launches
+        by records of its own (:class:`_PackLaunches`)."""
+        if numel == 0:
+            for b, n in al.buffers:
+                P.memset0(b, 0, n, st)
+            if slot:
+                slots.write(slot, 0, 0)
+            return
+        kern = K.kernels_for(dt.name, self.variant)   # the pack's variant
+        n_tiles, head, _ = self._scratch_bytes(numel, dt)
+        P.memset0(*al.scratch, head, st)
+        mask_plane = None if p_mask is None else P.import_plane(p_mask.mask)
+        # every buffer a launch argument lies in, in an order the key fixes
+        buffers = (buf, buf if ybuf is None else ybuf, *al.blocks,
+                   *(() if mask_plane is None else (mask_plane,)))
+        key = kept = None
+        if not K.SIM:
+            addresses = [P.ptr(b) for b in buffers]
+            key = self._pack_key(st, kern, mode, al, addresses, ybuf is not None,
+                                 p_mask is not None, zero_tail)
+            kept = _PACK_LAUNCHES.get(key, al.plan)
+            if type(kept) is _PackLaunches:
+                kept.queue(P, st, addresses, al.status, slot)
+                return
+        pack, finish = self._pack_launches(P, kern, n_tiles, head, numel, dt, mode, lay, al,
+                                           buf, ybuf, mask_plane, zero_tail)
+        P.launch(pack.kernel, pack.grid, pack.block, st, *pack.args)
+        if slot:
+            P.copy_to_slot(slot, *al.status, st)
+        if finish is not None:
+            P.launch(finish.kernel, finish.grid, finish.block, st, *finish.args)
+        if key is not None and kept is not _NOT_COVERED:
+            kept = (_SEEN_ONCE if kept is None else
+                    _PackLaunches.build(P, st, pack, finish, buffers, addresses) or _NOT_COVERED)
+            _PACK_LAUNCHES.put(key, al.plan, kept)
+
+    def _pack_key(self, st, kern, mode, al, addresses, has_y, masked, zero_tail):
+        """What fixes every argument of a pack's launches but the buffers' addresses
+        (and so the arguments' kinds): the plan (counts, offsets, capacity, chunk size),
+        the device, the kernels (dtype, compiled variant) and incl_every, the mode,
+        zero_tail, one block or two, whether y and a mask tensor are given, and which
+        dense tensors are 8-byte aligned (the word views of the others are empty)."""
+        return (id(al.plan), st[2], kern, self.variant.incl_every, mode, zero_tail,
+                len(al.blocks), has_y, masked, addresses[0] % 8 == 0,
+                has_y and addresses[1] % 8 == 0)
+
+    def _pack_launches(self, P, kern, n_tiles, head, numel, dt, mode, lay, al, buf, ybuf,
+                       mask_plane, zero_tail):
+        """``(pack, finish)``: the pack kernel's launch over kernel views of ``al``, the
+        dense input ``buf``, relu_pack's output ``ybuf`` and masked_pack's mask plane,
+        and k_finish's, which writes the stream words shared by tiles (value streams)
+        and, at fixed capacity, the zeros past the stored values (None: neither)."""
+        enc = lay.encoding
+        scratch, s0 = al.scratch
+        desc = P.view(scratch, s0, head // 8, np.int64)
+        starts = P.view(scratch, s0 + head, n_tiles + 1, np.int64)
+        edges = P.view(scratch, s0 + head + 8 * (n_tiles + 1), 4 * n_tiles, np.uint32)
+        xe, x64, use64 = self._dense_views(P, buf, numel, dt)
+        if ybuf is not None:
+            ye, y64, yfast = self._dense_views(P, ybuf, numel, dt)
+        else:
+            ye, y64, yfast = xe, x64, False
+        vt, vw, sw = self._value_views(P, lay, al)
+        stat = P.view(*al.status, 2, np.int64)
+        if mask_plane is None:
+            mask = al.view(P, "mask", lay.mask[1], np.uint8)
+            offsets = al.view(P, "offsets", lay.n_chunks + 1, np.dtype(f"<u{lay.offset_width}"))
+            msrc = mask
+        else:
+            msrc = P.view(mask_plane, 0, lay.mask[1], np.uint8)
+            mask, offsets = msrc, P.view(scratch, s0, 0, np.uint32)
+        pack = Launch(kern.pack[(mode, int(enc))], n_tiles, K.NT,
+                      (xe, x64, use64, numel, ye, y64, yfast, msrc, lay.capacity,
+                       int(self.variant.incl_every), mask, offsets, lay.chunk_log2, vt, vw, sw,
+                       desc, starts, edges, stat))
+        zero = zero_tail and lay.capacity > 0
+        if enc == Encoding.RAW and not zero:
+            return pack, None
+        block = 256 if not K.SIM else 32
+        grid = _ceil_div(n_tiles + 1, block) if enc != Encoding.RAW else 1
+        if zero:                                # a grid-stride loop past that
+            words = lay.capacity if enc == Encoding.RAW else max(vw.size, sw.size)
+            grid = max(grid, min(_ceil_div(max(words, 1), 256), 4096))
+        return pack, Launch(kern.finish, grid, block,
+                            (starts, edges, n_tiles, stat, lay.capacity, int(enc), zero, vt, vw, sw))
+
+    @staticmethod
+    def _value_views(P, lay, al):
+        """Kernel views of the values / signs sections being written (the word views
+        run into each section's padding up to a whole word)."""
+        enc, dt = lay.encoding, lay.dtype
+        vn, sn = al.at["values"][2], al.at["signs"][2]
+        raw = enc == Encoding.RAW
+        vt = al.view(P, "values", vn // dt.itemsize if raw else 0, dt.uint)
+        vw = al.view(P, "values", 0 if raw else _ceil_div(vn, 4), np.uint32)
+        sw = al.view(P, "signs", _ceil_div(sn, 4) if enc == Encoding.SIGNPLANE else 0, np.uint32)
+        return vt, vw, sw
+
+    def _packed(self, P, st, lay, al, nnz, with_status, mask=None, offsets=None, extra=None):
+        odt = np.dtype(f"<u{lay.offset_width}")
+        p = PackedTensor(tuple(lay.shape), lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
+                         al.plane(P, "mask", np.uint8, st) if mask is None else mask,
+                         al.plane(P, "offsets", odt, st) if offsets is None else offsets,
+                         al.plane(P, "values", np.uint8, st), al.plane(P, "signs", np.uint8, st),
+                         backend=self, device=P.device(st), _nnz=nnz,
+                         status=(P.plane(*al.status, 4, np.int32, st)
+                                 if with_status else None),
+                         extra=dict(extra or {}))
+        p.extra["stream"] = st[0] if st is not None else 0
+        return p
+
+    @_one_context
+    def masked_pack(self, u, p_mask, *, dtype=None, encoding="signplane", stream=None,
+                    allocator=None) -> PackedTensor:
+        P = _platform()
+        protocol.check_packed(p_mask)
+        st = P.stream(stream)
+        buf, shape, dt = P.import_dense(u, dtype, st)
+        protocol.check_like("u", shape, dt, p_mask)
+        enc = masked_encoding(encoding)
+        P.order_after(p_mask, st)
+        nnz = p_mask.nnz  # the companion stores every masked position (sync if pending)
+        plan = pack_plan(tuple(shape), dt, enc, nnz, p_mask.chunk_log2, Mode.MASKED)
+        al = _Alloc(P, plan, st, allocator, scratch=self._scratch_bytes(p_mask.numel, dt)[2])
+        lay = plan.lay
+        self._run_pack(P, st, buf, p_mask.numel, dt, K.MODE_MASKED, lay, al, None, p_mask,
+                       zero_tail=False)
+        return self._packed(P, st, lay, al, nnz, enc == Encoding.NOSIGN, mask=p_mask.mask,
+                            offsets=p_mask.offsets, extra={"shares_mask": True})
+
+    # ----------------------------------------------------------- unpacking
+    @_one_context
+    def unpack(self, p: PackedTensor, *, out=None, stream=None, allocator=None):
+        P = _platform()
+        protocol.check_packed(p)
+        st = P.stream(stream)
+        P.order_after(p, st)
+        p.check()
+        if out is not None:
+            obuf, result = P.import_out(out, p.shape, p.dtype, st), out
+        else:
+            obuf, result = P.new_dense(p.shape, p.dtype, st, allocator)
+        self._decode(P, st, p, 0, None, obuf, allocator)
+        return result
+
+    @_one_context
+    def relu2_backward(self, grad, p, *, stream=None, allocator=None):
+        P = _platform()
+        protocol.check_packed(p)
+        st = P.stream(stream)
+        P.order_after(p, st)
+        p.check()
+        gbuf = self._grad(P, st, grad, p)
+        obuf, result = P.new_dense(p.shape, p.dtype, st, allocator)
+        self._decode(P, st, p, 1, gbuf, obuf, allocator)
+        return result
+
+    def _decode(self, P, st, p, op, gbuf, obuf, allocator):
+        """Queue unpack kernel ``op`` (0: unpack, 1: relu2_backward) of p into obuf."""
+        numel, dt = p.numel, p.dtype
+        kern = K.kernels_for(dt.name)
+        tile_log2 = kern.utile_log2[op]
+        if numel == 0:
+            return
+        mask, toff, shift, keep = self._tile_offsets(P, p, st, allocator, tile_log2)
+        oe, o64, fast = self._dense_views(P, obuf, numel, dt)
+        if gbuf is not None:
+            ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
+            fast = fast and gfast
+        else:
+            ge, g64 = oe, o64
+        o16 = fast and P.ptr(obuf) % 16 == 0
+        P.launch(kern.unpack[(op, int(p.encoding))], _ceil_div(numel, 1 << tile_log2), K.UNT, st,
+                 mask, numel, toff, shift, *self._stored(P, p), ge, g64, fast, oe, o64, o16)
+        del keep  # the allocator orders its reuse after the queued kernel
+
+    @_one_context
+    def relu_backward(self, grad, p, *, stream=None, allocator=None):
+        P = _platform()
+        protocol.check_packed(p)
+        st = P.stream(stream)
+        P.order_after(p, st)
+        gbuf = self._grad(P, st, grad, p)
+        numel, dt = p.numel, p.dtype
+        obuf, result = P.new_dense(p.shape, dt, st, allocator)
+        ngroups = (numel + 7) >> 3
+        if ngroups:
+            mask = P.view(P.import_plane(p.mask), 0, p.layout.mask[1], np.uint8)
+            ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
+            oe, o64, ofast = self._dense_views(P, obuf, numel, dt)
+            block = 32 if K.SIM else 256
+            P.launch(K.kernels_for(dt.name).relu_backward, min(_ceil_div(ngroups, block), 8192),
+                     block, st, mask, numel, ge, g64, gfast, oe, o64, ofast)
+        return result
+
+    @_one_context
+    def gated_backward(self, grad, p_r, p_u, *, stream=None, allocator=None):
+        P = _platform()
+        protocol.check_packed(p_r)
+        protocol.check_packed(p_u)
+        protocol.check_pair(p_r, p_u)
+        st = P.stream(stream)
+        P.order_after(p_r, st)
+        P.order_after(p_u, st)
+        p_r.check()
+        p_u.check()
+        gbuf = self._grad(P, st, grad, p_r)
+        numel, dt = p_r.numel, p_r.dtype
+        gg_buf, grad_g = P.new_dense(p_r.shape, dt, st, allocator)
+        gu_buf, grad_u = P.new_dense(p_r.shape, dt, st, allocator)
+        if numel:
+            self._gated(P, st, p_r, p_u, gbuf, gg_buf, gu_buf, allocator)
+        return grad_g, grad_u
+
+    def _gated(self, P, st, p_r, p_u, gbuf, gg_buf, gu_buf, allocator):
+        """Queue the gated kernel: u's values read under r's mask where u was packed
+        under it (masked_pack), else from u unpacked first."""
+        numel, dt = p_r.numel, p_r.dtype
+        kern = K.kernels_for(dt.name)
+        shared = (p_u.chunk_log2 == p_r.chunk_log2
+                  and P.ptr(P.import_plane(p_u.mask)) == P.ptr(P.import_plane(p_r.mask))
+                  and P.ptr(P.import_plane(p_u.offsets)) == P.ptr(P.import_plane(p_r.offsets)))
+        op = K.OP_GATED if shared else K.OP_GATED_DENSE
+        tile_log2 = kern.utile_log2[op]
+        mask, toff, shift, keep = self._tile_offsets(P, p_r, st, allocator, tile_log2)
+        ge, g64, fast = self._dense_views(P, gbuf, numel, dt)
+        og, og64, gg_fast = self._dense_views(P, gg_buf, numel, dt)
+        ou, ou64, gu_fast = self._dense_views(P, gu_buf, numel, dt)
+        if shared:
+            u_stored = self._stored(P, p_u)
+            ue, u64, u_fast = ge, g64, True
+            key = (op, int(p_r.encoding), int(p_u.encoding))
+        else:
+            ubuf, _ = P.new_dense(p_u.shape, dt, st, allocator)
+            self._decode(P, st, p_u, 0, None, ubuf, allocator)
+            # op 3 reads u dense: its planes' arguments are empty ones of their kinds
+            u_stored = (mask, P.view(ubuf, 0, 0, np.uint32), 0) * 2
+            ue, u64, u_fast = self._dense_views(P, ubuf, numel, dt)
+            key = (op, int(p_r.encoding))
+        fast = fast and gg_fast and gu_fast and u_fast
+        o16 = fast and P.ptr(gg_buf) % 16 == 0 and P.ptr(gu_buf) % 16 == 0
+        P.launch(kern.unpack[key], _ceil_div(numel, 1 << tile_log2), K.UNT, st, mask, numel,
+                 toff, shift, *self._stored(P, p_r), *u_stored, ue, u64, ge, g64, fast,
+                 og, og64, ou, ou64, o16)
+        del keep  # the allocator orders its reuse (and u's) after the queued kernel
+
+    def _grad(self, P, st, grad, p):
+        gbuf, shape, dt = P.import_dense(grad, None, st)
+        protocol.check_like("grad", shape, dt, p)
+        return gbuf
+
+    # ----------------------------------------------------------- host reads
+    def _pstream(self, P, p):
+        return P.stream(p.extra.get("stream", 0)) if not K.SIM else None
+
+    @_one_context
+    def read_nnz(self, p) -> int:
+        P = _platform()
+        lay = p.layout
+        w = lay.offset_width
+        return int(P.read(P.import_plane(p.offsets), lay.n_chunks * w, 1, np.dtype(f"<u{w}"),
+                          self._pstream(P, p))[0])
+
+    def read_status(self, p) -> int:
+        if p.status is None:
+            return 0
+        code = p.extra.get("status_value")  # final once the pack has run: read once
+        if code is None:
+            code = p.extra["status_value"] = self._read_status_now(p)
+        return code
+
+    @_one_context
+    def _read_status_now(self, p) -> int:
+        P = _platform()
+        return int(P.read(P.import_plane(p.status), 0, 1, np.int32, self._pstream(P, p))[0])
+
+    @_one_context
+    def to_numpy(self, array) -> np.ndarray:
+        if K.SIM:
+            return np.asarray(array).copy()
+        # After all queued work, on every stream (as the CuPy backend's): a plane made
+        # on a caller's non-blocking stream is read whole.
+        _platform().device_sync()
+        if hasattr(array, "get") and not hasattr(array, "copy_to_host"):
+            return np.asarray(array.get())          # CuPy arrays, CudaArray
+        return array.copy_to_host()

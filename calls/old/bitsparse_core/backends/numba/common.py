@@ -1,0 +1,301 @@
+"""What every Numba kernel family shares: the target switch, tile constants,
+the target-specific primitives and the block-wide rank helpers.
+
+Two code paths, chosen once at import: on a GPU the warp scan uses
+``shfl_up_sync``, float32 bits are reinterpreted and bytes permuted (PRMT)
+through libdevice, float16 is converted by the conversion instructions, and the
+unpack stores 16-byte words by inline PTX; under the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``), which has no warp intrinsics, the warp scan goes
+through shared memory, the bit casts and float16 conversions go through NumPy,
+PRMT is a Python loop over the four bytes, a 16-byte store is two 8-byte ones,
+and tiles are smaller so small tensors still span several tiles (blocks of 64
+threads, ``TILE`` = 1024). The rest is the same source, so CI exercises the
+algorithms without a GPU.
+
+All index arithmetic is int64 (tensors may exceed 2**31 elements); element
+patterns are widened to int64 as soon as they are loaded. Hot array accesses
+index with ``uint64(i)`` (``_u``): Numba adds a negative-index wraparound
+(a compare, a select and an add) to every access with a signed index.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# numba-cuda <= 0.30 registers an overload for np.row_stack when it first
+# compiles; NumPy 2.5 removed that alias of np.vstack, so the first compile
+# fails with AttributeError. Restore the alias (the same function) if missing.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import config, cuda, int32, int64, uint32, uint64  # noqa: E402
+
+SIM = bool(config.ENABLE_CUDASIM)
+_u = uint64                      # index cast: no wraparound code (module docstring)
+
+TILE_LOG2 = 10 if SIM else 12
+TILE = 1 << TILE_LOG2
+NT = 64 if SIM else 256          # threads per tile block (a multiple of 32)
+NW = NT // 32
+GPT = TILE // 8                  # groups (mask bytes) per tile
+G = GPT // NT                    # groups per thread
+assert G <= 2                    # _tile_ranks scans two rows' counts at once
+SCAN_NT = 32 if SIM else 1024    # threads of the one-block scan
+SCAN_PER = 2 if SIM else 8       # items per scan thread per pass
+LANE_N = NT if SIM else 1        # the simulator's warp scan goes through shared memory
+UNT = 64 if SIM else 256         # threads per unpack block (rows of 16 bytes each)
+UNW = UNT // 32
+ULANE_N = UNT if SIM else 1
+
+RAW, NOSIGN, SIGNPLANE = 0, 1, 2
+FULL_MASK = 0xFFFFFFFF
+MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED = 0, 1, 2, 3
+
+# ----------------------------------------------------------------------------
+# Target-specific primitives.
+# ----------------------------------------------------------------------------
+if SIM:
+    def _as_f32(u):
+        return np.array([u], dtype=np.int64).astype(np.uint32).view(np.float32)[0]
+
+    def _as_u32(f):
+        return np.int64(np.array([f], dtype=np.float32).view(np.uint32)[0])
+
+    def _prmt(x, s):
+        """PRMT with y = 0: byte k of the result is byte (s >> 4k) & 7 of (0:x)."""
+        r = 0
+        for k in range(4):
+            sel = (int(s) >> (4 * k)) & 7
+            if sel < 4:
+                r |= ((int(x) >> (8 * sel)) & 0xFF) << (8 * k)
+        return np.uint32(r)
+
+    def _prmt2(x, y, s):
+        """PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x)."""
+        xy = int(x) | (int(y) << 32)
+        r = 0
+        for k in range(4):
+            r |= ((xy >> (8 * ((int(s) >> (4 * k)) & 7))) & 0xFF) << (8 * k)
+        return np.uint32(r)
+
+    def _mul32(a, b):
+        """The low 32 bits of a * b (NumPy's uint32 product warns on the wrap)."""
+        return np.uint32((int(a) * int(b)) & 0xFFFFFFFF)
+
+    def _f16_widen(x):
+        """float32 bits of the float16 pattern x (exact)."""
+        h = np.array([int(x) & 0xFFFF], dtype=np.uint16).view(np.float16)
+        return np.int64(h.astype(np.float32).view(np.uint32)[0])
+
+    def _f16_round(p):
+        """float32 bits p (not NaN) rounded to float16, nearest-even."""
+        f = np.array([int(p) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)
+        with np.errstate(over="ignore"):
+            return np.int64(f.astype(np.float16).view(np.uint16)[0])
+
+    @cuda.jit(device=True)
+    def _store16(a64, i, lo, hi):
+        """a64[i], a64[i + 1] = lo, hi (on a GPU one 16-byte store)."""
+        a64[i] = lo
+        a64[i + 1] = hi
+
+    @cuda.jit(device=True)
+    def _warp_lanes(v, lane, t, sh_lane):
+        # Shared-memory stand-in for the warp intrinsics (the simulator has no
+        # shuffles): every lane publishes v and gets its warp's 32 values.
+        sh_lane[t] = v
+        cuda.syncthreads()
+        vals = [sh_lane[q] for q in range(t - lane, t - lane + 32)]
+        cuda.syncthreads()
+        return vals
+
+    @cuda.jit(device=True)
+    def _warp_incl_scan(v, lane, t, sh_lane):
+        s = int64(0)
+        for x in _warp_lanes(v, lane, t, sh_lane)[: lane + 1]:
+            s += x
+        return s
+
+    @cuda.jit(device=True)
+    def _warp_last(v, lane, t, sh_lane):
+        # The broadcast of lane 31's value.
+        return _warp_lanes(v, lane, t, sh_lane)[31]
+
+    @cuda.jit(device=True)
+    def _warp_excl_scan(v, lane, t, sh_lane):
+        # The pack's packed-field scan: the sum of the lanes before, wrapped to
+        # int64 as the GPU's arithmetic wraps (the fields themselves never carry).
+        s = sum(int(x) for x in _warp_lanes(v, lane, t, sh_lane)[:lane])
+        return np.array([s & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64).view(np.int64)[0]
+
+    _warp_excl_scan64 = _warp_excl_scan
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils, libdevice
+    from numba.cuda.extending import intrinsic
+
+    @cuda.jit(device=True)
+    def _as_f32(u):
+        return libdevice.int_as_float(int32(u))
+
+    @cuda.jit(device=True)
+    def _as_u32(f):
+        return int64(libdevice.float_as_int(f)) & 0xFFFFFFFF
+
+    @cuda.jit(device=True)
+    def _prmt(x, s):
+        """PRMT with y = 0: byte k of the result is byte (s >> 4k) & 7 of (0:x)."""
+        return uint32(libdevice.byte_perm(int32(x), int32(0), int32(s)))
+
+    @cuda.jit(device=True)
+    def _prmt2(x, y, s):
+        """PRMT: byte k of the result is byte (s >> 4k) & 7 of (y:x)."""
+        return uint32(libdevice.byte_perm(int32(x), int32(y), int32(s)))
+
+    @cuda.jit(device=True)
+    def _mul32(a, b):
+        """The low 32 bits of a * b."""
+        return uint32(uint32(a) * uint32(b))
+
+    def _convert(src, dst, op):
+        """An intrinsic: the low bits of an integer as float ``src``, converted to float
+        ``dst`` by LLVM instruction ``op`` (fpext / fptrunc: the conversion instruction,
+        round to nearest even), returned as the bits of ``dst`` in an int64."""
+        bits = {"half": 16, "float": 32}
+
+        @intrinsic
+        def conv(typingctx, x):
+            if not isinstance(x, types.Integer):
+                return None
+            sig = types.int64(x)
+
+            def codegen(context, builder, sig, args):
+                v = builder.trunc(args[0], ir.IntType(bits[src])) if x.bitwidth > bits[src] \
+                    else args[0]
+                f = builder.bitcast(v, ir.HalfType() if src == "half" else ir.FloatType())
+                g = getattr(builder, op)(f, ir.HalfType() if dst == "half" else ir.FloatType())
+                return builder.zext(builder.bitcast(g, ir.IntType(bits[dst])), ir.IntType(64))
+
+            return sig, codegen
+        return conv
+
+    _f16_widen = _convert("half", "float", "fpext")
+    _f16_widen.__doc__ = "float32 bits of the float16 pattern x (exact)."
+    _f16_round = _convert("float", "half", "fptrunc")
+    _f16_round.__doc__ = "float32 bits p (not NaN) rounded to float16, nearest-even."
+
+    @intrinsic
+    def _store16(typingctx, a64, i, lo, hi):
+        """a64[i], a64[i + 1] = lo, hi as one 16-byte store (``st.global.v2.u64``; Numba
+        itself stores at most 8 bytes per instruction). a64: a 1-D uint64 array in
+        global memory whose element i lies on a 16-byte boundary; no bounds check."""
+        if not (isinstance(a64, types.Array) and a64.ndim == 1 and a64.dtype == types.uint64
+                and isinstance(i, types.Integer)):
+            return None
+        sig = types.void(a64, i, lo, hi)
+
+        def codegen(context, builder, sig, args):
+            aty, ity, lty, hty = sig.args
+            arr, idx, lv, hv = args
+            ary = context.make_array(aty)(context, builder, value=arr)
+            idx = context.cast(builder, idx, ity, types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [idx], wraparound=False)
+            lv = context.cast(builder, lv, lty, types.uint64)
+            hv = context.cast(builder, hv, hty, types.uint64)
+            u64 = ir.IntType(64)
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, u64, u64])
+            st = ir.InlineAsm(fnty, "st.global.v2.u64 [$0], {$1, $2};", "l,l,l,~{memory}",
+                              side_effect=True)
+            builder.call(st, [ptr, lv, hv])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @cuda.jit(device=True)
+    def _warp_incl_scan(v, lane, t, sh_lane):
+        x = int32(v)                 # sums of a warp's counts: one 32-bit shuffle per step
+        d = 1
+        while d < 32:
+            y = cuda.shfl_up_sync(FULL_MASK, x, d)
+            if lane >= d:
+                x = int32(x + y)
+            d *= 2
+        return x
+
+    @cuda.jit(device=True)
+    def _warp_excl_scan(v, lane, t, sh_lane):
+        """The pack's exclusive scan of four 8-bit count fields (32-bit shuffles;
+        a full top field wraps out of the inclusive sum, not out of the result)."""
+        return int32(_warp_incl_scan(v, lane, t, sh_lane) - int32(v))
+
+    @cuda.jit(device=True)
+    def _warp_excl_scan64(v, lane, t, sh_lane):
+        """The same for eight fields (the fp8 pack's rounds), in 64 bits."""
+        x = int64(v)
+        d = 1
+        while d < 32:
+            y = cuda.shfl_up_sync(FULL_MASK, x, d)
+            if lane >= d:
+                x += y
+            d *= 2
+        return x - int64(v)
+
+    @cuda.jit(device=True)
+    def _warp_last(v, lane, t, sh_lane):
+        """Lane 31's v, in every lane."""
+        return cuda.shfl_sync(FULL_MASK, int32(v), 31)
+
+
+@cuda.jit(device=True)
+def _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t):
+    """sh_rank[gi] = nonzeros of the tile before group gi (gi = r*NT + t, the tile's
+    group order), from the mask bytes in sh_byte. Returns the tile's total.
+    The G <= 2 rows' counts share one warp scan, 16 bits apart (a row holds at
+    most 8 * NT < 2**16). Every thread of the block must call it (it synchronizes)."""
+    lane = t & 31
+    warp = t >> 5
+    packed = int32(0)
+    for r in range(G):
+        packed = int32(packed + (cuda.popc(int32(sh_byte[_u(r * NT + t)])) << (16 * r)))
+    inc = _warp_incl_scan(packed, lane, t, sh_lane)
+    if lane == 31:
+        sh_tot[warp] = inc
+    cuda.syncthreads()
+    before = int32(inc - packed)     # 32-bit sums: no sign extension per add
+    total = int32(0)
+    for w in range(NW):
+        tw = sh_tot[w]
+        if w < warp:
+            before = int32(before + tw)
+        total = int32(total + tw)
+    sh_rank[_u(t)] = before & 0xFFFF
+    if G == 2:
+        sh_rank[_u(NT + t)] = (total & 0xFFFF) + (before >> 16)
+    return int64((total & 0xFFFF) + (total >> 16))
+
+
+@cuda.jit(device=True)
+def _tile_mask_bytes(mask, tile, ngroups, t, sh_byte):
+    """sh_byte[gi] = mask byte of the tile's group gi (gi = r*NT + t), 0 past the end."""
+    for r in range(G):
+        g = tile * GPT + r * NT + t
+        byte = 0
+        if g < ngroups:
+            byte = int32(mask[_u(g)])
+        sh_byte[_u(r * NT + t)] = byte
+
+
+@cuda.jit(device=True)
+def _load_word(b8, w32, nbytes, k):
+    """Little-endian 32-bit word k of a byte plane; bytes past nbytes read as 0.
+    w32 is the plane's uint32 view (length 0 when the plane is not 4-byte aligned)."""
+    if k < w32.size:
+        return int64(w32[_u(k)])
+    v = int64(0)
+    for q in range(4):
+        i = 4 * k + q
+        if i < nbytes:
+            v |= int64(b8[_u(i)]) << (8 * q)
+    return v
+

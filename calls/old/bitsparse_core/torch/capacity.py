@@ -1,0 +1,330 @@
+"""Capacity without waiting: device counters read back asynchronously, and the
+per-module policy that sizes the next packs from them.
+
+A fixed-capacity pack needs no host sync, but its capacity must come from
+somewhere. The pack kernel writes its status word and nonzero count into a slot of
+one pinned host slab (:class:`FlagSlab`); the host reads a slot only once both have
+landed, which it sees without any CUDA call: both fields are filled with a sentinel
+first, and each lands whole (aligned words). A
+:class:`CapacityPolicy` (one per module) polls its slots, keeps the largest
+density seen recently, and picks the next capacity from a ladder of density
+buckets (so allocations and compiled graphs are reused) with a margin.
+Overflows are counted and logged, never silent: the ops recompute exactly where
+a pack overflowed (see :mod:`.ops`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import math
+import threading
+import itertools
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from ..backends.cuda import abi
+
+log = logging.getLogger("bitsparse_core.torch")
+
+SENTINEL = abi.SLOT_SENTINEL32  # no status word the kernel writes (bits 0-1 only)
+SENTINEL64 = abi.SLOT_SENTINEL64  # no count a pack can have
+WAIT_TIMEOUT_S = 60.0          # a pack's count that never lands (a stuck stream): recompute
+NO_SLOT = -1                   # no slot taken (CUDA graph capture): state unknown
+HOST_FINAL = -2                # CPU pack: the block's own status area is final
+
+
+class FlagSlab:
+    """A ring of pinned 16-byte slots {u32 status, u32 pad, u64 nnz}.
+
+    A pack takes the next slot and gets a *ticket*: a CPU int64 tensor
+    ``[index, generation]`` (an op output, so it travels through autograd and
+    compiled graphs like any tensor). Reading a slot with a stale generation (the
+    ring came round; only for a pack thousands of packs old) answers "unknown",
+    which every caller treats as "not known to be clean": correct, only slower. A
+    slot whose count has not landed yet is skipped when the ring comes round.
+
+    Python takes slots ``[0, slots)``; the C++ host path (:mod:`.native`) runs its own
+    ring over ``[slots, slots + native_slots)`` of the same slab, with the same rules.
+    """
+
+    def __init__(self, slots: int = 1 << 14, native_slots: int = 1 << 14):
+        self.slots = slots
+        self.total = slots + native_slots
+        self._mem = None
+        self._next = 0
+        self._gen = np.zeros(self.total, dtype=np.int64)
+        # where the generations live, for readers outside Python (the C++ host path)
+        self.generations = self._gen.ctypes.data
+        self._lock = threading.Lock()
+
+    def _arrays(self):
+        if self._mem is None:
+            # Pinned where CUDA is (the pack kernels write it); plain host
+            # memory elsewhere, where only host packs, which never use a slot, exist.
+            self._mem = torch.empty(16 * self.total, dtype=torch.uint8, device="cpu",
+                                    pin_memory=torch.cuda.is_available())
+            raw = self._mem.numpy()
+            self.status, self.nnz = raw.view(np.uint32), raw.view(np.uint64)
+            self.status[::4] = 0
+        return self.status, self.nnz
+
+    def base(self) -> int:
+        """Host address of slot 0 (the slab is allocated on first use)."""
+        self._arrays()
+        return self._mem.data_ptr()
+
+    def acquire(self):
+        """``(host address of the slot, ticket)``; the slot reads as pending until
+        the caller's pack writes it."""
+        address, i, gen = self.acquire_slot()
+        return address, self._new_ticket(i, gen)
+
+    def acquire_slot(self):
+        """:meth:`acquire` without the ticket tensor: ``(host address, index,
+        generation)``, ``(0, NO_SLOT, 0)`` where every slot is in flight."""
+        status, nnz = self._arrays()
+        with self._lock:
+            for _ in range(self.slots):
+                i = self._next
+                self._next = (i + 1) % self.slots
+                if status[4 * i] != SENTINEL:
+                    break
+            else:
+                return 0, NO_SLOT, 0
+            self._gen[i] += 1
+            status[4 * i] = SENTINEL
+            nnz[2 * i + 1] = SENTINEL64
+            gen = int(self._gen[i])
+        return self._mem.data_ptr() + 16 * i, i, gen
+
+    @staticmethod
+    def _new_ticket(i: int, gen: int) -> torch.Tensor:
+        """A tensor of its own: contiguous at storage offset 0, the metadata the ops' fake
+        kernels give a ticket (opcheck compares them)."""
+        return torch.from_numpy(np.array((i, gen), dtype=np.int64))
+
+    def read(self, ticket: torch.Tensor):
+        """``(status, nnz)`` of a ticket's pack once its count has landed, else None."""
+        return self.read_slot(*ticket.tolist())
+
+    def read_slot(self, i: int, gen: int):
+        """:meth:`read` of the ticket ``[i, gen]``."""
+        if not 0 <= i < self.total:   # no slot, or one of another slab
+            return None
+        status, nnz = self._arrays()
+        s, n = int(status[4 * i]), int(nnz[2 * i + 1])
+        if s == SENTINEL or n == SENTINEL64 or self._gen[i] != gen:
+            return None
+        return s, n
+
+    def lost(self, ticket: torch.Tensor) -> bool:
+        """Whether a ticket's count can never be read: no slot was taken, or the ring came
+        round and the slot was taken again."""
+        return self.lost_slot(*ticket.tolist())
+
+    def lost_slot(self, i: int, gen: int) -> bool:
+        """:meth:`lost` of the ticket ``[i, gen]``."""
+        return not 0 <= i < self.total or self._gen[i] != gen
+
+    def wait(self, ticket: torch.Tensor, timeout_s: float = WAIT_TIMEOUT_S):
+        """``(status, nnz)`` of a ticket's pack, watching its slot until the count lands (no
+        CUDA call: the GPU runs on while the host waits), or None for a ticket with no
+        slot, a stale one, or after ``timeout_s``."""
+        return self.wait_slot(*ticket.tolist(), timeout_s=timeout_s)
+
+    def wait_slot(self, i: int, gen: int, timeout_s: float = WAIT_TIMEOUT_S):
+        """:meth:`wait` of the ticket ``[i, gen]``."""
+        if not 0 <= i < self.total:
+            return None
+        deadline = time.perf_counter() + timeout_s
+        while (state := self.read_slot(i, gen)) is None:
+            if self._gen[i] != gen or time.perf_counter() > deadline:
+                return None
+            time.sleep(0)   # let other threads run (the GIL) between looks
+        return state
+
+
+SLAB = FlagSlab()
+
+
+def fixed_ticket(kind: int) -> torch.Tensor:
+    """The ticket of a pack without a slot: ``NO_SLOT`` (its count cannot be read) or
+    ``HOST_FINAL`` (a host pack, whose block's status area is final)."""
+    return FlagSlab._new_ticket(kind, 0)
+
+
+# The C++ host path's queue of tracked packs (:mod:`.native` sets it): a function that
+# returns ``([(policy id, slot, generation, numel, capacity), ...], {policy id: packs})``
+# and empties the queue.
+NATIVE_TRACKS = None
+
+
+def drain_native_tracks() -> None:
+    """Hand the packs the C++ host path tracked to their policies (a policy does it
+    before it polls or reports)."""
+    if NATIVE_TRACKS is None:
+        return
+    records, packs = NATIVE_TRACKS()
+    for pid, n in packs.items():
+        if (pol := POLICIES.get(pid)) is not None:
+            pol.packs += n
+    for pid, slot, gen, numel, capacity in records:
+        if (pol := POLICIES.get(pid)) is not None:
+            pol._pending.append((slot, gen, numel, capacity, None))
+
+
+def claim_slot():
+    """``(slot address, ticket)`` for a CUDA pack's count, taken before the pack is queued;
+    ``(0, a NO_SLOT ticket)`` while a graph is captured (its count cannot be read without
+    a sync) or when every slot is in flight."""
+    address, i, gen = claim_slot_key()
+    return address, FlagSlab._new_ticket(i, gen)
+
+
+def claim_slot_key():
+    """:func:`claim_slot` for a caller that keeps no ticket tensor (the saved-tensor
+    hooks): ``(slot address, index, generation)``, ``(0, NO_SLOT, 0)`` for none."""
+    if torch.cuda.is_current_stream_capturing():
+        return 0, NO_SLOT, 0
+    return SLAB.acquire_slot()
+POLICIES: "weakref.WeakValueDictionary[int, CapacityPolicy]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+PENDING = ("wait", "recompute")
+
+# Densities a capacity may take: 1/64 times powers of 2^(1/3), up to 1.
+LADDER = tuple(min(1.0, 2 ** (k / 3) / 64) for k in range(19))
+
+
+def bucket_of(density: float) -> int:
+    """Index of the smallest ladder density at or above ``density`` (the top one above 1)."""
+    if not density <= LADDER[-1]:
+        return len(LADDER) - 1
+    return bisect.bisect_left(LADDER, density)
+
+
+def sized_bucket(densest: float, margin: float) -> int:
+    """The bucket a capacity is sized to from the densest recent count: the smallest
+    ladder density at or above it plus ``margin`` (the policy's and the save sites' rule)."""
+    return bucket_of(densest * (1 + margin))
+
+
+class CapacityPolicy:
+    """Capacity of one call site's packs, adapted from the densities it saw.
+
+    ``density``: a fixed bound (the capacity is ``ceil(density * numel)``), or None
+    to adapt: the first packs use the full capacity (they cannot overflow) while
+    their counts come back; later ones the smallest ladder density at or above
+    ``(1 + margin)`` times the largest density of the last ``window`` packs.
+    ``bucket`` is a plain int attribute, so ``torch.compile`` guards on it and
+    recompiles (at most once per bucket) when the capacity moves. It moves only in
+    :meth:`poll`, which the backward calls: a forward and its recompute under
+    activation checkpointing always see the same capacity.
+
+    ``pending``: what a backward does when its pack's count has not come back yet,
+    which happens when the host runs ahead of the GPU (a GPU-bound step): ``"wait"``
+    watches the pinned slot until it lands (the GPU is then still busy with the work
+    queued after that pack, so it does not idle; no CUDA call is made); ``"recompute"``
+    recomputes the activation from the FFN input at once (never waits, costs the
+    first GEMM again). Inside a CUDA graph capture the count cannot be known, and
+    both recompute.
+    """
+
+    def __init__(self, density: float | None = None, margin: float = 0.1, window: int = 64,
+                 pending: str = "wait"):
+        self.id = next(_IDS)
+        POLICIES[self.id] = self
+        if density is not None and not 0.0 <= float(density) <= 1.0:
+            raise ValueError(f"density={density!r} must lie in [0, 1]")
+        if margin < 0:
+            raise ValueError(f"margin={margin!r} must be >= 0")
+        if pending not in PENDING:
+            raise ValueError(f"pending={pending!r}; use one of {', '.join(PENDING)}")
+        self.pending = pending
+        self.density = None if density is None else float(density)
+        self.margin = float(margin)
+        self.bucket = len(LADDER) - 1
+        self._recent = collections.deque(maxlen=window)
+        self._pending = collections.deque(maxlen=4 * window)
+        # recomputes: backwards that recomputed, for an overflow or because the count
+        # had not come back yet (``unknown``, the host running ahead of the GPU)
+        self.packs = self.overflows = self.recomputes = self.unknown = self.waits = 0
+        self.wait_s = 0.0
+        self.max_density = 0.0
+
+    def __getstate__(self) -> dict:
+        # The counts on their way back are this process's slab slots: a copy (deepcopy,
+        # torch.save of a model) starts without them.
+        state = dict(self.__dict__)
+        state["_pending"] = collections.deque(maxlen=self._pending.maxlen)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        # A copy gets its own id: the ops find their policy by id, and an id taken over
+        # from the original would feed the copy's packs to the original (or, loaded in
+        # another process, to whichever policy has that number there).
+        self.__dict__.update(state)
+        self.id = next(_IDS)
+        POLICIES[self.id] = self
+
+    def capacity(self, numel: int) -> int:
+        d = self.density if self.density is not None else LADDER[self.bucket]
+        return min(numel, math.ceil(d * numel))
+
+    def track(self, ticket: torch.Tensor, numel: int, capacity: int, known=None) -> None:
+        """Remember a pack whose count is on its way back (called at pack time);
+        ``known``: its ``(status, nnz)`` where the pack ran on the host."""
+        self.packs += 1
+        slot, gen = ticket.tolist()
+        if known is not None or slot >= 0:
+            self._pending.append((slot, gen, numel, capacity, known))
+
+    def poll(self) -> None:
+        """Take in every count that has landed (no CUDA call) and re-pick the bucket."""
+        drain_native_tracks()
+        while self._pending:
+            slot, gen, numel, capacity, known = self._pending[0]
+            state = known or SLAB.read_slot(slot, gen)
+            if state is None:
+                if known is None and SLAB.lost_slot(slot, gen):   # its slot was taken again
+                    self._pending.popleft()
+                    continue
+                break
+            self._pending.popleft()
+            self._observe(state[1], numel, capacity)
+        if self.density is None and self._recent:
+            self.bucket = sized_bucket(max(self._recent), self.margin)
+
+    def wait(self, ticket: torch.Tensor):
+        """The pack's ``(status, nnz)``, waiting for it under ``pending="wait"`` (None
+        under "recompute", in a graph capture, or past the timeout)."""
+        if self.pending != "wait" or torch.cuda.is_current_stream_capturing():
+            return None
+        t0 = time.perf_counter()
+        state = SLAB.wait(ticket)
+        self.waits += 1
+        self.wait_s += time.perf_counter() - t0
+        return state
+
+    def _observe(self, nnz: int, numel: int, capacity: int) -> None:
+        d = nnz / numel if numel else 0.0
+        self._recent.append(d)
+        self.max_density = max(self.max_density, d)
+        if nnz > capacity:
+            self.overflows += 1
+            log.warning("bitsparse: %d nonzeros overflowed a capacity of %d (density %.4f); "
+                        "that layer's backward recomputes its activation exactly", nnz,
+                        capacity, d)
+
+    def stats(self) -> dict:
+        drain_native_tracks()
+        return {"packs": self.packs, "overflows": self.overflows, "recomputes": self.recomputes,
+                "unknown": self.unknown, "waits": self.waits, "wait_s": self.wait_s,
+                "max_density": self.max_density,
+                "capacity_density": self.density if self.density is not None
+                else LADDER[self.bucket]}

@@ -1,0 +1,444 @@
+"""The C++ host path of the packed ReLU / ReLU² FFN op, for CUDA tensors.
+
+A training step of a model with a few hundred microseconds of GPU work per layer is
+bound by host time, and the Python autograd node and Python-level torch calls of
+:class:`~.functional.ReLULinearFunction` cost a packed layer's backward about 300 µs
+more than dense's on the H200's host (``bench/results/module_host.md``). This module
+builds ``kernels/torch_ffn_host.cpp`` as a PyTorch C++ extension (the first use in a
+process compiles it, about half a minute, then torch's extension cache keeps it) and
+sends :func:`~.functional.relu_linear` there when the C++ path applies: the forward's
+pack launch and the whole backward then run in C++. The backward reads the pack's count
+from its pinned slot (:class:`.capacity.FlagSlab`) itself and calls back into Python
+(:func:`.ops._clean_state`, the capacity policy) only where the pack is not known clean
+there, and every 8th backward of a policy, whose poll moves the capacity. A pack's
+pinned slot comes from the extension's own ring of the slab, and the pack is queued for
+its policy there (:func:`.capacity.drain_native_tracks` hands the queue over when the
+policy polls). The same C++ halves of the op, without the autograd node, are the
+dispatcher's CUDA kernels of ``bitsparse::relu_linear`` and ``relu_linear_backward``,
+registered with the dispatcher by the extension itself when it is loaded (and reached
+from the Python autograd function through ``ops.CUDA_KERNELS``): what torch.compile's
+graphs, CUDA graph captures and ``torch.ops`` calls run, with no Python on the way.
+
+The same extension holds :class:`~.hooks.compress_saved_tensors`' C++ front
+(``kernels/torch_host_hooks.h``: :func:`hooks_module`) and queues the hooks' packs and
+unpacks (:func:`plain_handle`, :func:`plain_unpack`).
+
+The extension needs a C++ compiler and PyTorch's headers, not CUDA's: it launches the
+CuPy-compiled kernels through the driver entry points of
+:mod:`..backends.cuda.driver`, with argument records Python builds once per plan
+(:func:`launch_template`). Where it cannot be built, the Python path runs and a
+warning says why. ``BITSPARSE_NATIVE=0`` turns it off, ``=1`` makes a failed build
+an error, and :func:`python_path` turns it off within a block. Both paths make the
+same ATen calls in the same order, so their bits agree (``tests/test_torch_gpu.py``
+checks it on the GPU, ``tests/test_torch_native.py`` on the CPU through
+:func:`emulate_on_host`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import threading
+
+import torch
+
+from ..backends.cuda import abi, host
+from ..backends.cuda.sources import kernel_dir
+from ..spec.format import DEFAULT_CHUNK_LOG2
+from . import capacity as C
+from . import ops as _ops
+
+log = logging.getLogger("bitsparse_core.torch")
+
+ENV = "BITSPARSE_NATIVE"
+SOURCE = "torch_ffn_host.cpp"
+HEADERS = "torch_host_*.h"     # its parts, included by SOURCE
+# The pointers a call supplies, in the order of the C++ ``Role`` enum.
+ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2", "slot")
+
+_lock = threading.Lock()
+_off = 0                   # depth of python_path() blocks
+_built: dict = {}          # "module" / "error", once tried
+_cuda_ready = False
+_plans: dict = {}          # handle -> PackPlan (what the backward's state call needs)
+_handles: dict = {}        # (square, shape, dtype, capacity, encoding, device) -> handle or None
+
+
+def setting() -> str:
+    """``off``, ``on`` (a failed build raises) or ``auto`` (a failed build warns)."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    if value in ("1", "on", "true", "yes"):
+        return "on"
+    return "auto"
+
+
+_emulation = None   # the extension, while emulate_on_host() runs
+
+
+@contextlib.contextmanager
+def emulate_on_host(entry_points):
+    """Within this block, CPU tensors take the C++ path too, with ``entry_points`` (what
+    :meth:`set_driver` takes: five C function addresses) standing in for the CUDA driver:
+    the tests' emulation, whose "kernels" run the NumPy reference on host memory, so
+    that CI (no GPU) runs the C++ autograd node end to end."""
+    global _emulation, _cuda_ready
+    mod = module()
+    if mod is None:
+        raise RuntimeError(f"the C++ host path is not built: {_built.get('error')}")
+    mod.set_driver(*entry_points, 0)   # no graph captures on the host
+    mod.set_host_emulation(True)
+    _hand_slab(mod)
+    _forget_handles(mod)   # plans of an earlier driver name kernels this one does not know
+    mod.register_kernels("CPU")
+    # the CUDA entry points are handed over again on the next CUDA call
+    _emulation, _cuda_ready = mod, False
+    try:
+        yield mod
+    finally:
+        _emulation = None
+        mod.unregister_kernels("CPU")
+        mod.set_host_emulation(False)
+        _forget_handles(mod)
+
+
+@contextlib.contextmanager
+def python_path():
+    """Within this block the FFN ops take the Python host path, in every thread (a
+    backward runs on autograd's device threads): for comparing the two paths, and as an
+    escape hatch."""
+    global _off
+    with _lock:
+        _off += 1
+        _tell_python_path()
+    try:
+        yield
+    finally:
+        with _lock:
+            _off -= 1
+            _tell_python_path()
+
+
+def _tell_python_path() -> None:
+    """Hand the depth of python_path() blocks to the extension (its dispatcher kernels
+    read it)."""
+    mod = _built.get("module")
+    if mod is not None:
+        mod.set_python_path_depth(_off)
+
+
+def build():
+    """The compiled extension (built on first use; torch caches it across processes, and
+    rebuilds when a source changes: it hashes the listed sources and the flags, so the
+    headers' hash rides in a flag)."""
+    from torch.utils import cpp_extension
+    headers = hashlib.sha256()
+    for path in sorted(kernel_dir().glob(HEADERS)):
+        headers.update(path.name.encode() + b"\0" + path.read_bytes())
+    return cpp_extension.load(name="bitsparse_torch_ffn_host", sources=[str(kernel_dir() / SOURCE)],
+                              extra_cflags=["-O2", "-DBITSPARSE_HOST_HEADERS="
+                                            + headers.hexdigest()[:16]],
+                              verbose=False)
+
+
+def module():
+    """The extension, or None where it is off or could not be built."""
+    if "module" in _built:
+        return _built["module"]
+    with _lock:
+        if "module" not in _built:
+            mode, mod = setting(), None
+            if mode != "off":
+                try:
+                    mod = build()
+                    mod.set_state_fn(_pack_is_clean)
+                    mod.set_dispatch(_handle_for, _ops.relu_linear, _ops.relu_linear_backward,
+                                     DEFAULT_CHUNK_LOG2)
+                    mod.set_python_path_depth(_off)
+                    C.NATIVE_TRACKS = mod.drain_tracks
+                except Exception as exc:   # no compiler, no headers, a failed build
+                    if mode == "on":
+                        raise
+                    _built["error"] = exc
+                    log.warning("bitsparse: the C++ host path of the FFN ops could not be "
+                                "built (%s: %s); the Python path runs instead (set %s=0 to "
+                                "skip the attempt)", type(exc).__name__, exc, ENV)
+            _built["module"] = mod
+    return _built["module"]
+
+
+def hooks_module():
+    """The extension for :class:`~.hooks.compress_saved_tensors`' C++ front, or None: inside
+    :func:`python_path`, where it is off or failed to build, and where CUDA is absent and
+    nothing in this process has built it yet (the hooks alone do not build it for CPU
+    tensors)."""
+    if _off:
+        return None
+    if "module" in _built:
+        return _built["module"]
+    if not torch.cuda.is_available():
+        return None
+    return module()
+
+
+def build_error():
+    """Why :func:`module` gave None (the build's exception), or None."""
+    return _built.get("error")
+
+
+def cuda_module():
+    """:func:`module` with the CUDA driver's entry points handed over, or None."""
+    global _cuda_ready
+    mod = module()
+    if mod is None or _cuda_ready:
+        return mod
+    with _lock:
+        if not _cuda_ready:
+            lib = host.driver.lib()
+            addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value   # noqa: E731
+            mod.set_driver(addr(lib.cuLaunchKernel), addr(lib.cuLaunchCooperativeKernel),
+                           addr(lib.cuMemsetD8Async), addr(lib.cuMemcpyDtoHAsync_v2),
+                           addr(lib.cuGetErrorName), addr(lib.cuStreamIsCapturing))
+            mod.set_offload_driver(addr(lib.cuEventCreate), addr(lib.cuEventRecord),
+                                   addr(lib.cuStreamWaitEvent), addr(lib.cuEventDestroy_v2),
+                                   addr(lib.cuEventQuery), addr(lib.cuMemcpyHtoDAsync_v2))
+            _hand_slab(mod)
+            # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
+            mod.register_kernels("CUDA")
+            _ops.CUDA_KERNELS.update(relu_linear=mod.relu_linear_kernel,
+                                     relu_linear_backward=mod.relu_linear_backward_kernel)
+            _cuda_ready = True
+    return mod
+
+
+def _hand_slab(mod) -> None:
+    """Where the pinned slots and their generations live, and which of them are the
+    extension's own ring: C++ takes slots there and finds a pack's slot from its ticket."""
+    slab = C.SLAB
+    mod.set_slab(slab.base(), slab.generations, slab.total, slab.slots)
+
+
+def _forget_handles(mod) -> None:
+    """Drop every plan handle the extension and this module have looked up (the plans
+    themselves stay registered)."""
+    _handles.clear()
+    mod.forget_handles()
+
+
+def host_path(device) -> str:
+    """Which host path the FFN ops take for tensors on ``device`` (for bench reports)."""
+    if getattr(device, "type", device) != "cuda":
+        return "python (CPU tensors)"
+    return "c++" if cuda_module() is not None else "python (the C++ path did not build)"
+
+
+def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.Tensor,
+                   recompute_source: bool) -> bool:
+    """The C++ backward's question: may it read the packed values? (The policy waits for
+    or gives up on a count not back yet, re-picks its bucket, counts recomputes; without
+    a recompute source the host waits and an overflow raises.)"""
+    return _ops._clean_state(block, ticket, _plans[handle], C.POLICIES.get(policy),
+                             recompute_source, "relu_linear")
+
+
+# --------------------------------------------------------------------------- #
+# Launch templates                                                            #
+# --------------------------------------------------------------------------- #
+def _copy(record):
+    """A detached copy of an argument record (the original is a thread's live one)."""
+    return type(record).from_buffer(bytearray(ctypes.string_at(ctypes.addressof(record),
+                                                                ctypes.sizeof(record))))
+
+
+def launch_template(func: int, grid: int, smem: int, cooperative: bool, record,
+                    block_fields=(), patches=()) -> tuple:
+    """What the C++ ``Launch`` is made from: ``record``'s bytes (the plan's fields set,
+    the block-relative fields holding offsets into the block), the offset of every
+    field, those block-relative fields, and ``patches``: ``(role, field, alignment flag
+    field or None, a null pointer reads unaligned)`` for the pointers a call supplies."""
+    cls = type(record)
+
+    def off(name):
+        return getattr(cls, name).offset
+
+    return (int(func), int(grid), abi.THREADS, int(smem), bool(cooperative),
+            ctypes.string_at(ctypes.addressof(record), ctypes.sizeof(record)),
+            [off(name) for name, _ in cls._fields_], [off(name) for name in block_fields],
+            [(ROLE_NAMES.index(role), off(field), off(flag) if flag else -1, bool(null))
+             for role, field, flag, null in patches])
+
+
+_UNPACK_PATCHES = (("g", "g", "g_aligned", False), ("out", "out", "out_aligned", False),
+                   ("out2", "out2", "out2_aligned", False))
+
+
+def pack_template(plan: host.PackPlan, device: int) -> tuple:
+    """The fused pack (``host.enqueue_pack`` with ``zero_tail=False``)."""
+    L = host._pack_launch(plan, device)
+    r = _copy(L.args)
+    (mo, _), (oo, _), (vo, _), (so, _) = plan.spans
+    r.mask, r.offsets, r.values, r.signs, r.status = mo, oo, vo, so, plan.status_offset
+    r.x = r.y = r.scratch = r.zero_values_words = r.zero_signs_words = r.slot = 0
+    return launch_template(L.pack, L.grid, plan.smem, True, r,
+                           ("mask", "offsets", "values", "signs", "status"),
+                           (("x", "x", "x_aligned", False), ("y", "y", "y_aligned", True),
+                            ("scratch", "scratch", None, False), ("slot", "slot", None, False)))
+
+
+def unpack_template(plan: host.PackPlan, op: abi.Op, device: int):
+    """An unpack-family kernel over the plan's block (``host.enqueue_unpack``), or None
+    where it needs a prefix scan (chunks longer than its tile)."""
+    lay = plan.lay
+    L = host._unpack_launch(lay, op, 0, device)
+    if L.prefix_bytes:
+        return None
+    r = _copy(L.args)
+    p = plan.planes(0)
+    r.offsets, r.off64, r.prefix, r.mask, r.mask_len = p.offsets, p.off64, 0, p.mask, p.mask_len
+    r.values, r.values_len, r.signs, r.signs_len = p.values, p.values_len, p.signs, p.signs_len
+    r.uvalues = r.uvalues_len = r.usigns = r.usigns_len = 0
+    r.g = r.out = r.out2 = r.ud = 0
+    r.ud_aligned = True
+    return launch_template(L.func, L.n_tiles, 0, False, r, ("offsets", "mask", "values", "signs"),
+                           _UNPACK_PATCHES)
+
+
+def mask_select_template(plan: host.PackPlan, device: int) -> tuple:
+    """ReLU's mask-only gradient (``host.enqueue_relu_backward``)."""
+    lay = plan.lay
+    func, grid = host.mask_select_launch(lay, device)
+    r = abi.MaskSelectArgs()
+    r.mask, r.mask_len, r.numel = plan.spans[0][0], plan.spans[0][1], lay.numel
+    r.g_aligned = r.out_aligned = True
+    return launch_template(func, grid, 0, False, r, ("mask",),
+                           (("g", "g", "g_aligned", False), ("out", "out", "out_aligned", False)))
+
+
+def plan_templates(plan: host.PackPlan, device: int):
+    """Every launch of one plan's forward and backward, or None where one is missing."""
+    launches = {"pack": pack_template(plan, device)}
+    if plan.mode == abi.Mode.RELU2:
+        ops = {"unpack": abi.Op.UNPACK, "relu2": abi.Op.RELU2,
+               "relu2_and_square": abi.Op.RELU2_AND_SQUARE}
+    else:
+        ops = {"unpack": abi.Op.UNPACK}
+        launches["mask_select"] = mask_select_template(plan, device)
+    for name, op in ops.items():
+        launches[name] = unpack_template(plan, op, device)
+        if launches[name] is None:
+            return None
+    return launches
+
+
+def register(mod, plan: host.PackPlan, device: int):
+    """A new C++ handle of ``plan`` on ``device``, or None where the C++ path does not
+    take it (chunks longer than the unpack tile; the table full, after 65536 plans of
+    shapes that never repeat: those run the Python path)."""
+    if plan.lay.chunk_log2 != DEFAULT_CHUNK_LOG2:
+        return None
+    launches = plan_templates(plan, device)
+    if launches is None:
+        return None
+    with _lock:
+        handle = mod.add_plan(plan.lay.numel, plan.nbytes, plan.scratch_bytes,
+                              plan.status_offset, launches)
+        if handle < 0:
+            return None
+        _plans[handle] = plan
+    return handle
+
+
+# --------------------------------------------------------------------------- #
+# The op                                                                      #
+# --------------------------------------------------------------------------- #
+def _module_for(t: torch.Tensor):
+    """The extension for an op on ``t``'s device (CUDA, or the CPU under
+    :func:`emulate_on_host`), or None where the Python path runs."""
+    if _off:
+        return None
+    if not t.is_cuda:       # only a test's host emulation gets here (see emulate_on_host)
+        return _emulation
+    return cuda_module()
+
+
+def _handle(mod, square: bool, shape, dtype, capacity: int, encoding: int, device: int):
+    """The C++ handle of a plan (registered on its first use), or None where the C++
+    path does not take it."""
+    key = (square, tuple(shape), dtype, capacity, encoding, device)
+    handle = _handles.get(key, -1)
+    if handle == -1:        # first call of this shape and capacity: one registration
+        plan = _ops._plan(shape, dtype, capacity, square, encoding, DEFAULT_CHUNK_LOG2)
+        handle = _handles[key] = register(mod, plan, device)
+    return handle
+
+
+def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encoding: int,
+                mm_dtype, policy: C.CapacityPolicy, offload=None):
+    """``F.linear(relu(a)[**2], weight, bias)`` through the C++ path, with the activation
+    packed for a C++ backward; None where that path does not apply (the caller then
+    takes the Python one). ``a`` is a contiguous CUDA tensor and ``(x, w1, b1)`` its
+    recompute source; ``offload``: an :class:`.offload.Offloader` that keeps the block
+    in pinned host memory until the backward takes it back (its C++ engine, called from
+    the C++ node), or None."""
+    mod = _module_for(a)
+    if mod is None:
+        return None
+    handle = _handle(mod, square, a.shape, a.dtype, capacity, encoding, a.get_device())
+    if handle is None:
+        return None
+    return mod.relu_linear(a, weight, bias, x, w1, b1, capacity, handle, square, mm_dtype,
+                           policy.id if policy is not None else 0,
+                           offload.engine if offload is not None else None)
+
+
+def plain_handle(t: torch.Tensor, plan: host.PackPlan):
+    """``(extension, handle)`` of a plain pack plan (mode PACK) for ``t``'s device, for
+    :class:`~.hooks.compress_saved_tensors`' packs and unpacks; ``(None, None)`` where
+    the Python path runs (the extension off or not built, CPU tensors outside
+    :func:`emulate_on_host`, a plan it does not take)."""
+    mod = _module_for(t)
+    if mod is None:
+        return None, None
+    key = (plan, t.get_device())
+    handle = _handles.get(key, -1)
+    if handle == -1:
+        handle = _handles[key] = register(mod, plan, t.get_device())
+    return (mod, handle) if handle is not None else (None, None)
+
+
+def plain_unpack(block: torch.Tensor, handle: int, shape, dtype: torch.dtype):
+    """The dense tensor of a block that :func:`plain_handle`'s extension packed, or None
+    where the extension cannot decode it now (the block's layout is ``ops.pack_plain``'s:
+    the Python unpack reads it)."""
+    mod = _module_for(block)
+    return None if mod is None else mod.hooks_unpack(handle, block, shape, dtype)
+
+
+def _handle_for(square: bool, shape, dtype, capacity: int, encoding: int, device: int) -> int:
+    """The extension's question on a plan it has not seen: its handle, or -1 for the
+    Python path."""
+    handle = _handle(module(), square, shape, dtype, capacity, encoding, device)
+    return -1 if handle is None else handle
+
+
+# The dispatcher's CUDA kernels of bitsparse::relu_linear and relu_linear_backward until
+# the extension's own are registered: the first CUDA call builds (or loads) it, which
+# registers them and puts them into ops.CUDA_KERNELS in place of these. (Under
+# emulate_on_host, CPU tensors reach the extension's kernels through these too.)
+def relu_linear_kernel(*args):
+    mod = _module_for(args[0])
+    return (mod.relu_linear_kernel if mod is not None else _ops.relu_linear)(*args)
+
+
+def relu_linear_backward_kernel(*args):
+    mod = _module_for(args[1])
+    return (mod.relu_linear_backward_kernel if mod is not None
+            else _ops.relu_linear_backward)(*args)
+
+
+_ops.CUDA_KERNELS.update(relu_linear=relu_linear_kernel,
+                         relu_linear_backward=relu_linear_backward_kernel)

@@ -1,0 +1,520 @@
+// The CUDA host path of bitsparse's packed ReLU / ReLU² FFN op, in C++.
+//
+// bitsparse_core/torch/native.py builds this file as a PyTorch C++ extension (no
+// CUDA headers or nvcc needed: the kernels are CuPy's, launched through the
+// driver entry points Python hands over) and uses it for CUDA tensors. The op's
+// semantics are those of bitsparse::relu_linear and
+// bitsparse::relu_linear_backward (bitsparse_core/torch/ops.py): the same ATen
+// calls in the same order, so the two paths give the same bits. What moves here
+// is only the host work: the forward's pack launch and the whole backward run
+// as a C++ autograd node in eager mode, and as the dispatcher's CUDA kernels of the two
+// ops (registered from here: compiled graphs, CUDA graph captures, torch.ops calls)
+// elsewhere. A pack takes its pinned slot from this file's ring and queues its ticket
+// for the capacity policy, which drains the queue when it polls; the backward reads the
+// pack's count from the slot itself and calls into Python (the policy) only when the
+// pack is not known clean there, or every few backwards for the policy's poll.
+//
+// Launches are templates Python builds once per (plan, device) from the
+// argument records of bitsparse_core/backends/cuda/abi.py: the record's bytes
+// with the plan's fields set, the offset of every field (the kernel's
+// parameter list), the fields that hold an offset into the packed block, and
+// the pointer fields a call fills. C++ never restates the kernel ABI.
+//
+// The parts: torch_host_common.h (driver entry points, helpers), torch_host_launch.h
+// (launch templates, plans), torch_host_slots.h (counts on the host),
+// torch_host_offload.h (the offload engine), torch_host_hooks.h (the saved-tensor hooks'
+// first look at each save, their packs and unpacks); this file: the op, its autograd node,
+// its dispatcher kernels and the module.
+
+#include "torch_host_common.h"
+#include "torch_host_hooks.h"
+#include "torch_host_launch.h"
+#include "torch_host_offload.h"
+#include "torch_host_slots.h"
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// PyTorch's linear backward on the 2-D views (ops.py: _linear_weight_grad / _input_grad).
+Tensor weight_grad(const Tensor& g2, const Tensor& h, int64_t mm_dtype) {
+  const Tensor hm = mm_dtype >= 0 ? h.to(static_cast<at::ScalarType>(mm_dtype)) : h;
+  return g2.t().mm(hm.reshape({-1, hm.size(-1)}));
+}
+
+Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shape,
+                  at::ScalarType a_dtype) {
+  Tensor grad_h = g2.mm(weight).view(a_shape);
+  return grad_h.scalar_type() == a_dtype ? grad_h : grad_h.to(a_dtype);
+}
+
+// ---------------------------------------------------------------------------
+// The op's two halves (shared by the autograd node and the dispatcher's kernels)
+// ---------------------------------------------------------------------------
+struct Forward {
+  Tensor out, block, ticket;
+  std::shared_ptr<Stash> stash;   // the block's, when offloaded (``block`` is then undefined)
+};
+
+// Forward: take the pack's ticket (tracked for ``policy``), pack relu(a) into a new block
+// (the kernel writes its count to the ticket's slot where it has one) and return
+// linear(relu(a)[**2], weight, bias), the block and the ticket. With an ``offloader``, the
+// block goes out on its side stream, queued behind the pack and ahead of the GEMM (so the
+// copy overlaps it).
+Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
+                     const Plan& P, int64_t policy, int64_t capacity, int64_t mm_dtype,
+                     OffloadEngine* offloader = nullptr) {
+  TORCH_CHECK(a.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
+              a.numel());
+  c10::DeviceGuard device_guard(a.device());
+  void* stream = current_stream(a.device());
+  Tensor ticket = claim_ticket(stream);
+  track(policy, ticket, a.numel(), capacity);
+  const int64_t item = a.element_size();
+  const int64_t yelems = ceil_div(a.numel() * item, 16) * 16 / item;
+  // One allocation for y and the pack's scratch (dead once the kernel ran; y dies
+  // after the second GEMM), one for the block.
+  Tensor ystore = at::empty({yelems + ceil_div(P.scratch_bytes, item)}, a.options());
+  Tensor block = at::empty({P.nbytes}, a.options().dtype(at::kByte));
+  const uint64_t y = address(ystore), b = address(block);
+  const int64_t slot = slot_of(ticket);
+  if (P.numel == 0) {
+    memset0(b, P.nbytes, stream);
+    if (slot) {           // nothing to launch: the (empty) pack's count is known here
+      *slot_count_at(slot) = 0;
+      *slot_status_at(slot) = 0;
+    }
+  } else {
+    const uint64_t scratch = y + static_cast<uint64_t>(yelems * item);
+    memset0(scratch, P.scratch_bytes, stream);
+    P.pack.run(stream, b, {address(a), y, scratch, 0, 0, 0, static_cast<uint64_t>(slot)});
+  }
+  std::shared_ptr<Stash> stash;
+  if (offloader != nullptr) {
+    stash = offloader->stash(block);
+    block = Tensor();
+  }
+  const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
+  Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
+                          weight, bias);
+  return {out, block, ticket, std::move(stash)};
+}
+
+// Whether the backward may read the packed values: the slot says clean (and the policy's
+// poll is not due), else Python's policy decides (waits, recomputes, or raises where
+// there is no recompute source).
+bool decide_clean(const Tensor& ticket, int64_t policy, int64_t handle, const Tensor& block,
+                  bool recompute_source) {
+  return (slot_shows_clean(ticket) && !poll_due(policy))
+         || pack_is_clean(handle, policy, ticket, block, recompute_source);
+}
+
+struct Grads {
+  Tensor a, weight, bias;   // undefined where not asked for
+};
+
+// Backward: PyTorch's linear backward on the 2-D views, relu's (or relu²'s) gradient and
+// the second GEMM's input from the packed block when clean, else from the forward's own
+// first GEMM recomputed (x, w1, b1). A clean gradient is written over grad_h (its own
+// buffer: every thread reads its gradient vector before it stores there) and the
+// decoded activation is dropped once the weight gradient is queued, so the backward
+// holds no more activation-sized buffers than dense PyTorch's.
+Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& weight,
+                    const Tensor& x, const Tensor& w1, const Tensor& b1,
+                    at::IntArrayRef a_shape, at::ScalarType a_dtype, const Plan& P, bool clean,
+                    bool square, int64_t mm_dtype, bool need_a, bool need_w, bool need_b) {
+  Grads g;
+  const Tensor g2 = grad_out.contiguous().reshape({-1, grad_out.size(-1)});
+  if (need_b) g.bias = g2.sum({0}, true).view({g2.size(-1)});
+  if (!need_a && !need_w) return g;
+  c10::DeviceGuard device_guard(block.device());
+  void* stream = current_stream(block.device());
+  const uint64_t b = address(block);
+
+  if (clean && square && need_a && need_w) {
+    // one decode gives both the input gradient and the second GEMM's input
+    const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype).contiguous();
+    const Tensor h = at::empty_like(grad_h);
+    P.relu2_and_square.run(stream, b, {0, 0, 0, address(grad_h), address(grad_h), address(h)});
+    g.a = grad_h;
+    g.weight = weight_grad(g2, h, mm_dtype);
+    return g;
+  }
+  Tensor r;   // a clean gradient reads the packed block: r only for the weight gradient
+  if (clean && need_w) {
+    r = at::empty(a_shape, grad_out.options().dtype(a_dtype));
+    P.unpack.run(stream, b, {0, 0, 0, 0, address(r), 0});
+  } else if (!clean) {
+    // overflowed or count unknown: the forward's own GEMM, autocast off as there
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    r = at::relu(at::linear(x, w1, maybe(b1)));
+  }
+  if (need_w) {
+    // the forward's relu(a)**2, rounded the same single way; in place where r is
+    // not needed again
+    g.weight = weight_grad(g2, square ? (clean ? r.mul_(r) : r * r) : r, mm_dtype);
+    if (clean) r.reset();   // stream-ordered: grad_h may take its memory next
+  }
+  if (need_a) {
+    const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype);
+    if (clean) {
+      const Tensor gh = grad_h.contiguous();
+      const Launch& grad_of_mask = square ? P.relu2 : P.mask_select;
+      grad_of_mask.run(stream, b, {0, 0, 0, address(gh), address(gh), 0});
+      g.a = gh;
+    } else if (square) {
+      g.a = at::threshold_backward(grad_h * (2 * r), r, 0);
+    } else {
+      g.a = at::threshold_backward(grad_h, r, 0);
+    }
+  }
+  return g;
+}
+
+// ---------------------------------------------------------------------------
+// The autograd function (eager mode)
+// ---------------------------------------------------------------------------
+constexpr size_t kInputs = 12;   // forward's arguments after ctx
+
+// An offloaded block between forward and backward, as the node's saved data holds it.
+// Dropped with the node when no backward comes (~Stash gives its buffer back).
+struct StashHolder : torch::CustomClassHolder {
+  std::shared_ptr<Stash> stash;
+  explicit StashHolder(std::shared_ptr<Stash> s) : stash(std::move(s)) {}
+};
+
+struct ReLULinear : public torch::autograd::Function<ReLULinear> {
+  // Optional tensors are std::optional (autograd records an input's metadata, which an
+  // undefined tensor does not have). ``offloader``: the model's offload engine, or null.
+  static Tensor forward(AutogradContext* ctx, Tensor a, Tensor weight,
+                        std::optional<Tensor> bias, Tensor x, Tensor w1, std::optional<Tensor> b1,
+                        int64_t capacity, int64_t handle, bool square, int64_t mm_dtype,
+                        int64_t policy, OffloadEngine* offloader) {
+    RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
+    c10::DeviceGuard device_guard(a.device());   // the offloader's calls too
+    const Plan& P = plan_at(handle);
+    auto [out, block, ticket, stash] =
+        forward_impl(a, weight, bias, P, policy, capacity, mm_dtype, offloader);
+    if (stash) {   // the block went to the host; backward takes it back
+      ctx->saved_data["stash"] =
+          c10::IValue::make_capsule(c10::make_intrusive<StashHolder>(std::move(stash)));
+    }
+    ctx->save_for_backward({block, weight, x, w1, b1.value_or(Tensor())});
+    ctx->saved_data["ticket"] = ticket;
+    ctx->saved_data["a_shape"] = a.sizes().vec();
+    ctx->saved_data["a_dtype"] = static_cast<int64_t>(a.scalar_type());
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["handle"] = handle;
+    ctx->saved_data["square"] = square;
+    ctx->saved_data["mm_dtype"] = mm_dtype;
+    ctx->saved_data["policy"] = policy;
+    return out;
+  }
+
+  // The offloaded block, back on the device (ordered before this backward's work); a
+  // second take, a second backward through the graph, raises.
+  static Tensor take_back(const c10::IValue& capsule) {
+    auto holder = c10::static_intrusive_pointer_cast<StashHolder>(capsule.toCapsule());
+    return holder->stash->engine->take(holder->stash);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(kInputs);
+    const Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) return result;   // the output was not used
+    RECORD_FUNCTION("bitsparse::relu_linear_backward", c10::ArrayRef<const c10::IValue>{});
+    const auto saved = ctx->get_saved_variables();
+    const auto& data = ctx->saved_data;
+    const auto stash = data.find("stash");
+    const Tensor block = stash != data.end() ? take_back(stash->second) : saved[0];
+    const Tensor &weight = saved[1], &x = saved[2], &w1 = saved[3], &b1 = saved[4];
+    const int64_t handle = data.at("handle").toInt(), policy = data.at("policy").toInt();
+    const bool clean = decide_clean(data.at("ticket").toTensor(), policy, handle, block, true);
+    const Grads g = backward_impl(
+        grad_out, block, weight, x, w1, b1, data.at("a_shape").toIntVector(),
+        static_cast<at::ScalarType>(data.at("a_dtype").toInt()), plan_at(handle), clean,
+        data.at("square").toBool(), data.at("mm_dtype").toInt(), ctx->needs_input_grad(0),
+        ctx->needs_input_grad(1), data.at("has_bias").toBool() && ctx->needs_input_grad(2));
+    result[0] = g.a;
+    result[1] = g.weight;
+    result[2] = g.bias;
+    return result;
+  }
+};
+
+void check_input(const Tensor& a) {
+  TORCH_CHECK(driver.launch != nullptr, "bitsparse: native module used before set_driver");
+  TORCH_CHECK((a.is_cuda() || (host_emulation && a.is_cpu())) && a.is_contiguous(),
+              "bitsparse: a must be a contiguous CUDA tensor");
+}
+
+int64_t dtype_code(const py::handle& dtype) {
+  if (dtype.is_none()) return -1;
+  TORCH_CHECK(THPDtype_Check(dtype.ptr()), "bitsparse: mm_dtype must be a torch.dtype or None");
+  return static_cast<int64_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+}
+
+Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
+                   const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
+                   int64_t capacity, int64_t handle, bool square, const py::handle& mm_dtype,
+                   int64_t policy, const std::shared_ptr<OffloadEngine>& offloader) {
+  check_input(a);
+  const int64_t mm = dtype_code(mm_dtype);
+  OffloadEngine* off = offloader.get();   // the caller keeps it
+  py::gil_scoped_release no_gil;   // as any ATen call from Python
+  return ReLULinear::apply(a, weight, bias, x, w1, b1, capacity, handle, square, mm, policy,
+                           off);
+}
+
+// ---------------------------------------------------------------------------
+// The dispatcher's kernels of bitsparse::relu_linear and relu_linear_backward
+// ---------------------------------------------------------------------------
+// What torch.compile's graphs, CUDA graph captures and torch.ops calls reach (and the
+// Python autograd function, through ops.CUDA_KERNELS): the op's two halves without an
+// autograd node, the caller's graph holds it. Same schema as ops.py's definitions. Where
+// this path does not apply (python_path(), chunks other than the default, a plan the
+// table does not take, tensors on another device) the Python kernel runs.
+std::atomic<int> python_path_depth{0};   // native.python_path() blocks open
+int64_t default_chunk_log2 = -1;
+py::object* handle_fn = nullptr;         // native._handle_for: a plan's handle, or -1
+py::object* python_forward = nullptr;    // ops.relu_linear
+py::object* python_backward = nullptr;   // ops.relu_linear_backward
+std::mutex handles_mutex;
+std::map<std::vector<int64_t>, int64_t> handles;
+
+bool takes(const Tensor& t, int64_t chunk_log2) {
+  return chunk_log2 == default_chunk_log2 && python_path_depth.load() == 0 &&
+         driver.launch != nullptr && (t.is_cuda() || (host_emulation && t.is_cpu()));
+}
+
+// The plan handle of one (square, shape, dtype, capacity, encoding, device), registered
+// by Python on its first use; -1 where the C++ path does not take it. Python is called
+// with no lock of this file held.
+int64_t handle_of(bool square, at::IntArrayRef shape, at::ScalarType dtype, int64_t capacity,
+                  int64_t encoding, const c10::Device& device) {
+  std::vector<int64_t> key = {square, static_cast<int64_t>(dtype), capacity, encoding,
+                              device.index()};
+  key.insert(key.end(), shape.begin(), shape.end());
+  {
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    const auto it = handles.find(key);
+    if (it != handles.end()) return it->second;
+  }
+  int64_t handle;
+  {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(handle_fn != nullptr, "bitsparse: native module used before set_dispatch");
+    py::object dt = py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)));
+    handle = (*handle_fn)(square, shape.vec(), dt, capacity, encoding, device.index())
+                 .cast<int64_t>();
+  }
+  std::lock_guard<std::mutex> lock(handles_mutex);
+  handles.emplace(key, handle);
+  return handle;
+}
+
+using Result3 = std::tuple<Tensor, Tensor, Tensor>;
+
+Result3 call_python(py::object* fn, const char* what, py::args args) {
+  TORCH_CHECK(fn != nullptr, "bitsparse: native module used before set_dispatch (", what, ")");
+  return (*fn)(*args).cast<Result3>();
+}
+
+Result3 relu_linear_kernel(const Tensor& a_in, const Tensor& weight,
+                           const std::optional<Tensor>& bias, const std::optional<Tensor>& x,
+                           const std::optional<Tensor>& w1, const std::optional<Tensor>& b1,
+                           int64_t capacity, bool square, int64_t encoding, int64_t chunk_log2,
+                           std::optional<at::ScalarType> mm_dtype, int64_t policy) {
+  int64_t handle = -1;
+  Tensor a = a_in;
+  if (takes(a, chunk_log2)) {
+    a = a.contiguous();
+    handle = handle_of(square, a.sizes(), a.scalar_type(), capacity, encoding, a.device());
+  }
+  if (handle < 0) {
+    py::gil_scoped_acquire gil;
+    return call_python(python_forward, "relu_linear",
+                       py::make_tuple(a_in, weight, bias, x, w1, b1, capacity, square, encoding,
+                                      chunk_log2, mm_dtype, policy));
+  }
+  Forward f = forward_impl(a, weight, bias, plan_at(handle), policy, capacity,
+                           mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1);
+  return {f.out, f.block, f.ticket};
+}
+
+Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
+                                    const Tensor& ticket, const Tensor& weight,
+                                    const std::optional<Tensor>& x,
+                                    const std::optional<Tensor>& w1,
+                                    const std::optional<Tensor>& b1, at::IntArrayRef a_shape,
+                                    at::ScalarType a_dtype, bool has_bias, int64_t capacity,
+                                    bool square, int64_t encoding, int64_t chunk_log2,
+                                    std::optional<at::ScalarType> mm_dtype, int64_t policy,
+                                    int64_t needs) {
+  const int64_t handle = takes(block, chunk_log2)
+      ? handle_of(square, a_shape, a_dtype, capacity, encoding, block.device()) : -1;
+  if (handle < 0) {
+    py::gil_scoped_acquire gil;
+    return call_python(python_backward, "relu_linear_backward",
+                       py::make_tuple(grad_out, block, ticket, weight, x, w1, b1, a_shape.vec(),
+                                      a_dtype, has_bias, capacity, square, encoding, chunk_log2,
+                                      mm_dtype, policy, needs));
+  }
+  const bool need_a = needs & 1, need_w = needs & 2, need_b = has_bias && (needs & 4);
+  const Tensor xs = x.value_or(Tensor()), w1s = w1.value_or(Tensor()), b1s = b1.value_or(Tensor());
+  const bool clean = decide_clean(ticket, policy, handle, block, xs.defined());
+  Grads g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, a_dtype,
+                          plan_at(handle), clean, square,
+                          mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1, need_a, need_w, need_b);
+  // what the op's fake kernel says of a gradient not asked for: an empty tensor
+  if (!g.a.defined()) g.a = at::empty({0}, grad_out.options().dtype(a_dtype));
+  if (!g.weight.defined()) g.weight = at::empty({0}, weight.options());
+  if (!g.bias.defined()) g.bias = at::empty({0}, weight.options());
+  return {g.a, g.weight, g.bias};
+}
+
+// The kernels registered with the dispatcher, per dispatch key (CUDA; CPU only under the
+// tests' host emulation); dropping a key's library unregisters them.
+std::map<std::string, std::unique_ptr<torch::Library>> registered;
+
+void register_kernels(const std::string& key) {
+  if (registered.count(key)) return;
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "bitsparse",
+                                              c10::parseDispatchKey(key), __FILE__, __LINE__);
+  lib->impl("relu_linear", TORCH_FN(relu_linear_kernel));
+  lib->impl("relu_linear_backward", TORCH_FN(relu_linear_backward_kernel));
+  registered[key] = std::move(lib);
+}
+
+py::bytes launch_params(int64_t handle, const std::string& name, uint64_t block,
+                        const std::array<uint64_t, N_ROLES>& roles) {
+  const Plan& P = plan_at(handle);
+  const Launch* L = name == "pack" ? &P.pack
+                    : name == "unpack" ? &P.unpack
+                    : name == "relu2" ? &P.relu2
+                    : name == "relu2_and_square" ? &P.relu2_and_square
+                    : name == "mask_select" ? &P.mask_select : nullptr;
+  TORCH_CHECK(L != nullptr && L->present(), "bitsparse: no launch '", name, "'");
+  std::vector<uint8_t> buf(L->params.size());
+  L->fill(buf.data(), block, roles);
+  return py::bytes(reinterpret_cast<const char*>(buf.data()), buf.size());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "bitsparse_core's eager CUDA host path of the packed ReLU / ReLU² FFN op";
+  m.attr("N_ROLES") = static_cast<int>(N_ROLES);
+  m.def("set_driver", [](uint64_t launch, uint64_t cooperative, uint64_t memset,
+                         uint64_t copy_to_host, uint64_t error_name, uint64_t is_capturing) {
+    driver.is_capturing = reinterpret_cast<IsCapturingFn>(is_capturing);
+    driver.launch = reinterpret_cast<LaunchFn>(launch);
+    driver.launch_cooperative = reinterpret_cast<CoopLaunchFn>(cooperative);
+    driver.memset = reinterpret_cast<MemsetFn>(memset);
+    driver.copy_to_host = reinterpret_cast<CopyToHostFn>(copy_to_host);
+    driver.error_name = reinterpret_cast<ErrorNameFn>(error_name);
+  });
+  m.def("set_offload_driver", [](uint64_t create, uint64_t record, uint64_t wait,
+                                 uint64_t destroy, uint64_t query, uint64_t copy_to_device) {
+    driver.event_create = reinterpret_cast<EventCreateFn>(create);
+    driver.event_record = reinterpret_cast<EventRecordFn>(record);
+    driver.stream_wait_event = reinterpret_cast<StreamWaitEventFn>(wait);
+    driver.event_destroy = reinterpret_cast<EventDestroyFn>(destroy);
+    driver.event_query = reinterpret_cast<EventQueryFn>(query);
+    driver.copy_to_device = reinterpret_cast<CopyToDeviceFn>(copy_to_device);
+  });
+  m.def("set_host_emulation", [](bool on) { host_emulation = on; });
+  m.def("set_state_fn", [](py::object fn) {
+    auto* keep = new py::object(std::move(fn));
+    std::swap(keep, clean_state_fn);   // an earlier one stays alive: a backward may hold it
+  });
+  m.def("add_plan", &add_plan);
+  m.def("set_slab", [](int64_t base, int64_t generations, int64_t slots, int64_t ring_begin) {
+    std::lock_guard<std::mutex> lock(slab.mutex);
+    slab.base = base;
+    slab.generations = generations;
+    slab.slots = slots;
+    slab.ring_begin = slab.next = ring_begin;
+  });
+  m.def("drain_tracks", &drain_tracks);
+  m.def("set_dispatch", [](py::object handle, py::object forward, py::object backward,
+                           int64_t chunk_log2) {
+    // never freed: a kernel may be running one (an earlier one stays alive too)
+    handle_fn = new py::object(std::move(handle));
+    python_forward = new py::object(std::move(forward));
+    python_backward = new py::object(std::move(backward));
+    default_chunk_log2 = chunk_log2;
+  });
+  m.def("set_python_path_depth", [](int depth) { python_path_depth.store(depth); });
+  m.def("forget_handles", [] {
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    handles.clear();
+  });
+  m.def("register_kernels", &register_kernels);
+  m.def("size_class", &size_class);
+  m.def("unregister_kernels", [](const std::string& key) { registered.erase(key); });
+  // offload.py's Offloader drives these (its docstring says what they do)
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::class_<PinnedPool, std::shared_ptr<PinnedPool>>(m, "PinnedPool")
+      .def(py::init<int64_t>(), py::arg("max_bytes") = -1)
+      .def("take", [](PinnedPool& p, int64_t nbytes, int64_t lane) -> py::object {
+             Tensor t;
+             {
+               py::gil_scoped_release no_gil;
+               t = p.take(nbytes, lane);
+             }
+             return t.defined() ? py::cast(t) : py::none();
+           }, py::arg("nbytes"), py::arg("lane") = -1)
+      .def("give", &PinnedPool::give, py::arg("buf"), py::arg("lane") = -1, release())
+      .def("free_bytes", &PinnedPool::free_bytes, release())
+      .def("free_buffers", [](PinnedPool& p) {
+             std::lock_guard<std::mutex> lock(p.mutex);
+             std::map<std::pair<int64_t, int64_t>, size_t> out;
+             for (const auto& item : p.free) {
+               if (!item.second.empty()) out[item.first] = item.second.size();
+             }
+             return out;
+           })
+      .def_property_readonly("held", [](PinnedPool& p) {
+             std::lock_guard<std::mutex> lock(p.mutex);
+             return p.held;
+           })
+      .def_property_readonly("max_bytes", [](const PinnedPool& p) -> py::object {
+             return p.max_bytes < 0 ? py::none() : py::cast(p.max_bytes);
+           });
+  py::class_<Stash, std::shared_ptr<Stash>>(m, "Stash")
+      .def("take", [](const std::shared_ptr<Stash>& h) { return h->engine->take(h); }, release())
+      .def_property_readonly("state", &Stash::state)
+      .def_readonly("nbytes", &Stash::nbytes);
+  py::class_<OffloadEngine, std::shared_ptr<OffloadEngine>>(m, "OffloadEngine")
+      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("ahead"), py::arg("max_bytes"),
+           py::arg("hold"))
+      .def("stash", [](OffloadEngine& e, const Tensor& block) { return e.stash(block); },
+           release())
+      .def("stats", [](OffloadEngine& e) {
+             std::lock_guard<std::recursive_mutex> lock(e.mutex);
+             const OffloadStats& s = e.stats;
+             return std::map<std::string, int64_t>{
+                 {"offloaded", s.offloaded}, {"kept_on_device", s.kept_on_device},
+                 {"prefetched", s.prefetched}, {"late", s.late},
+                 {"taken_on_device", s.taken_on_device}, {"bytes_offloaded", s.bytes_offloaded}};
+           })
+      .def_readonly("pool", &OffloadEngine::pool)
+      .def("emulate_copies", [](OffloadEngine& e, bool on) { e.emulate_copies = on; })
+      .def("copies_done", [](OffloadEngine& e, uint64_t upto) {
+             std::lock_guard<std::recursive_mutex> lock(e.mutex);
+             e.done_upto = std::max(e.done_upto, upto);
+           })
+      .def("released_tokens", [](OffloadEngine& e) {
+             std::lock_guard<std::recursive_mutex> lock(e.mutex);
+             return std::make_pair(e.tokens, e.released);
+           });
+  m.def("relu_linear", &relu_linear);
+  m.def("relu_linear_kernel", &relu_linear_kernel, py::call_guard<py::gil_scoped_release>());
+  m.def("relu_linear_backward_kernel", &relu_linear_backward_kernel,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("launch_params", &launch_params);
+  def_hooks_front(m);
+}

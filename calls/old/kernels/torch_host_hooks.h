@@ -1,0 +1,386 @@
+// The saved-tensor hooks' first look at every save, in C++ (bitsparse_core/torch/hooks.py).
+//
+// compress_saved_tensors sees every tensor autograd saves: in a transformer layer about
+// thirty, of which a few are worth packing, and deciding that the rest are not took
+// microseconds of Python per save. This front makes those decisions and calls the Python
+// hooks only for what needs them (a new pack at a site that is trying, a save of a tensor
+// already packed, and every save and unpack while other saved-tensor hooks enclose ours):
+//
+//   * not a candidate (a subclass, small, a leaf that requires grad, a dtype, device, layout
+//     or stride the codec does not take): passed through;
+//   * a base tensor passed through before (alive and unmodified since): passed through again;
+//   * a new base tensor at a save site that Python told to pass (``skip``): passed
+//     through, the site's countdown taken down.
+//
+// It keeps Python's rules exactly: the base of a view that covers all of it, save sites
+// keyed by (ordinal of the new base tensor since the hooks were entered, shape, dtype),
+// bases by identity while they live and are unmodified (``_version``). The hooks' Python
+// state is not held here (no reference cycle through a C++ object): the pack function holds
+// the hooks weakly (autograd calls it only while they are entered), and the unpack
+// function calls hooks.py's ``_unpack_saved``, which finds the hooks through what it is
+// given.
+
+#pragma once
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "torch_host_common.h"
+#include "torch_host_launch.h"
+#include "torch_host_slots.h"
+
+namespace {
+
+// What a weak reference points to (a new reference), or nullptr once it died.
+PyObject* referent(PyObject* ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* obj = nullptr;
+  return PyWeakref_GetRef(ref, &obj) < 0 ? nullptr : obj;
+#else
+  PyObject* obj = PyWeakref_GetObject(ref);   // borrowed; None once dead
+  if (obj == nullptr || obj == Py_None) return nullptr;
+  Py_INCREF(obj);
+  return obj;
+#endif
+}
+
+struct SavedHooksFront {
+  // what a candidate is (compress_saved_tensors._candidate)
+  int64_t min_numel = 1;
+  bool on_cuda = false, on_cpu = false;
+  std::array<bool, static_cast<size_t>(at::ScalarType::NumOptions)> dtypes{};
+  // hooks enclose ours: every call goes to Python, which hands them what it keeps
+  bool outer = false;
+  PyObject* hooks_ref = nullptr;   // weak reference to the Python hooks object
+  PyObject* new_fn = nullptr;      // unbound hooks methods and types (module-level: strong)
+  PyObject* share_fn = nullptr;
+  PyObject* pack_fn = nullptr;
+  PyObject* poll_fn = nullptr;
+  PyObject* unpack_fn = nullptr;   // hooks._unpack_saved
+  PyObject* packed_type = nullptr;
+  PyObject* view_type = nullptr;
+  PyObject* outer_type = nullptr;
+  // the bases seen (while they live): version and the pack made of it (a weak reference),
+  // or none where the save was passed through
+  struct Base {
+    c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+    int64_t version;
+    PyObject* packed;   // weak reference, or nullptr
+  };
+  std::unordered_map<const c10::TensorImpl*, Base> bases;
+  // save sites told to pass (by ordinal): their key and how many saves more
+  struct Skip {
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+    int64_t left;
+  };
+  std::unordered_map<int64_t, Skip> skips;
+  int64_t ordinal = 0;
+  int64_t passed = 0;        // saves passed through here (Python adds them to its stats)
+  // The oldest pack whose count the hooks have not taken in (hooks._flights[0]): every save
+  // looks at its pinned slot, as Python's pack hook does, and has Python take the counts
+  // in once it has landed (or can never land). kAsk: a count Python looks at itself (one
+  // known on the host).
+  enum Head { kNone, kSlot, kAsk };
+  Head head = kNone;
+  int64_t head_status = 0, head_generation_at = 0, head_generation = 0;
+
+  bool head_landed() const {
+    if (head == kAsk) return true;
+    const auto* generation = reinterpret_cast<const volatile int64_t*>(head_generation_at);
+    if (*generation != head_generation) return true;   // lost: Python gives up on it
+    return *slot_status_at(head_status) != kSentinel32 &&
+           *slot_count_at(head_status) != kSentinel64;
+  }
+
+  ~SavedHooksFront() {
+    for (auto& item : bases) Py_XDECREF(item.second.packed);
+    for (PyObject* p : {hooks_ref, new_fn, share_fn, pack_fn, poll_fn, unpack_fn, packed_type,
+                        view_type, outer_type}) {
+      Py_XDECREF(p);
+    }
+  }
+
+  bool candidate(PyObject* obj, const Tensor** out) const {
+    if (!THPVariable_CheckExact(obj)) return false;
+    const Tensor& t = THPVariable_Unpack(obj);
+    if (t.numel() < min_numel) return false;
+    if (t.requires_grad() && t.is_leaf()) return false;   // parameters stay alive anyway
+    if (!dtypes[static_cast<size_t>(t.scalar_type())]) return false;
+    const bool device_ok = (t.is_cuda() && on_cuda) || (t.is_cpu() && on_cpu);
+    if (!device_ok || t.layout() != at::kStrided || !t.is_contiguous()) return false;
+    *out = &t;
+    return true;
+  }
+
+  // Bases whose tensor died: their entries go (each keeps its TensorImpl's memory through
+  // the weak reference).
+  void forget_dead() {
+    for (auto it = bases.begin(); it != bases.end();) {
+      if (it->second.impl.expired()) {
+        Py_XDECREF(it->second.packed);
+        it = bases.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  void remember(const Tensor& base, PyObject* packed) {
+    if (bases.size() >= 4096) forget_dead();
+    PyObject* ref = nullptr;
+    if (packed != nullptr && packed != Py_None) {
+      ref = PyWeakref_NewRef(packed, nullptr);
+      if (ref == nullptr) PyErr_Clear();
+    }
+    auto found = bases.find(base.unsafeGetTensorImpl());
+    if (found != bases.end()) {
+      Py_XDECREF(found->second.packed);
+      bases.erase(found);
+    }
+    bases.emplace(base.unsafeGetTensorImpl(),
+                  Base{c10::weak_intrusive_ptr<c10::TensorImpl>(base.getIntrusivePtr()),
+                       static_cast<int64_t>(base._version()), ref});
+  }
+
+  PyObject* pass(PyObject* obj) {
+    ++passed;
+    Py_INCREF(obj);
+    return obj;
+  }
+
+  PyObject* hooks() const {
+    PyObject* h = referent(hooks_ref);
+    if (h == nullptr && !PyErr_Occurred()) {
+      PyErr_SetString(PyExc_RuntimeError, "bitsparse: saved-tensor hooks used after they died");
+    }
+    return h;
+  }
+
+  PyObject* pack(PyObject* obj) {
+    if (outer) {
+      PyObject* h = hooks();
+      if (h == nullptr) return nullptr;
+      PyObject* r = PyObject_CallFunctionObjArgs(pack_fn, h, obj, nullptr);
+      Py_DECREF(h);
+      return r;
+    }
+    if (head != kNone && head_landed()) {
+      PyObject* h = hooks();
+      if (h == nullptr) return nullptr;
+      PyObject* r = PyObject_CallOneArg(poll_fn, h);
+      Py_DECREF(h);
+      if (r == nullptr) return nullptr;
+      Py_DECREF(r);
+    }
+    const Tensor* tp = nullptr;
+    if (!candidate(obj, &tp)) return pass(obj);
+    const Tensor& t = *tp;
+    Tensor base = t;
+    if (t.is_view()) base = Tensor(t._base());
+    if (!base.is_same(t) && !(base.is_contiguous() && base.numel() == t.numel() &&
+                              t.storage_offset() == base.storage_offset())) {
+      base = t;   // a proper part of its base: packed as this view alone
+    }
+    const bool whole = base.is_same(t);
+    const auto found = bases.find(base.unsafeGetTensorImpl());
+    if (found != bases.end() && !found->second.impl.expired() &&
+        found->second.version == static_cast<int64_t>(base._version())) {
+      if (found->second.packed == nullptr) return pass(obj);
+      PyObject* packed = referent(found->second.packed);
+      if (packed == nullptr && PyErr_Occurred()) return nullptr;
+      if (packed != nullptr) {   // Python decides: shared, or passed where it kept dense
+        PyObject* h = hooks();
+        if (h == nullptr) {
+          Py_DECREF(packed);
+          return nullptr;
+        }
+        PyObject* r = PyObject_CallFunctionObjArgs(share_fn, h, packed, obj,
+                                                   whole ? Py_True : Py_False, nullptr);
+        Py_DECREF(packed);
+        Py_DECREF(h);
+        return r;
+      }
+      // the pack died before its base: a new save of it is a new base
+    }
+    ++ordinal;
+    const auto skip = skips.find(ordinal);
+    if (skip != skips.end() && skip->second.left > 0 && skip->second.dtype == base.scalar_type() &&
+        base.sizes().equals(skip->second.shape)) {
+      --skip->second.left;
+      remember(base, nullptr);
+      return pass(obj);
+    }
+    PyObject* h = hooks();
+    if (h == nullptr) return nullptr;
+    PyObject* base_obj = whole ? (Py_INCREF(obj), obj) : THPVariable_Wrap(base);
+    if (base_obj == nullptr) {
+      Py_DECREF(h);
+      return nullptr;
+    }
+    PyObject* ord = PyLong_FromLongLong(ordinal);
+    // (the pack made of the base or None, what autograd keeps for this save)
+    PyObject* r = PyObject_CallFunctionObjArgs(new_fn, h, base_obj, obj, ord, nullptr);
+    Py_DECREF(ord);
+    Py_DECREF(base_obj);
+    Py_DECREF(h);
+    if (r == nullptr) return nullptr;
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
+      Py_DECREF(r);
+      PyErr_SetString(PyExc_TypeError, "bitsparse: hooks._front_new must return a pair");
+      return nullptr;
+    }
+    remember(base, PyTuple_GET_ITEM(r, 0));
+    PyObject* keep = PyTuple_GET_ITEM(r, 1);
+    Py_INCREF(keep);
+    Py_DECREF(r);
+    return keep;
+  }
+
+  PyObject* unpack(PyObject* obj) {
+    PyTypeObject* type = Py_TYPE(obj);
+    if (reinterpret_cast<PyObject*>(type) == packed_type ||
+        reinterpret_cast<PyObject*>(type) == view_type ||
+        reinterpret_cast<PyObject*>(type) == outer_type) {
+      return PyObject_CallOneArg(unpack_fn, obj);
+    }
+    Py_INCREF(obj);
+    return obj;
+  }
+};
+
+const char* const kFrontCapsule = "bitsparse.SavedHooksFront";
+
+SavedHooksFront* front_of(PyObject* capsule) {
+  return static_cast<SavedHooksFront*>(PyCapsule_GetPointer(capsule, kFrontCapsule));
+}
+
+SavedHooksFront& front_at(const py::capsule& capsule) {
+  SavedHooksFront* f = front_of(capsule.ptr());
+  if (f == nullptr) throw py::error_already_set();
+  return *f;
+}
+
+PyObject* front_pack(PyObject* capsule, PyObject* obj) {
+  SavedHooksFront* f = front_of(capsule);
+  return f == nullptr ? nullptr : f->pack(obj);
+}
+
+PyObject* front_unpack(PyObject* capsule, PyObject* obj) {
+  SavedHooksFront* f = front_of(capsule);
+  return f == nullptr ? nullptr : f->unpack(obj);
+}
+
+PyMethodDef front_pack_def = {"saved_tensor_pack", front_pack, METH_O,
+                              "compress_saved_tensors' pack hook (C++ front)"};
+PyMethodDef front_unpack_def = {"saved_tensor_unpack", front_unpack, METH_O,
+                                "compress_saved_tensors' unpack hook (C++ front)"};
+
+// ``(capsule, pack, unpack)``: the front's state and the two hooks autograd calls.
+py::tuple make_hooks_front(py::object hooks, py::object new_fn, py::object share_fn,
+                           py::object pack_fn, py::object poll_fn, py::object unpack_fn,
+                           py::object packed_type, py::object view_type, py::object outer_type,
+                           int64_t min_numel,
+                           bool on_cuda, bool on_cpu, const std::vector<py::object>& dtypes) {
+  auto* f = new SavedHooksFront();
+  py::capsule capsule(f, kFrontCapsule, [](PyObject* c) {
+    delete static_cast<SavedHooksFront*>(PyCapsule_GetPointer(c, kFrontCapsule));
+  });
+  f->hooks_ref = PyWeakref_NewRef(hooks.ptr(), nullptr);
+  if (f->hooks_ref == nullptr) throw py::error_already_set();
+  for (auto [slot, obj] : {std::pair<PyObject**, py::object*>{&f->new_fn, &new_fn},
+                           {&f->share_fn, &share_fn}, {&f->pack_fn, &pack_fn},
+                           {&f->poll_fn, &poll_fn},
+                           {&f->unpack_fn, &unpack_fn}, {&f->packed_type, &packed_type},
+                           {&f->view_type, &view_type}, {&f->outer_type, &outer_type}}) {
+    *slot = obj->inc_ref().ptr();
+  }
+  f->min_numel = std::max<int64_t>(1, min_numel);
+  f->on_cuda = on_cuda;
+  f->on_cpu = on_cpu;
+  for (const py::object& d : dtypes) {
+    TORCH_CHECK(THPDtype_Check(d.ptr()), "bitsparse: a torch.dtype expected");
+    f->dtypes[static_cast<size_t>(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type)] = true;
+  }
+  py::object pack(py::reinterpret_steal<py::object>(
+      PyCFunction_New(&front_pack_def, capsule.ptr())));
+  py::object unpack(py::reinterpret_steal<py::object>(
+      PyCFunction_New(&front_unpack_def, capsule.ptr())));
+  if (!pack || !unpack) throw py::error_already_set();
+  return py::make_tuple(capsule, pack, unpack);
+}
+
+// The hooks' pack of ``a`` by the plain pack plan ``handle``, queued on the current stream
+// with its count going to a slot of this file's ring: ``(block, slot index, generation)``,
+// the block None where no slot could be taken (a graph capture, every slot in flight; a
+// pack whose count cannot come back is of no use to the hooks). One allocation: the pack's
+// scratch rides behind the block (ops.pack_plain's layout).
+py::tuple hooks_pack(int64_t handle, const Tensor& a) {
+  const Plan& P = plan_at(handle);
+  TORCH_CHECK(a.numel() == P.numel && P.numel > 0, "bitsparse: plan of ", P.numel,
+              " elements for ", a.numel());
+  TORCH_CHECK(a.is_contiguous(), "bitsparse: the hooks pack contiguous tensors");
+  c10::DeviceGuard device_guard(a.device());
+  void* stream = current_stream(a.device());
+  const auto [i, generation] = claim_slot(stream);
+  if (i < 0) return py::make_tuple(py::none(), i, generation);
+  Tensor whole = at::empty({P.nbytes + P.scratch_bytes}, a.options().dtype(at::kByte));
+  const uint64_t b = address(whole), scratch = b + static_cast<uint64_t>(P.nbytes);
+  memset0(scratch, P.scratch_bytes, stream);
+  P.pack.run(stream, b, {address(a), 0, scratch, 0, 0, 0,
+                         static_cast<uint64_t>(slab.base + 16 * i)});
+  return py::make_tuple(whole.narrow(0, 0, P.nbytes), i, generation);
+}
+
+// The dense tensor of a block packed by ``handle``'s plan, decoded on the current stream.
+Tensor hooks_unpack(int64_t handle, const Tensor& block, at::IntArrayRef shape,
+                    at::ScalarType dtype) {
+  const Plan& P = plan_at(handle);
+  TORCH_CHECK(block.numel() >= P.nbytes, "bitsparse: a block of ", block.numel(),
+              " bytes for a plan of ", P.nbytes);
+  c10::DeviceGuard device_guard(block.device());
+  Tensor out = at::empty(shape, block.options().dtype(dtype));
+  TORCH_CHECK(out.numel() == P.numel, "bitsparse: plan of ", P.numel, " elements for ",
+              out.numel());
+  P.unpack.run(current_stream(block.device()), address(block), {0, 0, 0, 0, address(out), 0});
+  return out;
+}
+
+void def_hooks_front(py::module_& m) {
+  m.def("hooks_pack", &hooks_pack);
+  m.def("hooks_unpack", &hooks_unpack);
+  m.def("hooks_front", &make_hooks_front);
+  // A forward begins: ordinals count from 0; the entries of bases that died go.
+  m.def("hooks_front_enter", [](const py::capsule& c, bool outer) {
+    SavedHooksFront& f = front_at(c);
+    f.outer = outer;
+    f.ordinal = 0;
+    f.forget_dead();
+  });
+  m.def("hooks_front_skip", [](const py::capsule& c, int64_t ordinal,
+                               std::vector<int64_t> shape, py::object dtype, int64_t left) {
+    SavedHooksFront& f = front_at(c);
+    TORCH_CHECK(THPDtype_Check(dtype.ptr()), "bitsparse: a torch.dtype expected");
+    if (f.skips.size() >= 4096) f.skips.clear();   // sites.MAX_SITES: forwards that never repeat
+    f.skips[ordinal] = SavedHooksFront::Skip{
+        std::move(shape), reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, left};
+  });
+  // The oldest pack in flight: none (status 0), its slot's host address, the address of the
+  // slot's generation and the generation it was taken at, or -1: Python looks itself.
+  m.def("hooks_front_head", [](const py::capsule& c, int64_t status, int64_t generation_at,
+                               int64_t generation) {
+    SavedHooksFront& f = front_at(c);
+    f.head = status == 0 ? SavedHooksFront::kNone
+             : status < 0 ? SavedHooksFront::kAsk : SavedHooksFront::kSlot;
+    f.head_status = status;
+    f.head_generation_at = generation_at;
+    f.head_generation = generation;
+  });
+  m.def("hooks_front_take_passed", [](const py::capsule& c) {
+    SavedHooksFront& f = front_at(c);
+    const int64_t n = f.passed;
+    f.passed = 0;
+    return n;
+  });
+}
+
+}  // namespace
