@@ -538,8 +538,8 @@ def test_unpack_ops_launch_other_tensors_by_their_own_records(rng, dt):
         (y_ref, p_ref), p, g = refs[i], packed[i], gs[i]
         gd = placed(g, off)
         assert (gd.ptr % 8 != 0) == bool(off)
-        out = dev(np.zeros_like(y_ref))
-        BE.unpack(p, out=out)
+        out = _tdev(np.invert(y_ref.view(dt.uint)).view(y_ref.dtype), dt)  # all differ from y
+        assert BE.unpack(p, out=out) is out
         assert_bits(out, y_ref, f"unpack out= {where}")
         assert_bits(BE.unpack(p), y_ref, f"unpack {where}")
         with np.errstate(all="ignore"):
