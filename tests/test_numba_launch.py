@@ -371,10 +371,10 @@ def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypa
             backend._NumbaSteps(be, P, st, x, dt, K.MODE_RELU, None, y).run(
                 plan(Encoding.NOSIGN, 9000, Mode.RELU), True)
             masked = plan(Encoding.SIGNPLANE, 7000, Mode.MASKED)
-            al = backend._Alloc(P, masked, st, None, scratch=be._scratch_bytes(numel, dt)[2])
+            recipe = backend._recipe(masked, be.variant)
+            al = backend._Alloc(P, masked, recipe.sections(False), st, None)
             p_mask = SimpleNamespace(mask=_Buf((1 << 42) + (turn % 2) * 64))
-            be._run_pack(P, st, x, numel, dt, K.MODE_MASKED, masked.lay, al, None, p_mask,
-                         zero_tail=False)
+            be._run_pack(P, st, x, recipe, K.MODE_MASKED, al, None, p_mask, zero_tail=False)
 
     class NoRecords(L.PerThread):
         def get(self, key, anchor):

@@ -68,49 +68,143 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class _Alloc:
-    """One packed tensor's memory, laid out by the shared host plan
-    (:func:`..cuda.host.pack_plan`): one allocation (sections 64-byte aligned in format
-    order, then the status area), or an exact pack's two (``split``: the head with
-    the mask, the offsets and the status area, and the tail with the values and signs,
-    :attr:`..cuda.host.PackPlan.head_bytes`; ``head``: a head to share, the shrink's).
-    ``scratch``: bytes of the pack kernel's scratch behind the last allocation
-    (``self.scratch``: its buffer and offset), so that a pack allocates once.
-    ``blocks``: the allocations, head first."""
+_U8, _I32, _I64 = np.dtype(np.uint8), np.dtype(np.int32), np.dtype(np.int64)
+_OFFSET_DTYPES = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_MODES = {K.MODE_PACK: Mode.PACK, K.MODE_RELU: Mode.RELU, K.MODE_RELU2: Mode.RELU2,
+          K.MODE_MASKED: Mode.MASKED}
 
-    def __init__(self, P, plan, st, allocator, split=False, head=None, scratch=0):
-        self.plan, self.lay = plan, plan.lay
+
+class _Sections:
+    """Where one pack plan's planes, status area and scratch lie in its allocations,
+    laid out by the shared host plan (:func:`..cuda.host.pack_plan`): one allocation
+    (sections 64-byte aligned in format order, then the status area, then the pack
+    kernel's scratch), or an exact pack's two (``split``: the head with the mask, the
+    offsets and the status area, and the tail with the values, the signs and the
+    scratch, :attr:`..cuda.host.PackPlan.head_bytes`). Places are (allocation index,
+    byte offset, bytes); ``sizes``: each allocation's bytes; ``written``: (allocation
+    index, bytes) of what the format's size formula covers; ``planes``: the packed
+    tensor's mask, offsets, values, signs and status as (allocation index, byte offset,
+    count, dtype), None where they are another tensor's (a masked pack's mask and
+    offsets)."""
+
+    __slots__ = ("sizes", "at", "status", "scratch", "written", "planes")
+
+    def __init__(self, plan, split: bool, scratch: int):
         (mo, ml), (oo, ol), (vo, vl), (so, sl) = plan.spans
         if split:
-            self.head = head if head is not None else P.alloc(plan.head_bytes, st, allocator)
             at = _fmt.align(plan.tail_bytes)
-            self.tail = P.alloc(at + scratch, st, allocator)
-            self.scratch = (self.tail, at)
-            self.blocks = (self.head, self.tail)
-            self.at = {"mask": (self.head, mo, ml), "offsets": (self.head, oo, ol),
-                       "values": (self.tail, 0, vl),
-                       "signs": (self.tail, plan.tail_signs_offset, sl)}
-            self.status = (self.head, vo)
-            self.buffers = ((self.head, plan.head_bytes), (self.tail, plan.tail_bytes))
+            self.sizes = (plan.head_bytes, at + scratch)
+            self.at = {"mask": (0, mo, ml), "offsets": (0, oo, ol), "values": (1, 0, vl),
+                       "signs": (1, plan.tail_signs_offset, sl)}
+            self.status, self.scratch = (0, vo), (1, at)
+            self.written = ((0, plan.head_bytes), (1, plan.tail_bytes))
         else:
             at = _fmt.align(plan.nbytes)
-            buf = P.alloc(at + scratch, st, allocator)
-            self.scratch = (buf, at)
-            self.blocks = (buf,)
-            self.at = {"mask": (buf, mo, ml), "offsets": (buf, oo, ol), "values": (buf, vo, vl),
-                       "signs": (buf, so, sl)}
+            self.sizes = (at + scratch,)
+            self.at = {"mask": (0, mo, ml), "offsets": (0, oo, ol), "values": (0, vo, vl),
+                       "signs": (0, so, sl)}
             if plan.mode == Mode.MASKED:         # its mask and offsets are the mask tensor's
                 del self.at["mask"], self.at["offsets"]
-            self.status = (buf, plan.status_offset)
-            self.buffers = ((buf, plan.nbytes),)
+            self.status, self.scratch = (0, plan.status_offset), (0, at)
+            self.written = ((0, plan.nbytes),)
+        odt = _OFFSET_DTYPES[plan.lay.offset_width]
+        self.planes = tuple(None if name not in self.at else
+                            (self.at[name][0], self.at[name][1], self.at[name][2] // dt.itemsize,
+                             dt)
+                            for name, dt in (("mask", _U8), ("offsets", odt), ("values", _U8),
+                                             ("signs", _U8))) + ((*self.status, 1, _I32),)
 
-    def plane(self, P, name, np_dtype, st):
-        buf, off, n = self.at[name]
-        return P.plane(buf, off, n, np_dtype, st)
+
+class _Recipe:
+    """What a pack with one plan needs on every call, worked out once per (plan, pack
+    variant): the pack kernels, the tiles, the scratch (its zeroed head and its whole
+    size) and the plan's sections, one allocation or two (:class:`_Sections`)."""
+
+    __slots__ = ("plan", "kern", "n_tiles", "head", "_sections")
+
+    def __init__(self, plan, variant):
+        self.plan = plan
+        numel, dt = plan.lay.numel, plan.lay.dtype
+        self.kern = K.kernels_for(dt.name, variant)
+        self.n_tiles, self.head, scratch = _scratch_bytes(numel, self.kern.ptile)
+        self._sections = (_Sections(plan, False, scratch), _Sections(plan, True, scratch))
+
+    def sections(self, split: bool) -> _Sections:
+        return self._sections[split]
+
+
+def _scratch_bytes(numel: int, ptile: int) -> tuple:
+    """(tiles, zeroed head, total bytes) of a pack's scratch: the look-back's (ticket,
+    unused, a descriptor per tile and per group; zeroed before each pack), each tile's
+    start and the total, and 16 bytes of stream edges per tile (for k_finish). Tiles
+    are the pack kernel's own (``ptile`` elements)."""
+    if numel == 0:
+        return 0, 0, 0
+    n_tiles = _ceil_div(numel, ptile)
+    head = K.scratch_slots(n_tiles) * 8
+    return n_tiles, head, head + 8 * (n_tiles + 1) + 16 * n_tiles
+
+
+_RECIPES: dict = {}
+
+
+def _recipe(plan, variant) -> _Recipe:
+    """The plan's recipe for ``variant`` (plans are cached by the protocol, so the same
+    arguments bring the same plan: its id and the plan itself key the cache)."""
+    entry = _RECIPES.get((id(plan), variant))
+    if entry is not None and entry.plan is plan:
+        return entry
+    if len(_RECIPES) >= 4096:
+        _RECIPES.clear()
+    entry = _RECIPES[(id(plan), variant)] = _Recipe(plan, variant)
+    return entry
+
+
+class _Alloc:
+    """One packed tensor's memory: the allocations of ``plan``'s sections ``sec`` (an
+    exact pack's two, the head ``head`` where one is given to share: the shrink's),
+    head first."""
+
+    __slots__ = ("plan", "lay", "sec", "blocks")
+
+    def __init__(self, P, plan, sec: _Sections, st, allocator, head=None):
+        self.plan, self.lay, self.sec = plan, plan.lay, sec
+        sizes = sec.sizes
+        if len(sizes) == 2:
+            self.blocks = (head if head is not None else P.alloc(sizes[0], st, allocator),
+                           P.alloc(sizes[1], st, allocator))
+        else:
+            self.blocks = (P.alloc(sizes[0], st, allocator),)
+
+    @property
+    def head(self):
+        return self.blocks[0]
+
+    @property
+    def tail(self):
+        return self.blocks[1]
+
+    @property
+    def scratch(self) -> tuple:
+        """(allocation, offset) of the pack kernel's scratch."""
+        i, off = self.sec.scratch
+        return self.blocks[i], off
+
+    @property
+    def status(self) -> tuple:
+        i, off = self.sec.status
+        return self.blocks[i], off
+
+    @property
+    def written(self) -> tuple:
+        return tuple((self.blocks[i], n) for i, n in self.sec.written)
+
+    def nbytes(self, name) -> int:
+        return self.sec.at[name][2]
 
     def view(self, P, name, count, np_dtype):
-        buf, off, _ = self.at[name]
-        return P.view(buf, off, count, np_dtype)
+        i, off, _ = self.sec.at[name]
+        return P.view(self.blocks[i], off, count, np_dtype)
 
 
 class _NumbaSteps:
@@ -122,11 +216,11 @@ class _NumbaSteps:
         self.slot = 0
 
     def run(self, plan, fixed, count=False):
-        al = _Alloc(self.P, plan, self.st, self.allocator, split=not fixed,
-                    scratch=self.backend._scratch_bytes(plan.lay.numel, self.dt)[2])
+        recipe = _recipe(plan, self.backend.variant)
+        al = _Alloc(self.P, plan, recipe.sections(not fixed), self.st, self.allocator)
         self.slot = self.P.take_slot() if count else 0
-        self.backend._run_pack(self.P, self.st, self.buf, plan.lay.numel, self.dt, self.mode,
-                               plan.lay, al, self.ybuf, None, zero_tail=fixed, slot=self.slot)
+        self.backend._run_pack(self.P, self.st, self.buf, recipe, self.mode, al, self.ybuf,
+                               None, zero_tail=fixed, slot=self.slot)
         return al
 
     def read_head(self, plan, al):
@@ -139,13 +233,14 @@ class _NumbaSteps:
     def shrink(self, plan, al, nnz):
         P, st = self.P, self.st
         _, copies = host.tail_shrink(plan, nnz)
-        out = _Alloc(P, plan.with_capacity(nnz), st, self.allocator, split=True, head=al.head)
+        exact = plan.with_capacity(nnz)
+        out = _Alloc(P, exact, _Sections(exact, True, 0), st, self.allocator, head=al.head)
         for d, s, n in copies:
             P.copy(out.tail, d, al.tail, s, n, st)
         return out
 
     def packed(self, plan, al, nnz, pending_status):
-        return self.backend._packed(self.P, self.st, plan.lay, al, nnz, pending_status)
+        return self.backend._packed(self.P, self.st, al, nnz, pending_status)
 
 
 # A plan gets launch records of its own the second time this thread packs with it: a
@@ -248,8 +343,10 @@ class _SimPlatform:
     def ptr(self, buf):
         return buf.ctypes.data
 
-    def plane(self, buf, off, nbytes, np_dtype, st):
-        return buf[off:off + nbytes].view(np_dtype)
+    def planes(self, blocks, specs, st):
+        """The planes ``specs`` (allocation index, offset, count, dtype) of ``blocks``."""
+        return [None if sp is None else
+                blocks[sp[0]][sp[1]:sp[1] + sp[2] * sp[3].itemsize].view(sp[3]) for sp in specs]
 
     def view(self, buf, off, count, np_dtype):
         size = np.dtype(np_dtype).itemsize
@@ -334,8 +431,12 @@ class _GpuPlatform:
     def ptr(self, buf):
         return int(buf.ptr)
 
-    def plane(self, buf, off, nbytes, np_dtype, st):
-        return self.ci.plane_of(buf, off, nbytes, np_dtype, st[0] if st is not None else 0)
+    def planes(self, blocks, specs, st):
+        """The planes ``specs`` (allocation index, offset, count, dtype) of ``blocks``."""
+        Plane, s = self.ci.DevicePlane, st[0]
+        return [None if sp is None else
+                Plane(blocks[sp[0]].ptr + sp[1], sp[2], sp[3], blocks[sp[0]].device,
+                      blocks[sp[0]], s) for sp in specs]
 
     def view(self, buf, off, count, np_dtype):
         dt = np_dtype if isinstance(np_dtype, np.dtype) else np.dtype(np_dtype)
@@ -525,50 +626,36 @@ class NumbaBackend:
               ybuf=None):
         steps = _NumbaSteps(self, P, st, buf, dt, mode, allocator, ybuf)
         return protocol.pack(steps, tuple(shape), dt, encoding, chunk_log2, capacity,
-                             Mode(mode))
+                             _MODES[mode])
 
-    def _scratch_bytes(self, numel, dt):
-        """(tiles, zeroed head, total bytes) of a pack's scratch: the look-back's
-        (ticket, unused, a descriptor per tile and per group; zeroed before each pack),
-        each tile's start and the total, and 16 bytes of stream edges per tile (for
-        k_finish). Tiles are the pack kernel's own."""
-        if numel == 0:
-            return 0, 0, 0
-        n_tiles = _ceil_div(numel, K.kernels_for(dt.name, self.variant).ptile)
-        head = K.scratch_slots(n_tiles) * 8
-        return n_tiles, head, head + 8 * (n_tiles + 1) + 16 * n_tiles
-
-    def _run_pack(self, P, st, buf, numel, dt, mode, lay, al, ybuf, p_mask, zero_tail,
-                  slot=0):
+    def _run_pack(self, P, st, buf, recipe, mode, al, ybuf, p_mask, zero_tail, slot=0):
         """Launch the one-pass pack into ``al`` (and, at fixed capacity, zero what
         lies past the stored values), with its scratch at ``al.scratch``; the status
         and count then go to ``slot`` (a pinned host slot, 0 for none) ahead of the
         stitching kernel. On a GPU, a plan this thread has packed with before launches
         by records of its own (:class:`_PackLaunches`)."""
-        if numel == 0:
-            for b, n in al.buffers:
+        if recipe.n_tiles == 0:           # an empty tensor: its header-less planes zeroed
+            for b, n in al.written:
                 P.memset0(b, 0, n, st)
             if slot:
                 slots.write(slot, 0, 0)
             return
-        kern = K.kernels_for(dt.name, self.variant)   # the pack's variant
-        n_tiles, head, _ = self._scratch_bytes(numel, dt)
-        P.memset0(*al.scratch, head, st)
+        P.memset0(*al.scratch, recipe.head, st)
         mask_plane = None if p_mask is None else P.import_plane(p_mask.mask)
         # every buffer a launch argument lies in, in an order the key fixes
         buffers = (buf, buf if ybuf is None else ybuf, *al.blocks,
                    *(() if mask_plane is None else (mask_plane,)))
         key = kept = None
         if not K.SIM:
-            addresses = [P.ptr(b) for b in buffers]
-            key = self._pack_key(st, kern, mode, al, addresses, ybuf is not None,
+            addresses = [b.ptr for b in buffers]
+            key = self._pack_key(st, recipe, mode, al, addresses, ybuf is not None,
                                  p_mask is not None, zero_tail)
             kept = _PACK_LAUNCHES.get(key, al.plan)
             if type(kept) is _PackLaunches:
                 kept.queue(P, st, addresses, al.status, slot)
                 return
-        pack, finish = self._pack_launches(P, kern, n_tiles, head, numel, dt, mode, lay, al,
-                                           buf, ybuf, mask_plane, zero_tail)
+        pack, finish = self._pack_launches(P, recipe, mode, al, buf, ybuf, mask_plane,
+                                           zero_tail)
         P.launch(pack.kernel, pack.grid, pack.block, st, *pack.args)
         if slot:
             P.copy_to_slot(slot, *al.status, st)
@@ -579,23 +666,23 @@ class NumbaBackend:
                     _PackLaunches.build(P, st, pack, finish, buffers, addresses) or _NOT_COVERED)
             _PACK_LAUNCHES.put(key, al.plan, kept)
 
-    def _pack_key(self, st, kern, mode, al, addresses, has_y, masked, zero_tail):
+    def _pack_key(self, st, recipe, mode, al, addresses, has_y, masked, zero_tail):
         """What fixes every argument of a pack's launches but the buffers' addresses
         (and so the arguments' kinds): the plan (counts, offsets, capacity, chunk size),
         the device, the kernels (dtype, compiled variant) and incl_every, the mode,
         zero_tail, one block or two, whether y and a mask tensor are given, and which
         dense tensors are 8-byte aligned (the word views of the others are empty)."""
-        return (id(al.plan), st[2], kern, self.variant.incl_every, mode, zero_tail,
+        return (id(al.plan), st[2], recipe.kern, self.variant.incl_every, mode, zero_tail,
                 len(al.blocks), has_y, masked, addresses[0] % 8 == 0,
                 has_y and addresses[1] % 8 == 0)
 
-    def _pack_launches(self, P, kern, n_tiles, head, numel, dt, mode, lay, al, buf, ybuf,
-                       mask_plane, zero_tail):
+    def _pack_launches(self, P, recipe, mode, al, buf, ybuf, mask_plane, zero_tail):
         """``(pack, finish)``: the pack kernel's launch over kernel views of ``al``, the
         dense input ``buf``, relu_pack's output ``ybuf`` and masked_pack's mask plane,
         and k_finish's, which writes the stream words shared by tiles (value streams)
         and, at fixed capacity, the zeros past the stored values (None: neither)."""
-        enc = lay.encoding
+        lay, kern, n_tiles, head = al.lay, recipe.kern, recipe.n_tiles, recipe.head
+        numel, dt, enc = lay.numel, lay.dtype, lay.encoding
         scratch, s0 = al.scratch
         desc = P.view(scratch, s0, head // 8, np.int64)
         starts = P.view(scratch, s0 + head, n_tiles + 1, np.int64)
@@ -609,7 +696,7 @@ class NumbaBackend:
         stat = P.view(*al.status, 2, np.int64)
         if mask_plane is None:
             mask = al.view(P, "mask", lay.mask[1], np.uint8)
-            offsets = al.view(P, "offsets", lay.n_chunks + 1, np.dtype(f"<u{lay.offset_width}"))
+            offsets = al.view(P, "offsets", lay.n_chunks + 1, _OFFSET_DTYPES[lay.offset_width])
             msrc = mask
         else:
             msrc = P.view(mask_plane, 0, lay.mask[1], np.uint8)
@@ -634,25 +721,23 @@ class NumbaBackend:
         """Kernel views of the values / signs sections being written (the word views
         run into each section's padding up to a whole word)."""
         enc, dt = lay.encoding, lay.dtype
-        vn, sn = al.at["values"][2], al.at["signs"][2]
+        vn, sn = al.nbytes("values"), al.nbytes("signs")
         raw = enc == Encoding.RAW
         vt = al.view(P, "values", vn // dt.itemsize if raw else 0, dt.uint)
         vw = al.view(P, "values", 0 if raw else _ceil_div(vn, 4), np.uint32)
         sw = al.view(P, "signs", _ceil_div(sn, 4) if enc == Encoding.SIGNPLANE else 0, np.uint32)
         return vt, vw, sw
 
-    def _packed(self, P, st, lay, al, nnz, with_status, mask=None, offsets=None, extra=None):
-        odt = np.dtype(f"<u{lay.offset_width}")
-        p = PackedTensor(tuple(lay.shape), lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
-                         al.plane(P, "mask", np.uint8, st) if mask is None else mask,
-                         al.plane(P, "offsets", odt, st) if offsets is None else offsets,
-                         al.plane(P, "values", np.uint8, st), al.plane(P, "signs", np.uint8, st),
-                         backend=self, device=P.device(st), _nnz=nnz,
-                         status=(P.plane(*al.status, 4, np.int32, st)
-                                 if with_status else None),
-                         extra=dict(extra or {}))
-        p.extra["stream"] = st[0] if st is not None else 0
-        return p
+    def _packed(self, P, st, al, nnz, with_status, mask=None, offsets=None, extra=None):
+        lay, specs = al.lay, al.sec.planes
+        m, o, v, sg, *status = P.planes(al.blocks, specs if with_status else specs[:4], st)
+        stream = st[0] if st is not None else 0
+        return PackedTensor(
+            lay.shape, lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
+            m if mask is None else mask, o if offsets is None else offsets, v, sg,
+            backend=self, device=P.device(st), _nnz=nnz,
+            status=status[0] if status else None,
+            extra={"stream": stream, **extra} if extra else {"stream": stream})
 
     @_one_context
     def masked_pack(self, u, p_mask, *, dtype=None, encoding="signplane", stream=None,
@@ -666,11 +751,10 @@ class NumbaBackend:
         P.order_after(p_mask, st)
         nnz = p_mask.nnz  # the companion stores every masked position (sync if pending)
         plan = pack_plan(tuple(shape), dt, enc, nnz, p_mask.chunk_log2, Mode.MASKED)
-        al = _Alloc(P, plan, st, allocator, scratch=self._scratch_bytes(p_mask.numel, dt)[2])
-        lay = plan.lay
-        self._run_pack(P, st, buf, p_mask.numel, dt, K.MODE_MASKED, lay, al, None, p_mask,
-                       zero_tail=False)
-        return self._packed(P, st, lay, al, nnz, enc == Encoding.NOSIGN, mask=p_mask.mask,
+        recipe = _recipe(plan, self.variant)
+        al = _Alloc(P, plan, recipe.sections(False), st, allocator)
+        self._run_pack(P, st, buf, recipe, K.MODE_MASKED, al, None, p_mask, zero_tail=False)
+        return self._packed(P, st, al, nnz, enc == Encoding.NOSIGN, mask=p_mask.mask,
                             offsets=p_mask.offsets, extra={"shares_mask": True})
 
     # ----------------------------------------------------------- unpacking
