@@ -120,10 +120,10 @@ class _Recipe:
     variant): the pack kernels, the tiles, the scratch (its zeroed head and its whole
     size) and the plan's sections, one allocation or two (:class:`_Sections`)."""
 
-    __slots__ = ("plan", "kern", "n_tiles", "head", "_sections")
+    __slots__ = ("plan", "variant", "kern", "n_tiles", "head", "_sections")
 
     def __init__(self, plan, variant):
-        self.plan = plan
+        self.plan, self.variant = plan, variant
         numel, dt = plan.lay.numel, plan.lay.dtype
         self.kern = K.kernels_for(dt.name, variant)
         self.n_tiles, self.head, scratch = _scratch_bytes(numel, self.kern.ptile)
@@ -150,13 +150,13 @@ _RECIPES: dict = {}
 
 def _recipe(plan, variant) -> _Recipe:
     """The plan's recipe for ``variant`` (plans are cached by the protocol, so the same
-    arguments bring the same plan: its id and the plan itself key the cache)."""
-    entry = _RECIPES.get((id(plan), variant))
-    if entry is not None and entry.plan is plan:
+    arguments bring the same plan: the ids key the cache, the objects confirm it)."""
+    entry = _RECIPES.get((id(plan), id(variant)))
+    if entry is not None and entry.plan is plan and entry.variant is variant:
         return entry
     if len(_RECIPES) >= 4096:
         _RECIPES.clear()
-    entry = _RECIPES[(id(plan), variant)] = _Recipe(plan, variant)
+    entry = _RECIPES[(id(plan), id(variant))] = _Recipe(plan, variant)
     return entry
 
 
@@ -821,7 +821,7 @@ class NumbaBackend:
             made = launch()
             P.launch(made.kernel, made.grid, made.block, st, *made.args)
             return
-        addresses = [P.ptr(b) for b in buffers]
+        addresses = [b.ptr for b in buffers]
         key = (*key, st[2], *[a & 15 for a in addresses])
         kept = _OP_LAUNCHES.get(key, anchor)
         if type(kept) is BoundLaunch:
