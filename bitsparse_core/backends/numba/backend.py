@@ -213,10 +213,10 @@ class _NumbaSteps:
     def __init__(self, backend, P, st, buf, dt, mode, allocator, ybuf):
         self.backend, self.P, self.st, self.buf, self.dt = backend, P, st, buf, dt
         self.mode, self.allocator, self.ybuf = mode, allocator, ybuf
-        self.slot = 0
+        self.variant, self.slot = backend.variant, 0
 
     def run(self, plan, fixed, count=False):
-        recipe = _recipe(plan, self.backend.variant)
+        recipe = _recipe(plan, self.variant)
         al = _Alloc(self.P, plan, recipe.sections(not fixed), self.st, self.allocator)
         self.slot = self.P.take_slot() if count else 0
         self.backend._run_pack(self.P, self.st, self.buf, recipe, self.mode, al, self.ybuf,
