@@ -68,7 +68,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_U8, _I32, _I64 = np.dtype(np.uint8), np.dtype(np.int32), np.dtype(np.int64)
+_U8, _I32 = np.dtype(np.uint8), np.dtype(np.int32)
 _OFFSET_DTYPES = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
 _MODES = {K.MODE_PACK: Mode.PACK, K.MODE_RELU: Mode.RELU, K.MODE_RELU2: Mode.RELU2,
           K.MODE_MASKED: Mode.MASKED}
@@ -591,7 +591,7 @@ class NumbaBackend:
         n_tiles = _ceil_div(p.numel, K.TILE)
         mask = P.view(planes[0], 0, lay.mask[1], np.uint8)
         if p.chunk_log2 <= tile_log2:
-            odt = np.dtype(f"<u{lay.offset_width}")
+            odt = _OFFSET_DTYPES[lay.offset_width]
             return mask, P.view(planes[1], 0, lay.n_chunks + 1, odt), p.chunk_log2
         # Chunks span several tiles: prefix-sum the mask's popcount per K.TILE elements.
         scratch = P.alloc((n_tiles + 3) * 8, st, allocator)
@@ -896,7 +896,8 @@ class NumbaBackend:
         numel, dt = p_r.numel, p_r.dtype
         kern = K.kernels_for(dt.name)
         r_planes = self._planes(P, p_r)
-        shared = p_u.mask is p_r.mask and p_u.offsets is p_r.offsets     # masked_pack's
+        shared = (p_u.mask is p_r.mask and p_u.offsets is p_r.offsets   # masked_pack's
+                  and p_u.chunk_log2 == p_r.chunk_log2)
         if shared:
             u_planes = (P.import_plane(p_u.values), P.import_plane(p_u.signs))
         else:
