@@ -1,6 +1,7 @@
 """What the CUDA driver's calls cost the host, beside the public ops that make them.
 
-    python3 bench/driver_cost.py [--calls 200] [--repeats 15] [--out bench/results]
+    python3 bench/driver_cost.py [--calls 200] [--repeats 15] [--backends cupy,numba]
+                                 [--out bench/results]
 
 bench/host_overhead.py says how long a public call takes; this says how much of it
 is the driver's. Two parts, on a 1x4096 bf16 tensor (GPU work negligible), each a
@@ -14,8 +15,8 @@ kept, garbage collection off), median of ``--repeats`` loops, per call:
   costs); CuPy's own launch of the empty kernel; ``cuMemsetD8Async`` (a pack's
   scratch); ``cuStreamQuery`` and ``cuCtxGetCurrent`` (a call's floor through ctypes);
   torch's ``x + x`` and ``empty_like`` as the host's speed;
-* every public op (CuPy backend, torch data, bench/host_overhead.py's cases) as it
-  is, and again with the driver's queueing calls (launch, cooperative launch, memset,
+* every public op (each backend of ``--backends``, torch data, bench/host_overhead.py's
+  cases) as it is, and again with the driver's queueing calls (launch, cooperative launch, memset,
   copy) replaced by no-ops: the difference is what those calls cost inside the op,
   the rest is Python. (The exact pack waits for a count the stub never writes: left
   out of the second column.)
@@ -115,12 +116,12 @@ class _NoQueueing:
             setattr(self.driver, n, f)
 
 
-def public_ops(torch, dev, args, sync) -> dict:
-    """``{op: {"real": [...], "no_queueing": [...]}}`` host µs per call on ``dev`` (a
-    bench/host_overhead.py Device)."""
+def public_ops(torch, dev, args, sync, backend: str) -> dict:
+    """``{op: {"real": [...], "no_queueing": [...]}}`` host µs per call of ``backend``'s
+    ops on ``dev`` (a bench/host_overhead.py Device)."""
     import bitsparse_core as bc
     inp = ho.make_inputs(torch, dev, (1, 4096), 0.9, 0)
-    cases, _ = ho.public_cases(bc, torch, dev, inp, "cupy", ho.call_kwargs(torch, dev, "torch"))
+    cases, _ = ho.public_cases(bc, torch, dev, inp, backend, ho.call_kwargs(torch, dev, "torch"))
     res = {k: {"real": per_call_us(fn, args.calls, args.repeats, sync)} for k, fn in cases.items()}
     with _NoQueueing():
         for k, fn in cases.items():
@@ -143,20 +144,21 @@ def markdown(summary: dict) -> str:
              "| call | host µs, median | fastest |", "| --- | ---: | ---: |"]
     lines += [f"| {name} | {med(v):.2f} | {min(v):.2f} |"
               for name, v in summary["driver"].items()]
-    lines += ["", "Public ops (CuPy backend, torch data): as they are, and with the driver's "
+    lines += ["", "Public ops (torch data): as they are, and with the driver's "
               "queueing calls (launch, cooperative launch, memset, copy) made no-ops; the "
               "driver's share is the difference of the two columns' fastest loops.", "",
-              "| op | host µs, median / fastest | without queueing, median / fastest | "
+              "| backend | op | host µs, median / fastest | without queueing, median / fastest | "
               "the driver's share |",
-              "| --- | ---: | ---: | ---: |"]
-    for op, v in summary["ops"].items():
-        real = f"{med(v['real']):.1f} / {min(v['real']):.1f}"
-        if "no_queueing" in v:
-            rest = f"{med(v['no_queueing']):.1f} / {min(v['no_queueing']):.1f}"
-            share = f"{min(v['real']) - min(v['no_queueing']):.1f}"
-        else:
-            rest = share = "-"
-        lines.append(f"| `{op}` | {real} | {rest} | {share} |")
+              "| --- | --- | ---: | ---: | ---: |"]
+    for backend, ops in summary["ops"].items():
+        for op, v in ops.items():
+            real = f"{med(v['real']):.1f} / {min(v['real']):.1f}"
+            if "no_queueing" in v:
+                rest = f"{med(v['no_queueing']):.1f} / {min(v['no_queueing']):.1f}"
+                share = f"{min(v['real']) - min(v['no_queueing']):.1f}"
+            else:
+                rest = share = "-"
+            lines.append(f"| {backend} | `{op}` | {real} | {rest} | {share} |")
     return "\n".join(lines) + "\n"
 
 
@@ -164,10 +166,12 @@ def plot(summary: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    ops = [op for op, v in summary["ops"].items() if "no_queueing" in v]
-    rest = [min(summary["ops"][op]["no_queueing"]) for op in ops]
-    drv = [min(summary["ops"][op]["real"]) - r for op, r in zip(ops, rest)]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    rows = [(f"{b} {op}", v) for b, ops in summary["ops"].items() for op, v in ops.items()
+            if "no_queueing" in v]
+    ops = [name for name, _ in rows]
+    rest = [min(v["no_queueing"]) for _, v in rows]
+    drv = [min(v["real"]) - r for (_, v), r in zip(rows, rest)]
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(rows)))
     ax.barh(ops, rest, label="Python and the rest")
     ax.barh(ops, drv, left=rest, label="driver queueing calls")
     ax.set_xlabel("host µs per call (fastest loop)")
@@ -181,6 +185,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--backends", default="cupy",
+                    help="comma-separated backends whose public ops are measured")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     import torch
@@ -193,7 +199,7 @@ def main(argv=None) -> int:
     calls, keep = driver_calls(torch, cupy, stream)
     driver = {name: per_call_us(fn, args.calls, args.repeats, sync) for name, fn in calls.items()}
     dev = ho.Device(torch, cpu_smoke=False, sleep_cycles=0)
-    ops = public_ops(torch, dev, args, sync)
+    ops = {b: public_ops(torch, dev, args, sync, b) for b in args.backends.split(",")}
     driver["torch x + x, at the end"] = per_call_us(calls["torch x + x"], args.calls,
                                                     args.repeats, sync)
     del keep

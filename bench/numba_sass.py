@@ -82,7 +82,10 @@ def main() -> None:
                                                               gated_sig)
     for mode in ((K.MODE_PACK, K.MODE_RELU, K.MODE_RELU2, K.MODE_MASKED) if a.all else (K.MODE_PACK,)):
         for e in encs:
-            kernels[f"pack{'_mode%d' % mode if mode else ''}_{ename[e]}"] = (k.pack[(mode, e)], pack_sig)
+            name = f"pack{'_mode%d' % mode if mode else ''}_{ename[e]}"
+            kernels[name] = (k.pack[(mode, e, False)], pack_sig)
+            if e != K.RAW:
+                kernels[name + "_ored"] = (k.pack[(mode, e, True)], pack_sig)
     kernels["finish"] = (k.finish, finish_sig)
     for name, (kern, sig) in kernels.items():
         # The kernel's own launch bounds: they cap its registers (spills show as local accesses).

@@ -18,12 +18,15 @@ def test_report_gives_the_driver_share_from_the_fastest_loops():
                                "git_commit": "abc"},
                "calls": 10, "repeats": 3,
                "driver": {"cuLaunchKernel, empty kernel": [7.0, 9.0, 8.0]},
-               "ops": {"unpack": {"real": [15.0, 14.0, 16.0], "no_queueing": [9.0, 8.5, 20.0]},
-                       "pack_exact": {"real": [60.0, 61.0, 62.0]}}}
+               "ops": {"cupy": {"unpack": {"real": [15.0, 14.0, 16.0],
+                                           "no_queueing": [9.0, 8.5, 20.0]},
+                                "pack_exact": {"real": [60.0, 61.0, 62.0]}},
+                       "numba": {"unpack": {"real": [20.0], "no_queueing": [11.0]}}}}
     md = driver_cost.markdown(summary)
     assert "| cuLaunchKernel, empty kernel | 8.00 | 7.00 |" in md
-    assert "| `unpack` | 15.0 / 14.0 | 9.0 / 8.5 | 5.5 |" in md     # fastest 14 and 8.5
-    assert "| `pack_exact` | 61.0 / 60.0 | - | - |" in md
+    assert "| cupy | `unpack` | 15.0 / 14.0 | 9.0 / 8.5 | 5.5 |" in md     # fastest 14 and 8.5
+    assert "| cupy | `pack_exact` | 61.0 / 60.0 | - | - |" in md
+    assert "| numba | `unpack` | 20.0 / 20.0 | 11.0 / 11.0 | 9.0 |" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures on a CUDA machine")

@@ -136,12 +136,15 @@ def test_lookback_walks_many_windows(rng, dt, incl_every):
         assert_same(p, reference.pack_array(xx, dt, enc, chunk_log2=9), f"walk {enc}")
 
 
+@pytest.mark.parametrize("fill_limit", [0, 1 << 30])
 @pytest.mark.parametrize("dt", DT_PARAMS)
-def test_stitch_tiles_sharing_words(rng, dt):
+def test_stitch_tiles_sharing_words(rng, dt, fill_limit):
     """Pack tiles holding 0-3 values (and runs of empty ones), so that several tiles
     start inside one stream word and many words are written by the stitch step
-    (k_finish) from the tiles' edge records, with tiles really concurrent; exact and
-    capacities ending inside such a word."""
+    (k_finish, ``fill_limit`` 0) from the tiles' edge records, or by the tiles' ORs
+    into values zeroed before the pack (every pack here within the limit), with tiles
+    really concurrent; exact and capacities ending inside such a word."""
+    be = NumbaBackend(NK.PackVariant(fill_limit=fill_limit))
     T = NK.kernels_for(dt.name).ptile
     n_t = 700
     x = np.zeros(n_t * T + 77, dtype=dt.numpy)
@@ -156,7 +159,7 @@ def test_stitch_tiles_sharing_words(rng, dt):
         xx = x if enc != "nosign" else _unsigned(x, dt)
         n = int(np.count_nonzero(xx.view(dt.uint)))
         for cap in (None, n - 1, n // 2 + 1, 5):
-            p = BE.pack(dev(xx), dtype=dt.name, encoding=enc, capacity=cap, chunk_log2=9)
+            p = be.pack(dev(xx), dtype=dt.name, encoding=enc, capacity=cap, chunk_log2=9)
             assert_same(p, reference.pack_array(xx, dt, enc, capacity=cap, chunk_log2=9),
                         f"stitch {enc} cap={cap}")
     assert nnz > 0

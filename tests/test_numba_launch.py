@@ -335,12 +335,14 @@ def _record_platform(backend, launched):
     return RecordingPlatform()
 
 
-def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypatch):
+@pytest.mark.parametrize("fill_limit", [0, None])
+def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypatch, fill_limit):
     """_run_pack's records (a plan's third call on: the first marks it, the second
     builds them) launch the records that P.launch fills from the views of each call,
     for inputs at changing and differently aligned addresses, in every pack variant:
     fixed capacity, the worst case of an exact pack (two blocks), relu_pack with y,
-    masked_pack. The run without records is the reference."""
+    masked_pack; with k_finish (``fill_limit`` 0) and without (the default's, these
+    packs being small). The run without records is the reference."""
     backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
     if backend.K.SIM:
         pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
@@ -353,7 +355,8 @@ def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypa
     K, dt = backend.K, _dt.BFLOAT16
     monkeypatch.setattr(L, "_function_handle", lambda kernel: id(kernel.dispatcher))
     monkeypatch.setattr(L, "_param_sizes", lambda func: _CompiledStandIn.sizes[func])
-    be, shape, st = backend.NumbaBackend(), (3, 20001), (7, None, 0)
+    variant = K.COMMITTED if fill_limit is None else K.PackVariant(fill_limit=fill_limit)
+    be, shape, st = backend.NumbaBackend(variant), (3, 20001), (7, None, 0)
     numel = shape[0] * shape[1]
 
     def plan(enc, cap, mode=Mode.PACK):
@@ -391,8 +394,9 @@ def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypa
     monkeypatch.setattr(backend, "_PACK_LAUNCHES", L.PerThread(1024))
     calls(_record_platform(backend, launched))
     assert launched == reference
-    # turns 2, 5 and 6: the pack and finish of 4 variants, the pack of raw and masked
-    assert len(by_driver) == 3 * (4 * 2 + 2)
+    # turns 2, 5 and 6: the pack and finish of 4 variants, the pack of raw and masked;
+    # the pack alone of all 5 where the fill zeroed the values
+    assert len(by_driver) == 3 * (4 * 2 + 2 if fill_limit == 0 else 5)
 
 
 def test_unpack_family_launches_by_its_own_records_what_the_platform_would(monkeypatch):
@@ -470,3 +474,30 @@ def test_unpack_family_launches_by_its_own_records_what_the_platform_would(monke
     # turns 2, 5 and 6: unpack, relu2_backward, both gated (op 3 with its u's unpack)
     # and relu_backward by records; the large chunks' unpack (three launches) never
     assert len(by_driver) == 3 * 6
+
+
+def test_small_packs_zero_their_values_with_the_scratch_and_run_no_finish():
+    """Up to the variant's fill limit, the fill before a pack covers its values, signs,
+    status area and the scratch's zeroed head (one range of one allocation, in both
+    layouts) and the tiles OR their shared words (no k_finish); past it, or with the
+    limit 0, the fill is the scratch's head alone."""
+    backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
+    from bitsparse_core import dtypes as _dt
+    from bitsparse_core.backends.cuda.abi import Mode
+    from bitsparse_core.backends.cuda.host import pack_plan
+    from bitsparse_core.spec.format import Encoding
+    K = backend.K
+    small = pack_plan((3, 20001), _dt.BFLOAT16, Encoding.SIGNPLANE, 9000, 12, Mode.PACK)
+    for split in (False, True):
+        rec = backend._recipe(small, K.COMMITTED)
+        sec = rec.sections(split)
+        vi, vo, _ = sec.at["values"]
+        si, so = sec.scratch
+        assert sec.ored and vi == si and sec.fill == (vi, vo, so + rec.head - vo)
+        assert sec.at["signs"][0] == vi and vo < sec.at["signs"][1] < so
+        off = backend._recipe(small, K.PackVariant(fill_limit=0)).sections(split)
+        assert not off.ored and off.fill == (si, so, rec.head)
+    big = pack_plan((4096, 4096), _dt.BFLOAT16, Encoding.NOSIGN, 1 << 23, 12, Mode.PACK)
+    sec = backend._recipe(big, K.COMMITTED).sections(False)
+    assert sec.at["values"][2] > K.PackVariant.fill_limit
+    assert not sec.ored and sec.fill[1] == sec.scratch[1]

@@ -165,13 +165,15 @@ else:
         assert np.array_equal(cnt, want)
         assert info[0] == want[-1] and info[1] == 0
 
+    @pytest.mark.parametrize("fill_limit", [0, NK.PackVariant.fill_limit])
     @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT32, D.FLOAT8_E4M3FN], ids=IDS)
-    def test_lookback_walks_aggregates(dtype):
+    def test_lookback_walks_aggregates(dtype, fill_limit):
         """Tiles that publish only their own count make later tiles' look-back walk
         back over several predecessors, summing their counts (in the simulator
         blocks run in order, so otherwise the nearest one is always done). Some
-        tiles hold fewer than 32 stream bits, so several tiles share a stream word."""
-        be = NumbaBackend(NK.PackVariant(incl_every=3))
+        tiles hold fewer than 32 stream bits, so several tiles share a stream word:
+        k_finish writes it (``fill_limit`` 0) or the tiles OR their bits into it."""
+        be = NumbaBackend(NK.PackVariant(incl_every=3, fill_limit=fill_limit))
         rng = _rng("walk", dtype.name)
         T = NK.kernels_for(dtype.name).ptile         # the pack's tile
         x = random_tensor(rng, (5 * T + 7,), dtype, 0.5)
@@ -208,11 +210,14 @@ else:
             p = be.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
             _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
 
-    def test_stitch_tiles_sharing_words():
+    @pytest.mark.parametrize("fill_limit", [0, NK.PackVariant.fill_limit])
+    def test_stitch_tiles_sharing_words(fill_limit):
         """Tiles holding 0-3 values, so that several tiles start inside one stream word
         (fp8: 7-bit codes; the sign plane: 1 bit per value): k_finish writes those
-        words from the tiles' edge records. Exact, and capacities ending inside a
-        word several tiles share."""
+        words from the tiles' edge records (``fill_limit`` 0), or each tile ORs its
+        bits into them. Exact, and capacities ending inside a word several tiles
+        share."""
+        be = NumbaBackend(NK.PackVariant(fill_limit=fill_limit))
         dtype = D.FLOAT8_E4M3FN
         T = NK.kernels_for(dtype.name).ptile
         rng = _rng("stitch")
@@ -224,7 +229,7 @@ else:
         xb[-1] = 0x85
         nnz = int(np.count_nonzero(xb))
         for cap in (None, nnz - 1, 9):
-            p = BE.pack(x, encoding="signplane", chunk_log2=9, capacity=cap)
+            p = be.pack(x, encoding="signplane", chunk_log2=9, capacity=cap)
             _assert_planes(p, R.pack_array(x, dtype, "signplane", chunk_log2=9, capacity=cap))
 
     @pytest.mark.parametrize("incl_every", [1, 2])

@@ -85,11 +85,14 @@ class _Sections:
     index, bytes) of what the format's size formula covers; ``planes``: the packed
     tensor's mask, offsets, values, signs and status as (allocation index, byte offset,
     count, dtype), None where they are another tensor's (a masked pack's mask and
-    offsets)."""
+    offsets); ``fill``: the place the fill before the pack zeroes, the scratch's head
+    (``head`` bytes) alone or, where ``ored``, the values and signs up to it too (one
+    range of the allocation that holds both) for a pack whose tiles OR their shared
+    stream words into place (``fill_limit``: the most bytes that takes)."""
 
-    __slots__ = ("sizes", "at", "status", "scratch", "written", "planes")
+    __slots__ = ("sizes", "at", "status", "scratch", "written", "planes", "fill", "ored")
 
-    def __init__(self, plan, split: bool, scratch: int):
+    def __init__(self, plan, split: bool, scratch: int, head: int = 0, fill_limit: int = 0):
         (mo, ml), (oo, ol), (vo, vl), (so, sl) = plan.spans
         if split:
             at = _fmt.align(plan.tail_bytes)
@@ -107,6 +110,11 @@ class _Sections:
                 del self.at["mask"], self.at["offsets"]
             self.status, self.scratch = (0, plan.status_offset), (0, at)
             self.written = ((0, plan.nbytes),)
+        vi, vo, _ = self.at["values"]
+        si, so = self.scratch
+        assert vi == si, "the values and the scratch share an allocation"
+        self.ored = so + head - vo <= fill_limit
+        self.fill = (vi, vo, so + head - vo) if self.ored else (si, so, head)
         odt = _OFFSET_DTYPES[plan.lay.offset_width]
         self.planes = tuple(None if name not in self.at else
                             (self.at[name][0], self.at[name][1], self.at[name][2] // dt.itemsize,
@@ -118,7 +126,8 @@ class _Sections:
 class _Recipe:
     """What a pack with one plan needs on every call, worked out once per (plan, pack
     variant): the pack kernels, the tiles, the scratch (its zeroed head and its whole
-    size) and the plan's sections, one allocation or two (:class:`_Sections`)."""
+    size) and the plan's sections, one allocation or two (:class:`_Sections`, with what
+    the fill before the pack zeroes)."""
 
     __slots__ = ("plan", "variant", "kern", "n_tiles", "head", "_sections")
 
@@ -127,7 +136,8 @@ class _Recipe:
         numel, dt = plan.lay.numel, plan.lay.dtype
         self.kern = K.kernels_for(dt.name, variant)
         self.n_tiles, self.head, scratch = _scratch_bytes(numel, self.kern.ptile)
-        self._sections = (_Sections(plan, False, scratch), _Sections(plan, True, scratch))
+        self._sections = tuple(_Sections(plan, split, scratch, self.head, variant.fill_limit)
+                               for split in (False, True))
 
     def sections(self, split: bool) -> _Sections:
         return self._sections[split]
@@ -640,7 +650,8 @@ class NumbaBackend:
             if slot:
                 slots.write(slot, 0, 0)
             return
-        P.memset0(*al.scratch, recipe.head, st)
+        fi, fo, fn = al.sec.fill
+        P.memset0(al.blocks[fi], fo, fn, st)
         mask_plane = None if p_mask is None else P.import_plane(p_mask.mask)
         # every buffer a launch argument lies in, in an order the key fixes
         buffers = (buf, buf if ybuf is None else ybuf, *al.blocks,
@@ -670,17 +681,19 @@ class NumbaBackend:
         """What fixes every argument of a pack's launches but the buffers' addresses
         (and so the arguments' kinds): the plan (counts, offsets, capacity, chunk size),
         the device, the kernels (dtype, compiled variant) and incl_every, the mode,
-        zero_tail, one block or two, whether y and a mask tensor are given, and which
+        zero_tail, one block or two, whether the tiles OR their shared words (then no
+        k_finish), whether y and a mask tensor are given, and which
         dense tensors are 8-byte aligned (the word views of the others are empty)."""
         return (id(al.plan), st[2], recipe.kern, self.variant.incl_every, mode, zero_tail,
-                len(al.blocks), has_y, masked, addresses[0] % 8 == 0,
+                len(al.blocks), al.sec.ored, has_y, masked, addresses[0] % 8 == 0,
                 has_y and addresses[1] % 8 == 0)
 
     def _pack_launches(self, P, recipe, mode, al, buf, ybuf, mask_plane, zero_tail):
         """``(pack, finish)``: the pack kernel's launch over kernel views of ``al``, the
         dense input ``buf``, relu_pack's output ``ybuf`` and masked_pack's mask plane,
         and k_finish's, which writes the stream words shared by tiles (value streams)
-        and, at fixed capacity, the zeros past the stored values (None: neither)."""
+        and, at fixed capacity, the zeros past the stored values (None: neither, or a
+        pack whose fill zeroed its values and whose tiles OR their shared words)."""
         lay, kern, n_tiles, head = al.lay, recipe.kern, recipe.n_tiles, recipe.head
         numel, dt, enc = lay.numel, lay.dtype, lay.encoding
         scratch, s0 = al.scratch
@@ -701,12 +714,13 @@ class NumbaBackend:
         else:
             msrc = P.view(mask_plane, 0, lay.mask[1], np.uint8)
             mask, offsets = msrc, P.view(scratch, s0, 0, np.uint32)
-        pack = Launch(kern.pack[(mode, int(enc))], n_tiles, K.NT,
+        ored = al.sec.ored
+        pack = Launch(kern.pack[(mode, int(enc), ored)], n_tiles, K.NT,
                       (xe, x64, use64, numel, ye, y64, yfast, msrc, lay.capacity,
                        int(self.variant.incl_every), mask, offsets, lay.chunk_log2, vt, vw, sw,
                        desc, starts, edges, stat))
         zero = zero_tail and lay.capacity > 0
-        if enc == Encoding.RAW and not zero:
+        if ored or (enc == Encoding.RAW and not zero):
             return pack, None
         block = 256 if not K.SIM else 32
         grid = _ceil_div(n_tiles + 1, block) if enc != Encoding.RAW else 1

@@ -1,15 +1,24 @@
 """The value streams' tile edges. A pack tile writes only the stream words
-wholly inside its bit range (``copy_inner``) and records its first and last 32
-stored bits (``stream_edges``); ``k_finish`` then writes each word holding bits
-of several tiles, or the stream's last partly filled word, from those edge
-records (as the CuPy pack kernel's ``bs_stitch_word``), and at a fixed capacity
-zeroes what lies past the stored values. So no word is written twice, no
-atomics touch the output and padding bits come out zero.
+wholly inside its bit range (``copy_inner``). Its bits of the words it shares
+with other tiles (or of the stream's last, partly filled word) reach them one of
+two ways:
+
+* a large pack records each tile's first and last 32 stored bits
+  (``stream_edges``); ``k_finish`` then writes each shared word from those edge
+  records (as the CuPy pack kernel's ``bs_stitch_word``) and, at a fixed
+  capacity, zeroes what lies past the stored values. No word is written twice
+  and no atomics touch the output.
+* a small pack (the backend's fill limit) has its values and signs zeroed
+  before the pack, and each tile ORs its bits of its shared words into place
+  (``or_edges``): no second kernel, whose launch would cost the host more than
+  the fill costs the GPU.
+
+Either way padding bits come out zero.
 """
 
 from __future__ import annotations
 
-from numba import cuda, int64, uint64
+from numba import cuda, int64, uint32, uint64
 
 from .common import FULL_MASK, NT, RAW, SIGNPLANE, _u
 
@@ -44,6 +53,29 @@ def stream_edges(tw, L):
     k = p >> 5
     pair = (uint64(tw[_u(k + 1)]) << uint64(32)) | uint64(tw[_u(k)])
     return w0, int64((pair >> uint64(p & 31)) & uint64(FULL_MASK))
+
+
+@cuda.jit(device=True)
+def or_edges(out, tw, a, e, width):
+    """OR the bits of a tile's stream (tw, from bit a*width) that fall in words
+    not wholly inside [a*width, e*width) into those words of ``out`` (zeroed
+    before the pack): at most two, the one the range starts inside and the one
+    it ends inside."""
+    b0 = a * width
+    b1 = e * width
+    if b1 == b0:
+        return
+    first, last = stream_edges(tw, b1 - b0)
+    lo = b0 & 31
+    hi = b1 & 31
+    f = b0 >> 5
+    k = b1 >> 5
+    if lo != 0 and f < out.size:
+        # its first 32 - lo bits (all it has where it ends in this word too)
+        cuda.atomic.or_(out, _u(f), uint32((first << lo) & FULL_MASK))
+    if hi != 0 and (k != f or lo == 0) and k < out.size:
+        # its last hi bits, the low bits of the word
+        cuda.atomic.or_(out, _u(k), uint32(last >> (32 - hi)))
 
 
 @cuda.jit(device=True)

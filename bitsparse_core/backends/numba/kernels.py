@@ -59,16 +59,22 @@ class PackVariant:
     block's tile is its block index (no atomic ticket and no barrier before the loads;
     forward progress then rests on blocks being dispatched in index order, as CUB's
     scans assume); ``incl_every``: a tile publishes its inclusive count only every this
-    many tiles (a launch argument: tests raise it to make look-backs walk)."""
+    many tiles (a launch argument: tests raise it to make look-backs walk);
+    ``fill_limit``: a pack whose values, signs and zeroed scratch take at most this many
+    bytes zeroes them with one fill and lets its tiles OR the stream words they share
+    (no ``k_finish``, whose launch costs the host more than such a fill costs the GPU;
+    larger packs run it). Tests set 0 to run ``k_finish`` on small tensors."""
     pack_rounds: int | None = None
     pack_blocks: int | None = None
     lb_early: bool = False
     ticket: bool = True
     incl_every: int = 1
+    fill_limit: int = 4 << 20
 
     def compiled(self) -> "PackVariant":
-        """The part that selects compiled kernels (``incl_every`` is passed at launch)."""
-        return dataclasses.replace(self, incl_every=1)
+        """The part that selects compiled kernels (``incl_every`` is passed at launch, and
+        ``fill_limit`` picks among them)."""
+        return dataclasses.replace(self, incl_every=1, fill_limit=PackVariant.fill_limit)
 
 
 COMMITTED = PackVariant()

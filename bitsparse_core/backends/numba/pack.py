@@ -6,7 +6,9 @@ turns each run of 32 into W stream words with constant shifts
 (:func:`pack_words.make_pack_run`) while warp 0 looks back for the tile's value
 offset (:mod:`lookback`), and finally writes the stream words that lie wholly
 inside its bit range, each a funnel shift of two tile words (no per-word
-gather, no division), and its edge record (:mod:`edges`, ``k_finish``).
+gather, no division), and its edge record (:mod:`edges`, ``k_finish``), or, in a
+pack whose values were zeroed before it (``or_edges``), its bits of the shared
+words themselves.
 
 Pack tiles have their own size (PTILE; unpack keeps TILE): a thread holds PR
 groups of 8 elements, 64 bytes (bf16 / fp16: 4 groups, 8192 elements per tile;
@@ -35,7 +37,7 @@ from ...spec import format as _fmt
 from .common import (FULL_MASK, LANE_N, MODE_MASKED, MODE_PACK, MODE_RELU, MODE_RELU2,
                      NOSIGN, NT, NW, RAW, SIGNPLANE, SIM, _u, _warp_excl_scan,
                      _warp_excl_scan64)
-from .edges import copy_inner, stream_edges
+from .edges import copy_inner, or_edges, stream_edges
 from .lookback import LB_INCL, LB_NEG, lb_load, lookback, publish, tile_slot
 from .pack_words import make_pack_run, make_word_ops
 
@@ -105,8 +107,10 @@ def pack_jit(pack_blocks: int | None = None) -> dict:
 
 
 def make_pack_kernels(el, pack_rounds=None, pack_blocks=None, lb_early=False, ticket=True):
-    """(geometry, {(mode, encoding): k_pack}) of element type ``el``; the keywords
-    are DtypeKernels' A/B knobs."""
+    """(geometry, {(mode, encoding, or_edges): k_pack}) of element type ``el``; the
+    keywords are DtypeKernels' A/B knobs. ``or_edges``: the tiles OR their bits of
+    shared stream words into a zeroed output (no k_finish); raw values share no
+    words, so both keys name one kernel."""
     geo = pack_geometry(el, pack_rounds)
     jit = pack_jit(pack_blocks)
     load = _make_load(el, geo)
@@ -117,9 +121,14 @@ def make_pack_kernels(el, pack_rounds=None, pack_blocks=None, lb_early=False, ti
     for mode in MODES:
         classify = _make_classify(el, geo, mode, words)
         for enc in (RAW, NOSIGN, SIGNPLANE):
-            store = _make_store(el.W, enc)
-            kernels[(mode, enc)] = make_pack(el, geo, mode, enc, jit[mode], lb_early, ticket,
-                                             load, classify, pack_run, chunk_offsets, store)
+            for ored in (False, True):
+                if enc == RAW and ored:
+                    kernels[(mode, enc, ored)] = kernels[(mode, enc, False)]
+                    continue
+                store = _make_store(el.W, enc, ored)
+                kernels[(mode, enc, ored)] = make_pack(el, geo, mode, enc, jit[mode], lb_early,
+                                                       ticket, load, classify, pack_run,
+                                                       chunk_offsets, store)
     return geo, kernels
 
 
@@ -228,13 +237,14 @@ def _make_chunk_offsets(geo):
     return chunk_offsets
 
 
-def _make_store(W, enc):
+def _make_store(W, enc, ored):
     SIGNS = enc == SIGNPLANE
 
     @cuda.jit(device=True, inline="always")
     def store_values(P, n, cap, t, tile, sv, a_s, s_sg, vt, vw, sw, edges):
         """The tile's stored values, clipped to the capacity: raw values one per
-        thread, streams as their inner words and the tile's edge record."""
+        thread, streams as their inner words and the tile's edge record (``ored``:
+        its bits of the shared words ORed into place instead)."""
         a = P
         if a > cap:
             a = cap
@@ -250,7 +260,12 @@ def _make_store(W, enc):
             copy_inner(vw, a_s, t, a, e, W)
             if SIGNS:
                 copy_inner(sw, s_sg, t, a, e, 1)
-            if t == 0:
+            if ored:
+                if t == 0:
+                    or_edges(vw, a_s, a, e, W)
+                    if SIGNS:
+                        or_edges(sw, s_sg, a, e, 1)
+            elif t == 0:
                 ef, el = stream_edges(a_s, (e - a) * W)
                 edges[_u(tile * 4)] = ef
                 edges[_u(tile * 4 + 1)] = el
