@@ -172,17 +172,17 @@ def _recipe(plan, variant) -> _Recipe:
 
 class _Alloc:
     """One packed tensor's memory: the allocations of ``plan``'s sections ``sec`` (an
-    exact pack's two, the head ``head`` where one is given to share: the shrink's),
+    exact pack's two; ``head`` and ``tail`` where they are given: the shrink's),
     head first."""
 
     __slots__ = ("plan", "lay", "sec", "blocks")
 
-    def __init__(self, P, plan, sec: _Sections, st, allocator, head=None):
+    def __init__(self, P, plan, sec: _Sections, st, allocator, head=None, tail=None):
         self.plan, self.lay, self.sec = plan, plan.lay, sec
         sizes = sec.sizes
         if len(sizes) == 2:
             self.blocks = (head if head is not None else P.alloc(sizes[0], st, allocator),
-                           P.alloc(sizes[1], st, allocator))
+                           tail if tail is not None else P.alloc(sizes[1], st, allocator))
         else:
             self.blocks = (P.alloc(sizes[0], st, allocator),)
 
@@ -241,13 +241,16 @@ class _NumbaSteps:
         return int(status) & 0xFFFFFFFF, int(total)
 
     def shrink(self, plan, al, nnz):
+        """The stored values into an exact-size tail: its copies are queued before the
+        exact plan is built (the GPU waits for this host work, as CuPy's shrink)."""
         P, st = self.P, self.st
-        _, copies = host.tail_shrink(plan, nnz)
-        exact = plan.with_capacity(nnz)
-        out = _Alloc(P, exact, _Sections(exact, True, 0), st, self.allocator, head=al.head)
+        nbytes, copies = host.tail_shrink(plan, nnz)
+        tail = P.alloc(nbytes, st, self.allocator)
         for d, s, n in copies:
-            P.copy(out.tail, d, al.tail, s, n, st)
-        return out
+            P.copy(tail, d, al.tail, s, n, st)
+        exact = plan.with_capacity(nnz)
+        return _Alloc(P, exact, _Sections(exact, True, 0), st, self.allocator, head=al.head,
+                      tail=tail)
 
     def packed(self, plan, al, nnz, pending_status):
         return self.backend._packed(self.P, self.st, al, nnz, pending_status)
