@@ -62,14 +62,15 @@ class PackVariant:
     many tiles (a launch argument: tests raise it to make look-backs walk);
     ``fill_limit``: a pack whose values, signs and zeroed scratch take at most this many
     bytes zeroes them with one fill and lets its tiles OR the stream words they share
-    (no ``k_finish``, whose launch costs the host more than such a fill costs the GPU;
-    larger packs run it). Tests set 0 to run ``k_finish`` on small tensors."""
+    (no ``k_finish``: up to this size the fill costs the GPU no more than k_finish
+    does, and the host one launch less; larger packs run it, bench/NOTES.md session
+    35). Tests set 0 to run ``k_finish`` on small tensors."""
     pack_rounds: int | None = None
     pack_blocks: int | None = None
     lb_early: bool = False
     ticket: bool = True
     incl_every: int = 1
-    fill_limit: int = 4 << 20
+    fill_limit: int = 8 << 20
 
     def compiled(self) -> "PackVariant":
         """The part that selects compiled kernels (``incl_every`` is passed at launch, and
