@@ -643,7 +643,9 @@ class NumbaBackend:
 
     def _run_pack(self, P, st, buf, recipe, mode, al, ybuf, p_mask, zero_tail, slot=0):
         """Launch the one-pass pack into ``al`` (and, at fixed capacity, zero what
-        lies past the stored values), with its scratch at ``al.scratch``; the status
+        lies past the stored values), with its scratch at ``al.scratch``, after the
+        fill of ``al.sec.fill`` (the scratch's head, or with it the values and signs of
+        a pack whose tiles OR their shared words: then no k_finish); the status
         and count then go to ``slot`` (a pinned host slot, 0 for none) ahead of the
         stitching kernel. On a GPU, a plan this thread has packed with before launches
         by records of its own (:class:`_PackLaunches`)."""
