@@ -66,7 +66,7 @@ def main() -> None:
     unpack_sig = (u8, i64, u32, i64, *planes, el, u64, b, el, u64, b)
     gated_sig = (u8, i64, u32, i64, *planes, *planes, el, u64, el, u64, b, el, u64, el, u64, b)
     pack_sig = (el, u64, b, i64, el, u64, b, u8, i64, i64, u8, u32, i64, el, u32, u32,
-                arr(types.int64), arr(types.int64), u32, arr(types.int64))
+                arr(types.int64), arr(types.int64), u32, arr(types.int64), arr(types.int64))
     finish_sig = (arr(types.int64), u32, i64, arr(types.int64), i64, i64, b, el, u32, u32)
     encs = (K.RAW, K.NOSIGN, K.SIGNPLANE) if a.all else (K.NOSIGN,)
     ename = {K.RAW: "raw", K.NOSIGN: "nosign", K.SIGNPLANE: "signplane"}

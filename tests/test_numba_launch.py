@@ -313,6 +313,11 @@ def _record_platform(backend, launched):
         def __init__(self):
             self._local = threading.local()
             self.next = 1 << 32
+            self.slots = 0
+
+        def take_slot(self):            # pinned slots at changing addresses
+            self.slots += 1
+            return (1 << 43) + (self.slots % 3) * 16
 
         def alloc(self, nbytes, st, allocator):
             buf = _Buf(self.next)
@@ -340,8 +345,8 @@ def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypa
     """_run_pack's records (a plan's third call on: the first marks it, the second
     builds them) launch the records that P.launch fills from the views of each call,
     for inputs at changing and differently aligned addresses, in every pack variant:
-    fixed capacity, the worst case of an exact pack (two blocks), relu_pack with y,
-    masked_pack; with k_finish (``fill_limit`` 0) and without (the default's, these
+    fixed capacity, the worst case of an exact pack (two blocks, its count to a pinned
+    slot at a changing address), relu_pack with y, masked_pack; with k_finish (``fill_limit`` 0) and without (the default's, these
     packs being small). The run without records is the reference."""
     backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
     if backend.K.SIM:
@@ -370,7 +375,7 @@ def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypa
             for enc, cap, fixed in ((Encoding.NOSIGN, 9000, True), (Encoding.RAW, 9000, True),
                                     (Encoding.SIGNPLANE, numel, False)):
                 backend._NumbaSteps(be, P, st, x, dt, K.MODE_PACK, None, None).run(
-                    plan(enc, cap), fixed)
+                    plan(enc, cap), fixed, count=not fixed)
             backend._NumbaSteps(be, P, st, x, dt, K.MODE_RELU, None, y).run(
                 plan(Encoding.NOSIGN, 9000, Mode.RELU), True)
             masked = plan(Encoding.SIGNPLANE, 7000, Mode.MASKED)

@@ -70,11 +70,20 @@ def _landed(view32: np.ndarray, view64: np.ndarray):
     return s, n
 
 
+def _views(slot: int) -> tuple:
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * abi.SLOT_BYTES).from_address(slot))
+    return raw.view(np.uint32), raw.view(np.uint64)
+
+
+def landed(slot: int):
+    """``(status, nnz)`` of a slot both of whose fields have been written, else None."""
+    return _landed(*_views(slot))
+
+
 def wait(slot: int, stream: int) -> tuple:
     """``(status, nnz)`` once the pack queued on ``stream`` has written ``slot``; the slot
     is then free again."""
-    raw = np.ctypeslib.as_array((ctypes.c_uint8 * abi.SLOT_BYTES).from_address(slot))
-    view32, view64 = raw.view(np.uint32), raw.view(np.uint64)
+    view32, view64 = _views(slot)
     deadline = time.perf_counter() + _SPIN_S
     looks = 0
     while (state := _landed(view32, view64)) is None:

@@ -31,7 +31,7 @@ import threading
 import numpy as np
 from numba import cuda as _cuda
 
-from ...errors import OutputMismatchError, UnsupportedDeviceError
+from ...errors import CudaDriverError, OutputMismatchError, UnsupportedDeviceError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
 from ...spec.ops import masked_encoding
@@ -236,7 +236,7 @@ class _NumbaSteps:
     def read_head(self, plan, al):
         slot, self.slot = self.slot, 0
         if slot:
-            return slots.wait(slot, self.st[0])
+            return self.P.wait_slot(slot, self.st)
         status, total = self.P.read(*al.status, 2, np.int64, self.st)
         return int(status) & 0xFFFFFFFF, int(total)
 
@@ -298,11 +298,9 @@ class _PackLaunches:
             log.info("a pack plan keeps launching through the platform: %s", exc)
             return None
 
-    def queue(self, P, st, addresses, status, slot):
-        """The pack, the status copy to ``slot`` (0: none), then k_finish, in stream order."""
+    def queue(self, st, addresses):
+        """The pack, then k_finish, in stream order."""
         self.pack(st[0], addresses)
-        if slot:
-            P.copy_to_slot(slot, *status, st)
         if self.finish is not None:
             self.finish(st[0], addresses)
 
@@ -316,6 +314,7 @@ class _SimPlatform:
     def __init__(self):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         self._fake = FakeCUDAArray
+        self._slots = {}
 
     def stream(self, stream):
         return None
@@ -375,8 +374,25 @@ class _SimPlatform:
         size = np.dtype(np_dtype).itemsize
         return buf[off:off + count * size].view(np_dtype).copy()
 
+    # Slots as on a GPU (the kernel writes the count into one), in host arrays of
+    # this platform's own: the simulator has no pinned memory.
     def take_slot(self) -> int:
-        return 0       # no pinned slots here: a count is read from the status area
+        buf = np.zeros(abi.SLOT_BYTES, dtype=np.uint8)
+        slot = buf.ctypes.data
+        self._slots[slot] = buf
+        slots.write(slot, abi.SLOT_SENTINEL32, abi.SLOT_SENTINEL64)
+        return slot
+
+    def slot_buffer(self, slot):
+        return self._slots[slot]
+
+    def wait_slot(self, slot, st) -> tuple:
+        state = slots.landed(slot)     # the kernel has run: its launch returned
+        del self._slots[slot]
+        if state is None:
+            raise CudaDriverError("the pack kernel finished without writing its count to the "
+                                  "host slot")
+        return state
 
     def launch(self, kernel, grid, block, st, *args):
         kernel[grid, block](*args)
@@ -486,11 +502,13 @@ class _GpuPlatform:
     def take_slot(self) -> int:
         return slots.take()
 
-    def copy_to_slot(self, slot, buf, off, st):
-        """The status area's 16 bytes into a pinned slot, in stream order (the Numba
-        kernel does not write the slot itself as the CUDA C++ one does)."""
-        with self._on_dev(st):
-            driver.copy_to_host(slot, int(buf.ptr) + off, abi.SLOT_BYTES, st[0])
+    def slot_buffer(self, slot):
+        """A pinned slot as a buffer kernels write through its host address (unified
+        addressing)."""
+        return _HostSlot(slot)
+
+    def wait_slot(self, slot, st) -> tuple:
+        return slots.wait(slot, st[0])
 
     def device_sync(self):
         self.cuda.synchronize()
@@ -527,6 +545,16 @@ class _GpuPlatform:
     def order_after(self, p, st):
         """Make our stream wait for the work that produced p's planes (on p's stream)."""
         self.ci.stream_wait(st[0], protocol.producer_stream(p, st[0]), p.device[1])
+
+
+class _HostSlot:
+    """A pinned host slot where a launch's buffers are listed (a BoundLaunch writes its
+    address into the record like any buffer's)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
 
 
 _PLATFORM = None
@@ -645,10 +673,10 @@ class NumbaBackend:
         """Launch the one-pass pack into ``al`` (and, at fixed capacity, zero what
         lies past the stored values), with its scratch at ``al.scratch``, after the
         fill of ``al.sec.fill`` (the scratch's head, or with it the values and signs of
-        a pack whose tiles OR their shared words: then no k_finish); the status
-        and count then go to ``slot`` (a pinned host slot, 0 for none) ahead of the
-        stitching kernel. On a GPU, a plan this thread has packed with before launches
-        by records of its own (:class:`_PackLaunches`)."""
+        a pack whose tiles OR their shared words: then no k_finish); its last tile
+        writes the status and count into ``slot`` too (a pinned host slot, 0 for none).
+        On a GPU, a plan this thread has packed with before launches by records of its
+        own (:class:`_PackLaunches`)."""
         if recipe.n_tiles == 0:           # an empty tensor: its header-less planes zeroed
             for b, n in al.written:
                 P.memset0(b, 0, n, st)
@@ -658,23 +686,23 @@ class NumbaBackend:
         fi, fo, fn = al.sec.fill
         P.memset0(al.blocks[fi], fo, fn, st)
         mask_plane = None if p_mask is None else P.import_plane(p_mask.mask)
+        slot_buf = P.slot_buffer(slot) if slot else None
         # every buffer a launch argument lies in, in an order the key fixes
         buffers = (buf, buf if ybuf is None else ybuf, *al.blocks,
-                   *(() if mask_plane is None else (mask_plane,)))
+                   *(() if mask_plane is None else (mask_plane,)),
+                   *(() if slot_buf is None else (slot_buf,)))
         key = kept = None
         if not K.SIM:
             addresses = [b.ptr for b in buffers]
             key = self._pack_key(st, recipe, mode, al, addresses, ybuf is not None,
-                                 p_mask is not None, zero_tail)
+                                 p_mask is not None, zero_tail, bool(slot))
             kept = _PACK_LAUNCHES.get(key, al.plan)
             if type(kept) is _PackLaunches:
-                kept.queue(P, st, addresses, al.status, slot)
+                kept.queue(st, addresses)
                 return
         pack, finish = self._pack_launches(P, recipe, mode, al, buf, ybuf, mask_plane,
-                                           zero_tail)
+                                           zero_tail, slot_buf)
         P.launch(pack.kernel, pack.grid, pack.block, st, *pack.args)
-        if slot:
-            P.copy_to_slot(slot, *al.status, st)
         if finish is not None:
             P.launch(finish.kernel, finish.grid, finish.block, st, *finish.args)
         if key is not None and kept is not _NOT_COVERED:
@@ -682,21 +710,21 @@ class NumbaBackend:
                     _PackLaunches.build(P, st, pack, finish, buffers, addresses) or _NOT_COVERED)
             _PACK_LAUNCHES.put(key, al.plan, kept)
 
-    def _pack_key(self, st, recipe, mode, al, addresses, has_y, masked, zero_tail):
+    def _pack_key(self, st, recipe, mode, al, addresses, has_y, masked, zero_tail, has_slot):
         """What fixes every argument of a pack's launches but the buffers' addresses
         (and so the arguments' kinds): the plan (counts, offsets, capacity, chunk size),
         the device, the kernels (dtype, compiled variant) and incl_every, the mode,
         zero_tail, one block or two, whether the tiles OR their shared words (then no
-        k_finish), whether y and a mask tensor are given, and which
+        k_finish), whether y, a mask tensor and a host slot are given, and which
         dense tensors are 8-byte aligned (the word views of the others are empty)."""
         return (id(al.plan), st[2], recipe.kern, self.variant.incl_every, mode, zero_tail,
-                len(al.blocks), al.sec.ored, has_y, masked, addresses[0] % 8 == 0,
+                len(al.blocks), al.sec.ored, has_y, masked, has_slot, addresses[0] % 8 == 0,
                 has_y and addresses[1] % 8 == 0)
 
-    def _pack_launches(self, P, recipe, mode, al, buf, ybuf, mask_plane, zero_tail):
+    def _pack_launches(self, P, recipe, mode, al, buf, ybuf, mask_plane, zero_tail, slot_buf):
         """``(pack, finish)``: the pack kernel's launch over kernel views of ``al``, the
-        dense input ``buf``, relu_pack's output ``ybuf`` and masked_pack's mask plane,
-        and k_finish's, which writes the stream words shared by tiles (value streams)
+        dense input ``buf``, relu_pack's output ``ybuf``, masked_pack's mask plane and
+        the host slot ``slot_buf`` (None: none), and k_finish's, which writes the stream words shared by tiles (value streams)
         and, at fixed capacity, the zeros past the stored values (None: neither, or a
         pack whose fill zeroed its values and whose tiles OR their shared words)."""
         lay, kern, n_tiles, head = al.lay, recipe.kern, recipe.n_tiles, recipe.head
@@ -712,6 +740,8 @@ class NumbaBackend:
             ye, y64, yfast = xe, x64, False
         vt, vw, sw = self._value_views(P, lay, al)
         stat = P.view(*al.status, 2, np.int64)
+        slot = (P.view(*al.status, 0, np.int64) if slot_buf is None
+                else P.view(slot_buf, 0, 2, np.int64))
         if mask_plane is None:
             mask = al.view(P, "mask", lay.mask[1], np.uint8)
             offsets = al.view(P, "offsets", lay.n_chunks + 1, _OFFSET_DTYPES[lay.offset_width])
@@ -723,7 +753,7 @@ class NumbaBackend:
         pack = Launch(kern.pack[(mode, int(enc), ored)], n_tiles, K.NT,
                       (xe, x64, use64, numel, ye, y64, yfast, msrc, lay.capacity,
                        int(self.variant.incl_every), mask, offsets, lay.chunk_log2, vt, vw, sw,
-                       desc, starts, edges, stat))
+                       desc, starts, edges, stat, slot))
         zero = zero_tail and lay.capacity > 0
         if ored or (enc == Encoding.RAW and not zero):
             return pack, None

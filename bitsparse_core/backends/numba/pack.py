@@ -290,7 +290,7 @@ def make_pack(el, geo, mode, enc, jit, lb_early, ticket, load_elems, classify, p
 
     @cuda.jit(**jit)
     def k_pack(xe, x64, use64, numel, ye, y64, ouse64, msrc, cap, incl_every,
-               mask, offsets, chunk_log2, vt, vw, sw, scratch, starts, edges, stat):
+               mask, offsets, chunk_log2, vt, vw, sw, scratch, starts, edges, stat, slot):
         """One-pass pack. mode 0: x's nonzeros; 1: relu(x)'s, writing y = relu(x);
         2: the same with y = relu(x)**2; 3 (masked_pack): x at the set bits of the
         mask plane ``msrc`` (mask and offsets are then shared, not written).
@@ -298,7 +298,9 @@ def make_pack(el, geo, mode, enc, jit, lb_early, ticket, load_elems, classify, p
         one per group of tiles (lookback.scratch_slots);
         ``starts`` (int64): each tile's first value index, then the total;
         ``edges`` (uint32): 4 per tile (k_finish); ``stat`` (int64): status
-        word, total count. ``incl_every`` > 1 makes only every such tile publish
+        word, total count; ``slot`` (int64, 2 or none): the same two words in a
+        pinned host slot, written by the last tile as soon as it knows them (the
+        host waits there, not for the kernel's end). ``incl_every`` > 1 makes only every such tile publish
         its inclusive count (tests use it to make the look-back walk)."""
         t = cuda.threadIdx.x
         lane = t & 31
@@ -395,6 +397,10 @@ def make_pack(el, geo, mode, enc, jit, lb_early, ticket, load_elems, classify, p
                     starts[n_tiles] = P + n
                     stat[0] = pneg
                     stat[1] = P + n
+                    if slot.size > 0:
+                        slot[1] = P + n
+                        slot[0] = pneg
+                        cuda.threadfence_system()
                     if mode != MODE_MASKED:
                         offsets[offsets.size - 1] = P + n
                 sh_p[1] = P
