@@ -80,10 +80,11 @@ def test_pack_scratch_holds_the_kernels_layout_in_whole_16_byte_rows():
 
 @pytest.mark.parametrize("mode", list(abi.Mode))
 @pytest.mark.parametrize("encoding", ["raw", "nosign", "signplane"])
-def test_plan_with_capacity(mode, encoding):
-    """An exact pack's plan after its count is the plan at that capacity, with the mask,
-    the offsets and the value span's start where the worst-case plan has them (so the
-    head of an exact pack is the same for both; the tail's shrink is tested below)."""
+def test_exact_tail_is_the_tail_of_the_plan_at_the_count(mode, encoding):
+    """What tail_shrink works out by arithmetic is what the plan at the count says: the
+    tail's size and where its values and signs lie; and that plan keeps the mask, the
+    offsets and the status area (the value span's start) where the worst case has them,
+    so an exact pack's head needs no plan of its own."""
     import numpy as np
 
     from bitsparse_core import dtypes as D
@@ -96,9 +97,12 @@ def test_plan_with_capacity(mode, encoding):
             numel = int(np.prod(shape))
             big = host.pack_plan(shape, dt, enc, numel, 12, mode)
             for cap in {0, numel, *rng.integers(0, numel + 1, size=4).tolist()}:
-                small = big.with_capacity(cap)
-                assert small == host.pack_plan(shape, dt, enc, cap, 12, mode)
+                small = host.pack_plan(shape, dt, enc, cap, 12, mode)
+                exact = host.tail_shrink(big, cap)
+                assert (exact.nbytes, exact.values_len, exact.signs_offset, exact.signs_len) == \
+                    (small.tail_bytes, small.spans[2][1], small.tail_signs_offset, small.spans[3][1])
                 assert small.spans[:2] == big.spans[:2] and small.head_bytes == big.head_bytes
+                assert small.spans[2][0] == big.spans[2][0]
     with pytest.raises(ValueError, match="outside the plan's capacity"):
         host.tail_shrink(host.pack_plan((64,), D.BFLOAT16, enc, 8, 12, mode), 9)
 
@@ -124,9 +128,9 @@ def test_split_exact_pack_and_its_tail_shrink(encoding):
             assert big.tail_signs_offset % 64 == 0 and big.tail_signs_offset >= big.spans[2][1]
             assert big.tail_bytes >= big.tail_signs_offset + big.spans[3][1]
             for cap in {0, numel, *rng.integers(0, numel + 1, size=4).tolist()}:
-                small = big.with_capacity(cap)
-                nbytes, copies = host.tail_shrink(big, cap)
-                assert nbytes == small.tail_bytes          # the size formula, by arithmetic
+                small = host.pack_plan(shape, dt, enc, cap, 12)
+                exact = host.tail_shrink(big, cap)
+                nbytes, copies = exact.nbytes, exact.copies
                 src = rng.integers(0, 256, big.tail_bytes, dtype=np.uint8)
                 dst = np.zeros(nbytes, dtype=np.uint8)
                 for d, s, n in copies:
@@ -138,31 +142,29 @@ def test_split_exact_pack_and_its_tail_shrink(encoding):
                 assert np.array_equal(dst[so:so + sl], src[bso:bso + sl])
 
 
-def test_exact_pack_queues_its_copies_before_building_the_exact_plan(monkeypatch):
-    """After the count the GPU waits for the host until the shrink's copies are queued:
-    the protocol hands the count to the shrink first, and builds the exact plan (a new
-    layout) only after it."""
+def test_exact_pack_builds_no_plan_after_its_count(monkeypatch):
+    """After the count the GPU waits for the host until the shrink's copies are queued,
+    and idles while the host builds the result: the protocol hands the count to the
+    shrink, then the shrunk block and the worst-case plan to ``packed``, and lays out
+    no plan (no size formula) in between."""
     from bitsparse_core import dtypes as D
     from bitsparse_core.backends.cuda import host, protocol
+    from bitsparse_core.spec.format import Encoding
     events = []
-    real = host.PackPlan.with_capacity
-
-    def with_capacity(self, capacity):
-        events.append(("plan", capacity))
-        return real(self, capacity)
-
-    monkeypatch.setattr(host.PackPlan, "with_capacity", with_capacity)
+    tail_at_count = host.pack_plan((1000,), D.BFLOAT16, Encoding.NOSIGN, 123, 12).tail_bytes
 
     class Steps:
         def run(self, plan, fixed, count):
             events.append(("run", fixed, count))
+            monkeypatch.setattr(protocol, "pack_plan", lambda *a: events.append(("plan",)))
+            monkeypatch.setattr(host._fmt, "cached_layout", lambda *a: events.append(("layout",)))
             return "worst-case block"
 
         def read_head(self, plan, block):
             return 0, 123
 
         def shrink(self, plan, block, nnz):
-            events.append(("shrink", nnz, host.tail_shrink(plan, nnz)[0]))
+            events.append(("shrink", nnz, host.tail_shrink(plan, nnz).nbytes))
             return "exact block"
 
         def packed(self, plan, block, nnz, pending_status):
@@ -170,10 +172,10 @@ def test_exact_pack_queues_its_copies_before_building_the_exact_plan(monkeypatch
             return plan
 
     plan = protocol.pack(Steps(), (1000,), D.BFLOAT16, "nosign", 12, None)
-    assert [e[0] for e in events] == ["run", "shrink", "plan", "packed"]
+    assert [e[0] for e in events] == ["run", "shrink", "packed"]
     assert events[0] == ("run", False, True)
-    assert events[1][:2] == ("shrink", 123) and events[1][2] == plan.tail_bytes
-    assert events[3] == ("packed", 123, "exact block", 123)
+    assert events[1] == ("shrink", 123, tail_at_count)
+    assert events[2] == ("packed", 1000, "exact block", 123)
 
 
 class _FakeStream:

@@ -127,22 +127,3 @@ def test_dimension_bound_constants():
     F.check_extent((2**58, 0))
     with pytest.raises(bc.ShapeTooLargeError):
         F.check_extent((2**29, 2**29, 2))
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn",
-                                   "float8_e5m2"])
-@pytest.mark.parametrize("encoding", ["raw", "nosign", "signplane"])
-def test_layout_with_capacity_is_the_layout_at_that_capacity(dtype, encoding):
-    """The exact pack's shortcut gives the size formula's own answer, for shapes whose
-    sections end on and off the alignment, capacities from 0 to numel."""
-    rng = np.random.default_rng(hash((dtype, encoding)) % 2**32)
-    for shape in [(0,), (1,), (7, 3), (4096,), (3, 1000, 11), (8192, 17)]:
-        numel = int(np.prod(shape))
-        full = F.layout(shape, dtype, encoding)
-        for cap in {0, numel, *rng.integers(0, numel + 1, size=6).tolist()}:
-            for chunk in (9, 12):
-                want = F.layout(shape, dtype, encoding, cap, chunk)
-                got = F.layout(shape, dtype, encoding, None, chunk).with_capacity(cap)
-                assert got == want, (shape, cap, chunk)
-        with pytest.raises(F.CapacityError):
-            full.with_capacity(numel + 1)

@@ -117,19 +117,6 @@ class Layout:
         return {"mask": self.mask, "offsets": self.offsets, "values": self.values,
                 "signs": self.signs}
 
-    def with_capacity(self, capacity: int) -> "Layout":
-        """This layout at another capacity: the same as :func:`layout` with it, computed
-        from the sections that do not depend on it (an exact pack asks this once its
-        count is known, on the path the GPU waits for)."""
-        capacity = check_capacity(capacity, self.numel)
-        vpos = self.values[0]
-        vlen = values_nbytes(self.dtype, self.encoding, capacity)
-        spos = vpos + align(vlen)
-        slen = signs_nbytes(self.encoding, capacity)
-        return Layout(self.dtype, self.encoding, self.chunk_log2, self.shape, self.numel,
-                      capacity, self.header_size, self.mask, self.offsets, (vpos, vlen),
-                      (spos, slen), spos + align(slen))
-
 
 def _as_int(value, what: str, cls) -> int:
     """``value`` as a Python int; bools, floats, strings and other non-integers raise ``cls``."""

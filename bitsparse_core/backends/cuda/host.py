@@ -91,20 +91,6 @@ class PackPlan:
     def tail_bytes(self) -> int:
         return self.tail_signs_offset + _fmt.align(self.spans[3][1])
 
-    def with_capacity(self, capacity: int) -> "PackPlan":
-        """This plan at another capacity (an exact pack's, once its count is known): equal
-        to :func:`pack_plan` with it. Only the value and sign spans, the status area and
-        the size move; the mask and offsets keep their places, and so does the value
-        span's start."""
-        lay = self.lay.with_capacity(capacity)
-        vo = self.spans[2][0]
-        vlen, slen = lay.values[1], lay.signs[1]
-        so = vo + _fmt.align(vlen)
-        pos = so + _fmt.align(slen)
-        return PackPlan(lay, self.mode, (self.spans[0], self.spans[1], (vo, vlen), (so, slen)),
-                        pos, pos + abi.STATUS_BYTES, self.rounds, self.n_tiles,
-                        self.scratch_bytes, self.smem, self.width)
-
 
 @functools.lru_cache(maxsize=4096)
 def pack_plan(shape: tuple, dtype: _dt.DType, encoding: Encoding, capacity: int, chunk_log2: int,
@@ -254,20 +240,30 @@ def enqueue_pack_planes(plan: PackPlan, device: int, stream: int, x: int, mask: 
     driver.launch_cooperative(L.pack, L.grid, abi.THREADS, plan.smem, stream, r)
 
 
-def tail_shrink(src: PackPlan, nnz: int) -> tuple:
-    """``(tail bytes, ((dst offset, src offset, bytes), ...))``: the exact-size tail of an
-    exact pack whose worst-case plan is ``src`` (see :attr:`PackPlan.head_bytes`) and whose
-    count is ``nnz``, and the copies that fill it from the worst-case tail. Plain
-    arithmetic on the size formula, so that the copies are queued before the exact plan
-    (``src.with_capacity(nnz)``, whose tail this equals) is built: the GPU waits for
-    this host work."""
+class ExactTail(NamedTuple):
+    """An exact pack's tail at its count (:func:`tail_shrink`): its size, the copies that
+    fill it from the worst-case tail as ``(dst offset, src offset, bytes)``, and where its
+    values (at 0) and signs lie in it: the tail of the plan at capacity ``nnz``."""
+    nbytes: int
+    copies: tuple
+    values_len: int
+    signs_offset: int
+    signs_len: int
+
+
+def tail_shrink(src: PackPlan, nnz: int) -> ExactTail:
+    """The exact-size tail of an exact pack whose worst-case plan is ``src`` (see
+    :attr:`PackPlan.head_bytes`) and whose count is ``nnz``. Plain arithmetic on the size
+    formula: the exact plan itself is never built on the path the GPU waits for (the
+    head's planes and status area are where ``src`` has them, at any capacity)."""
     if not 0 <= nnz <= src.lay.capacity:
         raise ValueError(f"tail_shrink: count {nnz} outside the plan's capacity "
                          f"{src.lay.capacity}")
     vl = _fmt.values_nbytes(src.lay.dtype, src.lay.encoding, nnz)
     sl = _fmt.signs_nbytes(src.lay.encoding, nnz)
-    copies = ((0, 0, vl), (_fmt.align(vl), src.tail_signs_offset, sl))
-    return _fmt.align(vl) + _fmt.align(sl), tuple(c for c in copies if c[2])
+    so = _fmt.align(vl)
+    copies = ((0, 0, vl), (so, src.tail_signs_offset, sl)) if sl else ((0, 0, vl),)
+    return ExactTail(so + _fmt.align(sl), copies if vl else (), vl, so, sl)
 
 
 def enqueue_pack_split(plan: PackPlan, device: int, stream: int, x: int, head: int, tail: int,
@@ -280,7 +276,7 @@ def enqueue_pack_split(plan: PackPlan, device: int, stream: int, x: int, head: i
 
 
 def enqueue_tail_shrink(copies: tuple, src_tail: int, dst_tail: int, stream: int) -> None:
-    """Queue :func:`tail_shrink`'s copies from a worst-case tail into an exact-size one."""
+    """Queue an :class:`ExactTail`'s copies from a worst-case tail into an exact-size one."""
     for d, s, n in copies:
         driver.copy(dst_tail + d, src_tail + s, n, stream)
 

@@ -47,11 +47,13 @@ class PackSteps(Protocol):
         """``(status, nnz)`` of the pack (waits for it)."""
 
     def shrink(self, plan: PackPlan, block, nnz: int):
-        """A block for ``plan`` at capacity ``nnz`` holding what ``block`` stored, its
-        copies queued (before the caller builds that plan: :func:`.host.tail_shrink`)."""
+        """A block holding what ``block`` stored, at capacity ``nnz``, its copies queued
+        (laid out by :func:`.host.tail_shrink`, not by an exact plan: the GPU waits for
+        every step between the count and the copies, and is idle for those after)."""
 
     def packed(self, plan: PackPlan, block, nnz, pending_status: bool):
-        """The PackedTensor of a block (``nnz`` None while it is on the device)."""
+        """The PackedTensor of a block (``nnz`` None while it is on the device); of a
+        shrunk block, ``plan`` is the worst case it was packed into."""
 
 
 @functools.lru_cache(maxsize=1024, typed=True)
@@ -86,7 +88,6 @@ def pack(steps: PackSteps, shape: tuple, dtype, encoding, chunk_log2, capacity,
         raise EncodingError(NOSIGN_MESSAGE)
     if exact:       # the GPU waits for the host until the shrink's copies are queued
         block = steps.shrink(plan, block, nnz)
-        plan = plan.with_capacity(nnz)
     return steps.packed(plan, block, nnz, False)
 
 

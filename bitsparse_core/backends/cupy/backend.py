@@ -106,15 +106,18 @@ class _CupySteps:
 
     def shrink(self, plan, block, nnz):
         head, tail = block
-        nbytes, copies = host.tail_shrink(plan, nnz)
-        out = ci.allocate(nbytes, self.t.device, self.s, self.allocator)
-        host.enqueue_tail_shrink(copies, tail.ptr, out.ptr, self.s)
-        return head, out
+        exact = host.tail_shrink(plan, nnz)
+        out = ci.allocate(exact.nbytes, self.t.device, self.s, self.allocator)
+        host.enqueue_tail_shrink(exact.copies, tail.ptr, out.ptr, self.s)
+        return head, out, exact
 
     def packed(self, plan, block, nnz, pending_status):
-        head, tail = block if isinstance(block, tuple) else (block, None)
-        return self.backend._packed(self.t, plan, head, self.s, nnz=nnz, status=pending_status,
-                                    tail=tail)
+        if isinstance(block, tuple):            # an exact pack's head and shrunk tail
+            head, tail, exact = block
+            return self.backend._packed(self.t, plan, head, self.s, nnz=nnz, status=False,
+                                        tail=(tail, exact))
+        return self.backend._packed(self.t, plan, block, self.s, nnz=nnz,
+                                    status=pending_status)
 
 
 class CupyBackend:
@@ -146,20 +149,23 @@ class CupyBackend:
 
     def _packed(self, t, plan, buf, s, *, nnz, status, mask=None, offsets=None, extra=None,
                 tail=None):
-        """The PackedTensor of a block; ``tail``: the values and signs in an allocation of
-        their own (an exact pack's, :attr:`host.PackPlan.head_bytes`)."""
+        """The PackedTensor of a block; ``tail``: an exact pack's values and signs in an
+        allocation of their own and its :class:`host.ExactTail` (``plan`` then being its
+        worst case: the head's planes lie where it has them, :attr:`host.PackPlan.head_bytes`)."""
         lay = plan.lay
         (mo, ml), (oo, ol), (vo, vl), (so, sl) = plan.spans
-        vbuf, status_at = buf, plan.status_offset
+        vbuf, status_at, capacity = buf, plan.status_offset, lay.capacity
         if tail is not None:
-            vbuf, vo, so, status_at = tail, 0, plan.tail_signs_offset, plan.spans[2][0]
+            vbuf, exact = tail
+            vo, vl, so, sl = 0, exact.values_len, exact.signs_offset, exact.signs_len
+            status_at, capacity = plan.spans[2][0], nnz
         # DevicePlane(address, count, ...) directly: plane_of's checks, five times a pack
         Plane, dev = ci.DevicePlane, buf.device
         ex = {"stream": s, **extra} if extra else {"stream": s}
         if offsets is None:
             odt = _OFFSET_DTYPES[lay.offset_width]
             offsets = Plane(buf.ptr + oo, ol // odt.itemsize, odt, dev, buf, s)
-        return PackedTensor(t.shape, t.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
+        return PackedTensor(t.shape, t.dtype, lay.encoding, lay.chunk_log2, capacity,
                             Plane(buf.ptr + mo, ml, _U8, dev, buf, s) if mask is None else mask,
                             offsets,
                             Plane(vbuf.ptr + vo, vl, _U8, dev, vbuf, s),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda as _cuda
@@ -241,19 +242,41 @@ class _NumbaSteps:
         return int(status) & 0xFFFFFFFF, int(total)
 
     def shrink(self, plan, al, nnz):
-        """The stored values into an exact-size tail: its copies are queued before the
-        exact plan is built (the GPU waits for this host work, as CuPy's shrink)."""
+        """The stored values into an exact-size tail (laid out by ``host.tail_shrink``,
+        no exact plan: the GPU waits for this host work, as for CuPy's shrink)."""
         P, st = self.P, self.st
-        nbytes, copies = host.tail_shrink(plan, nnz)
-        tail = P.alloc(nbytes, st, self.allocator)
-        for d, s, n in copies:
+        exact = host.tail_shrink(plan, nnz)
+        tail = P.alloc(exact.nbytes, st, self.allocator)
+        for d, s, n in exact.copies:
             P.copy(tail, d, al.tail, s, n, st)
-        exact = plan.with_capacity(nnz)
-        return _Alloc(P, exact, _Sections(exact, True, 0), st, self.allocator, head=al.head,
-                      tail=tail)
+        return _Shrunk(al, tail, exact)
 
     def packed(self, plan, al, nnz, pending_status):
-        return self.backend._packed(self.P, self.st, al, nnz, pending_status)
+        if type(al) is _Shrunk:
+            return self.backend._packed(self.P, self.st, al.blocks, al.planes, plan.lay,
+                                        nnz, False, capacity=nnz)
+        return self.backend._packed(self.P, self.st, al.blocks, al.sec.planes, al.lay, nnz,
+                                    pending_status)
+
+
+class _Shrunk(NamedTuple):
+    """An exact pack after its shrink: the worst-case pack's allocations (the head kept),
+    the exact tail, and where the tail's values and signs lie (a ``host.ExactTail``)."""
+    packed: _Alloc
+    tail: object
+    exact: host.ExactTail
+
+    @property
+    def blocks(self) -> tuple:
+        return self.packed.head, self.tail
+
+    @property
+    def planes(self) -> tuple:
+        """:attr:`_Sections.planes` of the exact pack: the head's mask, offsets and status
+        where the worst case has them, the values and signs where the tail has them."""
+        mask, offsets, _, _, status = self.packed.sec.planes
+        e = self.exact
+        return mask, offsets, (1, 0, e.values_len, _U8), (1, e.signs_offset, e.signs_len, _U8), status
 
 
 # A plan gets launch records of its own the second time this thread packs with it: a
@@ -777,12 +800,16 @@ class NumbaBackend:
         sw = al.view(P, "signs", _ceil_div(sn, 4) if enc == Encoding.SIGNPLANE else 0, np.uint32)
         return vt, vw, sw
 
-    def _packed(self, P, st, al, nnz, with_status, mask=None, offsets=None, extra=None):
-        lay, specs = al.lay, al.sec.planes
-        m, o, v, sg, *status = P.planes(al.blocks, specs if with_status else specs[:4], st)
+    def _packed(self, P, st, blocks, specs, lay, nnz, with_status, capacity=None, mask=None,
+                offsets=None, extra=None):
+        """The PackedTensor of the planes ``specs`` (:attr:`_Sections.planes`) of
+        ``blocks``, laid out by ``lay`` (at ``capacity``, where given: an exact pack's
+        count, ``lay`` its worst case)."""
+        m, o, v, sg, *status = P.planes(blocks, specs if with_status else specs[:4], st)
         stream = st[0] if st is not None else 0
         return PackedTensor(
-            lay.shape, lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
+            lay.shape, lay.dtype, lay.encoding, lay.chunk_log2,
+            lay.capacity if capacity is None else capacity,
             m if mask is None else mask, o if offsets is None else offsets, v, sg,
             backend=self, device=P.device(st), _nnz=nnz,
             status=status[0] if status else None,
@@ -803,8 +830,9 @@ class NumbaBackend:
         recipe = _recipe(plan, self.variant)
         al = _Alloc(P, plan, recipe.sections(False), st, allocator)
         self._run_pack(P, st, buf, recipe, K.MODE_MASKED, al, None, p_mask, zero_tail=False)
-        return self._packed(P, st, al, nnz, enc == Encoding.NOSIGN, mask=p_mask.mask,
-                            offsets=p_mask.offsets, extra={"shares_mask": True})
+        return self._packed(P, st, al.blocks, al.sec.planes, al.lay, nnz, enc == Encoding.NOSIGN,
+                            mask=p_mask.mask, offsets=p_mask.offsets,
+                            extra={"shares_mask": True})
 
     # ----------------------------------------------------------- unpacking
     @_one_context
