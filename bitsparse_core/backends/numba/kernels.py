@@ -36,14 +36,14 @@ from .lookback import (LB_AGG, LB_COUNT, LB_GROUP, LB_INCL, LB_NEG, LB_SHIFT, SC
                        scratch_slots)
 from .pack import PACK_JIT, make_pack_kernels, pack_rounds_for
 from .scan import COUNT_MASK, FLAG_SHIFT, k_mask_count, k_scan
-from .unpack import UNPACK_ROWS, make_unpack_kernels
+from .unpack import UNPACK_JIT, UNPACK_ROWS, make_unpack_kernels
 
 __all__ = [  # what the backend, tests and bench scripts read from this module
     "COMMITTED", "COUNT_MASK", "DtypeKernels", "PackVariant", "FLAG_SHIFT", "FULL_MASK", "G",
     "GPT", "LANE_N", "LB_AGG", "LB_COUNT", "LB_GROUP", "LB_INCL", "LB_NEG", "LB_SHIFT",
     "MODE_MASKED", "MODE_PACK", "MODE_RELU", "MODE_RELU2", "NOSIGN", "NT", "NW", "OP_GATED",
     "OP_GATED_DENSE", "OP_RELU2", "PACK_JIT", "RAW", "SCAN_NT", "SCAN_PER", "SCRATCH_HEAD",
-    "SIGNPLANE", "SIM", "TILE", "TILE_LOG2", "ULANE_N", "UNPACK_ROWS", "UNT",
+    "SIGNPLANE", "SIM", "TILE", "TILE_LOG2", "ULANE_N", "UNPACK_JIT", "UNPACK_ROWS", "UNT",
     "UNW", "k_mask_count", "k_scan", "kernels_for", "pack_rounds_for", "scratch_slots"]
 
 

@@ -35,16 +35,9 @@ from .fused_rows import (OP_GATED, OP_GATED_DENSE, OP_RELU2, make_fused_row, mak
 
 UNPACK_ROWS = 4
 OPS = (0, OP_RELU2, OP_GATED, OP_GATED_DENSE)
-
-
-def unpack_jit(op: int, bits: int) -> dict:
-    """The kernel's launch bounds: a plain unpack of 8- and 16-bit elements at eight
-    256-thread blocks per SM (32 registers; the few spills are per tile, not per row),
-    of float32 at six (40 registers), as the CuPy unpack; the fused ops' float
-    products need more registers (45-62), four blocks."""
-    if SIM:
-        return {}
-    return {"launch_bounds": (UNT, (6 if bits == 32 else 8) if op == 0 else 4)}
+# Unpack: six 256-thread blocks per SM (40 registers); the fused ops' float products
+# need more registers (45-62), four blocks.
+UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in OPS}
 
 
 @dataclass(frozen=True)
@@ -378,7 +371,7 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
     emit_row = _make_emit_row(el, ug, op, expand_word)
     preload_grad = make_preload_grad(el, ug)
 
-    @cuda.jit(**unpack_jit(op, BITS))
+    @cuda.jit(**UNPACK_JIT[op])
     def k_unpack(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
                  ge, g64, fast, oe, o64, o16):
         """Dense output of one tile of UT elements. op 0: the stored patterns
@@ -435,7 +428,7 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
     preload_grad = make_preload_grad(el, ug)
     assert UR <= 2
 
-    @cuda.jit(**unpack_jit(op, el.BITS))
+    @cuda.jit(**UNPACK_JIT[op])
     def k_gated(mask, numel, toff, toff_shift, vb, vw, nvb, sb, sw, nsb,
                 uvb, uvw, nuvb, usb, usw, nusb, ue, u64, ge, g64, fast, og, og64, ou, ou64, o16):
         """gated_backward of one tile of UT elements: og = grad u where r > 0, else +0
