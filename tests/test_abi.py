@@ -99,8 +99,9 @@ def test_exact_tail_is_the_tail_of_the_plan_at_the_count(mode, encoding):
             for cap in {0, numel, *rng.integers(0, numel + 1, size=4).tolist()}:
                 small = host.pack_plan(shape, dt, enc, cap, 12, mode)
                 exact = host.tail_shrink(big, cap)
-                assert (exact.nbytes, exact.values_len, exact.signs_offset, exact.signs_len) == \
-                    (small.tail_bytes, small.spans[2][1], small.tail_signs_offset, small.spans[3][1])
+                assert (exact.nbytes, exact.values_len, exact.signs_offset,
+                        exact.signs_len) == (small.tail_bytes, small.spans[2][1],
+                                             small.tail_signs_offset, small.spans[3][1])
                 assert small.spans[:2] == big.spans[:2] and small.head_bytes == big.head_bytes
                 assert small.spans[2][0] == big.spans[2][0]
     with pytest.raises(ValueError, match="outside the plan's capacity"):

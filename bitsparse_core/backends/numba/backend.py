@@ -235,11 +235,8 @@ class _NumbaSteps:
         return al
 
     def read_head(self, plan, al):
-        slot, self.slot = self.slot, 0
-        if slot:
-            return self.P.wait_slot(slot, self.st)
-        status, total = self.P.read(*al.status, 2, np.int64, self.st)
-        return int(status) & 0xFFFFFFFF, int(total)
+        slot, self.slot = self.slot, 0      # run(count=True) took one: the kernel writes it
+        return self.P.wait_slot(slot, self.st)
 
     def shrink(self, plan, al, nnz):
         """The stored values into an exact-size tail (laid out by ``host.tail_shrink``,
@@ -276,7 +273,8 @@ class _Shrunk(NamedTuple):
         where the worst case has them, the values and signs where the tail has them."""
         mask, offsets, _, _, status = self.packed.sec.planes
         e = self.exact
-        return mask, offsets, (1, 0, e.values_len, _U8), (1, e.signs_offset, e.signs_len, _U8), status
+        return (mask, offsets, (1, 0, e.values_len, _U8),
+                (1, e.signs_offset, e.signs_len, _U8), status)
 
 
 # A plan gets launch records of its own the second time this thread packs with it: a
@@ -747,9 +745,10 @@ class NumbaBackend:
     def _pack_launches(self, P, recipe, mode, al, buf, ybuf, mask_plane, zero_tail, slot_buf):
         """``(pack, finish)``: the pack kernel's launch over kernel views of ``al``, the
         dense input ``buf``, relu_pack's output ``ybuf``, masked_pack's mask plane and
-        the host slot ``slot_buf`` (None: none), and k_finish's, which writes the stream words shared by tiles (value streams)
-        and, at fixed capacity, the zeros past the stored values (None: neither, or a
-        pack whose fill zeroed its values and whose tiles OR their shared words)."""
+        the host slot ``slot_buf`` (None: none), and k_finish's, which writes the
+        stream words shared by tiles (value streams) and, at fixed capacity, the zeros
+        past the stored values (None: neither, or a pack whose fill zeroed its values
+        and whose tiles OR their shared words)."""
         lay, kern, n_tiles, head = al.lay, recipe.kern, recipe.n_tiles, recipe.head
         numel, dt, enc = lay.numel, lay.dtype, lay.encoding
         scratch, s0 = al.scratch

@@ -300,8 +300,9 @@ def make_pack(el, geo, mode, enc, jit, lb_early, ticket, load_elems, classify, p
         ``edges`` (uint32): 4 per tile (k_finish); ``stat`` (int64): status
         word, total count; ``slot`` (int64, 2 or none): the same two words in a
         pinned host slot, written by the last tile as soon as it knows them (the
-        host waits there, not for the kernel's end). ``incl_every`` > 1 makes only every such tile publish
-        its inclusive count (tests use it to make the look-back walk)."""
+        host waits there, not for the kernel's end). ``incl_every`` > 1 makes only
+        every such tile publish its inclusive count (tests use it to make the
+        look-back walk)."""
         t = cuda.threadIdx.x
         lane = t & 31
         warp = t >> 5
