@@ -75,9 +75,18 @@ def _views(slot: int) -> tuple:
     return raw.view(np.uint32), raw.view(np.uint64)
 
 
-def landed(slot: int):
-    """``(status, nnz)`` of a slot both of whose fields have been written, else None."""
-    return _landed(*_views(slot))
+def _written(view32: np.ndarray, view64: np.ndarray) -> tuple:
+    state = _landed(view32, view64)
+    if state is None:
+        raise CudaDriverError("the pack kernel finished without writing its count to the "
+                              "host slot")
+    return state
+
+
+def written(slot: int) -> tuple:
+    """``(status, nnz)`` of a slot whose kernel is known to have run (raises where it
+    did not write the slot)."""
+    return _written(*_views(slot))
 
 
 def wait(slot: int, stream: int) -> tuple:
@@ -94,10 +103,7 @@ def wait(slot: int, stream: int) -> tuple:
             driver.sync_stream(stream)
         elif not driver.stream_done(stream):
             continue
-        state = _landed(view32, view64)    # the stream has run: the kernel wrote it
-        if state is None:
-            raise CudaDriverError("the pack kernel finished without writing its count to the "
-                                  "host slot")
+        state = _written(view32, view64)   # the stream has run: the kernel wrote it
         break
     _free().append(slot)
     return state

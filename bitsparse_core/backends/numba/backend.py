@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda as _cuda
 
-from ...errors import CudaDriverError, OutputMismatchError, UnsupportedDeviceError
+from ...errors import OutputMismatchError, UnsupportedDeviceError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
 from ...spec.ops import masked_encoding
@@ -173,19 +173,13 @@ def _recipe(plan, variant) -> _Recipe:
 
 class _Alloc:
     """One packed tensor's memory: the allocations of ``plan``'s sections ``sec`` (an
-    exact pack's two; ``head`` and ``tail`` where they are given: the shrink's),
-    head first."""
+    exact pack's two), head first."""
 
     __slots__ = ("plan", "lay", "sec", "blocks")
 
-    def __init__(self, P, plan, sec: _Sections, st, allocator, head=None, tail=None):
+    def __init__(self, P, plan, sec: _Sections, st, allocator):
         self.plan, self.lay, self.sec = plan, plan.lay, sec
-        sizes = sec.sizes
-        if len(sizes) == 2:
-            self.blocks = (head if head is not None else P.alloc(sizes[0], st, allocator),
-                           tail if tail is not None else P.alloc(sizes[1], st, allocator))
-        else:
-            self.blocks = (P.alloc(sizes[0], st, allocator),)
+        self.blocks = tuple(P.alloc(n, st, allocator) for n in sec.sizes)
 
     @property
     def head(self):
@@ -408,12 +402,10 @@ class _SimPlatform:
         return self._slots[slot]
 
     def wait_slot(self, slot, st) -> tuple:
-        state = slots.landed(slot)     # the kernel has run: its launch returned
-        del self._slots[slot]
-        if state is None:
-            raise CudaDriverError("the pack kernel finished without writing its count to the "
-                                  "host slot")
-        return state
+        try:
+            return slots.written(slot)     # the kernel has run: its launch returned
+        finally:
+            del self._slots[slot]
 
     def launch(self, kernel, grid, block, st, *args):
         kernel[grid, block](*args)
