@@ -430,6 +430,16 @@ class CudaArray:
         buf = allocate(nbytes, device, stream, allocator)
         return cls(buf.ptr, shape, dtype, device, buf, stream)
 
+    @classmethod
+    def empty_pair(cls, shape, dtype: _dt.DType, device: int, stream: int,
+                   allocator=None) -> tuple:
+        """Two arrays of one shape in one allocation (the second 16-byte aligned): an
+        op's two results for one allocator call."""
+        half = _fmt.align(_fmt.numel_of(shape) * dtype.itemsize, 16)
+        buf = allocate(2 * half, device, stream, allocator)
+        return (cls(buf.ptr, shape, dtype, device, buf, stream),
+                cls(buf.ptr + half, shape, dtype, device, buf, stream))
+
     @property
     def size(self) -> int:
         return _fmt.numel_of(self.shape)

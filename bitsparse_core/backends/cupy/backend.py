@@ -265,11 +265,7 @@ class CupyBackend:
         pu = self._ready(p_u, s)            # every packed input checked for overflow
         dev = g.device
         pr = self._ready(p_r, s)
-        # both gradients in one allocation (the second 16-byte aligned)
-        half = _fmt.align(g.nbytes, 16)
-        buf = ci.allocate(2 * half, dev, s, allocator)
-        gg = ci.CudaArray(buf.ptr, p_r.shape, p_r.dtype, dev, buf, s)
-        gu = ci.CudaArray(buf.ptr + half, p_r.shape, p_r.dtype, dev, buf, s)
+        gg, gu = ci.CudaArray.empty_pair(p_r.shape, p_r.dtype, dev, s, allocator)
         if (pu.mask, pu.offsets) == (pr.mask, pr.offsets):
             self._unpack_op(p_r, Op.GATED, s, allocator, gg.ptr, planes=pr, out2=gu.ptr,
                             grad=g.ptr, pu=pu, u_encoding=p_u.encoding)

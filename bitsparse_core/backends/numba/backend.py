@@ -358,6 +358,15 @@ class _SimPlatform:
         buf = self.alloc(n, st, allocator)
         return buf, exportable(buf[:n].view(dt.numpy).reshape(shape))
 
+    def new_dense_pair(self, shape, dt, st, allocator):
+        """Two of :meth:`new_dense` in one allocation (the second 16-byte aligned)."""
+        from ...dlpack import exportable
+        n = _fmt.numel_of(shape) * dt.itemsize
+        half = _fmt.align(n, 16)
+        buf = self.alloc(2 * half, st, allocator)
+        return tuple((b, exportable(b.view(dt.numpy).reshape(shape)))
+                     for b in (buf[:n], buf[half:half + n]))
+
     def alloc(self, nbytes, st, allocator):
         if allocator is not None:
             return np.asarray(allocator(int(nbytes), 0, 0)).reshape(-1).view(np.uint8)
@@ -457,6 +466,10 @@ class _GpuPlatform:
     def new_dense(self, shape, dt, st, allocator):
         arr = self.ci.CudaArray.empty(shape, dt, st[2], st[0], allocator)
         return arr, arr
+
+    def new_dense_pair(self, shape, dt, st, allocator):
+        a, b = self.ci.CudaArray.empty_pair(shape, dt, st[2], st[0], allocator)
+        return (a, a), (b, b)
 
     def alloc(self, nbytes, st, allocator):
         return self.ci.allocate(nbytes, st[2], st[0], allocator)
@@ -952,8 +965,7 @@ class NumbaBackend:
         p_u.check()
         gbuf = self._grad(P, st, grad, p_r)
         numel, dt = p_r.numel, p_r.dtype
-        gg_buf, grad_g = P.new_dense(p_r.shape, dt, st, allocator)
-        gu_buf, grad_u = P.new_dense(p_r.shape, dt, st, allocator)
+        (gg_buf, grad_g), (gu_buf, grad_u) = P.new_dense_pair(p_r.shape, dt, st, allocator)
         if numel:
             self._gated(P, st, p_r, p_u, gbuf, gg_buf, gu_buf, allocator)
         return grad_g, grad_u

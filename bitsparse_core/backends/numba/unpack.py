@@ -11,7 +11,8 @@ rows of UV elements (16 bytes; 32 for float32), warp-major as in the CuPy
 kernel: warp w owns UR * 32 rows of the tile, its round r covers 32 consecutive
 rows, one per lane. Each output word is the next stored values' bytes (a funnel
 shift of two shared words) dropped into the slots its mask bits select (one
-PRMT).
+PRMT); in a round where no row of the warp holds more than a few values
+(``WINDOW_MAX``), they are read once per row as one 64-bit window.
 
 Unpack tiles have their own size: UR rows of 16 bytes (fp32: 32) per thread, so
 an unpack tile is UR * UNT * 16 bytes of output whatever the dtype (op 0:
@@ -35,6 +36,10 @@ from .fused_rows import (OP_GATED, OP_GATED_DENSE, OP_RELU2, make_fused_row, mak
 
 UNPACK_ROWS = 4
 OPS = (0, OP_RELU2, OP_GATED, OP_GATED_DENSE)
+# A warp round whose rows each hold at most this many stored values builds them from one
+# 64-bit window of decoded words (_make_window_row): what the window holds past a value
+# offset of up to GE - 1 elements in its first word (bf16 3, fp8 5; fp32: never).
+WINDOW_MAX = {bits: (64 - (32 - bits)) // bits for bits in (8, 16)}
 # Unpack: six 256-thread blocks per SM (40 registers); the fused ops' float products
 # need more registers (45-62), four blocks.
 UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in OPS}
@@ -52,6 +57,7 @@ class UnpackGeom:
     utile_log2: dict   # tile size (log2), per op
     SEL: Any           # PRMT selector per mask bits of an output word
     SEL16: int         # bf16 / fp16: the four selectors in one constant
+    SMAX: int          # stored values per row a window holds (WINDOW_MAX; -1: always expand)
 
 
 def unpack_geometry(el) -> UnpackGeom:
@@ -82,7 +88,7 @@ def unpack_geometry(el) -> UnpackGeom:
     # its distinct addresses (bench/NOTES_numba.md, session 5).
     SEL16 = sum(int(SEL[mb]) << (16 * mb) for mb in range(4)) if BITS == 16 else 0
     return UnpackGeom(UV=UV, UMB=UMB, URS=URS, OW=OW, UR_OP=UR_OP, utile_log2=utile_log2,
-                      SEL=SEL, SEL16=SEL16)
+                      SEL=SEL, SEL16=SEL16, SMAX=WINDOW_MAX.get(BITS, -1))
 
 
 @cuda.jit(device=True)
@@ -117,7 +123,7 @@ def scan_pair(acc, ba, bb, two, tot_needed, lane, t, sh_lane):
 
 
 def make_word_expand(el, ug):
-    """(spread_signs, expand_word) of element type ``el``."""
+    """(spread_signs, select, expand_word) of element type ``el``."""
     BITS, SEL16 = el.BITS, ug.SEL16
 
     @cuda.jit(device=True)
@@ -130,6 +136,13 @@ def make_word_expand(el, ug):
         return (((s & 0xF) * 0x00204081) & 0x01010101) << 7
 
     @cuda.jit(device=True)
+    def select(sel, mb):
+        """The PRMT selector of an output word with mask bits mb (8- and 16-bit)."""
+        if BITS == 16:
+            return uint32((uint64(SEL16) >> uint64(16 * mb)) & 0xFFFF)
+        return sel[mb]
+
+    @cuda.jit(device=True)
     def expand_word(vals, sel, j, mb):
         """The GE elements of an output word with mask bits mb, whose first set
         element takes stored value j of the tile."""
@@ -139,11 +152,9 @@ def make_word_expand(el, ug):
         k = byte >> 2
         pair = (uint64(vals[_u(k + 1)]) << uint64(32)) | uint64(vals[_u(k)])
         src = uint32((pair >> uint64((byte & 3) * 8)) & FULL_MASK)
-        if BITS == 16:
-            return _prmt(src, uint32((uint64(SEL16) >> uint64(16 * mb)) & 0xFFFF))
-        return _prmt(src, sel[mb])
+        return _prmt(src, select(sel, mb))
 
-    return spread_signs, expand_word
+    return spread_signs, select, expand_word
 
 
 def _make_spread(el, enc):
@@ -184,12 +195,49 @@ def _make_row_bits(ug):
     return row_bits
 
 
-def _make_emit_row(el, ug, op, expand_word):
+def _make_window_row(el, ug, select):
+    """(in_window, window_row): whether every row of the warp round holds at most
+    ``ug.SMAX`` stored values, and such a row's output words. A few values all lie in
+    one 64-bit window of the decoded words, loaded once per row; each output word is
+    that window shifted past the row's values before the word, through the word's
+    PRMT selector (no shared-memory load per word, as :func:`make_word_expand`'s
+    ``expand_word`` needs). The vote makes the warp take one path; under the simulator,
+    which has no votes, each lane decides alone (the words do not depend on the path)."""
+    BITS, GE, SMAX, OW = el.BITS, el.GE, ug.SMAX, ug.OW
+    GE_LOG2 = GE.bit_length() - 1
+    GMASK = (1 << GE) - 1
+
+    @cuda.jit(device=True)
+    def in_window(b):
+        if SMAX < 0:
+            return False
+        if SIM:
+            return cuda.popc(b) <= SMAX
+        return not cuda.any_sync(FULL_MASK, cuda.popc(b) > SMAX)
+
+    @cuda.jit(device=True)
+    def window_row(vals, sel, j, b, o):
+        """o[0..OW) = the row with mask bits b (at most SMAX set), whose first set
+        element takes stored value j of the tile."""
+        k = uint32(j) >> uint32(GE_LOG2)
+        window = (((uint64(vals[_u(k + uint32(1))]) << uint64(32)) | uint64(vals[_u(k)]))
+                  >> uint64((uint32(j) & uint32(GE - 1)) * uint32(BITS)))
+        for m in range(OW):
+            mb = uint32((b >> uint32(m * GE)) & uint32(GMASK))
+            before = uint32(cuda.popc(uint32(b & uint32((1 << (m * GE)) - 1))))
+            src = uint32((window >> uint64(before * uint32(BITS))) & uint64(FULL_MASK))
+            o[m] = _prmt(src, select(sel, mb))
+
+    return in_window, window_row
+
+
+def _make_emit_row(el, ug, op, select, expand_word):
     """``emit_row``: a row expanded and stored (op 0), or the fused op's results."""
     BITS, GE, EMASK = el.BITS, el.GE, el.EMASK
     UV, UMB, OW = ug.UV, ug.UMB, ug.OW
     store_group = el.store_group
     fused_row = make_fused_row(el, ug, op) if op else None
+    in_window, window_row = _make_window_row(el, ug, select)
 
     @cuda.jit(device=True)
     def emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b, j, e0, tfull, numel,
@@ -199,13 +247,19 @@ def _make_emit_row(el, ug, op, expand_word):
         and store it (op 0) or the fused op's results. ``fast``: every operand and result
         8-byte aligned (a whole row then moves as words), ``o16``: the results 16-byte
         aligned (16-byte stores), ``g_loaded``: gw holds the row's grad already."""
+        few = in_window(b)           # every lane votes, those past the end too
         if tfull or e0 < numel:
-            for m in range(OW):
-                mb = uint32((b >> uint32(m * GE)) & uint32((1 << GE) - 1))
-                o[m] = expand_word(vals, sel, j, mb)
+            if few:
+                window_row(vals, sel, j, b, o)
                 if op == OP_GATED:
-                    w2[m] = expand_word(vals2, sel, j, mb)
-                j = int32(j + cuda.popc(mb))
+                    window_row(vals2, sel, j, b, w2)
+            else:
+                for m in range(OW):
+                    mb = uint32((b >> uint32(m * GE)) & uint32((1 << GE) - 1))
+                    o[m] = expand_word(vals, sel, j, mb)
+                    if op == OP_GATED:
+                        w2[m] = expand_word(vals2, sel, j, mb)
+                    j = int32(j + cuda.popc(mb))
             full = tfull or e0 + UV <= numel
             if op != 0:
                 fused_row(o, w2, gw, uw, v, gv, uv, e0, full, numel, ge, g64, ue, u64, fast,
@@ -361,14 +415,14 @@ def _shapes(el, ug, op):
     return ug.UR_OP[op], UT * el.BITS // 32 + 4, 16 if el.BITS == 8 else 1
 
 
-def make_unpack(el, ug, op, enc, spread_signs, expand_word):
+def make_unpack(el, ug, op, enc, spread_signs, select, expand_word):
     """The unpack kernel of op 0 (unpack) or 1 (relu2_backward) and an encoding."""
     BITS, OW, SEL = el.BITS, ug.OW, ug.SEL
     UR, VALS_W, SEL_N = _shapes(el, ug, op)
     URS = ug.URS
     decode = make_decode(el, enc, spread_signs)
     tile_head, rows_starts = make_tile(el, ug, op)
-    emit_row = _make_emit_row(el, ug, op, expand_word)
+    emit_row = _make_emit_row(el, ug, op, select, expand_word)
     preload_grad = make_preload_grad(el, ug)
 
     @cuda.jit(**UNPACK_JIT[op])
@@ -414,7 +468,7 @@ def make_unpack(el, ug, op, enc, spread_signs, expand_word):
     return k_unpack
 
 
-def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
+def make_gated(el, ug, op, enc, uenc, spread_signs, select, expand_word):
     """The gated backward kernel: op 2 with u packed under r's mask (encoding ``uenc``),
     op 3 with u dense."""
     BITS, OW, SEL = el.BITS, ug.OW, ug.SEL
@@ -424,7 +478,7 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, expand_word):
     decode = make_decode(el, enc, spread_signs)
     decode_u = make_decode(el, uenc, spread_signs)
     tile_head, rows_starts = make_tile(el, ug, op)
-    emit_row = _make_emit_row(el, ug, op, expand_word)
+    emit_row = _make_emit_row(el, ug, op, select, expand_word)
     preload_grad = make_preload_grad(el, ug)
     assert UR <= 2
 
@@ -470,14 +524,14 @@ def make_unpack_kernels(el):
     """(utile_log2, kernels): {(op, encoding): k_unpack} for ops 0 and 1,
     {(OP_GATED, encoding, u's encoding): k_gated} and {(OP_GATED_DENSE, encoding): k_gated}."""
     ug = unpack_geometry(el)
-    spread_signs, expand_word = make_word_expand(el, ug)
+    spread_signs, select, expand_word = make_word_expand(el, ug)
     encs = (RAW, NOSIGN, SIGNPLANE)
-    kernels = {(op, enc): make_unpack(el, ug, op, enc, spread_signs, expand_word)
+    kernels = {(op, enc): make_unpack(el, ug, op, enc, spread_signs, select, expand_word)
                for op in (0, OP_RELU2) for enc in encs}
     for enc in encs:
         kernels[OP_GATED_DENSE, enc] = make_gated(el, ug, OP_GATED_DENSE, enc, RAW,
-                                                  spread_signs, expand_word)
+                                                  spread_signs, select, expand_word)
         for uenc in encs:
             kernels[OP_GATED, enc, uenc] = make_gated(el, ug, OP_GATED, enc, uenc,
-                                                      spread_signs, expand_word)
+                                                      spread_signs, select, expand_word)
     return ug.utile_log2, kernels
