@@ -18,7 +18,8 @@ over aggregates and groups of tiles (and carrying the nosign flag), the GPU's
 pack rounds, and the stitching of stream words shared by tiles.
 
 The simulator path differs from the GPU path only in the warp scan and broadcast
-(shared memory instead of ``shfl_up_sync`` / ``shfl_sync``), the float32 bit
+(shared memory instead of ``shfl_up_sync`` / ``shfl_sync``), the unpack's vote on
+windowed rows (each row decides alone instead of the warp), the float32 bit
 casts and the byte permute (NumPy and a Python loop instead of libdevice) and
 the tile sizes (64 threads instead of 256: pack tiles of 1024 elements instead
 of 64 bytes per thread, i.e. 8192 bf16 / 16384 fp8; unpack tiles of 4096 fp8 /
@@ -149,6 +150,45 @@ else:
         with np.errstate(all="ignore"):
             want = RO.relu2_backward(g, p_ref)
         assert same_bits(BE.relu2_backward(g, p), want, dtype)
+
+    @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT8_E4M3FN, D.FLOAT16], ids=IDS)
+    @pytest.mark.parametrize("encoding", ["nosign", "signplane"])
+    def test_unpack_window_rows(dtype, encoding):
+        """Rows of 16 bytes holding 0 .. WINDOW_MAX + 1 stored values, the first at
+        every offset in its decoded word: those within the cap read one window (under
+        the simulator each row decides alone, so both paths run side by side), the rest
+        expand. Unpack, relu2_backward and the gated op (u under r's mask) against the
+        reference."""
+        from bitsparse_core.backends.numba.unpack import WINDOW_MAX
+        cap = WINDOW_MAX[dtype.bits]
+        row = 16 // dtype.itemsize
+        rng = _rng("window", dtype.name, encoding)
+        n_rows = 3 * 64 + 5                       # several simulator unpack tiles' rows
+        counts = np.arange(n_rows) % (cap + 2)    # 0 .. cap + 1, the first-value offsets
+        rng.shuffle(counts)                       # (the running count) take every residue
+        a = np.zeros(n_rows * row, dtype=dtype.uint)
+        for i, c in enumerate(counts):
+            at = i * row + rng.choice(row, size=int(c), replace=False)
+            a[at] = rng.integers(1, 1 << (dtype.bits - 1), size=int(c), dtype=np.uint64)
+        if encoding == "signplane":                 # signed values, still nonzero
+            a[(a != 0) & (rng.random(a.size) < 0.5)] |= np.array(dtype.sign_mask, dtype.uint)
+        a = _no_neg_nan(a.view(dtype.numpy), dtype)
+        p = BE.pack(a, encoding=encoding, chunk_log2=10)
+        assert same_bits(BE.unpack(p), a, dtype)
+        # The fused ops over the same rows: r = relu(a) under its own mask.
+        g = random_tensor(rng, a.shape, dtype, 0.0, specials=False)
+        u = random_tensor(rng, a.shape, dtype, 0.0, signed=encoding != "nosign",
+                          specials=False)
+        r = np.where(a.view(dtype.uint) >> (dtype.bits - 1) == 0, a, np.zeros((), dtype.numpy))
+        _, p_r = BE.relu_pack(a, encoding="nosign", chunk_log2=10)
+        _, p_r_ref = RO.relu_pack(a, dtype, encoding="nosign", chunk_log2=10)
+        assert same_bits(BE.unpack(p_r), r, dtype)
+        with np.errstate(all="ignore"):
+            assert same_bits(BE.relu2_backward(g, p_r), RO.relu2_backward(g, p_r_ref), dtype)
+            p_u = BE.masked_pack(u, p_r, encoding=encoding)
+            p_u_ref = RO.masked_pack(u, dtype, p_r_ref, encoding=encoding)
+            got, want = BE.gated_backward(g, p_r, p_u), RO.gated_backward(g, p_r_ref, p_u_ref)
+        assert all(same_bits(x, y, dtype) for x, y in zip(got, want))
 
     # ------------------------------------------------------------- kernels
     def test_scan_kernel_many_passes():
