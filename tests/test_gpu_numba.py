@@ -304,6 +304,43 @@ def test_fused_ops(rng, dt):
         assert_bits(gg, gg_ref, f"gated grad_g {enc}")
 
 
+def _rows_of_few(rng, dt, n_rows, most):
+    """n_rows 16-byte rows, each with 0 .. ``most`` nonzero elements at random places
+    (signs random, no negative NaN: relu_pack's nosign output keeps them)."""
+    row = 16 // dt.itemsize
+    rank = np.argsort(rng.random((n_rows, row)), axis=1)      # a random order per row
+    keep = rank < rng.integers(0, most + 1, size=(n_rows, 1))
+    bits = rng.integers(1, 1 << dt.bits, size=(n_rows, row), dtype=np.uint64).astype(dt.uint)
+    return _no_neg_nan((bits * keep).reshape(-1).view(dt.numpy), dt)
+
+
+@pytest.mark.parametrize("dt", [_group(d) for d in DTYPES if d.bits < 32])
+def test_window_rows(rng, dt):
+    """Rounds whose every row holds at most a window's values (unpack.WINDOW_MAX: the
+    warp votes for the window path) beside rounds with one value more (the vote fails
+    in most warps); unpack, relu2_backward and the gated op against the reference."""
+    from bitsparse_core.backends.numba.unpack import WINDOW_MAX
+    cap = WINDOW_MAX[dt.bits]
+    n = 40000
+    a = np.concatenate([_rows_of_few(rng, dt, n, cap), _rows_of_few(rng, dt, n, cap + 1)])
+    g = random_bits(rng, a.shape, dt, 0.05)
+    for enc in ("raw", "nosign", "signplane"):
+        x = a if enc != "nosign" else _unsigned(a, dt)
+        p = BE.pack(dev(x), dtype=dt.name, encoding=enc, chunk_log2=12)
+        assert_bits(BE.unpack(p), x, f"unpack {enc}")
+    _, p = BE.relu_pack(dev(a), dtype=dt.name, chunk_log2=12)
+    _, p_ref = reference_ops.relu_pack(a, dt, chunk_log2=12)
+    with np.errstate(all="ignore"):
+        want = reference_ops.relu2_backward(g, p_ref)
+        p_u = BE.masked_pack(dev(g), p, dtype=dt.name, encoding="signplane")
+        gg_ref, gu_ref = reference_ops.gated_backward(
+            g, p_ref, reference_ops.masked_pack(g, dt, p_ref, encoding="signplane"))
+    assert_bits(BE.relu2_backward(_tdev(g, dt), p), want, "relu2_backward")
+    gg, gu = BE.gated_backward(_tdev(g, dt), p, p_u)
+    assert_bits(gu, gu_ref, "gated grad_u")
+    assert_bits(gg, gg_ref, "gated grad_g")
+
+
 def _tdev(x, dt):
     """A dense CUDA input exporting its true dtype through DLPack (bf16 / fp8 too)."""
     arr = dev(x)
