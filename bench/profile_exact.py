@@ -3,7 +3,8 @@
 An exact pack (``bc.pack(x)``, torch CUDA input, the CuPy or the Numba backend) packs
 the mask and offsets into one allocation and the values into a worst-case one, waits for
 the count (written to a pinned host slot before the pack's kernels end), copies the
-stored values into an exact-size allocation and then builds the exact plan. This times,
+stored values into an exact-size allocation laid out by ``host.tail_shrink`` and then
+builds the PackedTensor. This times,
 per call, on the GPU's clock (CUDA events on the call's stream) and the host's
 (perf_counter):
 
@@ -15,8 +16,8 @@ per call, on the GPU's clock (CUDA events on the call's stream) and the host's
   until the host queued the first shrink copy (the gap the GPU waits for the host);
 * ``copies``: from there to the event after the copies (the exact allocation's and the
   copies' host time included);
-* ``after``: the rest of the call (the exact plan and the PackedTensor, host work the
-  end event waits for when it outlasts the copies);
+* ``after``: the rest of the call (the PackedTensor, host work the end event waits for
+  when it outlasts the copies);
 
 beside the same input's fixed-capacity pack at K = nnz, in the same run. The wrapped
 steps are the backend's own; a GPU sleep before each call hides the host's work up to
