@@ -38,7 +38,7 @@ UNPACK_ROWS = 4
 OPS = (0, OP_RELU2, OP_GATED, OP_GATED_DENSE)
 # A warp round whose rows each hold at most this many stored values builds them from one
 # 64-bit window of decoded words (_make_window_row): what the window holds past a value
-# offset of up to GE - 1 elements in its first word (bf16 3, fp8 5; fp32: never).
+# offset of up to GE - 1 elements in its first word (16-bit 3, fp8 5; fp32: never).
 WINDOW_MAX = {bits: (64 - (32 - bits)) // bits for bits in (8, 16)}
 # Unpack: six 256-thread blocks per SM (40 registers); the fused ops' float products
 # need more registers (45-62), four blocks.
