@@ -603,28 +603,32 @@ def test_unpack_ops_launch_other_tensors_by_their_own_records(rng, dt):
 
 @pytest.mark.xdist_group("bfloat16")
 def test_entry_points_run_with_or_without_a_current_context(rng):
-    """With a current context (here torch's) an op runs in it, on the device it names;
-    a thread that has made no CUDA call yet has none, and the op then runs in a Numba
-    context scope: the same bytes either way."""
+    """With a current context (here torch's) an op runs in it, on the device it names
+    (asked once by the entry point, and forgotten when it returns); a thread that has
+    made no CUDA call yet has none, and the op then runs in a Numba context scope: the
+    same bytes either way."""
     import threading
 
     from bitsparse_core.backends.cuda import driver
+    from bitsparse_core.backends.numba import backend as nb
     torch = pytest.importorskip("torch")
     dt = _dt.BFLOAT16
     x = random_bits(rng, (70_001,), dt, 0.9)
     tx = torch.from_numpy(x.view(np.int16)).to("cuda").view(torch.bfloat16)
     assert driver.current_device() == torch.cuda.current_device()
     p = BE.pack(tx, encoding="signplane", capacity=x.size)
+    assert getattr(nb._ENTRY, "device", None) is None
     seen = {}
 
     def fresh_thread():
         seen["context before"] = driver.has_context()
         seen["planes"] = BE.pack(tx, encoding="signplane", capacity=x.size)
         seen["unpacked"] = BE.unpack(p)
+        seen["device after"] = getattr(nb._ENTRY, "device", None)
     t = threading.Thread(target=fresh_thread)
     t.start()
     t.join()
-    assert seen["context before"] is False
+    assert seen["context before"] is False and seen["device after"] is None
     want = reference.pack_array(x, dt, "signplane", capacity=x.size)
     assert_same(p, want, "current context")
     assert_same(seen["planes"], want, "fresh thread")

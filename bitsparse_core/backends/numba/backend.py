@@ -45,20 +45,31 @@ from . import kernels as K
 from .launch import BoundLaunch, KernelArray, Launch, PerThread, first_launch, kinds_of, log
 
 
+# The device of the context current in the running entry point (None outside one).
+_ENTRY = threading.local()
+
+
 def _one_context(method):
     """Run a backend entry point where a CUDA context is current. When the calling
     thread has one (PyTorch's, CuPy's or Numba's primary context), the entry point runs
     as it is: its launches and copies go through the driver, and the device comes from
-    the context (:meth:`_GpuPlatform._dev`). Otherwise it runs inside a Numba context
-    scope, which makes Numba's context current; entering one asks the driver and
-    Numba's runtime for the context on every call (bench/NOTES.md, session 31)."""
+    the context, asked once here (one driver call answers both questions) and read by
+    :meth:`_GpuPlatform._dev`. Otherwise it runs inside a Numba context scope, which
+    makes Numba's context current; entering one asks the driver and Numba's runtime for
+    the context on every call (bench/NOTES.md, session 31)."""
     scoped = _cuda.require_context(method)
 
     @functools.wraps(method)
     def entry(*args, **kwargs):
-        if K.SIM or not driver.has_context():
+        dev = None if K.SIM else driver.current_device()
+        if dev is None:
             return scoped(*args, **kwargs)
-        return method(*args, **kwargs)
+        outer = getattr(_ENTRY, "device", None)
+        _ENTRY.device = dev
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _ENTRY.device = outer
     return entry
 
 
@@ -448,7 +459,9 @@ class _GpuPlatform:
         return ("cuda", st[2])
 
     def _dev(self):
-        dev = driver.current_device()
+        dev = getattr(_ENTRY, "device", None)     # set by the entry point (_one_context)
+        if dev is None:
+            dev = driver.current_device()
         return dev if dev is not None else int(self.cuda.get_current_device().id)
 
     def import_dense(self, x, dtype, st):
