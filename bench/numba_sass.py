@@ -5,8 +5,8 @@
 Compiles the nosign unpack and plain-pack kernels (with --all every op, mode and
 encoding, the fused ops' unpack kernels included: does each compile for sm_90?) to
 PTX with numba-cuda, assembles
-them with ptxas and disassembles with cuobjdump (both from the pip CUDA packages or
-the PATH), then prints instructions, registers and local-memory accesses per kernel:
+them with ptxas and disassembles with cuobjdump (which needs nvdisasm beside it; all
+from the pip CUDA packages or the PATH), then prints instructions, registers and local-memory accesses per kernel:
 a cheap check of a Numba change before spending device time on it. numba-cuda asks
 the (absent) driver for the compute capability of device functions; it is told 9.0.
 """
@@ -36,7 +36,8 @@ def tool(name: str) -> str:
     found = shutil.which(name)
     if found:
         return found
-    sys.exit(f"{name} not found (pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump)")
+    sys.exit(f"{name} not found (pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump "
+             "nvidia-cuda-nvdisasm)")
 
 
 def main() -> None:
@@ -101,6 +102,9 @@ def main() -> None:
                               capture_output=True, text=True).stdout
         base.with_suffix(".sass").write_text(sass)
         n = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
+        if n == 0:      # cuobjdump prints only the header when it cannot find nvdisasm
+            sys.exit(f"{name}: cuobjdump printed no SASS; is nvdisasm beside it "
+                     "(pip install nvidia-cuda-nvdisasm)?")
         regs = re.findall(r"Used (\d+) registers", r.stderr)
         smem = re.findall(r"(\d+) bytes smem", r.stderr)
         print(f"{name}: {n} SASS instructions, {regs[0] if regs else '?'} registers, "
