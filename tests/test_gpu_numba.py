@@ -316,13 +316,15 @@ def _rows_of_few(rng, dt, n_rows, most):
 
 @pytest.mark.parametrize("dt", [_group(d) for d in DTYPES if d.bits < 32])
 def test_window_rows(rng, dt):
-    """Rounds whose every row holds at most a window's values (unpack.WINDOW_MAX: the
-    warp votes for the window path) beside rounds with one value more (the vote fails
-    in most warps); unpack, relu2_backward and the gated op against the reference."""
+    """Rounds whose every row holds at most one value (the warp votes for the single
+    path), at most a window's values (unpack.WINDOW_MAX: the window path), and one value
+    more (the votes fail in most warps); unpack, relu2_backward and the gated op against
+    the reference."""
     from bitsparse_core.backends.numba.unpack import WINDOW_MAX
     cap = WINDOW_MAX[dt.bits]
     n = 40000
-    a = np.concatenate([_rows_of_few(rng, dt, n, cap), _rows_of_few(rng, dt, n, cap + 1)])
+    a = np.concatenate([_rows_of_few(rng, dt, n, 1), _rows_of_few(rng, dt, n, cap),
+                        _rows_of_few(rng, dt, n, cap + 1)])
     g = random_bits(rng, a.shape, dt, 0.05)
     for enc in ("raw", "nosign", "signplane"):
         x = a if enc != "nosign" else _unsigned(a, dt)

@@ -12,7 +12,8 @@ kernel: warp w owns UR * 32 rows of the tile, its round r covers 32 consecutive
 rows, one per lane. Each output word is the next stored values' bytes (a funnel
 shift of two shared words) dropped into the slots its mask bits select (one
 PRMT); in a round where no row of the warp holds more than a few values
-(``WINDOW_MAX``), they are read once per row as one 64-bit window.
+(``WINDOW_MAX``), they are read once per row as one 64-bit window, and where none holds
+more than one, that one value is placed by a compare per word.
 
 Unpack tiles have their own size: UR rows of 16 bytes (fp32: 32) per thread, so
 an unpack tile is UR * UNT * 16 bytes of output whatever the dtype (op 0:
@@ -231,6 +232,39 @@ def _make_window_row(el, ug, select):
     return in_window, window_row
 
 
+def _make_single_row(el, ug):
+    """(in_single, single_row): whether no row of the warp round holds more than one
+    stored value, and such a row's output words: zeros but for the one element, placed
+    with a compare per word, no window shifts and no selectors (most rounds at 99 %
+    zeros). Voted as :func:`_make_window_row`'s path is (under the simulator, per row)."""
+    BITS, GE, SMAX, OW, EMASK = el.BITS, el.GE, ug.SMAX, ug.OW, el.EMASK
+    GE_LOG2 = GE.bit_length() - 1
+
+    @cuda.jit(device=True)
+    def in_single(b):
+        if SMAX < 0:
+            return False
+        if SIM:
+            return cuda.popc(b) <= 1
+        return not cuda.any_sync(FULL_MASK, cuda.popc(b) > 1)
+
+    @cuda.jit(device=True)
+    def single_row(vals, j, b, o):
+        """o[0..OW) = the row with mask bits b (at most one set), whose set element
+        takes stored value j of the tile (b = 0: zeros; the value read is then junk
+        that no word takes)."""
+        i = int32(31 - cuda.clz(uint32(b)))            # the set element, -1 for none
+        jw = uint32(j)
+        v = uint32((vals[_u(jw >> uint32(GE_LOG2))] >> ((jw & uint32(GE - 1)) * uint32(BITS)))
+                   & uint32(EMASK))
+        placed = uint32(v << uint32((i & (GE - 1)) * BITS))
+        word = i >> GE_LOG2
+        for m in range(OW):
+            o[m] = placed if word == m else uint32(0)
+
+    return in_single, single_row
+
+
 def _make_emit_row(el, ug, op, select, expand_word):
     """``emit_row``: a row expanded and stored (op 0), or the fused op's results."""
     BITS, GE, EMASK = el.BITS, el.GE, el.EMASK
@@ -238,6 +272,7 @@ def _make_emit_row(el, ug, op, select, expand_word):
     store_group = el.store_group
     fused_row = make_fused_row(el, ug, op) if op else None
     in_window, window_row = _make_window_row(el, ug, select)
+    in_single, single_row = _make_single_row(el, ug)
 
     @cuda.jit(device=True)
     def emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b, j, e0, tfull, numel,
@@ -248,8 +283,13 @@ def _make_emit_row(el, ug, op, select, expand_word):
         8-byte aligned (a whole row then moves as words), ``o16``: the results 16-byte
         aligned (16-byte stores), ``g_loaded``: gw holds the row's grad already."""
         few = in_window(b)           # every lane votes, those past the end too
+        one = few and in_single(b)   # (few is the warp's: all of it votes again or none)
         if tfull or e0 < numel:
-            if few:
+            if one:
+                single_row(vals, j, b, o)
+                if op == OP_GATED:
+                    single_row(vals2, j, b, w2)
+            elif few:
                 window_row(vals, sel, j, b, o)
                 if op == OP_GATED:
                     window_row(vals2, sel, j, b, w2)
