@@ -109,6 +109,10 @@ if SIM:
         a64[i] = lo
         a64[i + 1] = hi
 
+    def _warp_max(v):
+        raise NotImplementedError("the simulator has no warp reduction: its callers decide "
+                                  "per lane")
+
     @cuda.jit(device=True)
     def _warp_lanes(v, lane, t, sh_lane):
         # Shared-memory stand-in for the warp intrinsics (the simulator has no
@@ -242,6 +246,24 @@ else:
                               side_effect=True)
             builder.call(st, [ptr, lv, hv])
             return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def _warp_max(typingctx, v):
+        """The maximum of an unsigned 32-bit v over the warp's 32 lanes, in every lane:
+        one ``redux.sync.max.u32`` (sm_80 and later); every lane must take part."""
+        if not isinstance(v, types.Integer):
+            return None
+        sig = types.uint32(v)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            x = context.cast(builder, args[0], sig.args[0], types.uint32)
+            redux = ir.InlineAsm(ir.FunctionType(i32, [i32]),
+                                 "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r",
+                                 side_effect=True)
+            return builder.call(redux, [x])
 
         return sig, codegen
 

@@ -31,7 +31,7 @@ import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
 
 from .common import (FULL_MASK, NOSIGN, RAW, SIGNPLANE, SIM, TILE, ULANE_N, UNT, UNW, _load_word,
-                     _prmt, _u, _warp_incl_scan, _warp_last)
+                     _prmt, _u, _warp_incl_scan, _warp_last, _warp_max)
 from .fused_rows import (OP_GATED, OP_GATED_DENSE, OP_RELU2, make_fused_row, make_preload_grad,
                          store_words)
 
@@ -196,25 +196,26 @@ def _make_row_bits(ug):
     return row_bits
 
 
+@cuda.jit(device=True)
+def fullest_row(b):
+    """The stored values of the warp round's fullest row (mask bits b): the vote that
+    makes the warp take one path (:func:`_make_single_row`, :func:`_make_window_row`),
+    one REDUX. Under the simulator, which has no votes, the row's own: each lane decides
+    alone (the words do not depend on the path)."""
+    if SIM:
+        return uint32(cuda.popc(b))
+    return _warp_max(uint32(cuda.popc(b)))
+
+
 def _make_window_row(el, ug, select):
-    """(in_window, window_row): whether every row of the warp round holds at most
-    ``ug.SMAX`` stored values, and such a row's output words. A few values all lie in
-    one 64-bit window of the decoded words, loaded once per row; each output word is
-    that window shifted past the row's values before the word, through the word's
-    PRMT selector (no shared-memory load per word, as :func:`make_word_expand`'s
-    ``expand_word`` needs). The vote makes the warp take one path; under the simulator,
-    which has no votes, each lane decides alone (the words do not depend on the path)."""
+    """``window_row``: a row's output words when no row of its warp round holds more
+    than ``ug.SMAX`` stored values. A few values all lie in one 64-bit window of the
+    decoded words, loaded once per row; each output word is that window shifted past
+    the row's values before the word, through the word's PRMT selector (no shared-memory
+    load per word, as :func:`make_word_expand`'s ``expand_word`` needs)."""
     BITS, GE, SMAX, OW = el.BITS, el.GE, ug.SMAX, ug.OW
     GE_LOG2 = GE.bit_length() - 1
     GMASK = (1 << GE) - 1
-
-    @cuda.jit(device=True)
-    def in_window(b):
-        if SMAX < 0:
-            return False
-        if SIM:
-            return cuda.popc(b) <= SMAX
-        return not cuda.any_sync(FULL_MASK, cuda.popc(b) > SMAX)
 
     @cuda.jit(device=True)
     def window_row(vals, sel, j, b, o):
@@ -229,24 +230,15 @@ def _make_window_row(el, ug, select):
             src = uint32((window >> uint64(before * uint32(BITS))) & uint64(FULL_MASK))
             o[m] = _prmt(src, select(sel, mb))
 
-    return in_window, window_row
+    return window_row
 
 
 def _make_single_row(el, ug):
-    """(in_single, single_row): whether no row of the warp round holds more than one
-    stored value, and such a row's output words: zeros but for the one element, placed
-    with a compare per word, no window shifts and no selectors (most rounds at 99 %
-    zeros). Voted as :func:`_make_window_row`'s path is (under the simulator, per row)."""
-    BITS, GE, SMAX, OW, EMASK = el.BITS, el.GE, ug.SMAX, ug.OW, el.EMASK
+    """``single_row``: a row's output words when no row of its warp round holds more
+    than one stored value: zeros but for the one element, placed with a compare per
+    word, no window shifts and no selectors (most rounds at 99 % zeros)."""
+    BITS, GE, OW, EMASK = el.BITS, el.GE, ug.OW, el.EMASK
     GE_LOG2 = GE.bit_length() - 1
-
-    @cuda.jit(device=True)
-    def in_single(b):
-        if SMAX < 0:
-            return False
-        if SIM:
-            return cuda.popc(b) <= 1
-        return not cuda.any_sync(FULL_MASK, cuda.popc(b) > 1)
 
     @cuda.jit(device=True)
     def single_row(vals, j, b, o):
@@ -262,7 +254,7 @@ def _make_single_row(el, ug):
         for m in range(OW):
             o[m] = placed if word == m else uint32(0)
 
-    return in_single, single_row
+    return single_row
 
 
 def _make_emit_row(el, ug, op, select, expand_word):
@@ -271,8 +263,9 @@ def _make_emit_row(el, ug, op, select, expand_word):
     UV, UMB, OW = ug.UV, ug.UMB, ug.OW
     store_group = el.store_group
     fused_row = make_fused_row(el, ug, op) if op else None
-    in_window, window_row = _make_window_row(el, ug, select)
-    in_single, single_row = _make_single_row(el, ug)
+    SMAX = ug.SMAX
+    window_row = _make_window_row(el, ug, select)
+    single_row = _make_single_row(el, ug)
 
     @cuda.jit(device=True)
     def emit_row(vals, vals2, sel, o, w2, gw, uw, v, gv, uv, b, j, e0, tfull, numel,
@@ -282,8 +275,11 @@ def _make_emit_row(el, ug, op, select, expand_word):
         and store it (op 0) or the fused op's results. ``fast``: every operand and result
         8-byte aligned (a whole row then moves as words), ``o16``: the results 16-byte
         aligned (16-byte stores), ``g_loaded``: gw holds the row's grad already."""
-        few = in_window(b)           # every lane votes, those past the end too
-        one = few and in_single(b)   # (few is the warp's: all of it votes again or none)
+        few = one = False
+        if SMAX >= 0:                # 8- and 16-bit rows (fp32 always expands)
+            most = fullest_row(b)    # every lane votes, those past the end too
+            few = most <= SMAX
+            one = most <= 1
         if tfull or e0 < numel:
             if one:
                 single_row(vals, j, b, o)
