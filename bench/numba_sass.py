@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--all", action="store_true",
                     help="every op / mode and encoding of unpack and pack, not only nosign")
+    ap.add_argument("--lineinfo", action="store_true",
+                    help="build with line info and disassemble with nvdisasm --print-line-info "
+                         "(inlined device functions show as their call sites in the kernel)")
     ap.add_argument("--variant", default="",
                     help="pack variant, PackVariant fields: e.g. pack_blocks=6,lb_early=1")
     a = ap.parse_args()
@@ -90,15 +93,18 @@ def main() -> None:
     kernels["finish"] = (k.finish, finish_sig)
     for name, (kern, sig) in kernels.items():
         # The kernel's own launch bounds: they cap its registers (spills show as local accesses).
-        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0),
+        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), lineinfo=a.lineinfo,
                                   launch_bounds=kern.targetoptions.get("launch_bounds"))
         base = Path(a.out) / f"numba_{name}"
         base.with_suffix(".ptx").write_text(ptx)
-        r = subprocess.run([tool("ptxas"), "-arch=sm_90", "-v", str(base.with_suffix(".ptx")), "-o",
-                            str(base.with_suffix(".cubin"))], capture_output=True, text=True)
+        r = subprocess.run([tool("ptxas"), "-arch=sm_90", "-v", *(["-lineinfo"] if a.lineinfo else []),
+                            str(base.with_suffix(".ptx")), "-o", str(base.with_suffix(".cubin"))],
+                           capture_output=True, text=True)
         if r.returncode:
             sys.exit(r.stderr)
-        sass = subprocess.run([tool("cuobjdump"), "-sass", str(base.with_suffix(".cubin"))],
+        dis = ([tool("nvdisasm"), "--print-line-info", "--print-code"] if a.lineinfo
+               else [tool("cuobjdump"), "-sass"])
+        sass = subprocess.run([*dis, str(base.with_suffix(".cubin"))],
                               capture_output=True, text=True).stdout
         base.with_suffix(".sass").write_text(sass)
         n = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
