@@ -4,10 +4,11 @@
 
 Compiles the nosign unpack and plain-pack kernels (with --all every op, mode and
 encoding, the fused ops' unpack kernels included: does each compile for sm_90?) to
-PTX with numba-cuda, assembles
-them with ptxas and disassembles with cuobjdump (which needs nvdisasm beside it; all
-from the pip CUDA packages or the PATH), then prints instructions, registers and local-memory accesses per kernel:
-a cheap check of a Numba change before spending device time on it. numba-cuda asks
+PTX with numba-cuda, assembles them with ptxas and disassembles them with cuobjdump
+(which needs nvdisasm beside it; all from the pip CUDA packages or the PATH; with
+--lineinfo, nvdisasm with source lines), then prints instructions, registers and
+local-memory accesses per kernel: a cheap check of a Numba change before spending
+device time on it. numba-cuda asks
 the (absent) driver for the compute capability of device functions; it is told 9.0.
 """
 
@@ -97,7 +98,8 @@ def main() -> None:
                                   launch_bounds=kern.targetoptions.get("launch_bounds"))
         base = Path(a.out) / f"numba_{name}"
         base.with_suffix(".ptx").write_text(ptx)
-        r = subprocess.run([tool("ptxas"), "-arch=sm_90", "-v", *(["-lineinfo"] if a.lineinfo else []),
+        lineinfo = ["-lineinfo"] if a.lineinfo else []
+        r = subprocess.run([tool("ptxas"), "-arch=sm_90", "-v", *lineinfo,
                             str(base.with_suffix(".ptx")), "-o", str(base.with_suffix(".cubin"))],
                            capture_output=True, text=True)
         if r.returncode:
@@ -109,7 +111,7 @@ def main() -> None:
         base.with_suffix(".sass").write_text(sass)
         n = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
         if n == 0:      # cuobjdump prints only the header when it cannot find nvdisasm
-            sys.exit(f"{name}: cuobjdump printed no SASS; is nvdisasm beside it "
+            sys.exit(f"{name}: no SASS came out; is nvdisasm beside cuobjdump "
                      "(pip install nvidia-cuda-nvdisasm)?")
         regs = re.findall(r"Used (\d+) registers", r.stderr)
         smem = re.findall(r"(\d+) bytes smem", r.stderr)

@@ -157,8 +157,8 @@ else:
         """Rows of 16 bytes holding 0 .. WINDOW_MAX + 1 stored values, the first at
         every offset in its decoded word: those of at most one value place it alone,
         the others within the cap read one window (under the simulator each row decides
-        alone, so the paths run side by side), the rest expand. Unpack, relu2_backward and the gated op (u under r's mask) against the
-        reference."""
+        alone, so the paths run side by side), the rest expand. Unpack, relu2_backward
+        and the gated op (u under r's mask) against the reference."""
         from bitsparse_core.backends.numba.unpack import WINDOW_MAX
         cap = WINDOW_MAX[dtype.bits]
         row = 16 // dtype.itemsize
