@@ -4,7 +4,8 @@ The record's layout is checked here against Numba's own marshalling of the same
 arguments (``_Kernel._prepare_args``, run on a stand-in kernel), and the guards that
 keep a kernel on the dispatcher are exercised with a stand-in dispatcher; a pack
 plan's records of its own (BoundLaunch, backend._PackLaunches) are checked against
-what the platform's launches fill, on stand-in memory. The
+what the platform's launches fill, on stand-in memory; the entry points' one driver
+query for the context and its device is checked with a stand-in driver. The
 driver's side (the function handle, ``cuFuncGetParamInfo``, the launch itself) runs
 only on a GPU: tests/test_gpu_numba.py runs every Numba op through it.
 """
@@ -506,3 +507,61 @@ def test_small_packs_zero_their_values_with_the_scratch_and_run_no_finish():
     sec = backend._recipe(big, K.COMMITTED).sections(False)
     assert sec.at["values"][2] > K.PackVariant.fill_limit
     assert not sec.ored and sec.fill[1] == sec.scratch[1]
+
+
+def test_entry_points_ask_the_driver_once_and_forget_the_device(monkeypatch):
+    """An entry point with a current context asks the driver once (cuCtxGetDevice) and
+    keeps the device for the call, where the platform reads it without asking again;
+    the device is forgotten when the call returns or raises, a nested entry point
+    leaves its caller's, and without a context the entry point runs in a Numba context
+    scope. (On a GPU: test_gpu_numba's entry-point test.)"""
+    backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
+    if backend.K.SIM:
+        pytest.skip("under the simulator every entry point runs in its scope")
+    asked = []
+    device = {"now": 3}
+
+    def current_device():
+        asked.append(device["now"])
+        return device["now"]
+
+    monkeypatch.setattr(backend.driver, "current_device", current_device)
+    scoped_calls = []
+
+    def require_context(method):
+        def scoped(*args, **kwargs):
+            scoped_calls.append(method.__name__)
+            return method(*args, **kwargs)
+        return scoped
+
+    monkeypatch.setattr(backend._cuda, "require_context", require_context)
+    platform = backend._GpuPlatform.__new__(backend._GpuPlatform)   # _dev reads no state
+
+    @backend._one_context
+    def inner():
+        return platform._dev()
+
+    @backend._one_context
+    def outer(fail=False):
+        seen = [platform._dev()]
+        device["now"] = 5                     # the inner entry point's context
+        seen.append(inner())
+        seen.append(platform._dev())          # the caller's device again
+        if fail:
+            raise RuntimeError("an op that fails")
+        return seen
+
+    assert outer() == [3, 5, 3] and asked == [3, 5]
+    assert getattr(backend._ENTRY, "device", None) is None
+    device["now"], asked[:] = 3, []
+    with pytest.raises(RuntimeError):
+        outer(fail=True)
+    assert getattr(backend._ENTRY, "device", None) is None and asked == [3, 5]
+    # No current context: the entry point runs in a Numba scope, whose context (here a
+    # stand-in's device 7) the platform then asks Numba for.
+    device["now"] = None
+
+    class _Scope:
+        id = 7
+    platform.cuda = type("numba_cuda", (), {"get_current_device": staticmethod(_Scope)})
+    assert scoped_calls == [] and inner() == 7 and scoped_calls == ["inner"]
