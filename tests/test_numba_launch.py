@@ -535,7 +535,7 @@ def test_entry_points_ask_the_driver_once_and_forget_the_device(monkeypatch):
         return scoped
 
     monkeypatch.setattr(backend._cuda, "require_context", require_context)
-    platform = backend._GpuPlatform.__new__(backend._GpuPlatform)   # _dev reads no state
+    platform = backend._GpuPlatform.__new__(backend._GpuPlatform)   # _dev needs only .cuda
 
     @backend._one_context
     def inner():

@@ -58,7 +58,7 @@ class UnpackGeom:
     utile_log2: dict   # tile size (log2), per op
     SEL: Any           # PRMT selector per mask bits of an output word
     SEL16: int         # bf16 / fp16: the four selectors in one constant
-    SMAX: int          # stored values per row a window holds (WINDOW_MAX; -1: always expand)
+    SMAX: int          # values per row a window holds (WINDOW_MAX; -1: always expand, no vote)
 
 
 def unpack_geometry(el) -> UnpackGeom:
