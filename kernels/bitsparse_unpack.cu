@@ -232,6 +232,29 @@ __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
                  : (u64)reinterpret_cast<const u32*>(offsets_ptr)[c];
 }
 
+// L2 prefetch of the planes of a later tile (-D BS_UNPACK_PREFETCH=1, an experiment):
+// the block of tile t asks the copy engine of its SM (cp.async.bulk.prefetch, sm_90) to
+// bring the mask bytes and the value / sign stream bytes of tile t + ahead into L2,
+// where ahead is about one wave of resident blocks, so the block that takes that tile
+// finds its dependent loads (offsets, then values) in L2 rather than in DRAM.
+#ifndef BS_UNPACK_PREFETCH
+#define BS_UNPACK_PREFETCH 0
+#endif
+#ifndef BS_UNPACK_AHEAD_WAVES
+#define BS_UNPACK_AHEAD_WAVES 1
+#endif
+__device__ __forceinline__ void bs_l2_prefetch(u64 base, u64 len, u64 b0, u64 b1) {
+#if __CUDA_ARCH__ >= 900
+    // Bytes [b0, b1) of a plane of len bytes, widened to whole 16-byte blocks (which
+    // never leave the plane's pages).
+    if (b1 > len) b1 = len;
+    if (b1 <= b0) return;
+    const u64 a0 = (base + b0) & ~15ull, a1 = (base + b1 + 15ull) & ~15ull;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a0), "r"((u32)(a1 - a0))
+                 : "memory");
+#endif
+}
+
 template <int FMT, int OP, int R, int ENC, int UENC>
 __global__ void __launch_bounds__(BS_THREADS, OP != 0 ? (Fmt<FMT>::BITS == 8 ? 6 : BS_FUSED_BLOCKS)
                                    : Fmt<FMT>::BITS == 32 ? 6 : BS_UNPACK_BLOCKS)
@@ -275,6 +298,35 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         Pe = reinterpret_cast<const u64*>(prefix_ptr)[tile + 1];
     }
     const u32 n = (u32)(Pe - P);
+    if (BS_UNPACK_PREFETCH && prefix_mode == 0 && tid == BS_THREADS - 1) {
+        u32 nsm;
+        asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
+        const int per_sm = OP != 0 ? (BITS == 8 ? 6 : BS_FUSED_BLOCKS) : BITS == 32 ? 6 : BS_UNPACK_BLOCKS;
+        const u64 ahead = tile + (u64)nsm * per_sm * BS_UNPACK_AHEAD_WAVES;
+        if (ahead < gridDim.x) {
+            const u64 nch = (numel + (1ull << chunk_log2) - 1ull) >> chunk_log2;
+            const u64 ab = ahead * (u64)TILE;
+            u64 c1 = (ab + TILE) >> chunk_log2;
+            if (c1 > nch) c1 = nch;
+            const u64 q0 = bs_offset_at(offsets_ptr, off64, ab >> chunk_log2);
+            const u64 q1 = bs_offset_at(offsets_ptr, off64, c1);
+            const int W = ENC == 0 ? BITS : BITS - 1;
+            bs_l2_prefetch(mask_ptr, mask_len, ab >> 3, (ab + TILE) >> 3);
+            bs_l2_prefetch(values_ptr, values_len, (q0 * W) >> 3, ((q1 * W) >> 3) + 8);
+            if (ENC == 2) bs_l2_prefetch(signs_ptr, signs_len, q0 >> 3, (q1 >> 3) + 8);
+            if (OP == BS_OP_GATED) {
+                const int UW = UENC == 0 ? BITS : BITS - 1;
+                bs_l2_prefetch(uvalues_ptr, uvalues_len, (q0 * UW) >> 3, ((q1 * UW) >> 3) + 8);
+                if (UENC == 2) bs_l2_prefetch(usigns_ptr, usigns_len, q0 >> 3, (q1 >> 3) + 8);
+            }
+            if (OP != 0) {
+                const u64 gb = numel * sizeof(T);
+                bs_l2_prefetch(g_ptr, gb, ab * sizeof(T), (ab + TILE) * sizeof(T));
+                if (OP == BS_OP_GATED_DENSE)
+                    bs_l2_prefetch(ud_ptr, gb, ab * sizeof(T), (ab + TILE) * sizeof(T));
+            }
+        }
+    }
 
     u32 bits[R];
     const bool full = tile_base + TILE <= numel;
