@@ -409,6 +409,20 @@ BS_D u32 bs_bfind(u32 x) {
     return i;
 }
 
+// Ask the SM's copy engine to bring bytes [b0, b1) of a plane of len bytes into L2
+// (one instruction, no registers held; sm_90's cp.async.bulk.prefetch, a no-op
+// before). The range is widened to whole 16-byte blocks, which never leave the
+// plane's pages.
+BS_D void bs_l2_prefetch(u64 base, u64 len, u64 b0, u64 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (b1 > len) b1 = len;
+    if (b1 <= b0) return;
+    const u64 a0 = (base + b0) & ~15ull, a1 = (base + b1 + 15ull) & ~15ull;
+    // volatile, no memory clobber: kept, but loads may still move across it
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a0), "r"((u32)(a1 - a0)));
+#endif
+}
+
 // Tile count descriptors: one 8-byte access each way (never torn), relaxed at
 // GPU scope: a count carries no other data, so no ordering is needed.
 BS_D u64 bs_ld_u64(const u64* p) {

@@ -240,20 +240,12 @@ __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
 #ifndef BS_UNPACK_PREFETCH
 #define BS_UNPACK_PREFETCH 0
 #endif
-#ifndef BS_UNPACK_AHEAD_WAVES
-#define BS_UNPACK_AHEAD_WAVES 1
+#ifndef BS_UNPACK_AHEAD_DIV
+#define BS_UNPACK_AHEAD_DIV 1     // ahead: a wave of resident blocks over this
 #endif
-__device__ __forceinline__ void bs_l2_prefetch(u64 base, u64 len, u64 b0, u64 b1) {
-#if __CUDA_ARCH__ >= 900
-    // Bytes [b0, b1) of a plane of len bytes, widened to whole 16-byte blocks (which
-    // never leave the plane's pages).
-    if (b1 > len) b1 = len;
-    if (b1 <= b0) return;
-    const u64 a0 = (base + b0) & ~15ull, a1 = (base + b1 + 15ull) & ~15ull;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a0), "r"((u32)(a1 - a0))
-                 : "memory");
+#ifndef BS_UNPACK_PREFETCH_G
+#define BS_UNPACK_PREFETCH_G 0    // the fused ops' dense inputs too
 #endif
-}
 
 template <int FMT, int OP, int R, int ENC, int UENC>
 __global__ void __launch_bounds__(BS_THREADS, OP != 0 ? (Fmt<FMT>::BITS == 8 ? 6 : BS_FUSED_BLOCKS)
@@ -297,36 +289,24 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         P = reinterpret_cast<const u64*>(prefix_ptr)[tile];
         Pe = reinterpret_cast<const u64*>(prefix_ptr)[tile + 1];
     }
-    const u32 n = (u32)(Pe - P);
+    // The prefetch's offsets are loaded beside P and Pe (one round trip for both), used
+    // after this thread's mask loads are issued.
+    u64 ahead = ~0ull, q0 = 0, q1 = 0;
     if (BS_UNPACK_PREFETCH && prefix_mode == 0 && tid == BS_THREADS - 1) {
         u32 nsm;
         asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
         const int per_sm = OP != 0 ? (BITS == 8 ? 6 : BS_FUSED_BLOCKS) : BITS == 32 ? 6 : BS_UNPACK_BLOCKS;
-        const u64 ahead = tile + (u64)nsm * per_sm * BS_UNPACK_AHEAD_WAVES;
-        if (ahead < gridDim.x) {
+        const u64 a = tile + ((u64)nsm * per_sm + BS_UNPACK_AHEAD_DIV - 1) / BS_UNPACK_AHEAD_DIV;
+        if (a < gridDim.x) {
             const u64 nch = (numel + (1ull << chunk_log2) - 1ull) >> chunk_log2;
-            const u64 ab = ahead * (u64)TILE;
-            u64 c1 = (ab + TILE) >> chunk_log2;
+            u64 c1 = (a * TILE + TILE) >> chunk_log2;
             if (c1 > nch) c1 = nch;
-            const u64 q0 = bs_offset_at(offsets_ptr, off64, ab >> chunk_log2);
-            const u64 q1 = bs_offset_at(offsets_ptr, off64, c1);
-            const int W = ENC == 0 ? BITS : BITS - 1;
-            bs_l2_prefetch(mask_ptr, mask_len, ab >> 3, (ab + TILE) >> 3);
-            bs_l2_prefetch(values_ptr, values_len, (q0 * W) >> 3, ((q1 * W) >> 3) + 8);
-            if (ENC == 2) bs_l2_prefetch(signs_ptr, signs_len, q0 >> 3, (q1 >> 3) + 8);
-            if (OP == BS_OP_GATED) {
-                const int UW = UENC == 0 ? BITS : BITS - 1;
-                bs_l2_prefetch(uvalues_ptr, uvalues_len, (q0 * UW) >> 3, ((q1 * UW) >> 3) + 8);
-                if (UENC == 2) bs_l2_prefetch(usigns_ptr, usigns_len, q0 >> 3, (q1 >> 3) + 8);
-            }
-            if (OP != 0) {
-                const u64 gb = numel * sizeof(T);
-                bs_l2_prefetch(g_ptr, gb, ab * sizeof(T), (ab + TILE) * sizeof(T));
-                if (OP == BS_OP_GATED_DENSE)
-                    bs_l2_prefetch(ud_ptr, gb, ab * sizeof(T), (ab + TILE) * sizeof(T));
-            }
+            q0 = bs_offset_at(offsets_ptr, off64, (a * TILE) >> chunk_log2);
+            q1 = bs_offset_at(offsets_ptr, off64, c1);
+            ahead = a;
         }
     }
+    const u32 n = (u32)(Pe - P);
 
     u32 bits[R];
     const bool full = tile_base + TILE <= numel;
@@ -357,6 +337,25 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         const u32 wtot = bs_scan_rounds<R, V>(bits, lane, start);
         if (lane == 0) s_warp_tot[warp] = wtot;
     };
+    // After the mask loads are issued: waiting here for q0 / q1 is waiting for P.
+    if (BS_UNPACK_PREFETCH && ahead != ~0ull) {
+        const u64 ab = ahead * (u64)TILE;
+        const int W = ENC == 0 ? BITS : BITS - 1;
+        bs_l2_prefetch(mask_ptr, mask_len, ab >> 3, (ab + TILE) >> 3);
+        bs_l2_prefetch(values_ptr, values_len, (q0 * W) >> 3, ((q1 * W) >> 3) + 8);
+        if (ENC == 2) bs_l2_prefetch(signs_ptr, signs_len, q0 >> 3, (q1 >> 3) + 8);
+        if (OP == BS_OP_GATED) {
+            const int UW = UENC == 0 ? BITS : BITS - 1;
+            bs_l2_prefetch(uvalues_ptr, uvalues_len, (q0 * UW) >> 3, ((q1 * UW) >> 3) + 8);
+            if (UENC == 2) bs_l2_prefetch(usigns_ptr, usigns_len, q0 >> 3, (q1 >> 3) + 8);
+        }
+        if (OP != 0 && BS_UNPACK_PREFETCH_G) {
+            const u64 gb = numel * sizeof(T);
+            bs_l2_prefetch(g_ptr, gb, ab * sizeof(T), (ab + TILE) * sizeof(T));
+            if (OP == BS_OP_GATED_DENSE)
+                bs_l2_prefetch(ud_ptr, gb, ab * sizeof(T), (ab + TILE) * sizeof(T));
+        }
+    }
     bs_decode_tile<BITS, ENC>(reinterpret_cast<const u8*>(values_ptr), values_len,
                               reinterpret_cast<const u8*>(signs_ptr), signs_len, P, n, vals, rank);
     if (OP == BS_OP_GATED)
