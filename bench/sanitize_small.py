@@ -2,7 +2,8 @@
 
 Run under the sanitizer by bench/gpu_session.sh; exits non-zero if any result
 differs from the reference codec. Sizes are small so the sanitizer stays fast,
-but cover several tiles, a partial last tile, fixed capacity and every encoding.
+but cover several tiles, a partial last tile, fixed capacity and every encoding,
+and one bf16 tensor of more tiles than a wave of resident blocks.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def main() -> int:
         g = bc.relu2_backward(y, p)
         bad += not np.array_equal(np.asarray(be.to_numpy(g)).view(dt.uint),
                                   reference_ops.relu2_backward(y_ref, p_ref).view(dt.uint))
+    # More tiles than a wave of resident blocks: the pack and the unpack ask for later
+    # tiles' planes in L2 (sm_90), which the small tensors above never reach.
+    dt = _dt.BFLOAT16
+    n = 5 * cp.cuda.Device().attributes["MultiProcessorCount"] * 8192 + 4099
+    x = random_bits(rng, (n,), dt, 0.5, signs=False)
+    p = bc.pack(cp.asarray(x.view(dt.uint)), dtype=dt.name, encoding="nosign", backend="cupy")
+    bad += not np.array_equal(np.asarray(be.to_numpy(bc.unpack(p))).view(dt.uint), x.view(dt.uint))
     cp.cuda.runtime.deviceSynchronize()
     print("sanitize_small: mismatches =", bad)
     return 1 if bad else 0

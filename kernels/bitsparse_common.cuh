@@ -410,11 +410,16 @@ BS_D u32 bs_bfind(u32 x) {
 }
 
 // Ask the SM's copy engine to bring bytes [b0, b1) of a plane of len bytes into L2
-// (one instruction, no registers held; sm_90's cp.async.bulk.prefetch, a no-op
-// before). The range is widened to whole 16-byte blocks, which never leave the
-// plane's pages.
-BS_D void bs_l2_prefetch(u64 base, u64 len, u64 b0, u64 b1) {
+// (one instruction, no registers held: sm_90's cp.async.bulk.prefetch; callers skip
+// the work around it where BS_BULK_PREFETCH is 0). The range is widened to whole
+// 16-byte blocks, which never leave the plane's pages.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define BS_BULK_PREFETCH 1
+#else
+#define BS_BULK_PREFETCH 0
+#endif
+BS_D void bs_l2_prefetch(u64 base, u64 len, u64 b0, u64 b1) {
+#if BS_BULK_PREFETCH
     if (b1 > len) b1 = len;
     if (b1 <= b0) return;
     const u64 a0 = (base + b0) & ~15ull, a1 = (base + b1 + 15ull) & ~15ull;

@@ -232,24 +232,27 @@ __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
                  : (u64)reinterpret_cast<const u32*>(offsets_ptr)[c];
 }
 
-// L2 prefetch of the planes of a later tile (-D BS_UNPACK_PREFETCH=1, an experiment):
-// the block of tile t asks the copy engine of its SM (cp.async.bulk.prefetch, sm_90) to
-// bring the mask bytes and the value / sign stream bytes of tile t + ahead into L2,
-// where ahead is about one wave of resident blocks, so the block that takes that tile
-// finds its dependent loads (offsets, then values) in L2 rather than in DRAM.
+// L2 prefetch of a later tile's planes: the block of tile t asks its SM's copy engine
+// (bs_l2_prefetch) for the mask bytes and the value (sign, u) stream bytes of tile
+// t + K, K a quarter of a wave of resident blocks, so that the block taking that tile
+// soon after finds its chain of dependent loads (offsets, then the values they locate)
+// in L2. A whole wave ahead, or the fused ops' dense gradients too, measured slower:
+// the lines left L2 before their block ran (bench/NOTES.md, session 39). A/B switches
+// for bench/kernel_variants.py.
 #ifndef BS_UNPACK_PREFETCH
-#define BS_UNPACK_PREFETCH 0
+#define BS_UNPACK_PREFETCH 1
 #endif
 #ifndef BS_UNPACK_AHEAD_DIV
-#define BS_UNPACK_AHEAD_DIV 1     // ahead: a wave of resident blocks over this
-#endif
-#ifndef BS_UNPACK_PREFETCH_G
-#define BS_UNPACK_PREFETCH_G 0    // the fused ops' dense inputs too
+#define BS_UNPACK_AHEAD_DIV 4     // K = resident blocks / this
 #endif
 
+// Blocks per SM of an unpack-family kernel (its launch bounds).
+template <int BITS, int OP> struct BsUnpackBlocks {
+    enum { N = OP != 0 ? (BITS == 8 ? 6 : BS_FUSED_BLOCKS) : BITS == 32 ? 6 : BS_UNPACK_BLOCKS };
+};
+
 template <int FMT, int OP, int R, int ENC, int UENC>
-__global__ void __launch_bounds__(BS_THREADS, OP != 0 ? (Fmt<FMT>::BITS == 8 ? 6 : BS_FUSED_BLOCKS)
-                                   : Fmt<FMT>::BITS == 32 ? 6 : BS_UNPACK_BLOCKS)
+__global__ void __launch_bounds__(BS_THREADS, BsUnpackBlocks<Fmt<FMT>::BITS, OP>::N)
 bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, int off64, u64 prefix_ptr,
                  u64 mask_ptr, u64 mask_len,
                  u64 values_ptr, u64 values_len, u64 signs_ptr, u64 signs_len,
@@ -289,14 +292,14 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         P = reinterpret_cast<const u64*>(prefix_ptr)[tile];
         Pe = reinterpret_cast<const u64*>(prefix_ptr)[tile + 1];
     }
-    // The prefetch's offsets are loaded beside P and Pe (one round trip for both), used
-    // after this thread's mask loads are issued.
+    // The offsets of the tile to prefetch, loaded beside P and Pe (one round trip for
+    // both) and used once this thread's mask loads are issued.
     u64 ahead = ~0ull, q0 = 0, q1 = 0;
-    if (BS_UNPACK_PREFETCH && prefix_mode == 0 && tid == BS_THREADS - 1) {
+    if (BS_UNPACK_PREFETCH && BS_BULK_PREFETCH && prefix_mode == 0 && tid == BS_THREADS - 1) {
         u32 nsm;
         asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-        const int per_sm = OP != 0 ? (BITS == 8 ? 6 : BS_FUSED_BLOCKS) : BITS == 32 ? 6 : BS_UNPACK_BLOCKS;
-        const u64 a = tile + ((u64)nsm * per_sm + BS_UNPACK_AHEAD_DIV - 1) / BS_UNPACK_AHEAD_DIV;
+        const u64 a = tile + ((u64)nsm * BsUnpackBlocks<BITS, OP>::N + BS_UNPACK_AHEAD_DIV - 1)
+                                 / BS_UNPACK_AHEAD_DIV;
         if (a < gridDim.x) {
             const u64 nch = (numel + (1ull << chunk_log2) - 1ull) >> chunk_log2;
             u64 c1 = (a * TILE + TILE) >> chunk_log2;
@@ -337,8 +340,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         const u32 wtot = bs_scan_rounds<R, V>(bits, lane, start);
         if (lane == 0) s_warp_tot[warp] = wtot;
     };
-    // After the mask loads are issued: waiting here for q0 / q1 is waiting for P.
-    if (BS_UNPACK_PREFETCH && ahead != ~0ull) {
+    if (BS_UNPACK_PREFETCH && ahead != ~0ull) {     // waiting for q0 / q1 is waiting for P
         const u64 ab = ahead * (u64)TILE;
         const int W = ENC == 0 ? BITS : BITS - 1;
         bs_l2_prefetch(mask_ptr, mask_len, ab >> 3, (ab + TILE) >> 3);
@@ -348,12 +350,6 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
             const int UW = UENC == 0 ? BITS : BITS - 1;
             bs_l2_prefetch(uvalues_ptr, uvalues_len, (q0 * UW) >> 3, ((q1 * UW) >> 3) + 8);
             if (UENC == 2) bs_l2_prefetch(usigns_ptr, usigns_len, q0 >> 3, (q1 >> 3) + 8);
-        }
-        if (OP != 0 && BS_UNPACK_PREFETCH_G) {
-            const u64 gb = numel * sizeof(T);
-            bs_l2_prefetch(g_ptr, gb, ab * sizeof(T), (ab + TILE) * sizeof(T));
-            if (OP == BS_OP_GATED_DENSE)
-                bs_l2_prefetch(ud_ptr, gb, ab * sizeof(T), (ab + TILE) * sizeof(T));
         }
     }
     bs_decode_tile<BITS, ENC>(reinterpret_cast<const u8*>(values_ptr), values_len,
