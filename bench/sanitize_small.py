@@ -17,6 +17,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import bitsparse_core as bc  # noqa: E402
 from bitsparse_core import dtypes as _dt
+from bitsparse_core.backends.cuda import abi  # noqa: E402
 from bitsparse_core.spec import codec as reference, ops as reference_ops  # noqa: E402
 from gpu_util import random_bits  # noqa: E402
 
@@ -48,7 +49,8 @@ def main() -> int:
     # More tiles than a wave of resident blocks: the pack and the unpack ask for later
     # tiles' planes in L2 (sm_90), which the small tensors above never reach.
     dt = _dt.BFLOAT16
-    n = 5 * cp.cuda.Device().attributes["MultiProcessorCount"] * 8192 + 4099
+    tile = abi.tile_elems(dt, abi.PACK_ROUNDS)
+    n = 5 * cp.cuda.Device().attributes["MultiProcessorCount"] * tile + tile // 2 + 3
     x = random_bits(rng, (n,), dt, 0.5, signs=False)
     p = bc.pack(cp.asarray(x.view(dt.uint)), dtype=dt.name, encoding="nosign", backend="cupy")
     bad += not np.array_equal(np.asarray(be.to_numpy(bc.unpack(p))).view(dt.uint), x.view(dt.uint))
