@@ -343,10 +343,9 @@ __device__ __noinline__ void bs_pack_epilogue(u64 scratch_ptr, u64 n_tiles, u64 
     const u64 nnz = __ldcg(reinterpret_cast<const u64*>(status_ptr) + 1);
     const u64 stored = nnz < cap ? nnz : cap;
     const u64 v0 = (stored * (u64)w + 31ull) >> 5, s0 = (stored + 31ull) >> 5;
-    for (u64 i = first; i < n; i += stride) {
-        if (i >= v0 && i < values_words) reinterpret_cast<u32*>(values_ptr)[i] = 0u;
-        if (has_signs && i >= s0 && i < signs_words) reinterpret_cast<u32*>(signs_ptr)[i] = 0u;
-    }
+    for (u64 i = v0 + first; i < values_words; i += stride) reinterpret_cast<u32*>(values_ptr)[i] = 0u;
+    if (has_signs)
+        for (u64 i = s0 + first; i < signs_words; i += stride) reinterpret_cast<u32*>(signs_ptr)[i] = 0u;
 }
 
 // Shared memory of bitsparse_pack (dynamic, sized by the host with the same
@@ -520,14 +519,12 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         if (lane == 0) { s_warp_tot[warp] = wtot; s_warp_neg[warp] = wneg; }
         if (tid == 0) s_next = claim;
         __syncthreads();                                                   // B1
-        warp_excl = 0; n = 0; any_neg = 0;
-#pragma unroll
-        for (int k = 0; k < BS_WARPS; ++k) {
-            const u32 t = s_warp_tot[k];
-            warp_excl += k < warp ? t : 0u;
-            n += t;
-            any_neg |= s_warp_neg[k];
-        }
+        // Lane k reads warp k's count: the tile's count, this warp's offset in it and the
+        // nosign flag are three REDUX.
+        const u32 wt = lane < BS_WARPS ? s_warp_tot[lane] : 0u;
+        warp_excl = bs_warp_sum(lane < warp ? wt : 0u);
+        n = bs_warp_sum(wt);
+        any_neg = bs_warp_or(lane < BS_WARPS ? s_warp_neg[lane] : 0u);
         if (tid == 0) {
             bs_st_u64(&cdesc[tile], (tile == 0 ? BS_INCL : BS_AGG) | (any_neg ? BS_NEG : 0ull) | n);
             atomicAdd(reinterpret_cast<unsigned long long*>(&gdesc[tile >> BS_GROUP_LOG2]),
