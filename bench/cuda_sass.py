@@ -110,7 +110,8 @@ def parse_kernel(text: str) -> tuple:
 
 
 def row(b: Build) -> str:
-    return f"{b.registers:3d} regs, spills {b.spill_stores:3d} / {b.spill_loads:3d} B, {len(b.instructions):5d} SASS"
+    return (f"{b.registers:3d} regs, spills {b.spill_stores:3d} / {b.spill_loads:3d} B, "
+            f"{len(b.instructions):5d} SASS")
 
 
 def by_line(b: Build, top: int) -> list:

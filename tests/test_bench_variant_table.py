@@ -41,7 +41,8 @@ def test_minimum_per_variant_over_the_base(tmp_path):
     assert pack["new"]["min_us"] == 169.1
     assert pack["new"]["over_base"] == pytest.approx(169.1 / 190.0)
     assert rows[("unpack", "bfloat16", 0.5)]["new"]["over_base"] == pytest.approx(121.0 / 120.4)
-    assert "| pack fixed | bfloat16 | 0.5 | 190.0 (1.000) | 169.1 (0.890) |" in (tmp_path / "t.md").read_text()
+    table = (tmp_path / "t.md").read_text()
+    assert "| pack fixed | bfloat16 | 0.5 | 190.0 (1.000) | 169.1 (0.890) |" in table
 
 
 def test_a_row_without_a_base_run_is_refused():
