@@ -1,7 +1,7 @@
 """Fixed-capacity pack and unpack timings of the CuPy kernels under extra NVRTC options.
 
     BITSPARSE_CUDA_OPTIONS="-DSOME_SWITCH" python3 bench/kernel_variants.py [--unpack-only]
-        [--pack-rounds R]
+        [--pack-rounds R] [--encoding nosign|signplane|raw]
 
 For A/B tests of compile-time kernel variants within one device call (each
 option set is compiled separately; CuPy's cache keys include the options).
@@ -10,7 +10,9 @@ CUDA-event timings as in bench_codecs.py. No correctness check: a variant that
 drops work on purpose (e.g. a fake offset) still times; bench_codecs.py and
 the GPU tests check the committed kernels. ``--pack-rounds`` sets the pack
 tile's rounds per warp for this process (``abi.PACK_ROUNDS``; the plans, the
-grid and the shared-memory size follow it).
+grid and the shared-memory size follow it). ``--encoding`` (default nosign) picks
+the encoding packed and unpacked; the input is ReLU-like either way, so a
+signplane run times its kernels with an all-zero sign plane.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def main() -> None:
     timer = Timer(torch, stream, 10)
     tag = os.environ.get("BITSPARSE_CUDA_OPTIONS", "") or "(default)"
     unpack_only = "--unpack-only" in sys.argv
+    enc = sys.argv[sys.argv.index("--encoding") + 1] if "--encoding" in sys.argv else "nosign"
+    if enc != "nosign":
+        tag += f" {enc}"
     if "--pack-rounds" in sys.argv:
         from bitsparse_core.backends.cuda import abi
         abi.PACK_ROUNDS = int(sys.argv[sys.argv.index("--pack-rounds") + 1])
@@ -44,11 +49,11 @@ def main() -> None:
             # With --unpack-only the input is packed by the default-option kernel
             # (the warm cache's), so a variant compiles only its unpack kernels.
             opts = os.environ.pop("BITSPARSE_CUDA_OPTIONS", None) if unpack_only else None
-            p = bc.pack(x, encoding="nosign", capacity=nnz, backend="cupy", stream=stream)
+            p = bc.pack(x, encoding=enc, capacity=nnz, backend="cupy", stream=stream)
             if opts is not None:
                 os.environ["BITSPARSE_CUDA_OPTIONS"] = opts
             if not unpack_only:
-                ms = timer(lambda: bc.pack(x, encoding="nosign", capacity=nnz, backend="cupy",
+                ms = timer(lambda: bc.pack(x, encoding=enc, capacity=nnz, backend="cupy",
                                            stream=stream))
                 print(f"{tag:28s} {dname:14s} s={sp} pack fixed {ms * 1e3:7.1f} us", flush=True)
             out = torch.empty_like(x)
