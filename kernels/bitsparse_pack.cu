@@ -338,8 +338,7 @@ __device__ __noinline__ void bs_pack_epilogue(u64 scratch_ptr, u64 n_tiles, u64 
     const u64 first = blockIdx.x * (u64)blockDim.x + threadIdx.x;
     for (u64 t = first; t <= n_tiles; t += stride)
         bs_stitch_word(scratch_ptr, n_tiles, cap, w, values_ptr, has_signs, signs_ptr, t);
-    const u64 n = values_words > signs_words ? values_words : signs_words;
-    if (n == 0ull) return;
+    if (values_words == 0ull && signs_words == 0ull) return;     // not a fixed capacity
     const u64 nnz = __ldcg(reinterpret_cast<const u64*>(status_ptr) + 1);
     const u64 stored = nnz < cap ? nnz : cap;
     const u64 v0 = (stored * (u64)w + 31ull) >> 5, s0 = (stored + 31ull) >> 5;
@@ -388,7 +387,7 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 // stage earlier measured 5 % slower, bench/NOTES.md), and B's work hides the
 // loads' round trip.
 #ifndef BS_PACK_BLOCKS
-#define BS_PACK_BLOCKS 4         // a plain or masked pack's blocks per SM (64 registers; fp8 spills ~24 bytes)
+#define BS_PACK_BLOCKS 4         // a plain or masked pack's blocks per SM (64 registers)
 #endif
 // The tile a block takes goes to L2 (bs_l2_prefetch) about an iteration before its
 // loads: 16- and 32-bit formats (fp8's pack measured 1-3 % slower with it).
