@@ -165,6 +165,41 @@ def test_stitch_tiles_sharing_words(rng, dt, fill_limit):
     assert nnz > 0
 
 
+@pytest.mark.parametrize("dt", DT_PARAMS)
+def test_warp_redux_variant_packs_as_the_reference(rng, dt):
+    """The pack variant that sums the warps' counts by warp reductions (an A/B
+    candidate; the simulator runs the loop for it): every mode, encoding and capacity
+    kind, over tiles with no nonzeros, with every element nonzero (each warp's count
+    at its maximum) and with a single value in the last warp, bit-exact against the
+    reference."""
+    be = NumbaBackend(NK.PackVariant(warp_redux=True))
+    T = NK.kernels_for(dt.name).ptile
+    x = random_bits(rng, (40 * T + 777,), dt, 0.7)
+    xb = x.view(dt.uint)
+    xb[2 * T:3 * T] = 0
+    xb[3 * T:4 * T] = rng.integers(1, 1 << (dt.bits - 1), size=T).astype(dt.uint)
+    xb[4 * T:5 * T] = 0
+    xb[5 * T - 3] = 1
+    for enc in ("raw", "nosign", "signplane"):
+        xx = x if enc != "nosign" else _unsigned(x, dt)
+        n = int(np.count_nonzero(xx.view(dt.uint)))
+        for cap in (None, n, n - 5):
+            p = be.pack(dev(xx), dtype=dt.name, encoding=enc, capacity=cap, chunk_log2=9)
+            assert_same(p, reference.pack_array(xx, dt, enc, capacity=cap, chunk_log2=9),
+                        f"warp_redux {enc} cap={cap}")
+    a = _no_neg_nan(x, dt)
+    for square in (False, True):
+        y, p = be.relu_pack(dev(a), dtype=dt.name, square=square, chunk_log2=12)
+        y_ref, p_ref = reference_ops.relu_pack(a, dt, square=square, chunk_log2=12)
+        assert_bits(y, y_ref, f"warp_redux relu_pack y square={square}")
+        assert_same(p, p_ref, f"warp_redux relu_pack square={square}")
+    u = random_bits(rng, x.shape, dt, 0.2)
+    for enc in ("raw", "signplane"):
+        p_u = be.masked_pack(dev(u), p, dtype=dt.name, encoding=enc)
+        assert_same(p_u, reference_ops.masked_pack(u, dt, p_ref, encoding=enc),
+                    f"warp_redux masked_pack {enc}")
+
+
 @pytest.mark.parametrize("dt", [_group(_dt.BFLOAT16), _group(_dt.FLOAT8_E4M3FN)])
 def test_nosign_flag_travels_the_look_back(rng, dt):
     """A sign bit in an early tile of many: the flag reaches the status word through

@@ -250,6 +250,33 @@ else:
             p = be.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
             _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
 
+    @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT8_E4M3FN], ids=IDS)
+    def test_warp_redux_variant(dtype):
+        """The pack variant whose warps' counts are summed by warp reductions (here
+        through shared memory): plain, relu and masked packs over an empty tile, a tile
+        of nonzeros only (both warps' counts at their maximum) and one whose only value
+        lies in its last warp, against the reference."""
+        be = NumbaBackend(NK.PackVariant(warp_redux=True))
+        T = NK.kernels_for(dtype.name).ptile
+        rng = _rng("redux", dtype.name)
+        x = random_tensor(rng, (4 * T + 9,), dtype, 0.6, signed=False)
+        xb = x.view(dtype.uint)
+        xb[0:T] = 0
+        xb[T:2 * T] = rng.integers(1, 1 << (dtype.bits - 1), size=T).astype(dtype.uint)
+        xb[2 * T:3 * T] = 0
+        xb[3 * T - 2] = 1
+        n = int(np.count_nonzero(xb))
+        for enc, cap in (("nosign", None), ("raw", n - 4), ("signplane", n)):
+            p = be.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
+            _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
+        y, p = be.relu_pack(x, square=True, chunk_log2=9)
+        y_ref, p_ref = RO.relu_pack(x, dtype, square=True, chunk_log2=9)
+        assert same_bits(y, y_ref, dtype)
+        _assert_planes(p, p_ref)
+        u = random_tensor(rng, x.shape, dtype, 0.3)
+        _assert_planes(be.masked_pack(u, p, encoding="signplane"),
+                       RO.masked_pack(u, dtype, p_ref, encoding="signplane"))
+
     @pytest.mark.parametrize("fill_limit", [0, NK.PackVariant.fill_limit])
     def test_stitch_tiles_sharing_words(fill_limit):
         """Tiles holding 0-3 values, so that several tiles start inside one stream word

@@ -53,6 +53,22 @@ RAW, NOSIGN, SIGNPLANE = 0, 1, 2
 FULL_MASK = 0xFFFFFFFF
 MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED = 0, 1, 2, 3
 
+
+@cuda.jit(device=True)
+def _warps_loop(sh_tot, warp, lane, t, sh_lane):
+    """(sum of sh_tot[w] for w < warp, sum over the NW warps), each thread reading all
+    NW counts (32-bit sums: no sign extension per add). The signature is
+    :func:`_warps_reduced`'s."""
+    before = int32(0)
+    total = int32(0)
+    for w in range(NW):
+        tw = sh_tot[w]
+        if w < warp:
+            before = int32(before + tw)
+        total = int32(total + tw)
+    return before, total
+
+
 # ----------------------------------------------------------------------------
 # Target-specific primitives.
 # ----------------------------------------------------------------------------
@@ -112,6 +128,17 @@ if SIM:
     def _warp_max(v):
         raise NotImplementedError("the simulator has no warp reduction: its callers decide "
                                   "per lane")
+
+    @cuda.jit(device=True)
+    def _warps_reduced(sh_tot, warp, lane, t, sh_lane):
+        """The GPU's algorithm (lane k reads warp k's count, two warp sums) with the
+        sums through shared memory. Every thread of the block must call it."""
+        c = int64(0)
+        if lane < NW:
+            c = int64(sh_tot[lane])
+        before = sum(int(v) for v in _warp_lanes(c if lane < warp else 0, lane, t, sh_lane))
+        total = sum(int(v) for v in _warp_lanes(c, lane, t, sh_lane))
+        return int32(before & 0xFFFFFFFF), int32(total & 0xFFFFFFFF)
 
     @cuda.jit(device=True)
     def _warp_lanes(v, lane, t, sh_lane):
@@ -266,6 +293,36 @@ else:
             return builder.call(redux, [x])
 
         return sig, codegen
+
+    @intrinsic
+    def _warp_sum(typingctx, v):
+        """The sum of an unsigned 32-bit v over the warp's 32 lanes (modulo 2**32), in
+        every lane: one ``redux.sync.add.u32`` (sm_80 and later); every lane must take
+        part."""
+        if not isinstance(v, types.Integer):
+            return None
+        sig = types.uint32(v)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            x = context.cast(builder, args[0], sig.args[0], types.uint32)
+            redux = ir.InlineAsm(ir.FunctionType(i32, [i32]),
+                                 "redux.sync.add.u32 $0, $1, 0xffffffff;", "=r,r",
+                                 side_effect=True)
+            return builder.call(redux, [x])
+
+        return sig, codegen
+
+    @cuda.jit(device=True)
+    def _warps_reduced(sh_tot, warp, lane, t, sh_lane):
+        """What :func:`_warps_loop` gives, by two warp reductions of lane k's read of
+        warp k's count in place of NW shared loads and their adds in every thread.
+        Every lane of the warp must take part."""
+        c = uint32(0)
+        if lane < NW:
+            c = uint32(sh_tot[lane])
+        before = _warp_sum(c if lane < warp else uint32(0))
+        return int32(before), int32(_warp_sum(c))
 
     @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):

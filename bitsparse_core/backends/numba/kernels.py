@@ -64,11 +64,14 @@ class PackVariant:
     bytes zeroes them with one fill and lets its tiles OR the stream words they share
     (no ``k_finish``: up to this size the fill costs the GPU no more than k_finish
     does, and the host one launch less; larger packs run it, bench/NOTES.md session
-    35). Tests set 0 to run ``k_finish`` on small tensors."""
+    35). Tests set 0 to run ``k_finish`` on small tensors. ``warp_redux``: the warps'
+    counts summed by two warp reductions (``redux.sync``) instead of every thread's
+    loop over them (under the simulator, through shared memory)."""
     pack_rounds: int | None = None
     pack_blocks: int | None = None
     lb_early: bool = False
     ticket: bool = True
+    warp_redux: bool = False
     incl_every: int = 1
     fill_limit: int = 8 << 20
 
@@ -89,7 +92,7 @@ class DtypeKernels:
         self.name, self.variant = name, variant
         self.bits = el.BITS
         geo, self.pack = make_pack_kernels(el, variant.pack_rounds, variant.pack_blocks,
-                                           variant.lb_early, variant.ticket)
+                                           variant.lb_early, variant.ticket, variant.warp_redux)
         self.ptile, self.ptile_log2 = geo.PTILE, geo.PTILE_LOG2
         self.finish = make_finish(el.W)
         self.utile_log2, self.unpack = make_unpack_kernels(el)

@@ -36,7 +36,7 @@ from numba import cuda, int32, int64, uint32, uint64
 from ...spec import format as _fmt
 from .common import (FULL_MASK, LANE_N, MODE_MASKED, MODE_PACK, MODE_RELU, MODE_RELU2,
                      NOSIGN, NT, NW, RAW, SIGNPLANE, SIM, _u, _warp_excl_scan,
-                     _warp_excl_scan64)
+                     _warp_excl_scan64, _warps_loop, _warps_reduced)
 from .edges import copy_inner, or_edges, stream_edges
 from .lookback import LB_INCL, LB_NEG, lb_load, lookback, publish, tile_slot
 from .pack_words import make_pack_run, make_word_ops
@@ -106,7 +106,8 @@ def pack_jit(pack_blocks: int | None = None) -> dict:
     return PACK_JIT
 
 
-def make_pack_kernels(el, pack_rounds=None, pack_blocks=None, lb_early=False, ticket=True):
+def make_pack_kernels(el, pack_rounds=None, pack_blocks=None, lb_early=False, ticket=True,
+                      warp_redux=False):
     """(geometry, {(mode, encoding, or_edges): k_pack}) of element type ``el``; the
     keywords are DtypeKernels' A/B knobs. ``or_edges``: the tiles OR their bits of
     shared stream words into a zeroed output (no k_finish); raw values share no
@@ -127,8 +128,8 @@ def make_pack_kernels(el, pack_rounds=None, pack_blocks=None, lb_early=False, ti
                     continue
                 store = _make_store(el.W, enc, ored)
                 kernels[(mode, enc, ored)] = make_pack(el, geo, mode, enc, jit[mode], lb_early,
-                                                       ticket, load, classify, pack_run,
-                                                       chunk_offsets, store)
+                                                       ticket, warp_redux, load, classify,
+                                                       pack_run, chunk_offsets, store)
     return geo, kernels
 
 
@@ -277,10 +278,11 @@ def _make_store(W, enc, ored):
     return store_values
 
 
-def make_pack(el, geo, mode, enc, jit, lb_early, ticket, load_elems, classify, pack_run,
-              chunk_offsets, store_values):
+def make_pack(el, geo, mode, enc, jit, lb_early, ticket, warp_redux, load_elems, classify,
+              pack_run, chunk_offsets, store_values):
     """The pack kernel of one mode and encoding (both compile-time constants,
     so the other modes' code and the run-time encoding tests drop out)."""
+    warps_before_and_total = _warps_reduced if warp_redux else _warps_loop
     SIGNS = enc == SIGNPLANE
     ENP = el.ENP
     PR, PSEG, PGPT, PXW, PMB = geo.PR, geo.PSEG, geo.PGPT, geo.PXW, geo.PMB
@@ -343,13 +345,7 @@ def make_pack(el, geo, mode, enc, jit, lb_early, ticket, load_elems, classify, p
             sh_cnt[2 * warp] = ex
             sh_cnt[2 * warp + 1] = pk
         negf = cuda.syncthreads_or(negf)             # any stored value with its sign set
-        before = int32(0)
-        n32 = int32(0)
-        for w in range(NW):
-            tw = sh_tot[w]
-            if w < warp:
-                before = int32(before + tw)
-            n32 = int32(n32 + tw)
+        before, n32 = warps_before_and_total(sh_tot, warp, lane, t, sh_lane)
         n = int64(n32)
         ex31 = sh_cnt[2 * warp]
         pk31 = sh_cnt[2 * warp + 1]
