@@ -276,42 +276,29 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def _warp_max(typingctx, v):
-        """The maximum of an unsigned 32-bit v over the warp's 32 lanes, in every lane:
-        one ``redux.sync.max.u32`` (sm_80 and later); every lane must take part."""
-        if not isinstance(v, types.Integer):
-            return None
-        sig = types.uint32(v)
+    def _redux(op):
+        """An intrinsic: the ``op`` (max, add: modulo 2**32) of an unsigned 32-bit v
+        over the warp's 32 lanes, in every lane: one ``redux.sync.{op}.u32`` (sm_80 and
+        later); every lane must take part."""
+        @intrinsic
+        def redux(typingctx, v):
+            if not isinstance(v, types.Integer):
+                return None
+            sig = types.uint32(v)
 
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            x = context.cast(builder, args[0], sig.args[0], types.uint32)
-            redux = ir.InlineAsm(ir.FunctionType(i32, [i32]),
-                                 "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r",
-                                 side_effect=True)
-            return builder.call(redux, [x])
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                x = context.cast(builder, args[0], sig.args[0], types.uint32)
+                asm = ir.InlineAsm(ir.FunctionType(i32, [i32]),
+                                   f"redux.sync.{op}.u32 $0, $1, 0xffffffff;", "=r,r",
+                                   side_effect=True)
+                return builder.call(asm, [x])
 
-        return sig, codegen
+            return sig, codegen
+        return redux
 
-    @intrinsic
-    def _warp_sum(typingctx, v):
-        """The sum of an unsigned 32-bit v over the warp's 32 lanes (modulo 2**32), in
-        every lane: one ``redux.sync.add.u32`` (sm_80 and later); every lane must take
-        part."""
-        if not isinstance(v, types.Integer):
-            return None
-        sig = types.uint32(v)
-
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            x = context.cast(builder, args[0], sig.args[0], types.uint32)
-            redux = ir.InlineAsm(ir.FunctionType(i32, [i32]),
-                                 "redux.sync.add.u32 $0, $1, 0xffffffff;", "=r,r",
-                                 side_effect=True)
-            return builder.call(redux, [x])
-
-        return sig, codegen
+    _warp_max = _redux("max")
+    _warp_sum = _redux("add")
 
     @cuda.jit(device=True)
     def _warps_reduced(sh_tot, warp, lane, t, sh_lane):
