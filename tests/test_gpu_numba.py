@@ -339,6 +339,36 @@ def test_fused_ops(rng, dt):
         assert_bits(gg, gg_ref, f"gated grad_g {enc}")
 
 
+@pytest.mark.parametrize("dt", DT_PARAMS)
+def test_unpack_prefetch_variant(rng, dt):
+    """The unpack family with the L2 prefetch of the tile a quarter of a wave ahead
+    (an A/B candidate): over enough tiles that most blocks prefetch and the last ones
+    find no tile ahead, from every encoding, exact and fixed capacity, bit-exact."""
+    be = NumbaBackend(NK.PackVariant(unpack_prefetch=True))
+    n = 3000 * NK.TILE + 1001
+    x = _no_neg_nan(random_bits(rng, (n,), dt, 0.8), dt)
+    g = random_bits(rng, (n,), dt, 0.05)
+    u = random_bits(rng, (n,), dt, 0.3)
+    for enc in ("raw", "nosign", "signplane"):
+        xx = x if enc != "nosign" else _unsigned(x, dt)
+        for cap in (None, int(np.count_nonzero(xx.view(dt.uint))) + 3):
+            p = be.pack(dev(xx), dtype=dt.name, encoding=enc, capacity=cap)
+            assert_bits(be.unpack(p), xx, f"prefetch unpack {enc} cap={cap}")
+    _, p = be.relu_pack(dev(x), dtype=dt.name, square=True)
+    _, p_ref = reference_ops.relu_pack(x, dt, square=True)
+    with np.errstate(all="ignore"):
+        assert_bits(be.relu2_backward(_tdev(g, dt), p), reference_ops.relu2_backward(g, p_ref),
+                    "prefetch relu2_backward")
+        for enc in ("nosign", "signplane"):
+            uu = u if enc != "nosign" else _unsigned(u, dt)
+            p_u = be.masked_pack(dev(uu), p, dtype=dt.name, encoding=enc)
+            gg_ref, gu_ref = reference_ops.gated_backward(
+                g, p_ref, reference_ops.masked_pack(uu, dt, p_ref, encoding=enc))
+            gg, gu = be.gated_backward(_tdev(g, dt), p, p_u)
+            assert_bits(gg, gg_ref, f"prefetch gated grad_g {enc}")
+            assert_bits(gu, gu_ref, f"prefetch gated grad_u {enc}")
+
+
 def _rows_of_few(rng, dt, n_rows, most):
     """n_rows 16-byte rows, each with 0 .. ``most`` nonzero elements at random places
     (signs random, no negative NaN: relu_pack's nosign output keeps them)."""

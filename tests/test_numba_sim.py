@@ -277,6 +277,31 @@ else:
         _assert_planes(be.masked_pack(u, p, encoding="signplane"),
                        RO.masked_pack(u, dtype, p_ref, encoding="signplane"))
 
+    @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT8_E4M3FN], ids=IDS)
+    def test_unpack_prefetch_variant(dtype):
+        """The unpack family with the L2 prefetch of a later tile's planes (here a
+        no-op after the same range arithmetic; the ahead tile lies in the grid for the
+        first tiles and past it for the last): unpack, relu2_backward and the gated op
+        from every encoding, against the reference."""
+        be = NumbaBackend(NK.PackVariant(unpack_prefetch=True))
+        rng = _rng("prefetch", dtype.name)
+        x = _no_neg_nan(random_tensor(rng, (5 * NK.TILE + 13,), dtype, 0.7), dtype)
+        g = random_tensor(rng, x.shape, dtype, 0.1)
+        for enc in ("raw", "nosign", "signplane"):
+            xx = x if enc != "nosign" else RO.relu_bits(x, dtype)
+            p = be.pack(xx, encoding=enc, chunk_log2=9)
+            assert same_bits(be.unpack(p), xx, dtype), enc
+        y, p = be.relu_pack(x, square=True, chunk_log2=9)
+        _, p_ref = RO.relu_pack(x, dtype, square=True, chunk_log2=9)
+        with np.errstate(all="ignore"):
+            assert same_bits(be.relu2_backward(g, p), RO.relu2_backward(g, p_ref), dtype)
+            u = random_tensor(rng, x.shape, dtype, 0.2)
+            p_u = be.masked_pack(u, p, encoding="signplane")
+            gg, gu = be.gated_backward(g, p, p_u)
+            gg_ref, gu_ref = RO.gated_backward(
+                g, p_ref, RO.masked_pack(u, dtype, p_ref, encoding="signplane"))
+        assert same_bits(gg, gg_ref, dtype) and same_bits(gu, gu_ref, dtype)
+
     @pytest.mark.parametrize("fill_limit", [0, NK.PackVariant.fill_limit])
     def test_stitch_tiles_sharing_words(fill_limit):
         """Tiles holding 0-3 values, so that several tiles start inside one stream word

@@ -883,7 +883,7 @@ class NumbaBackend:
         numel, dt = p.numel, p.dtype
         if numel == 0:
             return
-        kern = K.kernels_for(dt.name)
+        kern = K.kernels_for(dt.name, self.variant)
         tile_log2 = kern.utile_log2[op]
         planes = self._planes(P, p)
 
@@ -900,7 +900,7 @@ class NumbaBackend:
                           K.UNT, (mask, numel, toff, shift, *self._stored(P, p, planes), ge, g64,
                                   fast, oe, o64, o16))
         # chunks larger than the tile: a scratch of prefix counts per call, no record
-        key = ("unpack", op, id(p.layout)) if p.chunk_log2 <= tile_log2 else None
+        key = ("unpack", op, id(p.layout), kern) if p.chunk_log2 <= tile_log2 else None
         self._queue(P, st, key, p.layout,
                     (*planes, obuf) if gbuf is None else (*planes, gbuf, obuf), launch)
 
@@ -987,7 +987,7 @@ class NumbaBackend:
         """Queue the gated kernel: u's values read under r's mask where u was packed
         under it (masked_pack), else from u unpacked first."""
         numel, dt = p_r.numel, p_r.dtype
-        kern = K.kernels_for(dt.name)
+        kern = K.kernels_for(dt.name, self.variant)
         r_planes = self._planes(P, p_r)
         shared = (p_u.mask is p_r.mask and p_u.offsets is p_r.offsets   # masked_pack's
                   and p_u.chunk_log2 == p_r.chunk_log2)
@@ -1030,7 +1030,8 @@ class NumbaBackend:
             return Launch(kernel, _ceil_div(numel, 1 << tile_log2), K.UNT,
                           (mask, numel, toff, shift, *self._stored(P, p_r, r_planes), *u_stored,
                            ue, u64, ge, g64, fast, og, og64, ou, ou64, o16))
-        key = (("gated", op, id(p_r.layout), u_key) if p_r.chunk_log2 <= tile_log2 else None)
+        key = (("gated", op, id(p_r.layout), u_key, kern) if p_r.chunk_log2 <= tile_log2
+               else None)
         self._queue(P, st, key, p_r.layout, buffers, launch)
 
     def _grad(self, P, st, grad, p):

@@ -129,6 +129,15 @@ if SIM:
         raise NotImplementedError("the simulator has no warp reduction: its callers decide "
                                   "per lane")
 
+    def _sm_count():
+        return 1
+
+    def _address(a):
+        return 0
+
+    def _l2_prefetch(address, nbytes):
+        """No cache to fill in the simulator."""
+
     @cuda.jit(device=True)
     def _warps_reduced(sh_tot, warp, lane, t, sh_lane):
         """The GPU's algorithm (lane k reads warp k's count, two warp sums) with the
@@ -300,6 +309,51 @@ else:
     _warp_max = _redux("max")
     _warp_sum = _redux("add")
 
+    @intrinsic
+    def _sm_count(typingctx):
+        """The GPU's SM count (``%nsmid``)."""
+        sig = types.uint32()
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, []), "mov.u32 $0, %nsmid;", "=r")
+            return builder.call(asm, [])
+
+        return sig, codegen
+
+    @intrinsic
+    def _address(typingctx, a):
+        """The device address of a 1-D array's first element, as an integer."""
+        if not (isinstance(a, types.Array) and a.ndim == 1):
+            return None
+        sig = types.uint64(a)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            return builder.ptrtoint(ary.data, ir.IntType(64))
+
+        return sig, codegen
+
+    @intrinsic
+    def _l2_prefetch(typingctx, address, nbytes):
+        """Ask the SM's copy engine to bring ``nbytes`` at ``address`` (both multiples of
+        16, within one allocation) into L2: ``cp.async.bulk.prefetch.L2.global`` (sm_90;
+        no registers held, nothing waits for it)."""
+        if not (isinstance(address, types.Integer) and isinstance(nbytes, types.Integer)):
+            return None
+        sig = types.void(address, nbytes)
+
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[0], sig.args[0], types.uint64)
+            n = context.cast(builder, args[1], sig.args[1], types.uint32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)]),
+                               "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r",
+                               side_effect=True)
+            builder.call(asm, [a, n])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     @cuda.jit(device=True)
     def _warps_reduced(sh_tot, warp, lane, t, sh_lane):
         """What :func:`_warps_loop` gives, by two warp reductions of lane k's read of
@@ -397,4 +451,18 @@ def _load_word(b8, w32, nbytes, k):
         if i < nbytes:
             v |= int64(b8[_u(i)]) << (8 * q)
     return v
+
+
+@cuda.jit(device=True)
+def _prefetch_bytes(b8, b0, b1):
+    """Bytes [b0, b1) of the byte plane ``b8`` (clipped to it, widened to 16-byte
+    boundaries inside its allocation's alignment) into L2 (:func:`_l2_prefetch`)."""
+    if b1 > b8.size:
+        b1 = b8.size
+    if b1 <= b0:
+        return
+    base = _address(b8)
+    a0 = (base + uint64(b0)) & ~uint64(15)
+    a1 = (base + uint64(b1) + uint64(15)) & ~uint64(15)
+    _l2_prefetch(a0, uint32(a1 - a0))
 

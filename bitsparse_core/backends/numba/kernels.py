@@ -49,8 +49,9 @@ __all__ = [  # what the backend, tests and bench scripts read from this module
 
 @dataclasses.dataclass(frozen=True)
 class PackVariant:
-    """A variant of the pack kernels, for tests and A/B timings; the defaults are the
-    committed choices, which the registered backend uses.
+    """A variant of the kernels (the pack's, and the unpack family's prefetch), for tests
+    and A/B timings; the defaults are the committed choices, which the registered
+    backend uses.
 
     ``pack_rounds``: groups of 8 elements per pack thread instead of the target's (the
     simulator tests run the GPU's this way); ``pack_blocks``: the blocks per SM the plain
@@ -66,12 +67,16 @@ class PackVariant:
     does, and the host one launch less; larger packs run it, bench/NOTES.md session
     35). Tests set 0 to run ``k_finish`` on small tensors. ``warp_redux``: the warps'
     counts summed by two warp reductions (``redux.sync``) instead of every thread's
-    loop over them (under the simulator, through shared memory)."""
+    loop over them (under the simulator, through shared memory). ``unpack_prefetch``: the
+    unpack-family kernels ask for the planes of the tile a quarter of a wave ahead in L2
+    (``cp.async.bulk.prefetch``, as the CuPy unpack does; sm_90 and later: an A/B
+    candidate for the H200, off by default)."""
     pack_rounds: int | None = None
     pack_blocks: int | None = None
     lb_early: bool = False
     ticket: bool = True
     warp_redux: bool = False
+    unpack_prefetch: bool = False
     incl_every: int = 1
     fill_limit: int = 8 << 20
 
@@ -95,7 +100,7 @@ class DtypeKernels:
                                            variant.lb_early, variant.ticket, variant.warp_redux)
         self.ptile, self.ptile_log2 = geo.PTILE, geo.PTILE_LOG2
         self.finish = make_finish(el.W)
-        self.utile_log2, self.unpack = make_unpack_kernels(el)
+        self.utile_log2, self.unpack = make_unpack_kernels(el, variant.unpack_prefetch)
         self.relu_backward = make_relu_backward(el)
 
 

@@ -31,7 +31,8 @@ import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
 
 from .common import (FULL_MASK, NOSIGN, RAW, SIGNPLANE, SIM, TILE, ULANE_N, UNT, UNW, _load_word,
-                     _prmt, _u, _warp_incl_scan, _warp_last, _warp_max)
+                     _prefetch_bytes, _prmt, _sm_count, _u, _warp_incl_scan, _warp_last,
+                     _warp_max)
 from .fused_rows import (OP_GATED, OP_GATED_DENSE, OP_RELU2, make_fused_row, make_preload_grad,
                          store_words)
 
@@ -43,7 +44,11 @@ OPS = (0, OP_RELU2, OP_GATED, OP_GATED_DENSE)
 WINDOW_MAX = {bits: (64 - (32 - bits)) // bits for bits in (8, 16)}
 # Unpack: six 256-thread blocks per SM (40 registers); the fused ops' float products
 # need more registers (45-62), four blocks.
-UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, 6 if op == 0 else 4)} for op in OPS}
+UNPACK_BLOCKS = {op: 6 if op == 0 else 4 for op in OPS}
+UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, UNPACK_BLOCKS[op])} for op in OPS}
+# The L2 prefetch's distance: a quarter of a wave of resident blocks ahead (the CuPy
+# kernels' measured choice, bench/NOTES.md session 39).
+PREFETCH_AHEAD_DIV = 4
 
 
 @dataclass(frozen=True)
@@ -363,10 +368,13 @@ def make_decode(el, enc, spread_signs):
     return decode
 
 
-def make_tile(el, ug, op):
+def make_tile(el, ug, op, enc, prefetch):
     """(tile_head, rows_starts): where a thread's rows are, the tile's stored-value
     range and the rows' mask bits; then each row's first stored value (block-wide: it
-    synchronizes, which also publishes the decoded values)."""
+    synchronizes, which also publishes the decoded values). ``prefetch``: tile_head
+    also asks for a later tile's planes in L2 (:data:`PREFETCH_AHEAD_DIV`)."""
+    WD = el.BITS if enc == RAW else el.W     # stream bits per stored value
+    BLOCKS = UNPACK_BLOCKS[op]
     UR = ug.UR_OP[op]            # rows per thread
     UTL = ug.utile_log2[op]
     UT = 1 << UTL
@@ -428,17 +436,34 @@ def make_tile(el, ug, op):
                 int32(before + st3))
 
     @cuda.jit(device=True)
-    def tile_head(mask, numel, toff, toff_shift):
+    def tile_head(mask, numel, toff, toff_shift, vb, sb):
         """(t, lane, warp, tfull, row0, off, n, b0, b1, b2, b3): the thread, whether the
         tile is whole (no per-row bounds), the thread's first row, the tile's stored
-        values [off, off + n) and the rows' mask bits (their loads issued first)."""
+        values [off, off + n) and the rows' mask bits (their loads issued first).
+        With ``prefetch``, the block's last thread loads the value range of the tile a
+        fraction of a wave ahead beside its own, and once the mask loads are issued
+        asks for that tile's mask, value (and sign) bytes in L2."""
         t = cuda.threadIdx.x
         tile = int64(cuda.blockIdx.x)
         base = tile << UTL
         tfull = base + UT <= numel
         row0 = base + ((t >> 5) * SEG + (t & 31) * UV)
         off, n = tile_values(toff, toff_shift, tile)
+        ahead = int64(-1)
+        q0 = int64(0)
+        qn = int64(0)
+        if prefetch and t == UNT - 1:
+            a = tile + (int64(_sm_count()) * BLOCKS + PREFETCH_AHEAD_DIV - 1) // PREFETCH_AHEAD_DIV
+            if a < cuda.gridDim.x:
+                q0, qn = tile_values(toff, toff_shift, a)
+                ahead = a
         b0, b1, b2, b3 = rows_bits(mask, row0, tfull, (numel + 7) >> 3)
+        if prefetch and ahead >= 0:     # waiting for q0, qn here is waiting for off, n
+            ab = ahead << UTL
+            _prefetch_bytes(mask, ab >> 3, (ab + UT) >> 3)
+            _prefetch_bytes(vb, (q0 * WD) >> 3, (((q0 + qn) * WD) >> 3) + 8)
+            if enc == SIGNPLANE:
+                _prefetch_bytes(sb, q0 >> 3, ((q0 + qn) >> 3) + 8)
         return t, t & 31, t >> 5, tfull, row0, off, n, b0, b1, b2, b3
 
     return tile_head, rows_starts
@@ -451,13 +476,13 @@ def _shapes(el, ug, op):
     return ug.UR_OP[op], UT * el.BITS // 32 + 4, 16 if el.BITS == 8 else 1
 
 
-def make_unpack(el, ug, op, enc, spread_signs, select, expand_word):
+def make_unpack(el, ug, op, enc, spread_signs, select, expand_word, prefetch):
     """The unpack kernel of op 0 (unpack) or 1 (relu2_backward) and an encoding."""
     BITS, OW, SEL = el.BITS, ug.OW, ug.SEL
     UR, VALS_W, SEL_N = _shapes(el, ug, op)
     URS = ug.URS
     decode = make_decode(el, enc, spread_signs)
-    tile_head, rows_starts = make_tile(el, ug, op)
+    tile_head, rows_starts = make_tile(el, ug, op, enc, prefetch)
     emit_row = _make_emit_row(el, ug, op, select, expand_word)
     preload_grad = make_preload_grad(el, ug)
 
@@ -474,7 +499,7 @@ def make_unpack(el, ug, op, enc, spread_signs, select, expand_word):
         written out (scalars, not a loop over a local array: the compiler does
         not always unroll it, and the array then lives in local memory)."""
         t, lane, warp, tfull, row0, off, n, b0, b1, b2, b3 = tile_head(mask, numel, toff,
-                                                                       toff_shift)
+                                                                       toff_shift, vb, sb)
         vals = cuda.shared.array(VALS_W, uint32)
         sh_tot = cuda.shared.array(UNW, int32)
         sh_lane = cuda.shared.array(ULANE_N, int32)
@@ -504,7 +529,7 @@ def make_unpack(el, ug, op, enc, spread_signs, select, expand_word):
     return k_unpack
 
 
-def make_gated(el, ug, op, enc, uenc, spread_signs, select, expand_word):
+def make_gated(el, ug, op, enc, uenc, spread_signs, select, expand_word, prefetch):
     """The gated backward kernel: op 2 with u packed under r's mask (encoding ``uenc``),
     op 3 with u dense."""
     BITS, OW, SEL = el.BITS, ug.OW, ug.SEL
@@ -513,7 +538,7 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, select, expand_word):
     VALS2_W = VALS_W if op == OP_GATED else 1
     decode = make_decode(el, enc, spread_signs)
     decode_u = make_decode(el, uenc, spread_signs)
-    tile_head, rows_starts = make_tile(el, ug, op)
+    tile_head, rows_starts = make_tile(el, ug, op, enc, prefetch)
     emit_row = _make_emit_row(el, ug, op, select, expand_word)
     preload_grad = make_preload_grad(el, ug)
     assert UR <= 2
@@ -527,7 +552,7 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, select, expand_word):
         u64). ``fast``: grad, u and both outputs 8-byte aligned; ``o16``: both
         outputs 16-byte aligned."""
         t, lane, warp, tfull, row0, off, n, b0, b1, b2, b3 = tile_head(mask, numel, toff,
-                                                                       toff_shift)
+                                                                       toff_shift, vb, sb)
         vals = cuda.shared.array(VALS_W, uint32)
         vals2 = cuda.shared.array(VALS2_W, uint32)   # op 2: u's values
         sh_tot = cuda.shared.array(UNW, int32)
@@ -556,18 +581,20 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, select, expand_word):
     return k_gated
 
 
-def make_unpack_kernels(el):
+def make_unpack_kernels(el, prefetch=False):
     """(utile_log2, kernels): {(op, encoding): k_unpack} for ops 0 and 1,
-    {(OP_GATED, encoding, u's encoding): k_gated} and {(OP_GATED_DENSE, encoding): k_gated}."""
+    {(OP_GATED, encoding, u's encoding): k_gated} and {(OP_GATED_DENSE, encoding): k_gated}.
+    ``prefetch``: every kernel asks for a later tile's mask, values and signs in L2 (not
+    the gated op's u, nor the fused ops' dense inputs); sm_90 and later."""
     ug = unpack_geometry(el)
-    spread_signs, select, expand_word = make_word_expand(el, ug)
+    words = make_word_expand(el, ug)
     encs = (RAW, NOSIGN, SIGNPLANE)
-    kernels = {(op, enc): make_unpack(el, ug, op, enc, spread_signs, select, expand_word)
+    kernels = {(op, enc): make_unpack(el, ug, op, enc, *words, prefetch)
                for op in (0, OP_RELU2) for enc in encs}
     for enc in encs:
-        kernels[OP_GATED_DENSE, enc] = make_gated(el, ug, OP_GATED_DENSE, enc, RAW,
-                                                  spread_signs, select, expand_word)
+        kernels[OP_GATED_DENSE, enc] = make_gated(el, ug, OP_GATED_DENSE, enc, RAW, *words,
+                                                  prefetch)
         for uenc in encs:
-            kernels[OP_GATED, enc, uenc] = make_gated(el, ug, OP_GATED, enc, uenc,
-                                                      spread_signs, select, expand_word)
+            kernels[OP_GATED, enc, uenc] = make_gated(el, ug, OP_GATED, enc, uenc, *words,
+                                                      prefetch)
     return ug.utile_log2, kernels
