@@ -391,6 +391,24 @@ template <int BITS> BS_HD u32 bs_spread_signs(u32 s) {
 // ------------------------------------------------------------------------- //
 #define BS_FULL 0xffffffffu
 
+// Warp-wide sum / OR (one REDUX instruction from sm_80 on).
+BS_D u32 bs_warp_sum(u32 x) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_add_sync(BS_FULL, x);
+#else
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(BS_FULL, x, o);
+    return x;
+#endif
+}
+BS_D u32 bs_warp_or(u32 x) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_or_sync(BS_FULL, x);
+#else
+    for (int o = 16; o > 0; o >>= 1) x |= __shfl_xor_sync(BS_FULL, x, o);
+    return x;
+#endif
+}
+
 // A 32-bit word of a byte plane of length len, zero past the end (planes are
 // never read beyond their section).
 BS_D u32 bs_load_word(const u8* p, u64 len, u64 wi) {

@@ -39,23 +39,6 @@
 #define BS_COUNT ((1ull << 61) - 1ull)
 
 
-// Warp-wide sum / OR (one REDUX instruction from sm_80 on).
-__device__ __forceinline__ u32 bs_warp_sum(u32 x) {
-#if __CUDA_ARCH__ >= 800
-    return __reduce_add_sync(BS_FULL, x);
-#else
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(BS_FULL, x, o);
-    return x;
-#endif
-}
-__device__ __forceinline__ u32 bs_warp_or(u32 x) {
-#if __CUDA_ARCH__ >= 800
-    return __reduce_or_sync(BS_FULL, x);
-#else
-    for (int o = 16; o > 0; o >>= 1) x |= __shfl_xor_sync(BS_FULL, x, o);
-    return x;
-#endif
-}
 
 __device__ __forceinline__ const u64* bs_count_desc(u64 scratch_ptr) {
     return reinterpret_cast<const u64*>(scratch_ptr + 16);
