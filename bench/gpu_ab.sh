@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One device call of a session that brings kernel changes prepared without a device:
+# the GPU tests and sanitizers on the tree as it is, the A/B runs of the prepared
+# compile-time switches and Numba variants, and the codec / fused-op benches.
+# Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
+#   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab codecs fused
+#   CUPY_AB   "label|options|kernel_variants flags;..." (default: the switches of session 41)
+#   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
+#             41's variants); every run also times the committed kernels for the same check
+#   TESTS, PYTEST_ARGS as in gpu_run.sh
+# The tables print as they are made; logs, tables and results end up in one archive,
+# $OUT/bundle.tgz (only 8 files come back from a device call).
+set -u
+OUT=${OUT:-bench/results/session}
+mkdir -p "$OUT" /tmp/gpu_ab
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab codecs fused}
+CUPY_AB=${CUPY_AB:-"base||--unpack-only;wredux|-DBS_UNPACK_WARP_REDUX=1|--unpack-only;sbase||--encoding signplane;sneg|-DBS_PACK_NEG_NOSIGN_ONLY=1|--encoding signplane;rbase||--encoding raw;rneg|-DBS_PACK_NEG_NOSIGN_ONLY=1|--encoding raw"}
+NUMBA_AB=${NUMBA_AB:-"|warp_redux=1|unpack_prefetch=1"}
+t0=$(date +%s)
+say() { echo "$1 at $(( $(date +%s) - t0 )) s"; }
+python3 -c "from bitsparse_core.backends.cupy.kernels import warm_cache; print('kernels', warm_cache(16))" \
+    >"$OUT/setup.log" 2>&1
+say "warm-up"
+has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
+
+if has tests; then
+  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+      ${PYTEST_ARGS:--n 14 --maxfail=40} ${TESTS:-tests} 2>&1 | tail -c 60000 >"$OUT/pytest.log"
+  say "pytest rc=${PIPESTATUS[0]}"; tail -n 3 "$OUT/pytest.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+fi
+if has sanitizer; then
+  for tool in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_small.py \
+        >/tmp/gpu_ab/san_$tool.log 2>&1
+    echo "$tool exit $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|mismatches" /tmp/gpu_ab/san_$tool.log | tail -2
+  done | tee "$OUT/sanitizer.log"
+  say "sanitizer"
+fi
+if has cupy_ab; then
+  # each option set twice, in the order a b ... b a, so drift shows as a spread
+  IFS=';' read -ra sets <<<"$CUPY_AB"
+  order=("${sets[@]}"); for ((i=${#sets[@]}-1; i>=0; i--)); do order+=("${sets[i]}"); done
+  k=0
+  for s in "${order[@]}"; do
+    IFS='|' read -r label opts flags <<<"$s"
+    k=$((k + 1))
+    BITSPARSE_CUDA_OPTIONS="$opts" timeout 200 python3 bench/kernel_variants.py $flags \
+        >"/tmp/gpu_ab/kv_${label}_$k.log" 2>&1 || tail -3 "/tmp/gpu_ab/kv_${label}_$k.log"
+  done
+  # one table per base: each base's variants are the labels that follow it in CUPY_AB
+  base=""; args=()
+  flush() { [ -n "$base" ] && python3 bench/variant_table.py --base "$base" "${args[@]}" \
+                --out "$OUT" --stem "ab_cupy_$base" >/dev/null && cat "$OUT/ab_cupy_$base.md"; }
+  for s in "${sets[@]}"; do
+    IFS='|' read -r label opts flags <<<"$s"
+    if [ -z "$opts" ]; then flush; base=$label; args=(); fi
+    for f in /tmp/gpu_ab/kv_${label}_*.log; do args+=("$label=$f"); done
+  done
+  flush
+  say "cupy A/B"
+fi
+if has numba_ab; then
+  IFS='|' read -ra vs <<<"$NUMBA_AB"
+  k=0
+  order=("${vs[@]}"); for ((i=${#vs[@]}-1; i>=0; i--)); do order+=("${vs[i]}"); done
+  for v in "${order[@]}"; do
+    k=$((k + 1))
+    label=${v:-committed}; label=${label//[=,]/-}
+    log="/tmp/gpu_ab/nb_${label}_$k.log"
+    timeout 300 python3 bench/numba_pack_variants.py "$v" >"$log" 2>&1 || tail -3 "$log"
+    grep -h "same=False" "$log"
+  done
+  args=(); for f in /tmp/gpu_ab/nb_*.log; do l=$(basename "$f" .log); args+=("${l%_*}=$f"); done
+  python3 bench/variant_table.py --base nb_committed "${args[@]}" --out "$OUT" --stem ab_numba \
+      --title "Numba kernel variants (bench/numba_pack_variants.py)" >/dev/null && cat "$OUT/ab_numba.md"
+  say "numba A/B"
+fi
+if has codecs; then
+  timeout 200 python3 bench/bench_codecs.py --backends cupy,numba --numel 117440512 --reps 10 --no-nvcomp \
+      --out "$OUT/codecs" >/tmp/gpu_ab/codecs.log 2>&1 || tail -5 /tmp/gpu_ab/codecs.log
+  grep -E "^\|" "$OUT"/codecs/*.md | head -24
+  say "codecs"
+fi
+if has fused; then
+  timeout 150 python3 bench/bench_fused.py --reps 20 --out "$OUT/fused" >/tmp/gpu_ab/fused.log 2>&1 \
+      || tail -5 /tmp/gpu_ab/fused.log
+  grep -E "^\|" "$OUT"/fused/*.md | head -20
+  say "fused"
+fi
+# one archive comes back whole however many files the parts wrote
+cp -r /tmp/gpu_ab "$OUT/raw_logs"
+tar -czf /tmp/gpu_ab_bundle.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_ab_bundle.tgz "$OUT/bundle.tgz"
