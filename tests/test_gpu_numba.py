@@ -80,6 +80,21 @@ def _no_neg_nan(x, dt):
     return b.view(dt.numpy)
 
 
+def _check_masked_and_gated(be, dt, g, u, p, p_ref, encodings, tag=""):
+    """masked_pack of u under p's mask in each encoding (nosign: u's signs cleared), then
+    the gated backward from the two, against the reference."""
+    for enc in encodings:
+        uu = u if enc != "nosign" else _unsigned(u, dt)
+        p_u = be.masked_pack(dev(uu), p, dtype=dt.name, encoding=enc)
+        pu_ref = reference_ops.masked_pack(uu, dt, p_ref, encoding=enc)
+        assert_same(p_u, pu_ref, f"{tag}masked_pack {enc}")
+        with np.errstate(all="ignore"):
+            gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
+        gg, gu = be.gated_backward(_tdev(g, dt), p, p_u)
+        assert_bits(gu, gu_ref, f"{tag}gated grad_u {enc}")
+        assert_bits(gg, gg_ref, f"{tag}gated grad_g {enc}")
+
+
 # --------------------------------------------------------------------------- #
 # pack / unpack                                                               #
 # --------------------------------------------------------------------------- #
@@ -167,11 +182,10 @@ def test_stitch_tiles_sharing_words(rng, dt, fill_limit):
 
 @pytest.mark.parametrize("dt", DT_PARAMS)
 def test_warp_redux_variant_packs_as_the_reference(rng, dt):
-    """The pack variant that sums the warps' counts by warp reductions (an A/B
-    candidate; the simulator runs the loop for it): every mode, encoding and capacity
-    kind, over tiles with no nonzeros, with every element nonzero (each warp's count
-    at its maximum) and with a single value in the last warp, bit-exact against the
-    reference."""
+    """The variant that sums the warps' counts by warp reductions (an A/B candidate):
+    every pack mode, encoding and capacity kind, over tiles with no nonzeros, with every
+    element nonzero (each warp's count at its maximum) and with a single value in the
+    last warp, bit-exact against the reference; its unpack family gives them back."""
     be = NumbaBackend(NK.PackVariant(warp_redux=True))
     T = NK.kernels_for(dt.name).ptile
     x = random_bits(rng, (40 * T + 777,), dt, 0.7)
@@ -187,17 +201,17 @@ def test_warp_redux_variant_packs_as_the_reference(rng, dt):
             p = be.pack(dev(xx), dtype=dt.name, encoding=enc, capacity=cap, chunk_log2=9)
             assert_same(p, reference.pack_array(xx, dt, enc, capacity=cap, chunk_log2=9),
                         f"warp_redux {enc} cap={cap}")
+            if cap != n - 5:
+                assert_bits(be.unpack(p), xx, f"warp_redux unpack {enc} cap={cap}")
     a = _no_neg_nan(x, dt)
     for square in (False, True):
         y, p = be.relu_pack(dev(a), dtype=dt.name, square=square, chunk_log2=12)
         y_ref, p_ref = reference_ops.relu_pack(a, dt, square=square, chunk_log2=12)
         assert_bits(y, y_ref, f"warp_redux relu_pack y square={square}")
         assert_same(p, p_ref, f"warp_redux relu_pack square={square}")
-    u = random_bits(rng, x.shape, dt, 0.2)
-    for enc in ("raw", "signplane"):
-        p_u = be.masked_pack(dev(u), p, dtype=dt.name, encoding=enc)
-        assert_same(p_u, reference_ops.masked_pack(u, dt, p_ref, encoding=enc),
-                    f"warp_redux masked_pack {enc}")
+    _check_masked_and_gated(be, dt, random_bits(rng, x.shape, dt, 0.05),
+                            random_bits(rng, x.shape, dt, 0.2), p, p_ref, ("raw", "signplane"),
+                            "warp_redux ")
 
 
 @pytest.mark.parametrize("dt", [_group(_dt.BFLOAT16), _group(_dt.FLOAT8_E4M3FN)])
@@ -327,16 +341,7 @@ def test_fused_ops(rng, dt):
     with np.errstate(all="ignore"):
         want2 = reference_ops.relu2_backward(g, p_ref)
     assert_bits(BE.relu2_backward(_tdev(g, dt), p), want2, "relu2_backward")
-    for enc in ("raw", "nosign", "signplane"):
-        uu = u if enc != "nosign" else _unsigned(u, dt)
-        p_u = BE.masked_pack(dev(uu), p, dtype=dt.name, encoding=enc)
-        pu_ref = reference_ops.masked_pack(uu, dt, p_ref, encoding=enc)
-        assert_same(p_u, pu_ref, f"masked_pack {enc}")
-        with np.errstate(all="ignore"):
-            gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
-        gg, gu = BE.gated_backward(_tdev(g, dt), p, p_u)
-        assert_bits(gu, gu_ref, f"gated grad_u {enc}")
-        assert_bits(gg, gg_ref, f"gated grad_g {enc}")
+    _check_masked_and_gated(BE, dt, g, u, p, p_ref, ("raw", "nosign", "signplane"))
 
 
 @pytest.mark.parametrize("dt", DT_PARAMS)
@@ -357,16 +362,9 @@ def test_unpack_prefetch_variant(rng, dt):
     _, p = be.relu_pack(dev(x), dtype=dt.name, square=True)
     _, p_ref = reference_ops.relu_pack(x, dt, square=True)
     with np.errstate(all="ignore"):
-        assert_bits(be.relu2_backward(_tdev(g, dt), p), reference_ops.relu2_backward(g, p_ref),
-                    "prefetch relu2_backward")
-        for enc in ("nosign", "signplane"):
-            uu = u if enc != "nosign" else _unsigned(u, dt)
-            p_u = be.masked_pack(dev(uu), p, dtype=dt.name, encoding=enc)
-            gg_ref, gu_ref = reference_ops.gated_backward(
-                g, p_ref, reference_ops.masked_pack(uu, dt, p_ref, encoding=enc))
-            gg, gu = be.gated_backward(_tdev(g, dt), p, p_u)
-            assert_bits(gg, gg_ref, f"prefetch gated grad_g {enc}")
-            assert_bits(gu, gu_ref, f"prefetch gated grad_u {enc}")
+        want = reference_ops.relu2_backward(g, p_ref)
+    assert_bits(be.relu2_backward(_tdev(g, dt), p), want, "prefetch relu2_backward")
+    _check_masked_and_gated(be, dt, g, u, p, p_ref, ("nosign", "signplane"), "prefetch ")
 
 
 def _rows_of_few(rng, dt, n_rows, most):

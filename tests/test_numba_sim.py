@@ -252,10 +252,11 @@ else:
 
     @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT8_E4M3FN], ids=IDS)
     def test_warp_redux_variant(dtype):
-        """The pack variant whose warps' counts are summed by warp reductions (here
-        through shared memory): plain, relu and masked packs over an empty tile, a tile
-        of nonzeros only (both warps' counts at their maximum) and one whose only value
-        lies in its last warp, against the reference."""
+        """The variant whose warps' counts are summed by warp reductions (here through
+        shared memory): plain, relu and masked packs over an empty tile, a tile of
+        nonzeros only (both warps' counts at their maximum) and one whose only value
+        lies in its last warp, against the reference; the unpack family of the same
+        variant gives the tensors back."""
         be = NumbaBackend(NK.PackVariant(warp_redux=True))
         T = NK.kernels_for(dtype.name).ptile
         rng = _rng("redux", dtype.name)
@@ -269,13 +270,21 @@ else:
         for enc, cap in (("nosign", None), ("raw", n - 4), ("signplane", n)):
             p = be.pack(x, encoding=enc, chunk_log2=9, capacity=cap)
             _assert_planes(p, R.pack_array(x, dtype, enc, chunk_log2=9, capacity=cap))
+            if cap is None:
+                assert same_bits(be.unpack(p), x, dtype), enc
         y, p = be.relu_pack(x, square=True, chunk_log2=9)
         y_ref, p_ref = RO.relu_pack(x, dtype, square=True, chunk_log2=9)
         assert same_bits(y, y_ref, dtype)
         _assert_planes(p, p_ref)
         u = random_tensor(rng, x.shape, dtype, 0.3)
-        _assert_planes(be.masked_pack(u, p, encoding="signplane"),
-                       RO.masked_pack(u, dtype, p_ref, encoding="signplane"))
+        p_u = be.masked_pack(u, p, encoding="signplane")
+        pu_ref = RO.masked_pack(u, dtype, p_ref, encoding="signplane")
+        _assert_planes(p_u, pu_ref)
+        g = random_tensor(rng, x.shape, dtype, 0.1)
+        with np.errstate(all="ignore"):
+            gg, gu = be.gated_backward(g, p, p_u)
+            gg_ref, gu_ref = RO.gated_backward(g, p_ref, pu_ref)
+        assert same_bits(gg, gg_ref, dtype) and same_bits(gu, gu_ref, dtype)
 
     @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT8_E4M3FN], ids=IDS)
     def test_unpack_prefetch_variant(dtype):

@@ -55,6 +55,17 @@ MODE_PACK, MODE_RELU, MODE_RELU2, MODE_MASKED = 0, 1, 2, 3
 
 
 @cuda.jit(device=True)
+def _warps_before_loop(sh_tot, warp, lane, t, sh_lane):
+    """The sum of sh_tot[w] for w < warp, each thread reading the counts before its
+    warp's. The signature is :func:`_warps_before_reduced`'s."""
+    before = int32(0)
+    for w in range(NW):
+        if w < warp:
+            before = int32(before + sh_tot[w])
+    return before
+
+
+@cuda.jit(device=True)
 def _warps_loop(sh_tot, warp, lane, t, sh_lane):
     """(sum of sh_tot[w] for w < warp, sum over the NW warps), each thread reading all
     NW counts (32-bit sums: no sign extension per add). The signature is
@@ -148,6 +159,15 @@ if SIM:
         before = sum(int(v) for v in _warp_lanes(c if lane < warp else 0, lane, t, sh_lane))
         total = sum(int(v) for v in _warp_lanes(c, lane, t, sh_lane))
         return int32(before & 0xFFFFFFFF), int32(total & 0xFFFFFFFF)
+
+    @cuda.jit(device=True)
+    def _warps_before_reduced(sh_tot, warp, lane, t, sh_lane):
+        """The GPU's algorithm (lane k reads warp k's count, one warp sum) through
+        shared memory. Every thread of the block must call it."""
+        c = int64(0)
+        if lane < warp:
+            c = int64(sh_tot[lane])
+        return int32(sum(int(v) for v in _warp_lanes(c, lane, t, sh_lane)) & 0xFFFFFFFF)
 
     @cuda.jit(device=True)
     def _warp_lanes(v, lane, t, sh_lane):
@@ -364,6 +384,15 @@ else:
             c = uint32(sh_tot[lane])
         before = _warp_sum(c if lane < warp else uint32(0))
         return int32(before), int32(_warp_sum(c))
+
+    @cuda.jit(device=True)
+    def _warps_before_reduced(sh_tot, warp, lane, t, sh_lane):
+        """What :func:`_warps_before_loop` gives, by one warp reduction of lane k's read
+        of warp k's count (k < warp). Every lane of the warp must take part."""
+        c = uint32(0)
+        if lane < warp:
+            c = uint32(sh_tot[lane])
+        return int32(_warp_sum(c))
 
     @cuda.jit(device=True)
     def _warp_incl_scan(v, lane, t, sh_lane):

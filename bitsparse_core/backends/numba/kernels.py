@@ -66,8 +66,9 @@ class PackVariant:
     (no ``k_finish``: up to this size the fill costs the GPU no more than k_finish
     does, and the host one launch less; larger packs run it, bench/NOTES.md session
     35). Tests set 0 to run ``k_finish`` on small tensors. ``warp_redux``: the warps'
-    counts summed by two warp reductions (``redux.sync``) instead of every thread's
-    loop over them (under the simulator, through shared memory). ``unpack_prefetch``: the
+    counts summed by warp reductions (``redux.sync``) instead of every thread's loop
+    over them, in the pack and the unpack family (under the simulator, through shared
+    memory). ``unpack_prefetch``: the
     unpack-family kernels ask for the planes of the tile a quarter of a wave ahead in L2
     (``cp.async.bulk.prefetch``, as the CuPy unpack does; sm_90 and later: an A/B
     candidate for the H200, off by default)."""
@@ -100,7 +101,8 @@ class DtypeKernels:
                                            variant.lb_early, variant.ticket, variant.warp_redux)
         self.ptile, self.ptile_log2 = geo.PTILE, geo.PTILE_LOG2
         self.finish = make_finish(el.W)
-        self.utile_log2, self.unpack = make_unpack_kernels(el, variant.unpack_prefetch)
+        self.utile_log2, self.unpack = make_unpack_kernels(el, variant.unpack_prefetch,
+                                                           variant.warp_redux)
         self.relu_backward = make_relu_backward(el)
 
 

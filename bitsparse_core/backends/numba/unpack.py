@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
 
-from .common import (FULL_MASK, NOSIGN, RAW, SIGNPLANE, SIM, TILE, ULANE_N, UNT, UNW, _load_word,
-                     _prefetch_bytes, _prmt, _sm_count, _u, _warp_incl_scan, _warp_last,
-                     _warp_max)
+from .common import (FULL_MASK, NOSIGN, NW, RAW, SIGNPLANE, SIM, TILE, ULANE_N, UNT, UNW,
+                     _load_word, _prefetch_bytes, _prmt, _sm_count, _u, _warp_incl_scan,
+                     _warp_last, _warp_max, _warps_before_loop, _warps_before_reduced)
 from .fused_rows import (OP_GATED, OP_GATED_DENSE, OP_RELU2, make_fused_row, make_preload_grad,
                          store_words)
 
@@ -45,6 +45,7 @@ WINDOW_MAX = {bits: (64 - (32 - bits)) // bits for bits in (8, 16)}
 # Unpack: six 256-thread blocks per SM (40 registers); the fused ops' float products
 # need more registers (45-62), four blocks.
 UNPACK_BLOCKS = {op: 6 if op == 0 else 4 for op in OPS}
+assert UNW == NW    # the warps' offsets come from common's helpers, which count NW warps
 UNPACK_JIT = {op: {} if SIM else {"launch_bounds": (UNT, UNPACK_BLOCKS[op])} for op in OPS}
 # The L2 prefetch's distance: a quarter of a wave of resident blocks ahead (the CuPy
 # kernels' measured choice, bench/NOTES.md session 39).
@@ -368,11 +369,13 @@ def make_decode(el, enc, spread_signs):
     return decode
 
 
-def make_tile(el, ug, op, enc, prefetch):
+def make_tile(el, ug, op, enc, prefetch, warp_redux):
     """(tile_head, rows_starts): where a thread's rows are, the tile's stored-value
     range and the rows' mask bits; then each row's first stored value (block-wide: it
     synchronizes, which also publishes the decoded values). ``prefetch``: tile_head
-    also asks for a later tile's planes in L2 (:data:`PREFETCH_AHEAD_DIV`)."""
+    also asks for a later tile's planes in L2 (:data:`PREFETCH_AHEAD_DIV`); ``warp_redux``:
+    the warps before a thread's are summed by a warp reduction, not a loop."""
+    warps_before = _warps_before_reduced if warp_redux else _warps_before_loop
     WD = el.BITS if enc == RAW else el.W     # stream bits per stored value
     BLOCKS = UNPACK_BLOCKS[op]
     UR = ug.UR_OP[op]            # rows per thread
@@ -428,10 +431,7 @@ def make_tile(el, ug, op, enc, prefetch):
         if lane == 31:
             sh_tot[warp] = acc
         cuda.syncthreads()
-        before = int32(0)
-        for w in range(UNW):
-            if w < warp:
-                before = int32(before + sh_tot[w])
+        before = warps_before(sh_tot, warp, lane, t, sh_lane)
         return (int32(before + st0), int32(before + st1), int32(before + st2),
                 int32(before + st3))
 
@@ -476,13 +476,13 @@ def _shapes(el, ug, op):
     return ug.UR_OP[op], UT * el.BITS // 32 + 4, 16 if el.BITS == 8 else 1
 
 
-def make_unpack(el, ug, op, enc, spread_signs, select, expand_word, prefetch):
+def make_unpack(el, ug, op, enc, spread_signs, select, expand_word, prefetch, warp_redux):
     """The unpack kernel of op 0 (unpack) or 1 (relu2_backward) and an encoding."""
     BITS, OW, SEL = el.BITS, ug.OW, ug.SEL
     UR, VALS_W, SEL_N = _shapes(el, ug, op)
     URS = ug.URS
     decode = make_decode(el, enc, spread_signs)
-    tile_head, rows_starts = make_tile(el, ug, op, enc, prefetch)
+    tile_head, rows_starts = make_tile(el, ug, op, enc, prefetch, warp_redux)
     emit_row = _make_emit_row(el, ug, op, select, expand_word)
     preload_grad = make_preload_grad(el, ug)
 
@@ -529,7 +529,8 @@ def make_unpack(el, ug, op, enc, spread_signs, select, expand_word, prefetch):
     return k_unpack
 
 
-def make_gated(el, ug, op, enc, uenc, spread_signs, select, expand_word, prefetch):
+def make_gated(el, ug, op, enc, uenc, spread_signs, select, expand_word, prefetch,
+               warp_redux):
     """The gated backward kernel: op 2 with u packed under r's mask (encoding ``uenc``),
     op 3 with u dense."""
     BITS, OW, SEL = el.BITS, ug.OW, ug.SEL
@@ -538,7 +539,7 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, select, expand_word, prefetc
     VALS2_W = VALS_W if op == OP_GATED else 1
     decode = make_decode(el, enc, spread_signs)
     decode_u = make_decode(el, uenc, spread_signs)
-    tile_head, rows_starts = make_tile(el, ug, op, enc, prefetch)
+    tile_head, rows_starts = make_tile(el, ug, op, enc, prefetch, warp_redux)
     emit_row = _make_emit_row(el, ug, op, select, expand_word)
     preload_grad = make_preload_grad(el, ug)
     assert UR <= 2
@@ -581,20 +582,19 @@ def make_gated(el, ug, op, enc, uenc, spread_signs, select, expand_word, prefetc
     return k_gated
 
 
-def make_unpack_kernels(el, prefetch=False):
+def make_unpack_kernels(el, prefetch=False, warp_redux=False):
     """(utile_log2, kernels): {(op, encoding): k_unpack} for ops 0 and 1,
     {(OP_GATED, encoding, u's encoding): k_gated} and {(OP_GATED_DENSE, encoding): k_gated}.
     ``prefetch``: every kernel asks for a later tile's mask, values and signs in L2 (not
-    the gated op's u, nor the fused ops' dense inputs); sm_90 and later."""
+    the gated op's u, nor the fused ops' dense inputs); sm_90 and later. ``warp_redux``:
+    the warps' offsets by a warp reduction (:func:`make_tile`)."""
     ug = unpack_geometry(el)
-    words = make_word_expand(el, ug)
+    knobs = (*make_word_expand(el, ug), prefetch, warp_redux)
     encs = (RAW, NOSIGN, SIGNPLANE)
-    kernels = {(op, enc): make_unpack(el, ug, op, enc, *words, prefetch)
+    kernels = {(op, enc): make_unpack(el, ug, op, enc, *knobs)
                for op in (0, OP_RELU2) for enc in encs}
     for enc in encs:
-        kernels[OP_GATED_DENSE, enc] = make_gated(el, ug, OP_GATED_DENSE, enc, RAW, *words,
-                                                  prefetch)
+        kernels[OP_GATED_DENSE, enc] = make_gated(el, ug, OP_GATED_DENSE, enc, RAW, *knobs)
         for uenc in encs:
-            kernels[OP_GATED, enc, uenc] = make_gated(el, ug, OP_GATED, enc, uenc, *words,
-                                                      prefetch)
+            kernels[OP_GATED, enc, uenc] = make_gated(el, ug, OP_GATED, enc, uenc, *knobs)
     return ug.utile_log2, kernels
