@@ -287,17 +287,19 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
 
     // The stored values [first, end) of the tile starting at element ``base``, from the
     // chunk offsets at both its ends (chunks no longer than the tile: prefix_mode 0).
-    auto stored_range = [&](u64 base, u64& first, u64& end) {
+    auto stored_range = [=](u64 base) {
         const u64 nch = (numel + (1ull << chunk_log2) - 1ull) >> chunk_log2;
         u64 c1 = (base + TILE) >> chunk_log2;
         if (c1 > nch) c1 = nch;
-        first = bs_offset_at(offsets_ptr, off64, base >> chunk_log2);
-        end = bs_offset_at(offsets_ptr, off64, c1);
+        return make_ulonglong2(bs_offset_at(offsets_ptr, off64, base >> chunk_log2),
+                               bs_offset_at(offsets_ptr, off64, c1));
     };
     // 1. This tile's stored values: [P, Pe).
     u64 P, Pe;
     if (prefix_mode == 0) {
-        stored_range(tile_base, P, Pe);
+        const ulonglong2 r = stored_range(tile_base);
+        P = r.x;
+        Pe = r.y;
     } else {
         P = reinterpret_cast<const u64*>(prefix_ptr)[tile];
         Pe = reinterpret_cast<const u64*>(prefix_ptr)[tile + 1];
@@ -311,7 +313,9 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         const u64 a = tile + ((u64)nsm * BsUnpackBlocks<BITS, OP>::N + BS_UNPACK_AHEAD_DIV - 1)
                                  / BS_UNPACK_AHEAD_DIV;
         if (a < gridDim.x) {
-            stored_range(a * TILE, q0, q1);
+            const ulonglong2 r = stored_range(a * TILE);
+            q0 = r.x;
+            q1 = r.y;
             ahead = a;
         }
     }
