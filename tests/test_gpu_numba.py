@@ -183,9 +183,10 @@ def test_stitch_tiles_sharing_words(rng, dt, fill_limit):
 @pytest.mark.parametrize("dt", DT_PARAMS)
 def test_warp_redux_variant_packs_as_the_reference(rng, dt):
     """The variant that sums the warps' counts by warp reductions (an A/B candidate):
-    every pack mode, encoding and capacity kind, over tiles with no nonzeros, with every
-    element nonzero (each warp's count at its maximum) and with a single value in the
-    last warp, bit-exact against the reference; its unpack family gives them back."""
+    plain packs of every encoding and capacity kind and masked packs (the relu packs keep
+    the loop), over tiles with no nonzeros, with every element nonzero (each warp's count
+    at its maximum) and with a single value in the last warp, bit-exact against the
+    reference; its unpack family and gated op give them back."""
     be = NumbaBackend(NK.PackVariant(warp_redux=True))
     T = NK.kernels_for(dt.name).ptile
     x = random_bits(rng, (40 * T + 777,), dt, 0.7)

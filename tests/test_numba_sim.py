@@ -253,10 +253,10 @@ else:
     @pytest.mark.parametrize("dtype", [D.BFLOAT16, D.FLOAT8_E4M3FN], ids=IDS)
     def test_warp_redux_variant(dtype):
         """The variant whose warps' counts are summed by warp reductions (here through
-        shared memory): plain, relu and masked packs over an empty tile, a tile of
-        nonzeros only (both warps' counts at their maximum) and one whose only value
-        lies in its last warp, against the reference; the unpack family of the same
-        variant gives the tensors back."""
+        shared memory): plain and masked packs (the relu packs keep the loop) over an
+        empty tile, a tile of nonzeros only (both warps' counts at their maximum) and one
+        whose only value lies in its last warp, against the reference; the unpack family
+        of the same variant gives the tensors back."""
         be = NumbaBackend(NK.PackVariant(warp_redux=True))
         T = NK.kernels_for(dtype.name).ptile
         rng = _rng("redux", dtype.name)

@@ -67,8 +67,8 @@ class PackVariant:
     does, and the host one launch less; larger packs run it, bench/NOTES.md session
     35). Tests set 0 to run ``k_finish`` on small tensors. ``warp_redux``: the warps'
     counts summed by warp reductions (``redux.sync``) instead of every thread's loop
-    over them, in the pack and the unpack family (under the simulator, through shared
-    memory). ``unpack_prefetch``: the
+    over them, in the plain and masked packs and the unpack family (under the
+    simulator, through shared memory). ``unpack_prefetch``: the
     unpack-family kernels ask for the planes of the tile a quarter of a wave ahead in L2
     (``cp.async.bulk.prefetch``, as the CuPy unpack does; sm_90 and later: an A/B
     candidate for the H200, off by default)."""

@@ -282,7 +282,10 @@ def make_pack(el, geo, mode, enc, jit, lb_early, ticket, warp_redux, load_elems,
               pack_run, chunk_offsets, store_values):
     """The pack kernel of one mode and encoding (both compile-time constants,
     so the other modes' code and the run-time encoding tests drop out)."""
-    warps_before_and_total = _warps_reduced if warp_redux else _warps_loop
+    # The relu modes keep the loop: with the reductions nvcc gives them 64 registers
+    # instead of 56 (bench/NOTES.md, session 41), and the A/B times the plain pack.
+    redux = warp_redux and mode in (MODE_PACK, MODE_MASKED)
+    warps_before_and_total = _warps_reduced if redux else _warps_loop
     SIGNS = enc == SIGNPLANE
     ENP = el.ENP
     PR, PSEG, PGPT, PXW, PMB = geo.PR, geo.PSEG, geo.PGPT, geo.PXW, geo.PMB
