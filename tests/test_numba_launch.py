@@ -565,3 +565,31 @@ def test_entry_points_ask_the_driver_once_and_forget_the_device(monkeypatch):
         id = 7
     platform.cuda = type("numba_cuda", (), {"get_current_device": staticmethod(_Scope)})
     assert scoped_calls == [] and inner() == 7 and scoped_calls == ["inner"]
+
+
+def test_unpack_prefetch_is_refused_by_name_before_sm90(monkeypatch):
+    """PackVariant(unpack_prefetch=True) builds cp.async.bulk.prefetch, which older GPUs
+    lack: the kernels are refused with UnsupportedDeviceError on such a device, built on
+    sm_90, and built where no device can be asked (an offline SASS build)."""
+    from numba import cuda
+
+    from bitsparse_core.backends.numba import kernels as K
+    from bitsparse_core.errors import UnsupportedDeviceError
+
+    if K.SIM:
+        pytest.skip("the simulator has no compute capability to check")
+
+    class Device:
+        compute_capability = (8, 0)
+
+    monkeypatch.setattr(cuda, "get_current_device", lambda: Device())
+    with pytest.raises(UnsupportedDeviceError, match="9.0"):
+        K.DtypeKernels("bfloat16", K.PackVariant(unpack_prefetch=True))
+    Device.compute_capability = (9, 0)
+    assert K.DtypeKernels("bfloat16", K.PackVariant(unpack_prefetch=True)).unpack
+
+    def no_driver():
+        raise RuntimeError("no CUDA driver")
+
+    monkeypatch.setattr(cuda, "get_current_device", no_driver)
+    assert K.DtypeKernels("bfloat16", K.PackVariant(unpack_prefetch=True)).unpack

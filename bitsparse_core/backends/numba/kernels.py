@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from ...errors import UnsupportedDeviceError
 from .common import (FULL_MASK, G, GPT, LANE_N, MODE_MASKED, MODE_PACK, MODE_RELU, MODE_RELU2,
                      NOSIGN, NT, NW, RAW, SCAN_NT, SCAN_PER, SIGNPLANE, SIM, TILE, TILE_LOG2,
                      ULANE_N, UNT, UNW)
@@ -70,8 +71,8 @@ class PackVariant:
     over them, in the plain and masked packs and the unpack family (under the
     simulator, through shared memory). ``unpack_prefetch``: the
     unpack-family kernels ask for the planes of the tile a quarter of a wave ahead in L2
-    (``cp.async.bulk.prefetch``, as the CuPy unpack does; sm_90 and later: an A/B
-    candidate for the H200, off by default)."""
+    (``cp.async.bulk.prefetch``, as the CuPy unpack does; an A/B candidate, off by
+    default; refused on a device older than sm_90)."""
     pack_rounds: int | None = None
     pack_blocks: int | None = None
     lb_early: bool = False
@@ -90,10 +91,27 @@ class PackVariant:
 COMMITTED = PackVariant()
 
 
+def _check_bulk_prefetch() -> None:
+    """``unpack_prefetch`` compiles ``cp.async.bulk.prefetch`` (sm_90 and later): refuse it,
+    by name, on a device known to be older (an offline build has none to ask)."""
+    if SIM:
+        return
+    try:
+        from numba import cuda
+        cc = tuple(cuda.get_current_device().compute_capability)
+    except Exception:  # noqa: BLE001 -- no driver or context here: nothing to check against
+        return
+    if cc < (9, 0):
+        raise UnsupportedDeviceError(f"PackVariant(unpack_prefetch=True) needs compute "
+                                     f"capability 9.0 or later; this device has {cc[0]}.{cc[1]}")
+
+
 class DtypeKernels:
     """The kernels of one element type, compiled on first launch."""
 
     def __init__(self, name: str, variant: PackVariant = COMMITTED):
+        if variant.unpack_prefetch:
+            _check_bulk_prefetch()
         el = elem(name)
         self.name, self.variant = name, variant
         self.bits = el.BITS
