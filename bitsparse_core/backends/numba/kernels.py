@@ -50,9 +50,9 @@ __all__ = [  # what the backend, tests and bench scripts read from this module
 
 @dataclasses.dataclass(frozen=True)
 class PackVariant:
-    """A variant of the kernels (the pack's, and the unpack family's prefetch), for tests
-    and A/B timings; the defaults are the committed choices, which the registered
-    backend uses.
+    """A variant of the kernels (the pack's; the unpack family's prefetch and warp sums),
+    for tests and A/B timings; the defaults are the committed choices, which the
+    registered backend uses.
 
     ``pack_rounds``: groups of 8 elements per pack thread instead of the target's (the
     simulator tests run the GPU's this way); ``pack_blocks``: the blocks per SM the plain
