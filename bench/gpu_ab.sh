@@ -3,7 +3,8 @@
 # the GPU tests and sanitizers on the tree as it is, the A/B runs of the prepared
 # compile-time switches and Numba variants, and the codec / fused-op benches.
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
-#   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab codecs fused
+#   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab codecs exact fused
+#   (exact: profile_exact.py, the Python steps after the count against the native ones)
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the switches of session 41)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
@@ -14,7 +15,7 @@ set -u
 OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT" /tmp/gpu_ab
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab codecs fused}
+PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab codecs exact fused}
 CUPY_AB=${CUPY_AB:-"base||--unpack-only;wredux|-DBS_UNPACK_WARP_REDUX=1|--unpack-only;sbase||--encoding signplane;sneg|-DBS_PACK_NEG_NOSIGN_ONLY=1|--encoding signplane;rbase||--encoding raw;rneg|-DBS_PACK_NEG_NOSIGN_ONLY=1|--encoding raw"}
 NUMBA_AB=${NUMBA_AB:-"|warp_redux=1|unpack_prefetch=1"}
 t0=$(date +%s)
@@ -81,6 +82,14 @@ if has codecs; then
       --out "$OUT/codecs" >/tmp/gpu_ab/codecs.log 2>&1 || tail -5 /tmp/gpu_ab/codecs.log
   grep -E "^\|" "$OUT"/codecs/*.md | head -24
   say "codecs"
+fi
+if has exact; then
+  for be in cupy numba; do
+    timeout 200 python3 bench/profile_exact.py --backend $be --turns 3 \
+        >"$OUT/exact_$be.md" 2>&1 || tail -5 "$OUT/exact_$be.md"
+    cat "$OUT/exact_$be.md"
+  done
+  say "exact"
 fi
 if has fused; then
   timeout 150 python3 bench/bench_fused.py --reps 20 --out "$OUT/fused" >/tmp/gpu_ab/fused.log 2>&1 \

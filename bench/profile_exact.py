@@ -19,7 +19,11 @@ per call, on the GPU's clock (CUDA events on the call's stream) and the host's
 * ``after``: the rest of the call (the PackedTensor, host work the end event waits for
   when it outlasts the copies);
 
-beside the same input's fixed-capacity pack at K = nnz, in the same run. The wrapped
+beside the same input's fixed-capacity pack at K = nnz, in the same run. The exact pack
+is timed twice: with the Python steps after the count (inside ``native.python_path()``)
+and, where the torch extension builds, with its native wait and shrink
+(``backends/cuda/shrink.py``: the Timer makes the call's stream torch's current one);
+the marked calls run the Python steps. The wrapped
 steps are the backend's own; a GPU sleep before each call hides the host's work up to
 the pack's launch, as bench_codecs.py does.
 
@@ -56,6 +60,9 @@ def main(argv=None) -> int:
 
     import bitsparse_core as bc
     from bench_codecs import Timer, relu_like
+    from bitsparse_core.torch import native
+    # the native steps (backends/cuda/shrink.py) need the extension; None: Python only
+    has_native = native.cuda_module() is not None
 
     stream = torch.cuda.Stream()
     timer = Timer(torch, stream, args.reps)
@@ -100,25 +107,31 @@ def main(argv=None) -> int:
           f"nosign; median of {args.reps}; us")
     print(f"fixed K and exact: median over {args.turns} alternating turns of each one's "
           "median")
-    print("sparsity | fixed K | exact | exact / fixed | exact, marked | pack (in exact) | "
-          "host in run | host from the count to the first copy | GPU idle before the copies | "
-          "copies | after")
+    print("sparsity | fixed K | exact | exact / fixed | exact, native steps | native / fixed | "
+          "exact, marked | pack (in exact) | host in run | host from the count to the first "
+          "copy | GPU idle before the copies | copies | after")
     for sp in (float(s) for s in args.sparsities.split(",")):
         x = relu_like(torch, args.numel, sp, torch.bfloat16, seed=int(sp * 1000))
         nnz = int(torch.count_nonzero(x.view(torch.int16)))
-        turns = {"fixed": [], "exact": []}
+        turns = {"fixed": [], "exact": [], "native": []}
+
+        def exact():
+            return bc.pack(x, encoding="nosign", stream=stream, backend=args.backend)
         for _ in range(args.turns):
             turns["fixed"].append(timer(lambda: bc.pack(x, capacity=nnz, encoding="nosign",
                                                         stream=stream, backend=args.backend)))
-            turns["exact"].append(timer(lambda: bc.pack(x, encoding="nosign", stream=stream,
-                                                        backend=args.backend)))
+            with native.python_path():          # the Python steps after the count
+                turns["exact"].append(timer(exact))
+            if has_native:                      # the Timer makes ``stream`` torch's current one
+                turns["native"].append(timer(exact))
         fixed, plain = (1e3 * statistics.median(turns[k]) for k in ("fixed", "exact"))
+        nat = 1e3 * statistics.median(turns["native"]) if has_native else float("nan")
         rows = []
         for n, f in (("run", run), ("read_head", read_head), ("shrink", shrink)):
             setattr(steps, n, f)
         try:
             spare[:] = [torch.cuda.Event(enable_timing=True) for _ in range(5 * (3 + args.reps))]
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), native.python_path():   # the Python steps' phases
                 for i in range(3 + args.reps):
                     timer.flush.sum(dtype=torch.int32)
                     torch.cuda._sleep(timer.sleep_cycles)
@@ -140,7 +153,8 @@ def main(argv=None) -> int:
         copies = med([us(m["shrink_start"], m["shrunk"]) for *_, m in rows])
         after = med([us(m["shrunk"], e) for _, e, m in rows])
         run_host = med([1e6 * m["host_run_s"] for *_, m in rows])
-        print(f"{sp} | {fixed:.1f} | {plain:.1f} | {plain / fixed:.2f} | {exact:.1f} | "
+        print(f"{sp} | {fixed:.1f} | {plain:.1f} | {plain / fixed:.2f} | {nat:.1f} | "
+              f"{nat / fixed:.2f} | {exact:.1f} | "
               f"{pack:.1f} | {run_host:.1f} | {host:.1f} | {idle:.1f} | {copies:.1f} | "
               f"{after:.1f}", flush=True)
     return 0

@@ -68,6 +68,22 @@ def _context(x, stream, allocator):
     return stream, allocator, dev
 
 
+_exact_steps_ready = False
+
+
+def _native_exact_steps() -> None:
+    """An exact pack of torch CUDA data waits for its count and shrinks in the torch
+    adapter's C++ extension (``backends/cuda/shrink.py``); importing the adapter
+    registers that (once; the extension itself is built or loaded on first use)."""
+    global _exact_steps_ready
+    if not _exact_steps_ready:
+        _exact_steps_ready = True
+        try:
+            from .torch import native  # noqa: F401
+        except ImportError:     # a torch the adapter cannot use: the Python steps run
+            pass
+
+
 def _mark(p: PackedTensor, torch_dev: int) -> PackedTensor:
     if torch_dev >= 0:
         p.extra[_TORCH_MADE] = True     # its unpack-family ops default as torch's would
@@ -97,6 +113,8 @@ def pack(x, *, encoding="auto", backend: str = "auto", chunk_log2: int = DEFAULT
     device, _ = device_of(x)
     be = select_backend(backend, device)
     stream, allocator, tdev = _context(x, stream, allocator)
+    if capacity is None and tdev >= 0:
+        _native_exact_steps()
     return _mark(be.pack(x, dtype=dtype, encoding=encoding, chunk_log2=chunk_log2,
                          capacity=capacity, stream=stream, allocator=allocator), tdev)
 

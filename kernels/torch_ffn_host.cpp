@@ -23,10 +23,12 @@
 // The parts: torch_host_common.h (driver entry points, helpers), torch_host_launch.h
 // (launch templates, plans), torch_host_slots.h (counts on the host),
 // torch_host_offload.h (the offload engine), torch_host_hooks.h (the saved-tensor hooks'
-// first look at each save, their packs and unpacks); this file: the op, its autograd node,
-// its dispatcher kernels and the module.
+// first look at each save, their packs and unpacks), torch_host_exact.h (an exact pack's
+// wait and shrink); this file: the op, its autograd node, its dispatcher kernels and the
+// module.
 
 #include "torch_host_common.h"
+#include "torch_host_exact.h"
 #include "torch_host_hooks.h"
 #include "torch_host_launch.h"
 #include "torch_host_offload.h"
@@ -425,6 +427,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     driver.event_query = reinterpret_cast<EventQueryFn>(query);
     driver.copy_to_device = reinterpret_cast<CopyToDeviceFn>(copy_to_device);
   });
+  m.def("set_exact_driver", [](uint64_t copy_device, uint64_t stream_query, uint64_t stream_sync) {
+    exact_driver.copy_device = reinterpret_cast<CopyDeviceFn>(copy_device);
+    exact_driver.stream_query = reinterpret_cast<StreamQueryFn>(stream_query);
+    exact_driver.stream_sync = reinterpret_cast<StreamQueryFn>(stream_sync);
+  });
+  m.def("exact_shrink", &exact_shrink);
   m.def("set_host_emulation", [](bool on) { host_emulation = on; });
   m.def("set_state_fn", [](py::object fn) {
     auto* keep = new py::object(std::move(fn));

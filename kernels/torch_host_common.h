@@ -38,6 +38,7 @@ namespace {
 // The CUDA driver entry points (addresses from Python's ctypes handle on libcuda)
 // ---------------------------------------------------------------------------
 using CUresult = int;
+constexpr CUresult kNotReady = 600;   // CUDA_ERROR_NOT_READY: a query's "still running"
 using LaunchFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                               unsigned, void*, void**, void**);
 using CoopLaunchFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned,

@@ -14,7 +14,6 @@ namespace {
 // Python face); here is the whole mechanism, so that a stash or a take costs no Python.
 // Streams are ordered by events, never by the host. Events are the driver's, as
 // backends/cuda/driver.py makes them (CU_EVENT_DISABLE_TIMING).
-constexpr CUresult kNotReady = 600;   // CUDA_ERROR_NOT_READY
 
 void* record_event(void* stream) {
   TORCH_CHECK(driver.event_create != nullptr, "bitsparse: native module used before "

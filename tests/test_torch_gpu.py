@@ -620,3 +620,47 @@ def test_native_path_casts_for_autocast_like_python_cuda(monkeypatch):
             return [out] + list(torch.autograd.grad(out.float().square().sum(), (w1, b1, w2, b2)))
     for got, want in zip(grads(False), grads(True)):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["cupy", "numba"])
+def test_exact_pack_shrinks_through_the_extension_cuda(backend, monkeypatch):
+    """Exact packs of torch tensors on torch's current stream wait for their count and
+    shrink in the extension (backends/cuda/shrink.py), on another stream in Python; both
+    give the reference's bytes. A nosign violation under ``"auto"`` packs again as raw,
+    under ``"nosign"`` raises; the slot goes back to the thread's free list."""
+    from bitsparse_core import dtypes as _dt
+    from bitsparse_core.backends.cuda import shrink, slots
+    from bitsparse_core.errors import EncodingError
+    from bitsparse_core.spec import codec as reference
+    if not bc.backend_available(backend):
+        pytest.skip(f"no {backend} backend")
+    _native_built()
+    taken = []
+    inner = shrink._native
+    monkeypatch.setattr(shrink, "_native", lambda *a: taken.append(inner(*a)) or taken[-1])
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.relu(torch.randn(3, 70001, generator=g, device="cuda")).to(torch.bfloat16)
+    x[1, :4000] = 0
+    want = {enc: reference.pack_array(x.cpu().view(torch.int16).numpy(), _dt.BFLOAT16, enc)
+            for enc in ("nosign", "signplane", "raw")}
+    free_before = len(slots._free())
+    for enc in ("nosign", "signplane", "raw"):
+        for stream in (None, torch.cuda.Stream()):
+            taken.clear()
+            p = bc.pack(x, encoding=enc, backend=backend, stream=stream)
+            if stream is not None:
+                stream.synchronize()
+            assert p.capacity == p.nnz == want[enc].nnz
+            assert p.to_bytes() == want[enc].to_bytes(), (enc, stream)
+            if stream is None:
+                assert len(taken) == 1 and taken[0] is not None and taken[0][2] is not None
+            else:
+                assert taken == []
+    assert len(slots._free()) == free_before
+    y = x.clone()
+    y[2, 7] = -1.0
+    taken.clear()
+    p = bc.pack(y, encoding="auto", backend=backend)
+    assert p.encoding.name == "RAW" and taken and taken[0][2] is None
+    with pytest.raises(EncodingError):
+        bc.pack(y, encoding="nosign", backend=backend)

@@ -192,6 +192,145 @@ def test_cpu_tensors_never_take_the_native_path(monkeypatch):
 
 
 # --------------------------------------------------------------------------- #
+# An exact pack's wait and shrink (kernels/torch_host_exact.h) on host memory #
+# --------------------------------------------------------------------------- #
+class ExactDriver:
+    """cuMemcpyDtoDAsync, cuStreamQuery and cuStreamSynchronize on host memory: the copy
+    a memmove, the stream's state what a test sets (``landing``: a count written into
+    the slot when the stream is first synchronized, as a kernel finishing would)."""
+
+    NOT_READY, FAILED = 600, 700
+
+    def __init__(self):
+        from ctypes import c_int, c_size_t, c_uint64, c_void_p
+        copy = ctypes.CFUNCTYPE(c_int, c_uint64, c_uint64, c_size_t, c_void_p)
+        query = ctypes.CFUNCTYPE(c_int, c_void_p)
+        self.copies, self.queries, self.syncs = [], 0, 0
+        self.query_rc, self.landing = 0, None
+        self._fns = [copy(self._copy), query(self._query), query(self._sync)]
+
+    def entry_points(self):
+        return [ctypes.cast(f, ctypes.c_void_p).value for f in self._fns]
+
+    def _copy(self, dst, src, n, stream):
+        ctypes.memmove(dst, src, n)
+        self.copies.append((dst, src, n))
+        return 0
+
+    def _query(self, stream):
+        self.queries += 1
+        return self.query_rc
+
+    def _sync(self, stream):
+        self.syncs += 1
+        if self.landing is not None:
+            slots.write(*self.landing)
+        return 0
+
+
+def _host_slot(status=None, nnz=None):
+    """A slot in host memory (pinned memory needs a GPU), its sentinels or a count."""
+    buf = np.zeros(abi.SLOT_BYTES, dtype=np.uint8)
+    slots.write(buf.ctypes.data, abi.SLOT_SENTINEL32 if status is None else status,
+                abi.SLOT_SENTINEL64 if nnz is None else nnz)
+    return buf
+
+
+def _exact_shrink(ext, slot, tail, plan):
+    return ext.exact_shrink(slot.ctypes.data, 0, torch.device("cpu"), tail.ctypes.data,
+                            plan.lay.capacity, *host.tail_terms(plan),
+                            abi.STATUS_NOSIGN_VIOLATION)
+
+
+@pytest.fixture
+def exact_driver(ext):
+    drv = ExactDriver()
+    ext.set_exact_driver(*drv.entry_points())
+    return drv
+
+
+@pytest.mark.parametrize("dtype,enc", [(D.BFLOAT16, Encoding.NOSIGN), (D.FLOAT16, Encoding.RAW),
+                                       (D.FLOAT32, Encoding.SIGNPLANE),
+                                       (D.FLOAT8_E4M3FN, Encoding.SIGNPLANE),
+                                       (D.FLOAT8_E5M2, Encoding.NOSIGN)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_exact_shrink_lays_out_the_tail_as_tail_shrink(ext, exact_driver, dtype, enc):
+    """The C++ exact_shrink copies what host.tail_shrink's copies would, into a tail of its
+    size, for counts from 0 to the worst case (odd ones too: partial bytes of values
+    and signs)."""
+    rng = np.random.default_rng(7)
+    plan = host.pack_plan((3, 1001), dtype, enc, 3003, DEFAULT_CHUNK_LOG2)
+    tail = rng.integers(0, 256, size=plan.tail_bytes, dtype=np.uint8)
+    for nnz in (0, 1, 7, 8, 9, 1000, 2999, 3003):
+        exact_driver.copies.clear()
+        status, got_nnz, t = _exact_shrink(ext, _host_slot(0, nnz), tail, plan)
+        want = host.tail_shrink(plan, nnz)
+        assert (status, got_nnz) == (0, nnz)
+        assert t.dtype == torch.uint8 and t.numel() == want.nbytes
+        dst = t.data_ptr()
+        assert exact_driver.copies == [(dst + d, tail.ctypes.data + s, n) for d, s, n in want.copies]
+        got = t.numpy()
+        for d, s, n in want.copies:
+            assert np.array_equal(got[d:d + n], tail[s:s + n])
+
+
+def test_exact_shrink_refuses_a_nosign_violation_and_a_count_past_the_plan(ext, exact_driver):
+    plan = host.pack_plan((4096,), D.BFLOAT16, Encoding.NOSIGN, 4096, DEFAULT_CHUNK_LOG2)
+    tail = np.zeros(plan.tail_bytes, dtype=np.uint8)
+    status, nnz, t = _exact_shrink(ext, _host_slot(abi.STATUS_NOSIGN_VIOLATION, 17), tail, plan)
+    assert (status, nnz, t) == (abi.STATUS_NOSIGN_VIOLATION, 17, None)
+    assert exact_driver.copies == []
+    with pytest.raises(RuntimeError, match="outside the plan's capacity"):
+        _exact_shrink(ext, _host_slot(0, 4097), tail, plan)
+
+
+def test_exact_shrink_waits_for_the_count_and_raises_where_none_comes(ext, exact_driver):
+    """A count not yet written: the stream is queried while the kernel is said to run,
+    synchronized once the spin's time is up, and the count read after it; a stream done
+    without a count, or a failed one, raises instead of hanging."""
+    plan = host.pack_plan((4096,), D.BFLOAT16, Encoding.NOSIGN, 4096, DEFAULT_CHUNK_LOG2)
+    tail = np.zeros(plan.tail_bytes, dtype=np.uint8)
+    slot = _host_slot()
+    exact_driver.query_rc = ExactDriver.NOT_READY
+    exact_driver.landing = (slot.ctypes.data, 0, 300)
+    status, nnz, t = _exact_shrink(ext, slot, tail, plan)
+    assert (status, nnz) == (0, 300) and exact_driver.syncs == 1 and exact_driver.queries > 0
+    assert t.numel() == host.tail_shrink(plan, 300).nbytes
+    exact_driver.landing = None
+    exact_driver.query_rc = 0                       # done, and nothing written
+    with pytest.raises(RuntimeError, match="without writing its count"):
+        _exact_shrink(ext, _host_slot(), tail, plan)
+    exact_driver.query_rc = ExactDriver.FAILED
+    with pytest.raises(RuntimeError, match="exact pack's stream"):
+        _exact_shrink(ext, _host_slot(), tail, plan)
+
+
+def test_exact_shrink_is_registered_for_torch_allocations_on_the_current_stream(monkeypatch):
+    """backends/cuda/shrink.py takes the native steps only for PyTorch's allocator on
+    torch's current stream; there it gives the slot back and wraps the tail."""
+    from bitsparse_core.backends.cuda import interop as ci
+    from bitsparse_core.backends.cuda import shrink
+
+    assert shrink._native is native._exact_shrink
+    plan = host.pack_plan((4096,), D.BFLOAT16, Encoding.NOSIGN, 4096, DEFAULT_CHUNK_LOG2)
+    calls, released = [], []
+    monkeypatch.setattr(shrink, "_native", lambda *a: calls.append(a) or (0, 5, torch.zeros(64,
+                                                                                dtype=torch.uint8)))
+    monkeypatch.setattr(ci, "torch_stream", lambda device: 0x51)
+    monkeypatch.setattr(slots, "release", released.append)
+    assert shrink.wait_and_shrink(plan, 0x1000, 0x51, 0, 0x2000, None) is None
+    assert shrink.wait_and_shrink(plan, 0x1000, 0x52, 0, 0x2000, ci.torch_allocator) is None
+    assert calls == [] and released == []
+    status, nnz, (buf, exact) = shrink.wait_and_shrink(plan, 0x1000, 0x51, 0, 0x2000,
+                                                       ci.torch_allocator)
+    assert (status, nnz, exact) == (0, 5, host.tail_shrink(plan, 5))
+    assert buf.nbytes == exact.nbytes and buf.ptr == buf.owner.data_ptr()
+    assert calls == [(0x1000, 0x51, 0, 0x2000, plan)] and released == [0x1000]
+    monkeypatch.setattr(shrink, "_native", lambda *a: None)      # the extension off
+    assert shrink.wait_and_shrink(plan, 0x1000, 0x51, 0, 0x2000, ci.torch_allocator) is None
+
+
+# --------------------------------------------------------------------------- #
 # The whole C++ path on the CPU: a driver whose "kernels" run the reference   #
 # --------------------------------------------------------------------------- #
 class HostDriver:

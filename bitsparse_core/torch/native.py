@@ -21,7 +21,9 @@ graphs, CUDA graph captures and ``torch.ops`` calls run, with no Python on the w
 
 The same extension holds :class:`~.hooks.compress_saved_tensors`' C++ front
 (``kernels/torch_host_hooks.h``: :func:`hooks_module`) and queues the hooks' packs and
-unpacks (:func:`plain_handle`, :func:`plain_unpack`).
+unpacks (:func:`plain_handle`, :func:`plain_unpack`), and an exact pack's wait for its
+count and its shrink for torch CUDA tensors (``kernels/torch_host_exact.h``, registered
+with :mod:`..backends.cuda.shrink`).
 
 The extension needs a C++ compiler and PyTorch's headers, not CUDA's: it launches the
 CuPy-compiled kernels through the driver entry points of
@@ -45,7 +47,7 @@ import threading
 
 import torch
 
-from ..backends.cuda import abi, host
+from ..backends.cuda import abi, host, shrink
 from ..backends.cuda.sources import kernel_dir
 from ..spec.format import DEFAULT_CHUNK_LOG2
 from . import capacity as C
@@ -206,6 +208,8 @@ def cuda_module():
             mod.set_offload_driver(addr(lib.cuEventCreate), addr(lib.cuEventRecord),
                                    addr(lib.cuStreamWaitEvent), addr(lib.cuEventDestroy_v2),
                                    addr(lib.cuEventQuery), addr(lib.cuMemcpyHtoDAsync_v2))
+            mod.set_exact_driver(addr(lib.cuMemcpyDtoDAsync_v2), addr(lib.cuStreamQuery),
+                                 addr(lib.cuStreamSynchronize))
             _hand_slab(mod)
             # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
             mod.register_kernels("CUDA")
@@ -234,6 +238,25 @@ def host_path(device) -> str:
     if getattr(device, "type", device) != "cuda":
         return "python (CPU tensors)"
     return "c++" if cuda_module() is not None else "python (the C++ path did not build)"
+
+
+def _exact_shrink(slot: int, stream: int, device: int, src_tail: int, plan: host.PackPlan):
+    """:mod:`..backends.cuda.shrink`'s native steps: ``(status, nnz, tail tensor or
+    None)``, or None where the extension is off or could not be built (it is built, or
+    loaded from torch's extension cache, on the first exact pack that asks)."""
+    if _off:
+        return None
+    mod = cuda_module()
+    if mod is None:
+        return None
+    dev = _TORCH_DEVICES.get(device)
+    if dev is None:
+        dev = _TORCH_DEVICES[device] = torch.device("cuda", device)
+    return mod.exact_shrink(slot, stream, dev, src_tail, plan.lay.capacity, *host.tail_terms(plan),
+                            abi.STATUS_NOSIGN_VIOLATION)
+
+
+_TORCH_DEVICES: dict = {}
 
 
 def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.Tensor,
@@ -442,3 +465,5 @@ def relu_linear_backward_kernel(*args):
 
 _ops.CUDA_KERNELS.update(relu_linear=relu_linear_kernel,
                          relu_linear_backward=relu_linear_backward_kernel)
+# Exact packs of torch CUDA tensors (any backend) wait for their count and shrink here.
+shrink.register(_exact_shrink)

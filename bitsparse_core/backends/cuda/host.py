@@ -251,6 +251,24 @@ class ExactTail(NamedTuple):
     signs_len: int
 
 
+class TailTerms(NamedTuple):
+    """:func:`tail_shrink`'s layout as arithmetic on the count, for native code that
+    repeats it (``exact_shrink``, kernels/torch_host_exact.h): values ceil(nnz *
+    value_bits / 8) bytes at 0, signs ceil(nnz * sign_bits / 8) bytes at the values' end
+    rounded up to ``align``, copied from ``src_signs`` in the worst-case tail."""
+    value_bits: int
+    sign_bits: int
+    align: int
+    src_signs: int
+
+
+def tail_terms(src: PackPlan) -> TailTerms:
+    lay = src.lay
+    # eight values take as many bytes as one takes bits (the format's size formula)
+    return TailTerms(_fmt.values_nbytes(lay.dtype, lay.encoding, 8),
+                     _fmt.signs_nbytes(lay.encoding, 8), _fmt.ALIGN, src.tail_signs_offset)
+
+
 def tail_shrink(src: PackPlan, nnz: int) -> ExactTail:
     """The exact-size tail of an exact pack whose worst-case plan is ``src`` (see
     :attr:`PackPlan.head_bytes`) and whose count is ``nnz``. Plain arithmetic on the size

@@ -89,6 +89,11 @@ def written(slot: int) -> tuple:
     return _written(*_views(slot))
 
 
+def release(slot: int) -> None:
+    """Give back a slot whose count has been read (its kernel will not write it again)."""
+    _free().append(slot)
+
+
 def wait(slot: int, stream: int) -> tuple:
     """``(status, nnz)`` once the pack queued on ``stream`` has written ``slot``; the slot
     is then free again."""
@@ -105,5 +110,5 @@ def wait(slot: int, stream: int) -> tuple:
             continue
         state = _written(view32, view64)   # the stream has run: the kernel wrote it
         break
-    _free().append(slot)
+    release(slot)
     return state

@@ -22,7 +22,7 @@ from ...errors import OutputMismatchError
 from ...packed import PackedTensor
 from ...spec import format as _fmt
 from ...spec.ops import masked_encoding
-from ..cuda import driver, host, protocol, slots
+from ..cuda import driver, host, protocol, shrink, slots
 from ..cuda import interop as ci
 from ..cuda.abi import Mode, Op
 from .kernels import warm_cache  # noqa: F401  (bench scripts warm the compile cache here)
@@ -77,6 +77,7 @@ class _CupySteps:
         self.backend, self.t, self.s, self.allocator = backend, t, stream, allocator
         self.y, self.in_planes, self.scratch = y, in_planes, scratch
         self.slot = 0
+        self.shrunk = None     # an exact tail the native steps made (shrink.py)
 
     def _with_scratch(self, nbytes: int, plan):
         """``(buffer, scratch address)``: one allocation for ``nbytes`` and, where
@@ -102,9 +103,20 @@ class _CupySteps:
 
     def read_head(self, plan, block):
         slot, self.slot = self.slot, 0
+        if type(block) is tuple:        # exact: the count's wait and the shrink, natively
+            done = shrink.wait_and_shrink(plan, slot, self.s, self.t.device, block[1].ptr,
+                                          self.allocator)
+            if done is not None:
+                status, nnz, shrunk = done
+                if shrunk is not None:
+                    self.shrunk = (block[0], *shrunk)
+                return status, nnz
         return slots.wait(slot, self.s)
 
     def shrink(self, plan, block, nnz):
+        if self.shrunk is not None:
+            shrunk, self.shrunk = self.shrunk, None
+            return shrunk
         head, tail = block
         exact = host.tail_shrink(plan, nnz)
         out = ci.allocate(exact.nbytes, self.t.device, self.s, self.allocator)

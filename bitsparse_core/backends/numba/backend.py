@@ -39,7 +39,7 @@ from ...spec.ops import masked_encoding
 from ..cuda import abi, driver
 from ..cuda.abi import Mode
 from ..cuda import protocol
-from ..cuda import host, slots
+from ..cuda import host, shrink, slots
 from ..cuda.host import pack_plan
 from . import kernels as K
 from .launch import BoundLaunch, KernelArray, Launch, PerThread, first_launch, kinds_of, log
@@ -230,22 +230,35 @@ class _NumbaSteps:
         self.backend, self.P, self.st, self.buf, self.dt = backend, P, st, buf, dt
         self.mode, self.allocator, self.ybuf = mode, allocator, ybuf
         self.variant, self.slot = backend.variant, 0
+        self.exact, self.shrunk = False, None
 
     def run(self, plan, fixed, count=False):
         recipe = _recipe(plan, self.variant)
         al = _Alloc(self.P, plan, recipe.sections(not fixed), self.st, self.allocator)
         self.slot = self.P.take_slot() if count else 0
+        self.exact = not fixed
         self.backend._run_pack(self.P, self.st, self.buf, recipe, self.mode, al, self.ybuf,
                                None, zero_tail=fixed, slot=self.slot)
         return al
 
     def read_head(self, plan, al):
         slot, self.slot = self.slot, 0      # run(count=True) took one: the kernel writes it
+        if self.exact and not K.SIM:        # the count's wait and the shrink, natively
+            st = self.st
+            done = shrink.wait_and_shrink(plan, slot, st[0], st[2], al.tail.ptr, self.allocator)
+            if done is not None:
+                status, nnz, shrunk = done
+                if shrunk is not None:
+                    self.shrunk = _Shrunk(al, *shrunk)
+                return status, nnz
         return self.P.wait_slot(slot, self.st)
 
     def shrink(self, plan, al, nnz):
         """The stored values into an exact-size tail (laid out by ``host.tail_shrink``,
         no exact plan: the GPU waits for this host work, as for CuPy's shrink)."""
+        if self.shrunk is not None:
+            shrunk, self.shrunk = self.shrunk, None
+            return shrunk
         P, st = self.P, self.st
         exact = host.tail_shrink(plan, nnz)
         tail = P.alloc(exact.nbytes, st, self.allocator)
