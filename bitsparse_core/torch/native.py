@@ -240,6 +240,9 @@ def host_path(device) -> str:
     return "c++" if cuda_module() is not None else "python (the C++ path did not build)"
 
 
+_TORCH_DEVICES: dict = {}     # device index -> torch.device, made once each
+
+
 def _exact_shrink(slot: int, stream: int, device: int, src_tail: int, plan: host.PackPlan):
     """:mod:`..backends.cuda.shrink`'s native steps: ``(status, nnz, tail tensor or
     None)``, or None where the extension is off or could not be built (it is built, or
@@ -254,9 +257,6 @@ def _exact_shrink(slot: int, stream: int, device: int, src_tail: int, plan: host
         dev = _TORCH_DEVICES[device] = torch.device("cuda", device)
     return mod.exact_shrink(slot, stream, dev, src_tail, plan.lay.capacity, *host.tail_terms(plan),
                             abi.STATUS_NOSIGN_VIOLATION)
-
-
-_TORCH_DEVICES: dict = {}
 
 
 def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.Tensor,
