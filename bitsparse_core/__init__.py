@@ -139,6 +139,8 @@ def relu_pack(a, *, square: bool = False, encoding="nosign", backend: str = "aut
     ``relu(a)**2`` when ``square``) dense for the next matmul and ``p = pack(relu(a))``."""
     be = _backend_for(a, backend)
     stream, allocator, tdev = _context(a, stream, allocator)
+    if capacity is None and tdev >= 0:
+        _native_exact_steps()
     y, p = be.relu_pack(a, square=square, dtype=dtype, encoding=encoding, chunk_log2=chunk_log2,
                         capacity=capacity, stream=stream, allocator=allocator)
     return y, _mark(p, tdev)
