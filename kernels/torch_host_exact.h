@@ -1,8 +1,8 @@
-// An exact pack's wait for its count and its shrink (torch_ffn_host.cpp's
-// exact_shrink), for a pack whose allocations come from PyTorch's caching allocator
-// on torch's current stream: bitsparse_core/backends/cuda/shrink.py calls it in place
-// of the Python steps (slots.wait, host.tail_shrink, the allocation and the copies)
-// that the GPU waits for between the pack's kernel and the copies.
+// An exact pack's wait for its count and its shrink (exact_shrink, a function of the
+// module torch_ffn_host.cpp makes), for a pack whose allocations come from PyTorch's
+// caching allocator on torch's current stream: bitsparse_core/backends/cuda/shrink.py
+// calls it in place of the Python steps (slots.wait, host.tail_shrink, the allocation
+// and the copies) that the GPU waits for between the pack's kernel and the copies.
 
 #pragma once
 
