@@ -228,27 +228,33 @@ else:
         """The low 32 bits of a * b."""
         return uint32(uint32(a) * uint32(b))
 
+    def _integer_intrinsic(ret, emit):
+        """An intrinsic of one integer argument returning Numba type ``ret``, whose code
+        ``emit(context, builder, value, numba type of the argument)`` makes."""
+        @intrinsic
+        def one(typingctx, x):
+            if not isinstance(x, types.Integer):
+                return None
+
+            def codegen(context, builder, sig, args):
+                return emit(context, builder, args[0], sig.args[0])
+
+            return ret(x), codegen
+        return one
+
     def _convert(src, dst, op):
         """An intrinsic: the low bits of an integer as float ``src``, converted to float
         ``dst`` by LLVM instruction ``op`` (fpext / fptrunc: the conversion instruction,
         round to nearest even), returned as the bits of ``dst`` in an int64."""
         bits = {"half": 16, "float": 32}
 
-        @intrinsic
-        def conv(typingctx, x):
-            if not isinstance(x, types.Integer):
-                return None
-            sig = types.int64(x)
-
-            def codegen(context, builder, sig, args):
-                v = builder.trunc(args[0], ir.IntType(bits[src])) if x.bitwidth > bits[src] \
-                    else args[0]
-                f = builder.bitcast(v, ir.HalfType() if src == "half" else ir.FloatType())
-                g = getattr(builder, op)(f, ir.HalfType() if dst == "half" else ir.FloatType())
-                return builder.zext(builder.bitcast(g, ir.IntType(bits[dst])), ir.IntType(64))
-
-            return sig, codegen
-        return conv
+        def emit(context, builder, v, ty):
+            if ty.bitwidth > bits[src]:
+                v = builder.trunc(v, ir.IntType(bits[src]))
+            f = builder.bitcast(v, ir.HalfType() if src == "half" else ir.FloatType())
+            g = getattr(builder, op)(f, ir.HalfType() if dst == "half" else ir.FloatType())
+            return builder.zext(builder.bitcast(g, ir.IntType(bits[dst])), ir.IntType(64))
+        return _integer_intrinsic(types.int64, emit)
 
     _f16_widen = _convert("half", "float", "fpext")
     _f16_widen.__doc__ = "float32 bits of the float16 pattern x (exact)."
@@ -309,22 +315,13 @@ else:
         """An intrinsic: the ``op`` (max, add: modulo 2**32) of an unsigned 32-bit v
         over the warp's 32 lanes, in every lane: one ``redux.sync.{op}.u32`` (sm_80 and
         later); every lane must take part."""
-        @intrinsic
-        def redux(typingctx, v):
-            if not isinstance(v, types.Integer):
-                return None
-            sig = types.uint32(v)
-
-            def codegen(context, builder, sig, args):
-                i32 = ir.IntType(32)
-                x = context.cast(builder, args[0], sig.args[0], types.uint32)
-                asm = ir.InlineAsm(ir.FunctionType(i32, [i32]),
-                                   f"redux.sync.{op}.u32 $0, $1, 0xffffffff;", "=r,r",
-                                   side_effect=True)
-                return builder.call(asm, [x])
-
-            return sig, codegen
-        return redux
+        def emit(context, builder, v, ty):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]),
+                               f"redux.sync.{op}.u32 $0, $1, 0xffffffff;", "=r,r",
+                               side_effect=True)
+            return builder.call(asm, [context.cast(builder, v, ty, types.uint32)])
+        return _integer_intrinsic(types.uint32, emit)
 
     _warp_max = _redux("max")
     _warp_sum = _redux("add")
