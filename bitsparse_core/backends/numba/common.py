@@ -1,5 +1,5 @@
 """What every Numba kernel family shares: the target switch, tile constants,
-the target-specific primitives and the block-wide rank helpers.
+the target-specific primitives and the sums over a block's warps.
 
 Two code paths, chosen once at import: on a GPU the warp scan uses
 ``shfl_up_sync``, float32 bits are reinterpreted and bytes permuted (PRMT)
@@ -41,7 +41,6 @@ NT = 64 if SIM else 256          # threads per tile block (a multiple of 32)
 NW = NT // 32
 GPT = TILE // 8                  # groups (mask bytes) per tile
 G = GPT // NT                    # groups per thread
-assert G <= 2                    # _tile_ranks scans two rows' counts at once
 SCAN_NT = 32 if SIM else 1024    # threads of the one-block scan
 SCAN_PER = 2 if SIM else 8       # items per scan thread per pass
 LANE_N = NT if SIM else 1        # the simulator's warp scan goes through shared memory
@@ -424,45 +423,6 @@ else:
     def _warp_last(v, lane, t, sh_lane):
         """Lane 31's v, in every lane."""
         return cuda.shfl_sync(FULL_MASK, int32(v), 31)
-
-
-@cuda.jit(device=True)
-def _tile_ranks(sh_byte, sh_rank, sh_tot, sh_lane, t):
-    """sh_rank[gi] = nonzeros of the tile before group gi (gi = r*NT + t, the tile's
-    group order), from the mask bytes in sh_byte. Returns the tile's total.
-    The G <= 2 rows' counts share one warp scan, 16 bits apart (a row holds at
-    most 8 * NT < 2**16). Every thread of the block must call it (it synchronizes)."""
-    lane = t & 31
-    warp = t >> 5
-    packed = int32(0)
-    for r in range(G):
-        packed = int32(packed + (cuda.popc(int32(sh_byte[_u(r * NT + t)])) << (16 * r)))
-    inc = _warp_incl_scan(packed, lane, t, sh_lane)
-    if lane == 31:
-        sh_tot[warp] = inc
-    cuda.syncthreads()
-    before = int32(inc - packed)     # 32-bit sums: no sign extension per add
-    total = int32(0)
-    for w in range(NW):
-        tw = sh_tot[w]
-        if w < warp:
-            before = int32(before + tw)
-        total = int32(total + tw)
-    sh_rank[_u(t)] = before & 0xFFFF
-    if G == 2:
-        sh_rank[_u(NT + t)] = (total & 0xFFFF) + (before >> 16)
-    return int64((total & 0xFFFF) + (total >> 16))
-
-
-@cuda.jit(device=True)
-def _tile_mask_bytes(mask, tile, ngroups, t, sh_byte):
-    """sh_byte[gi] = mask byte of the tile's group gi (gi = r*NT + t), 0 past the end."""
-    for r in range(G):
-        g = tile * GPT + r * NT + t
-        byte = 0
-        if g < ngroups:
-            byte = int32(mask[_u(g)])
-        sh_byte[_u(r * NT + t)] = byte
 
 
 @cuda.jit(device=True)
