@@ -39,7 +39,6 @@
 #define BS_COUNT ((1ull << 61) - 1ull)
 
 
-
 __device__ __forceinline__ const u64* bs_count_desc(u64 scratch_ptr) {
     return reinterpret_cast<const u64*>(scratch_ptr + 16);
 }

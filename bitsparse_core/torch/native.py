@@ -47,7 +47,7 @@ import threading
 
 import torch
 
-from ..backends.cuda import abi, host, shrink
+from ..backends.cuda import abi, host, interop, shrink
 from ..backends.cuda.sources import kernel_dir
 from ..spec.format import DEFAULT_CHUNK_LOG2
 from . import capacity as C
@@ -240,9 +240,6 @@ def host_path(device) -> str:
     return "c++" if cuda_module() is not None else "python (the C++ path did not build)"
 
 
-_TORCH_DEVICES: dict = {}     # device index -> torch.device, made once each
-
-
 def _exact_shrink(slot: int, stream: int, device: int, src_tail: int, plan: host.PackPlan):
     """:mod:`..backends.cuda.shrink`'s native steps: ``(status, nnz, tail tensor or
     None)``, or None where the extension is off or could not be built (it is built, or
@@ -252,11 +249,8 @@ def _exact_shrink(slot: int, stream: int, device: int, src_tail: int, plan: host
     mod = cuda_module()
     if mod is None:
         return None
-    dev = _TORCH_DEVICES.get(device)
-    if dev is None:
-        dev = _TORCH_DEVICES[device] = torch.device("cuda", device)
-    return mod.exact_shrink(slot, stream, dev, src_tail, plan.lay.capacity, *host.tail_terms(plan),
-                            abi.STATUS_NOSIGN_VIOLATION)
+    return mod.exact_shrink(slot, stream, interop.torch_device(device), src_tail,
+                            plan.lay.capacity, *host.tail_terms(plan), abi.STATUS_NOSIGN_VIOLATION)
 
 
 def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.Tensor,

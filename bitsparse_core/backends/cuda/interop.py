@@ -276,6 +276,14 @@ class DeviceBuffer:
 _TORCH_DEVICES: dict = {}      # device index -> torch.device, made once each
 
 
+def torch_device(device: int):
+    """torch's ``cuda:device``, made once per index."""
+    dev = _TORCH_DEVICES.get(device)
+    if dev is None:
+        dev = _TORCH_DEVICES[device] = sys.modules["torch"].device("cuda", device)
+    return dev
+
+
 class TorchBlock:
     """A block of PyTorch's caching allocator taken by address (no tensor around it),
     given back to the allocator when the last reference goes. torch's memory
@@ -327,9 +335,7 @@ def torch_tensor_buffer(nbytes: int, device: int, stream: int) -> DeviceBuffer:
     stream-ordered on ``stream``; no stream context when ``stream`` is torch's current
     one on ``device``."""
     import torch
-    dev = _TORCH_DEVICES.get(device)
-    if dev is None:
-        dev = _TORCH_DEVICES[device] = torch.device("cuda", device)
+    dev = torch_device(device)
     if same_stream(stream, torch_stream(device)):
         t = torch.empty((nbytes,), dtype=torch.uint8, device=dev)
     else:
