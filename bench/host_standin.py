@@ -1,0 +1,392 @@
+"""The GPU backends' host code timed on a machine without a GPU.
+
+    python3 bench/host_standin.py [--backends cupy,numba] [--repeats 7] [--calls 2000]
+                                  [--variant numba:field=value ...] [--profile OP]
+                                  [--out DIR]
+
+Issue 14's host-time targets are met or missed by a few microseconds of Python per
+op, and the sessions without a device machine had no way to see those microseconds.
+This runs each backend's public ops on the CPU with everything below their Python
+replaced by stand-ins that cost (almost) nothing:
+
+* the CUDA driver: a shared library built here with the C compiler (``libcuda.so.1``
+  by its soname, loaded before anything asks for it, so ``backends/cuda/driver.py``
+  loads it as it would the real one and every ctypes call keeps its real cost); its
+  entry points return at once, counting the calls (pinned host memory is ``malloc``);
+* torch CUDA tensors: CPU tensors of a subclass that answers ``is_cuda`` and
+  ``get_device()`` as a tensor on cuda:0 does (so the package's own import path runs);
+  torch's current stream is a fixed handle, its caching allocator a ring over one CPU
+  tensor (no kernel touches the memory);
+* kernel handles: fake ``CUfunction`` values (CuPy's compile and Numba's dispatcher
+  never run); a Numba kernel's parameter record is laid out from the argument types
+  its dispatcher would infer (arrays 1-D C, Python ints int64, bools boolean).
+
+So the time per call is the backends' Python, ctypes' argument conversion and the
+torch calls they make; the driver's own share (about 5 µs a launch on the H200's host,
+``results/driver_cost.md``) and the GPU are left out, and so is the cost of the real
+allocator. Read the figures as a ratio between backends or between two trees on this
+machine, not as the device's host time (the H200's host ran this Python 2-3 x slower
+in sessions 35-38). Shapes, sparsity and ``p`` follow ``host_overhead.py`` (1x4096
+bf16, 90 % zeros, ``p`` an exact nosign pack, here made at capacity nnz with its
+count set, since no kernel writes it).
+
+Per op and backend: the fastest of ``--repeats`` loops of ``--calls`` calls (µs per
+call), driver calls per op by kind, and the parameter bytes the op's launches pass.
+``--profile OP`` prints a cProfile of that op's loop per backend instead.
+``--variant numba:FIELD=VALUE`` builds the Numba backend with a ``PackVariant`` field
+changed. Writes ``host_standin.json`` / ``.md`` under ``--out`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+OPS = ("pack_fixed", "relu_pack", "masked_pack", "unpack_out", "unpack", "relu_backward",
+       "relu2_backward", "gated_backward")
+COUNTERS = ("launch", "coop", "memset", "copy", "query", "other")
+
+# The driver entry points the package calls (backends/cuda/driver.py, slots.py,
+# numba/launch.py), each returning CUDA_SUCCESS; ``standin_counts`` reads the counters.
+_FAKE_DRIVER = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+static long counts[6];
+#define COUNT(k) (counts[k]++, 0)
+int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned smem, void* s, void** params, void** extra)
+{ return COUNT(0); }
+int cuLaunchCooperativeKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                              unsigned by, unsigned bz, unsigned smem, void* s, void** params)
+{ return COUNT(1); }
+int cuMemsetD8Async(uint64_t p, unsigned char v, size_t n, void* s) { return COUNT(2); }
+int cuMemcpyAsync(uint64_t d, uint64_t src, size_t n, void* s) { return COUNT(3); }
+int cuMemcpyDtoHAsync_v2(void* d, uint64_t src, size_t n, void* s) { return COUNT(3); }
+int cuStreamQuery(void* s) { return COUNT(4); }
+int cuStreamSynchronize(void* s) { return COUNT(5); }
+int cuCtxGetCurrent(void** c) { *c = (void*)0x1; return COUNT(5); }
+int cuCtxGetDevice(int* d) { *d = 0; return COUNT(5); }
+int cuEventCreate(void** e, unsigned flags) { *e = (void*)0x2; return COUNT(5); }
+int cuEventRecord(void* e, void* s) { return COUNT(5); }
+int cuEventDestroy_v2(void* e) { return COUNT(5); }
+int cuStreamWaitEvent(void* s, void* e, unsigned flags) { return COUNT(5); }
+int cuMemAllocHost_v2(void** p, size_t n) {
+  *p = aligned_alloc(4096, (n + 4095) & ~(size_t)4095);
+  memset(*p, 0, n);
+  return 0;
+}
+int cuGetErrorName(int rc, const char** name) { *name = "STANDIN_ERROR"; return 0; }
+int cuDeviceGetAttribute(int* v, int attr, int dev) { *v = 132; return 0; }
+int cuFuncSetAttribute(void* f, int attr, int v) { return 0; }
+int cuOccupancyMaxActiveBlocksPerMultiprocessor(int* n, void* f, int block, size_t smem)
+{ *n = 2; return 0; }
+int cuKernelGetFunction(void** f, void* k) { *f = k; return 0; }
+void standin_counts(long* out) { memcpy(out, counts, sizeof counts); }
+"""
+
+STREAM = 0x5EED    # torch's "current stream" here: any nonzero handle
+ARENA_BYTES = 1 << 28
+
+
+def build_fake_driver(directory: Path) -> ctypes.CDLL:
+    """Compile the stand-in driver and load it under libcuda's soname, so that a later
+    ``ctypes.CDLL("libcuda.so.1")`` gets this one."""
+    src, lib = directory / "fake_cuda.c", directory / "libcuda.so.1"
+    src.write_text(_FAKE_DRIVER)
+    cc = os.environ.get("CC", "cc")
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
+                    str(src)], check=True)
+    return ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+
+
+def counts(fake) -> list:
+    out = (ctypes.c_long * len(COUNTERS))()
+    fake.standin_counts(out)
+    return list(out)
+
+
+def install(torch):
+    """Answer what the package asks of CUDA, torch's CUDA side and the kernels' compilers
+    (see the module docstring); returns the Numba launch module's record sizes hook."""
+    from bitsparse_core.backends.cuda import host
+    from bitsparse_core.backends.cuda import interop as ci
+    from bitsparse_core.backends.numba import backend as nb
+    from bitsparse_core.backends.numba import launch as L
+
+    arena = torch.empty((ARENA_BYTES,), dtype=torch.uint8)
+    base, at = arena.data_ptr(), [0]
+
+    def torch_buffer(nbytes, device, stream):
+        # a ring over one CPU tensor: no kernel ever touches it, and a real allocator's
+        # cost (page faults of ever-new memory here) would be the stand-in's, not ours
+        if nbytes == 0:
+            return ci.DeviceBuffer(0, 0, device, None)
+        if at[0] + nbytes > ARENA_BYTES:
+            at[0] = 0
+        ptr, at[0] = base + at[0], at[0] + (nbytes + 511) // 512 * 512
+        return ci.DeviceBuffer(ptr, nbytes, device, arena)
+
+    def torch_tensor_buffer(nbytes, device, stream):
+        return torch_buffer(nbytes, device, stream)
+
+    ci.torch_stream = lambda device: STREAM
+    ci.torch_buffer = torch_buffer
+    ci.torch_tensor_buffer = torch_tensor_buffer
+    handles: dict = {}
+    host.kernel = lambda device, *key: handles.setdefault(key, 0x10000 + 16 * len(handles))
+    host.driver.resident_blocks = lambda *a: 264
+    host.driver.sm_count = lambda device: 132
+
+    class _Kernel:        # what HandleLaunch reads of a compiled Numba kernel
+        def __init__(self, argument_types):
+            self.argument_types = argument_types
+            self.cooperative = False
+
+    def numba_type(arg):
+        from numba.core import types
+        from numba.np.numpy_support import from_dtype
+        if type(arg) is L.KernelArray:
+            return types.Array(from_dtype(arg.dtype), 1, "C")
+        if isinstance(arg, bool):
+            return types.boolean
+        return types.int64
+
+    def first_launch(dispatcher, grid, block, numba_stream, args, numba_args):
+        launch = L.HandleLaunch(_Kernel([numba_type(a) for a in args]), args)
+        launch(grid, block, 0, args)
+        return launch
+
+    record_sizes = {}
+    L._function_handle = lambda kernel: 0x20000 + 16 * (id(kernel) % 4096)
+    L._param_sizes = lambda func: None     # replaced per record below
+    L.first_launch = nb.first_launch = first_launch
+    original_init = L.HandleLaunch.__init__
+
+    def handle_init(self, kernel, args):
+        # the sizes check against the driver: the record's own sizes here
+        L._param_sizes = lambda func: record_sizes.pop("next")
+        from numba.core import types
+        sizes = []
+        for ty in kernel.argument_types:
+            if isinstance(ty, types.Array):
+                sizes += [8] * 7
+            else:
+                sizes.append(1 if isinstance(ty, types.Boolean) else ty.bitwidth // 8)
+        record_sizes["next"] = sizes
+        original_init(self, kernel, args)
+    L.HandleLaunch.__init__ = handle_init
+
+    class _Stream:
+        handle = STREAM
+
+    plat = nb._GpuPlatform.__new__(nb._GpuPlatform)
+    nb._GpuPlatform.__init__(plat)
+    plat.cuda = type("cuda", (), {"external_stream": staticmethod(lambda h: _Stream()),
+                                  "default_stream": staticmethod(lambda: _Stream())})
+    plat._device_array = lambda a: a      # only the dispatcher's first launch makes these
+    nb._PLATFORM = plat
+    nb.NumbaBackend.is_available = lambda self: True
+    from bitsparse_core.backends.cupy import backend as cb
+    cb.CupyBackend.is_available = lambda self: True
+    return record_sizes
+
+
+def as_cuda(torch, t):
+    """A CPU tensor that says it lives on cuda:0 (``is_cuda``, ``get_device``), with no
+    ``__torch_function__`` cost; its data pointer is the CPU tensor's."""
+    global _CudaLooking
+    if _CudaLooking is None:
+        class _CudaLooking(torch.Tensor):
+            __torch_function__ = torch._C._disabled_torch_function_impl
+            is_cuda, is_cpu = True, False
+
+            def get_device(self):
+                return 0
+    return torch.Tensor._make_subclass(_CudaLooking, t)
+
+
+_CudaLooking = None
+
+
+def make_inputs(torch, shape, sparsity=0.9, seed=0) -> dict:
+    """host_overhead.py's inputs, on the CPU, looking like CUDA tensors."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn():
+        return torch.randn(shape, generator=g).to(torch.bfloat16)
+    a = (randn().float() - 1.2815516).to(torch.bfloat16)
+    x = torch.relu(a)
+    inp = {"a": a, "x": x, "u": randn(), "g": randn(), "y": torch.empty_like(x)}
+    inp = {k: as_cuda(torch, v) for k, v in inp.items()}
+    inp["K"] = int((x != 0).sum())
+    return inp
+
+
+def cases(bc, inp: dict, backend: str) -> dict:
+    """The ops of host_overhead.py's public cases (torch mode), on stand-in memory."""
+    x, a, u, g, y, K = (inp[k] for k in ("x", "a", "u", "g", "y", "K"))
+    p = bc.pack(x, capacity=K, encoding="nosign", backend=backend)
+    p._nnz, p.status = K, None     # as an exact pack's: its count known, no status left
+    p_u = bc.masked_pack(u, p)
+    return {
+        "pack_fixed": lambda: bc.pack(x, capacity=K, encoding="nosign", backend=backend),
+        "relu_pack": lambda: bc.relu_pack(a, capacity=K, backend=backend),
+        "masked_pack": lambda: bc.masked_pack(u, p),
+        "unpack_out": lambda: bc.unpack(p, out=y),
+        "unpack": lambda: bc.unpack(p),
+        "relu_backward": lambda: bc.relu_backward(g, p),
+        "relu2_backward": lambda: bc.relu2_backward(g, p),
+        "gated_backward": lambda: bc.gated_backward(g, p, p_u),
+    }
+
+
+def loop_us(fn, calls: int) -> float:
+    keep = [None] * calls
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for i in range(calls):
+            keep[i] = fn()
+        dt = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    del keep
+    return 1e6 * dt / calls
+
+
+def param_bytes(fake, fn) -> int:
+    """Bytes of parameters the launches of one call pass (Numba: its records' fields;
+    CuPy: its abi records), read from the records the call fills."""
+    from bitsparse_core.backends.numba import launch as L
+    seen = []
+    original = L.HandleLaunch.launch
+
+    def spy(self, grid, block, stream):
+        seen.append(sum(ctypes.sizeof(f) for f in self.fields))
+        original(self, grid, block, stream)
+    from bitsparse_core.backends.cuda import driver
+    d_launch, d_coop = driver.launch, driver.launch_cooperative
+
+    def abi_spy(orig):
+        def f(func, grid, block, smem, stream, args):
+            if not isinstance(args, L.HandleLaunch):
+                seen.append(ctypes.sizeof(args))
+            return orig(func, grid, block, smem, stream, args)
+        return f
+    L.HandleLaunch.launch = spy
+    driver.launch, driver.launch_cooperative = abi_spy(d_launch), abi_spy(d_coop)
+    try:
+        fn()
+    finally:
+        L.HandleLaunch.launch = original
+        driver.launch, driver.launch_cooperative = d_launch, d_coop
+    return sum(seen)
+
+
+def parse_variant(texts) -> dict:
+    out = {}
+    for t in texts:
+        backend, _, kv = t.partition(":")
+        k, _, v = kv.partition("=")
+        if backend != "numba" or not k:
+            raise SystemExit(f"--variant {t!r}: use numba:FIELD=VALUE")
+        out[k] = int(v) if v.lstrip("-").isdigit() else v
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="cupy,numba")
+    ap.add_argument("--shape", default="1x4096")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--variant", action="append", default=[])
+    ap.add_argument("--profile", default=None, help="an op: print its cProfile instead")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+    tmp = Path(tempfile.mkdtemp(prefix="host_standin_"))
+    fake = build_fake_driver(tmp)
+    import torch
+    install(torch)
+    import bitsparse_core as bc
+    from bitsparse_core.backends import registry
+    from bitsparse_core.backends.numba import backend as nb
+    from bitsparse_core.backends.numba import kernels as K
+    if args.variant:
+        import dataclasses
+        variant = dataclasses.replace(K.COMMITTED, **parse_variant(args.variant))
+        registry._INSTANCES["numba"] = nb.NumbaBackend(variant)
+    shape = tuple(int(v) for v in args.shape.split("x"))
+    inp = make_inputs(torch, shape)
+    backends = [b for b in args.backends.split(",") if b]
+    by_backend = {b: cases(bc, inp, b) for b in backends}
+    if args.profile:
+        import cProfile
+        import pstats
+        for b in backends:
+            fn = by_backend[b][args.profile]
+            loop_us(fn, 200)
+            pr = cProfile.Profile()
+            pr.enable()
+            loop_us(fn, args.calls)
+            pr.disable()
+            print(f"== {b} {args.profile}")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+        return 0
+    rows = []
+    for op in OPS:
+        for b in backends:
+            fn = by_backend[b][op]
+            loop_us(fn, 200)                   # warm: records, plans, launch caches
+            before = counts(fake)
+            fn()
+            calls = [n - m for n, m in zip(counts(fake), before)]
+            rows.append({"op": op, "backend": b, "calls": dict(zip(COUNTERS, calls)),
+                         "param_bytes": param_bytes(fake, fn), "loops_us": []})
+    for _ in range(args.repeats):              # every op once per round, in turn
+        for r in rows:
+            r["loops_us"].append(loop_us(by_backend[r["backend"]][r["op"]], args.calls))
+    add = [loop_us(lambda: inp["x"] + inp["x"], args.calls) for _ in range(args.repeats)]
+    for r in rows:
+        r["us"] = min(r["loops_us"])
+    res = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "shape": list(shape), "calls": args.calls, "repeats": args.repeats,
+           "variant": args.variant, "torch_add_us": min(add), "rows": rows}
+    lines = [f"stand-in host µs per call ({args.shape} bf16; fastest of {args.repeats} loops of "
+             f"{args.calls}; torch x + x {min(add):.2f} µs on this CPU)", "",
+             "| op | " + " | ".join(f"{b} µs" for b in backends)
+             + " | " + " | ".join(f"{b} driver calls" for b in backends)
+             + " | " + " | ".join(f"{b} param bytes" for b in backends) + " |",
+             "|---" * (1 + 3 * len(backends)) + "|"]
+    for op in OPS:
+        rs = {r["backend"]: r for r in rows if r["op"] == op}
+        calls = [", ".join(f"{k} {v}" for k, v in rs[b]["calls"].items() if v) for b in backends]
+        lines.append(f"| {op} | " + " | ".join(f"{rs[b]['us']:.2f}" for b in backends) + " | "
+                     + " | ".join(calls) + " | "
+                     + " | ".join(str(rs[b]["param_bytes"]) for b in backends) + " |")
+    print("\n".join(lines))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "host_standin.json").write_text(json.dumps(res, indent=1))
+        (out / "host_standin.md").write_text("# Host code on a stand-in driver (no GPU)\n\n"
+                                            + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
