@@ -34,7 +34,7 @@ Per op and backend: the fastest of ``--repeats`` loops of ``--calls`` calls (µs
 call), driver calls per op by kind, and the parameter bytes the op's launches pass.
 ``--profile OP`` prints a cProfile of that op's loop per backend instead.
 ``--variant numba:FIELD=VALUE`` builds the Numba backend with a ``PackVariant`` field
-changed. Writes ``host_standin.json`` / ``.md`` under ``--out`` when given.
+changed; ``--param-buffer`` sets ``numba.launch.PARAM_BUFFER``. Writes ``host_standin.json`` / ``.md`` under ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 OPS = ("pack_fixed", "relu_pack", "masked_pack", "unpack_out", "unpack", "relu_backward",
        "relu2_backward", "gated_backward")
-COUNTERS = ("launch", "coop", "memset", "copy", "query", "other")
+COUNTERS = ("launch", "coop", "memset", "copy", "query", "other", "buffer")
 
 # The driver entry points the package calls (backends/cuda/driver.py, slots.py,
 # numba/launch.py), each returning CUDA_SUCCESS; ``standin_counts`` reads the counters.
@@ -64,11 +64,11 @@ _FAKE_DRIVER = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-static long counts[6];
+static long counts[7];
 #define COUNT(k) (counts[k]++, 0)
 int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned smem, void* s, void** params, void** extra)
-{ return COUNT(0); }
+{ return extra ? COUNT(6) : COUNT(0); }
 int cuLaunchCooperativeKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                               unsigned by, unsigned bz, unsigned smem, void* s, void** params)
 { return COUNT(1); }
@@ -186,6 +186,8 @@ def install(torch):
             else:
                 sizes.append(1 if isinstance(ty, types.Boolean) else ty.bitwidth // 8)
         record_sizes["next"] = sizes
+        offsets = L.natural_offsets(sizes)[0]    # the driver's layout, as a GPU's
+        L._param_offsets = lambda func: offsets
         original_init(self, kernel, args)
     L.HandleLaunch.__init__ = handle_init
 
@@ -315,6 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--variant", action="append", default=[])
     ap.add_argument("--profile", default=None, help="an op: print its cProfile instead")
+    ap.add_argument("--param-buffer", action="store_true",
+                    help="Numba records launch as one parameter buffer (launch.PARAM_BUFFER)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
@@ -322,6 +326,9 @@ def main(argv=None) -> int:
     fake = build_fake_driver(tmp)
     import torch
     install(torch)
+    if args.param_buffer:
+        from bitsparse_core.backends.numba import launch
+        launch.PARAM_BUFFER = True
     import bitsparse_core as bc
     from bitsparse_core.backends import registry
     from bitsparse_core.backends.numba import backend as nb
