@@ -86,8 +86,8 @@ if has launch_ab; then
         --no-hook --no-plot $flag --out "/tmp/gpu_ab/ho_${label}_$k" >"/tmp/gpu_ab/ho_${label}_$k.log" 2>&1 \
         || tail -3 "/tmp/gpu_ab/ho_${label}_$k.log"
   done
-  python3 - "$OUT/launch_ab.md" <<'PY' | tee "$OUT/launch_ab.md"
-import glob, json, sys
+  python3 - <<'PY' | tee "$OUT/launch_ab.md"
+import glob, json
 best = {}
 for f in glob.glob("/tmp/gpu_ab/ho_*/host_overhead.json"):
     label = f.split("/")[-2].split("_")[1]

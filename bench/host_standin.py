@@ -25,8 +25,8 @@ So the time per call is the backends' Python, ctypes' argument conversion and th
 torch calls they make; the driver's own share (about 5 µs a launch on the H200's host,
 ``results/driver_cost.md``) and the GPU are left out, and so is the cost of the real
 allocator. Read the figures as a ratio between backends or between two trees on this
-machine, not as the device's host time (the H200's host ran this Python 2-3 x slower
-in sessions 35-38). Shapes, sparsity and ``p`` follow ``host_overhead.py`` (1x4096
+machine, not as the device's host time (read against session 35's device figures,
+the H200's host ran CuPy's Python 1.4-1.7 x slower: bench/NOTES.md, session 42). Shapes, sparsity and ``p`` follow ``host_overhead.py`` (1x4096
 bf16, 90 % zeros, ``p`` an exact nosign pack, here made at capacity nnz with its
 count set, since no kernel writes it).
 
@@ -34,7 +34,8 @@ Per op and backend: the fastest of ``--repeats`` loops of ``--calls`` calls (µs
 call), driver calls per op by kind, and the parameter bytes the op's launches pass.
 ``--profile OP`` prints a cProfile of that op's loop per backend instead.
 ``--variant numba:FIELD=VALUE`` builds the Numba backend with a ``PackVariant`` field
-changed; ``--param-buffer`` sets ``numba.launch.PARAM_BUFFER``. Writes ``host_standin.json`` / ``.md`` under ``--out`` when given.
+changed; ``--param-buffer`` sets ``numba.launch.PARAM_BUFFER``. Writes
+``host_standin.json`` / ``.md`` under ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def counts(fake) -> list:
 
 def install(torch):
     """Answer what the package asks of CUDA, torch's CUDA side and the kernels' compilers
-    (see the module docstring); returns the Numba launch module's record sizes hook."""
+    (see the module docstring)."""
     from bitsparse_core.backends.cuda import host
     from bitsparse_core.backends.cuda import interop as ci
     from bitsparse_core.backends.numba import backend as nb
@@ -169,15 +170,12 @@ def install(torch):
         launch(grid, block, 0, args)
         return launch
 
-    record_sizes = {}
     L._function_handle = lambda kernel: 0x20000 + 16 * (id(kernel) % 4096)
-    L._param_sizes = lambda func: None     # replaced per record below
     L.first_launch = nb.first_launch = first_launch
     original_init = L.HandleLaunch.__init__
 
     def handle_init(self, kernel, args):
-        # the sizes check against the driver: the record's own sizes here
-        L._param_sizes = lambda func: record_sizes.pop("next")
+        # what the driver says of a compiled kernel's parameters: NVVM's layout of them
         from numba.core import types
         sizes = []
         for ty in kernel.argument_types:
@@ -185,17 +183,15 @@ def install(torch):
                 sizes += [8] * 7
             else:
                 sizes.append(1 if isinstance(ty, types.Boolean) else ty.bitwidth // 8)
-        record_sizes["next"] = sizes
-        offsets = L.natural_offsets(sizes)[0]    # the driver's layout, as a GPU's
-        L._param_offsets = lambda func: offsets
+        offsets = L.natural_offsets(sizes)[0]
+        L._param_sizes, L._param_offsets = (lambda func: sizes), (lambda func: offsets)
         original_init(self, kernel, args)
     L.HandleLaunch.__init__ = handle_init
 
     class _Stream:
         handle = STREAM
 
-    plat = nb._GpuPlatform.__new__(nb._GpuPlatform)
-    nb._GpuPlatform.__init__(plat)
+    plat = nb._GpuPlatform()
     plat.cuda = type("cuda", (), {"external_stream": staticmethod(lambda h: _Stream()),
                                   "default_stream": staticmethod(lambda: _Stream())})
     plat._device_array = lambda a: a      # only the dispatcher's first launch makes these
@@ -203,7 +199,6 @@ def install(torch):
     nb.NumbaBackend.is_available = lambda self: True
     from bitsparse_core.backends.cupy import backend as cb
     cb.CupyBackend.is_available = lambda self: True
-    return record_sizes
 
 
 def as_cuda(torch, t):
@@ -223,8 +218,8 @@ def as_cuda(torch, t):
 _CudaLooking = None
 
 
-def make_inputs(torch, shape, sparsity=0.9, seed=0) -> dict:
-    """host_overhead.py's inputs, on the CPU, looking like CUDA tensors."""
+def make_inputs(torch, shape, seed=0) -> dict:
+    """host_overhead.py's inputs (sparsity 0.9), on the CPU, looking like CUDA tensors."""
     g = torch.Generator().manual_seed(seed)
 
     def randn():
@@ -269,7 +264,7 @@ def loop_us(fn, calls: int) -> float:
     return 1e6 * dt / calls
 
 
-def param_bytes(fake, fn) -> int:
+def param_bytes(fn) -> int:
     """Bytes of parameters the launches of one call pass (Numba: its records' fields;
     CuPy: its abi records), read from the records the call fills."""
     from bitsparse_core.backends.numba import launch as L
@@ -363,7 +358,7 @@ def main(argv=None) -> int:
             fn()
             calls = [n - m for n, m in zip(counts(fake), before)]
             rows.append({"op": op, "backend": b, "calls": dict(zip(COUNTERS, calls)),
-                         "param_bytes": param_bytes(fake, fn), "loops_us": []})
+                         "param_bytes": param_bytes(fn), "loops_us": []})
     for _ in range(args.repeats):              # every op once per round, in turn
         for r in rows:
             r["loops_us"].append(loop_us(by_backend[r["backend"]][r["op"]], args.calls))
