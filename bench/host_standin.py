@@ -32,7 +32,9 @@ count set, since no kernel writes it).
 
 Per op and backend: the fastest of ``--repeats`` loops of ``--calls`` calls (µs per
 call), driver calls per op by kind, and the parameter bytes the op's launches pass.
-``--profile OP`` prints a cProfile of that op's loop per backend instead.
+``--profile OP`` prints a cProfile of that op's loop per backend instead; ``--module`` adds
+the packed ReLU² FFN module against dense, forward and backward, on the torch adapter's
+C++ path (its kernels and driver calls the stand-in's).
 ``--variant numba:FIELD=VALUE`` builds the Numba backend with a ``PackVariant`` field
 changed; ``--param-buffer`` sets ``numba.launch.PARAM_BUFFER``. Writes
 ``host_standin.json`` / ``.md`` under ``--out`` when given.
@@ -65,14 +67,25 @@ _FAKE_DRIVER = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#define PACK_TAG 0x40000000u
 static long counts[7];
+static int slot_index = -1;
 #define COUNT(k) (counts[k]++, 0)
+/* A pack kernel (its handle tagged by PACK_TAG) "finishes" at once: a clean status and
+   no nonzeros in the pinned slot its record names, as the real kernel's last tile writes. */
+static void pack_done(void* f, void** params) {
+  if (slot_index >= 0 && ((uintptr_t)f & PACK_TAG) && params) {
+    uint64_t slot = *(uint64_t*)params[slot_index];
+    if (slot) { *(uint32_t*)slot = 0; *(uint64_t*)(slot + 8) = 0; }
+  }
+}
+void standin_slot_index(int i) { slot_index = i; }
 int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned smem, void* s, void** params, void** extra)
-{ return extra ? COUNT(6) : COUNT(0); }
+{ pack_done(f, params); return extra ? COUNT(6) : COUNT(0); }
 int cuLaunchCooperativeKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                               unsigned by, unsigned bz, unsigned smem, void* s, void** params)
-{ return COUNT(1); }
+{ pack_done(f, params); return COUNT(1); }
 int cuMemsetD8Async(uint64_t p, unsigned char v, size_t n, void* s) { return COUNT(2); }
 int cuMemcpyAsync(uint64_t d, uint64_t src, size_t n, void* s) { return COUNT(3); }
 int cuMemcpyDtoHAsync_v2(void* d, uint64_t src, size_t n, void* s) { return COUNT(3); }
@@ -100,13 +113,14 @@ void standin_counts(long* out) { memcpy(out, counts, sizeof counts); }
 
 STREAM = 0x5EED    # torch's "current stream" here: any nonzero handle
 ARENA_BYTES = 1 << 28
+PACK_TAG = 0x4000_0000    # set in the fake handles of pack kernels (their slot is written)
 
 
 def build_fake_driver(directory: Path) -> ctypes.CDLL:
     """Compile the stand-in driver and load it under libcuda's soname, so that a later
     ``ctypes.CDLL("libcuda.so.1")`` gets this one."""
     src, lib = directory / "fake_cuda.c", directory / "libcuda.so.1"
-    src.write_text(_FAKE_DRIVER)
+    src.write_text(_FAKE_DRIVER.replace("PACK_TAG 0x40000000u", f"PACK_TAG {PACK_TAG:#x}u"))
     cc = os.environ.get("CC", "cc")
     subprocess.run([cc, "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
                     str(src)], check=True)
@@ -117,6 +131,22 @@ def counts(fake) -> list:
     out = (ctypes.c_long * len(COUNTERS))()
     fake.standin_counts(out)
     return list(out)
+
+
+def fake_kernel_handles():
+    """A stand-in for ``host.kernel``: a handle per kernel key, a pack's tagged."""
+    handles: dict = {}
+
+    def kernel(device, *key):
+        tag = PACK_TAG if key[0] == "pack" else 0
+        return handles.setdefault(key, tag | (0x10000 + 16 * len(handles)))
+    return kernel
+
+
+def watch_pack_slots(fake) -> None:
+    """Have the stand-in's pack launches write their slot (the record's ``slot`` field)."""
+    from bitsparse_core.backends.cuda import abi
+    fake.standin_slot_index([n for n, _ in abi.PackArgs._fields_].index("slot"))
 
 
 def install(torch):
@@ -146,8 +176,7 @@ def install(torch):
     ci.torch_stream = lambda device: STREAM
     ci.torch_buffer = torch_buffer
     ci.torch_tensor_buffer = torch_tensor_buffer
-    handles: dict = {}
-    host.kernel = lambda device, *key: handles.setdefault(key, 0x10000 + 16 * len(handles))
+    host.kernel = fake_kernel_handles()
     host.driver.resident_blocks = lambda *a: 264
     host.driver.sm_count = lambda device: 132
 
@@ -293,6 +322,63 @@ def param_bytes(fn) -> int:
     return sum(seen)
 
 
+def module_rows(torch, fake, repeats: int, calls: int, dims=(4, 16, 64)) -> list:
+    """Forward, and forward plus backward, of the GPT bench's dense ReLU² MLP and of its
+    ``PackedReLU2FFN`` on the torch adapter's C++ path (``native.emulate_on_host`` with
+    the stand-in's entry points; a pack writes its slot clean, so the backward takes the
+    clean branch), at sizes where the CPU's GEMMs cost about a microsecond: µs per call,
+    fastest of ``repeats`` loops. The C++ node's kernels do nothing, so the packed
+    backward's GEMMs read whatever memory the CPU allocator gives: only tiny sizes keep
+    that from showing."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    import bitsparse_core.torch as bst
+    from bitsparse_core.backends.cuda import host
+    from bitsparse_core.torch import capacity as C
+    from bitsparse_core.torch import native
+    tokens, d, ff = dims
+    watch_pack_slots(fake)
+    host.kernel = fake_kernel_handles()
+    C.claim_slot = C.SLAB.acquire          # no CUDA graph capture to ask about
+    native._handles.clear()
+    host._RECORDS.__dict__.clear()
+
+    class Dense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(d, ff), nn.Linear(ff, d)
+
+        def forward(self, x):
+            return self.fc2(F.relu(self.fc1(x)).square())
+    torch.manual_seed(0)
+    dense = Dense().to(torch.bfloat16)
+    entry = [ctypes.cast(getattr(fake, n), ctypes.c_void_p).value
+             for n in ("cuLaunchKernel", "cuLaunchCooperativeKernel", "cuMemsetD8Async",
+                       "cuMemcpyDtoHAsync_v2", "cuGetErrorName")]
+    rows = []
+    with native.emulate_on_host(entry):
+        packed = bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="nosign")
+        x = torch.randn(tokens, d, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(tokens, d, dtype=torch.bfloat16)
+        fns = {}
+        for name, m in (("dense", dense), ("packed-nosign", packed)):
+            fns[(name, "forward")] = lambda m=m: m(x)
+            fns[(name, "train")] = lambda m=m: m(x).backward(g)
+        for fn in fns.values():
+            loop_us(fn, 200)
+        loops = {k: [] for k in fns}
+        for _ in range(repeats):
+            for k, fn in fns.items():
+                loops[k].append(loop_us(fn, calls))
+        if packed.stats()["recomputes"]:
+            raise RuntimeError("the packed backward recomputed: the stand-in's slot did not land")
+    for name in ("dense", "packed-nosign"):
+        f, t = min(loops[(name, "forward")]), min(loops[(name, "train")])
+        rows.append({"variant": name, "forward_us": f, "backward_us": t - f, "train_us": t})
+    return rows
+
+
 def parse_variant(texts) -> dict:
     out = {}
     for t in texts:
@@ -314,6 +400,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="an op: print its cProfile instead")
     ap.add_argument("--param-buffer", action="store_true",
                     help="Numba records launch as one parameter buffer (launch.PARAM_BUFFER)")
+    ap.add_argument("--module", action="store_true",
+                    help="also the packed ReLU² FFN module against dense on the C++ path")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
@@ -347,7 +435,7 @@ def main(argv=None) -> int:
             loop_us(fn, args.calls)
             pr.disable()
             print(f"== {b} {args.profile}")
-            pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+            pstats.Stats(pr).sort_stats("tottime").print_stats(60)
         return 0
     rows = []
     for op in OPS:
@@ -380,6 +468,13 @@ def main(argv=None) -> int:
         lines.append(f"| {op} | " + " | ".join(f"{rs[b]['us']:.2f}" for b in backends) + " | "
                      + " | ".join(calls) + " | "
                      + " | ".join(str(rs[b]["param_bytes"]) for b in backends) + " |")
+    if args.module:
+        res["module"] = module_rows(torch, fake, args.repeats, args.calls // 4)
+        lines += ["", "The packed ReLU² FFN against dense on the torch adapter's C++ path (4 tokens, "
+                  "d 16, d_ff 64, bf16), µs per call:", "",
+                  "| variant | forward | backward | forward + backward |", "|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['forward_us']:.2f} | {r['backward_us']:.2f} | "
+                  f"{r['train_us']:.2f} |" for r in res["module"]]
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)

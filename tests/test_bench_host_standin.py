@@ -40,3 +40,18 @@ def test_every_op_runs_with_the_driver_calls_it_makes(tmp_path, buffer):
         assert r["us"] > 0 and r["param_bytes"] > 0
     assert "| masked_pack |" in (tmp_path / "host_standin.md").read_text()
 
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("c++") is None,
+                    reason="no C / C++ compiler for the stand-in driver and the extension")
+def test_module_rows_run_the_packed_ffn_through_the_cpp_path(tmp_path):
+    """--module: the packed FFN's forward and backward on the C++ path with the stand-in's
+    entry points (its packs' slots written clean, so no recompute), beside dense."""
+    cmd = [sys.executable, str(ROOT / "bench" / "host_standin.py"), "--calls", "40",
+           "--repeats", "1", "--module", "--backends", "cupy", "--out", str(tmp_path)]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads((tmp_path / "host_standin.json").read_text())["module"]
+    assert [r["variant"] for r in rows] == ["dense", "packed-nosign"]
+    assert all(r[k] > 0 for r in rows for k in ("forward_us", "train_us"))   # times, not asserted
