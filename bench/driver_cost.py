@@ -14,6 +14,8 @@ kept, garbage collection off), median of ``--repeats`` loops, per call:
   same launch through ``ctypes.PyDLL`` (the GIL kept, to see whether releasing it
   costs); CuPy's own launch of the empty kernel; ``cuMemsetD8Async`` (a pack's
   scratch); ``cuStreamQuery`` and ``cuCtxGetCurrent`` (a call's floor through ctypes);
+  the relu² pack's fill and cooperative launch with its record, at 1x4096 and at the
+  gpt12 layer's 8192x4096;
   torch's ``x + x`` and ``empty_like`` as the host's speed;
 * every public op (each backend of ``--backends``, torch data, bench/host_overhead.py's
   cases) as it is, and again with the driver's queueing calls (launch, cooperative launch, memset,
@@ -79,7 +81,13 @@ def driver_calls(torch, cupy, stream: int) -> dict:
     p24 = (ctypes.c_void_p * 24)(*[ctypes.addressof(vals) + 8 * i for i in range(24)])
     uf, grid, uptrs = unpack.func, unpack.n_tiles, unpack.args.pointers
     ptr, ctx = out.data_ptr(), ctypes.c_void_p()
-    keep = (x, out, p, empty, k24, vals, p24, no_params, pylib)   # alive while timed
+    keep = [x, out, p, empty, k24, vals, p24, no_params, pylib]   # alive while timed
+    packs = {}
+    for shape in PACK_SHAPES:       # the relu² pack's cooperative launch, with its fill
+        try:
+            packs[shape] = _relu2_pack_launch(torch, lib, shape, stream, keep)
+        except Exception as exc:  # noqa: BLE001 -- the other rows still measure
+            print(f"relu² pack {shape}: left out: {exc!r}", file=sys.stderr)
     return {
         "torch x + x": lambda: x + x,
         "torch.empty_like": lambda: torch.empty_like(x),
@@ -95,7 +103,37 @@ def driver_calls(torch, cupy, stream: int) -> dict:
         "cuMemsetD8Async, 64 bytes": lambda: lib.cuMemsetD8Async(ptr, 0, 64, stream),
         "cuStreamQuery": lambda: lib.cuStreamQuery(stream),
         "cuCtxGetCurrent": lambda: lib.cuCtxGetCurrent(ctypes.byref(ctx)),
+        **{f"cuMemsetD8Async + cuLaunchCooperativeKernel, relu² pack {s[0]}x{s[1]}": fn
+           for s, fn in packs.items()},
     }, keep
+
+
+# relu_pack's shapes: host_overhead.py's small tensor and the gpt12 layer's activation
+PACK_SHAPES = ((1, 4096), (8192, 4096))
+
+
+def _relu2_pack_launch(torch, lib, shape, stream: int, keep: list):
+    """A zero-argument call queueing the relu² pack of a ``shape`` bf16 tensor as the
+    library does after its Python (the scratch's fill, then the cooperative launch), with
+    the record of one real call; its buffers are appended to ``keep``."""
+    from bitsparse_core import dtypes as D
+    from bitsparse_core.backends.cuda import abi, host
+    from bitsparse_core.spec.format import DEFAULT_CHUNK_LOG2, Encoding
+    a = torch.randn(shape, device="cuda").bfloat16()
+    plan = host.pack_plan(shape, D.BFLOAT16, Encoding.NOSIGN, a.numel() // 2, DEFAULT_CHUNK_LOG2,
+                          abi.Mode.RELU2)
+    y, block = torch.empty_like(a), torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda")
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device="cuda")
+    host.enqueue_pack(plan, a.get_device(), stream, a.data_ptr(), block.data_ptr(),
+                      scratch.data_ptr(), y=y.data_ptr())
+    L = host._pack_launch(plan, a.get_device())
+    keep += [a, y, block, scratch, L]
+    sp, sn, ptrs, smem = scratch.data_ptr(), plan.scratch_bytes, L.args.pointers, plan.smem
+
+    def call():
+        lib.cuMemsetD8Async(sp, 0, sn, stream)
+        lib.cuLaunchCooperativeKernel(L.pack, L.grid, 1, 1, abi.THREADS, 1, 1, smem, stream, ptrs)
+    return call
 
 
 class _NoQueueing:
