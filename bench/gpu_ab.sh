@@ -3,9 +3,10 @@
 # the GPU tests and sanitizers on the tree as it is, the A/B runs of the prepared
 # compile-time switches and Numba variants, and the codec / fused-op benches.
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
-#   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab launch_ab codecs exact
-#   fused (exact: profile_exact.py, the Python steps after the count against the native ones;
-#   launch_ab: host_overhead.py's Numba rows, per-parameter pointers against one buffer)
+#   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab launch_ab driver codecs
+#   exact fused (exact: profile_exact.py, the Python steps after the count against the native
+#   ones; launch_ab: host_overhead.py's Numba rows, per-parameter pointers against one buffer;
+#   driver: driver_cost.py, the driver's calls and their share of each op)
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the switches of session 41)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
@@ -16,7 +17,7 @@ set -u
 OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT" /tmp/gpu_ab
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab launch_ab codecs exact fused}
+PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab launch_ab driver codecs exact fused}
 CUPY_AB=${CUPY_AB:-"base||--unpack-only;wredux|-DBS_UNPACK_WARP_REDUX=1|--unpack-only;sbase||--encoding signplane;sneg|-DBS_PACK_NEG_NOSIGN_ONLY=1|--encoding signplane;rbase||--encoding raw;rneg|-DBS_PACK_NEG_NOSIGN_ONLY=1|--encoding raw"}
 NUMBA_AB=${NUMBA_AB:-"|warp_redux=1|unpack_prefetch=1"}
 t0=$(date +%s)
@@ -102,6 +103,12 @@ for op in sorted({o for o, _ in best}):
         print(f"| {op} | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
 PY
   say "launch A/B"
+fi
+if has driver; then
+  timeout 200 python3 bench/driver_cost.py --backends cupy,numba --out "$OUT/driver" \
+      >/tmp/gpu_ab/driver.log 2>&1 || tail -5 /tmp/gpu_ab/driver.log
+  grep -E "^\|" "$OUT"/driver/driver_cost.md | head -40
+  say "driver"
 fi
 if has codecs; then
   timeout 200 python3 bench/bench_codecs.py --backends cupy,numba --numel 117440512 --reps 10 --no-nvcomp \
