@@ -379,6 +379,14 @@ def module_rows(torch, fake, repeats: int, calls: int, dims=(4, 16, 64)) -> list
     return rows
 
 
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def parse_variant(texts) -> dict:
     out = {}
     for t in texts:
@@ -455,7 +463,8 @@ def main(argv=None) -> int:
         r["us"] = min(r["loops_us"])
     res = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "shape": list(shape), "calls": args.calls, "repeats": args.repeats,
-           "variant": args.variant, "torch_add_us": min(add), "rows": rows}
+           "variant": args.variant, "torch_add_us": min(add), "rows": rows,
+           "commit": _commit()}
     lines = [f"stand-in host µs per call ({args.shape} bf16; fastest of {args.repeats} loops of "
              f"{args.calls}; torch x + x {min(add):.2f} µs on this CPU)", "",
              "| op | " + " | ".join(f"{b} µs" for b in backends)
@@ -480,8 +489,9 @@ def main(argv=None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "host_standin.json").write_text(json.dumps(res, indent=1))
-        (out / "host_standin.md").write_text("# Host code on a stand-in driver (no GPU)\n\n"
-                                            + "\n".join(lines) + "\n")
+        (out / "host_standin.md").write_text(
+            f"# Host code on a stand-in driver (no GPU)\n\n{res['when']}, commit "
+            f"{res['commit']}.\n\n" + "\n".join(lines) + "\n")
     return 0
 
 
