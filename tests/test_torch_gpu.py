@@ -661,8 +661,8 @@ def test_exact_pack_shrinks_through_the_extension_cuda(backend, monkeypatch):
     taken.clear()
     a = torch.randn(2, 5000, generator=g, device="cuda").to(torch.bfloat16)
     _, p = bc.relu_pack(a, square=True, backend=backend)          # exact: the same route
-    _, p_ref = reference_ops.relu_pack(a.cpu().view(torch.int16).numpy(), _dt.BFLOAT16,
-                                       square=True)
+    _, p_ref = reference_ops.relu_pack(
+        a.cpu().view(torch.int16).numpy().view(_dt.BFLOAT16.numpy), _dt.BFLOAT16, square=True)
     assert p.to_bytes() == p_ref.to_bytes() and len(taken) == 1 and taken[0][2] is not None
     y = x.clone()
     y[2, 7] = -1.0
