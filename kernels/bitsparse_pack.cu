@@ -377,7 +377,7 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 #define BS_PACK_PREFETCH 1
 #endif
 #ifndef BS_PACK_NEG_NOSIGN_ONLY
-#define BS_PACK_NEG_NOSIGN_ONLY 0
+#define BS_PACK_NEG_NOSIGN_ONLY 1
 #endif
 #ifndef BS_PACK_FUSED_BLOCKS
 #define BS_PACK_FUSED_BLOCKS 3   // relu_pack's blocks per SM (72 registers)

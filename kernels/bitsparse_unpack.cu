@@ -248,7 +248,7 @@ __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
 // The warps before this one: lane k reads warp k's count and one REDUX sums them, in
 // place of every thread's loop over the counts (an A/B switch, off by default).
 #ifndef BS_UNPACK_WARP_REDUX
-#define BS_UNPACK_WARP_REDUX 0
+#define BS_UNPACK_WARP_REDUX 1
 #endif
 
 // Blocks per SM of an unpack-family kernel (its launch bounds).
