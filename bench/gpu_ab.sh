@@ -3,9 +3,8 @@
 # the GPU tests and sanitizers on the tree as it is, the A/B runs of the prepared
 # compile-time switches and Numba variants, and the codec / fused-op benches.
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
-#   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab launch_ab driver codecs
-#   exact fused (exact: profile_exact.py, the Python steps after the count against the native
-#   ones; launch_ab: host_overhead.py's Numba rows, per-parameter pointers against one buffer;
+#   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver codecs exact
+#   fused (exact: profile_exact.py, the Python steps after the count against the native ones;
 #   driver: driver_cost.py, the driver's calls and their share of each op)
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the switches of session 41)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
@@ -17,7 +16,7 @@ set -u
 OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT" /tmp/gpu_ab
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab launch_ab driver codecs exact fused}
+PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab driver codecs exact fused}
 CUPY_AB=${CUPY_AB:-"base||--unpack-only;wredux|-DBS_UNPACK_WARP_REDUX=1|--unpack-only;sbase||--encoding signplane;sneg|-DBS_PACK_NEG_NOSIGN_ONLY=1|--encoding signplane;rbase||--encoding raw;rneg|-DBS_PACK_NEG_NOSIGN_ONLY=1|--encoding raw"}
 NUMBA_AB=${NUMBA_AB:-"|warp_redux=1|unpack_prefetch=1"}
 t0=$(date +%s)
@@ -78,31 +77,6 @@ if has numba_ab; then
   python3 bench/variant_table.py --base nb_committed "${args[@]}" --out "$OUT" --stem ab_numba \
       --title "Numba kernel variants (bench/numba_pack_variants.py)" >/dev/null && cat "$OUT/ab_numba.md"
   say "numba A/B"
-fi
-if has launch_ab; then
-  # the host loop's noise is tens of per cent between runs: four turns, a b b a, minima
-  for k in 1 2 3 4; do
-    case $k in 1|4) flag=""; label=params;; *) flag="--numba-param-buffer"; label=buffer;; esac
-    timeout 150 python3 bench/host_overhead.py --backends numba --modes torch --large '' \
-        --no-hook --no-plot $flag --out "/tmp/gpu_ab/ho_${label}_$k" >"/tmp/gpu_ab/ho_${label}_$k.log" 2>&1 \
-        || tail -3 "/tmp/gpu_ab/ho_${label}_$k.log"
-  done
-  python3 - <<'PY' | tee "$OUT/launch_ab.md"
-import glob, json
-best = {}
-for f in glob.glob("/tmp/gpu_ab/ho_*/host_overhead.json"):
-    label = f.split("/")[-2].split("_")[1]
-    for r in json.load(open(f))["rows"]:
-        if r.get("backend") == "numba" and r.get("host_us") is not None:
-            k = (r["op"], label)
-            best[k] = min(best.get(k, 1e9), r["host_us"])
-print("| op | params µs (min of 2) | buffer µs (min of 2) | buffer - params |\n|---|---|---|---|")
-for op in sorted({o for o, _ in best}):
-    a, b = best.get((op, "params")), best.get((op, "buffer"))
-    if a and b:
-        print(f"| {op} | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
-PY
-  say "launch A/B"
 fi
 if has driver; then
   timeout 200 python3 bench/driver_cost.py --backends cupy,numba --out "$OUT/driver" \

@@ -158,8 +158,6 @@ def parse_args(argv=None):
                     help="torch: no stream= / allocator= (torch's own, by default); callable: "
                          "an int stream and a Python allocator function (default: both)")
     ap.add_argument("--small", default="1x4096", help="shape where GPU time is negligible")
-    ap.add_argument("--numba-param-buffer", action="store_true",
-                    help="Numba records launch as one parameter buffer (launch.PARAM_BUFFER)")
     ap.add_argument("--large", default=None,
                     help="comma-separated shapes, '' for none (default: 8192x16384,8192x14336; "
                          "with --cpu-smoke: 16x4096)")
@@ -555,9 +553,6 @@ def run_shape(bc, torch, dev, shape, size, backends, hook, args, deadline, res):
 
 def run(args, torch, dev: Device) -> dict:
     import bitsparse_core as bc
-    if args.numba_param_buffer:     # before any record is built
-        from bitsparse_core.backends.numba import launch
-        launch.PARAM_BUFFER = True
     deadline = Deadline(args.time_limit)
     backends, missing = available_backends(bc, args.backends)
     hook, hook_note = (None, "skipped (--no-hook)") if args.no_hook else load_hook()

@@ -36,8 +36,7 @@ call), driver calls per op by kind, and the parameter bytes the op's launches pa
 the packed ReLU² FFN module against dense, forward and backward, on the torch adapter's
 C++ path (its kernels and driver calls the stand-in's).
 ``--variant numba:FIELD=VALUE`` builds the Numba backend with a ``PackVariant`` field
-changed; ``--param-buffer`` sets ``numba.launch.PARAM_BUFFER``. Writes
-``host_standin.json`` / ``.md`` under ``--out`` when given.
+changed. Writes ``host_standin.json`` / ``.md`` under ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 OPS = ("pack_fixed", "relu_pack", "masked_pack", "unpack_out", "unpack", "relu_backward",
        "relu2_backward", "gated_backward")
-COUNTERS = ("launch", "coop", "memset", "copy", "query", "other", "buffer")
+COUNTERS = ("launch", "coop", "memset", "copy", "query", "other")
 
 # The driver entry points the package calls (backends/cuda/driver.py, slots.py,
 # numba/launch.py), each returning CUDA_SUCCESS; ``standin_counts`` reads the counters.
@@ -68,7 +67,7 @@ _FAKE_DRIVER = r"""
 #include <stdlib.h>
 #include <string.h>
 #define PACK_TAG 0x40000000u
-static long counts[7];
+static long counts[6];
 static int slot_index = -1;
 #define COUNT(k) (counts[k]++, 0)
 /* A pack kernel (its handle tagged by PACK_TAG) "finishes" at once: a clean status and
@@ -82,7 +81,7 @@ static void pack_done(void* f, void** params) {
 void standin_slot_index(int i) { slot_index = i; }
 int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned smem, void* s, void** params, void** extra)
-{ pack_done(f, params); return extra ? COUNT(6) : COUNT(0); }
+{ pack_done(f, params); return COUNT(0); }
 int cuLaunchCooperativeKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                               unsigned by, unsigned bz, unsigned smem, void* s, void** params)
 { pack_done(f, params); return COUNT(1); }
@@ -212,8 +211,7 @@ def install(torch):
                 sizes += [8] * 7
             else:
                 sizes.append(1 if isinstance(ty, types.Boolean) else ty.bitwidth // 8)
-        offsets = L.natural_offsets(sizes)[0]
-        L._param_sizes, L._param_offsets = (lambda func: sizes), (lambda func: offsets)
+        L._param_sizes = lambda func: sizes
         original_init(self, kernel, args)
     L.HandleLaunch.__init__ = handle_init
 
@@ -406,8 +404,6 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--variant", action="append", default=[])
     ap.add_argument("--profile", default=None, help="an op: print its cProfile instead")
-    ap.add_argument("--param-buffer", action="store_true",
-                    help="Numba records launch as one parameter buffer (launch.PARAM_BUFFER)")
     ap.add_argument("--module", action="store_true",
                     help="also the packed ReLU² FFN module against dense on the C++ path")
     ap.add_argument("--out", default=None)
@@ -417,9 +413,6 @@ def main(argv=None) -> int:
     fake = build_fake_driver(tmp)
     import torch
     install(torch)
-    if args.param_buffer:
-        from bitsparse_core.backends.numba import launch
-        launch.PARAM_BUFFER = True
     import bitsparse_core as bc
     from bitsparse_core.backends import registry
     from bitsparse_core.backends.numba import backend as nb

@@ -112,63 +112,6 @@ def test_parameter_sizes_that_differ_keep_the_dispatcher(monkeypatch):
         L.HandleLaunch(_Kernel(TYPES), _args())
 
 
-def test_natural_offsets_align_each_parameter_to_its_size():
-    assert L.natural_offsets([8, 8, 1, 4, 8, 1, 1, 8]) == ([0, 8, 16, 20, 24, 32, 33, 40], 48)
-    assert L.natural_offsets([]) == ([], 0)
-
-
-def test_the_record_is_one_buffer_of_its_fields_in_order(no_driver):
-    """Every field is a view into the record's buffer at its natural offset, so the buffer
-    holds exactly the bytes the per-parameter pointers name (padding zero)."""
-    import struct
-    args = _args(1000, True)
-    launch = L.HandleLaunch(_Kernel(TYPES), args)
-    launch.fill(args)
-    offsets, total = L.natural_offsets(_sizes(None))
-    base = ctypes.addressof(launch.buffer)
-    assert [ctypes.addressof(f) - base for f in launch.fields] == offsets
-    want = bytearray(total)
-    for off, size, value in zip(offsets, _sizes(None), launch.values()):
-        want[off:off + size] = struct.pack({1: "<B", 4: "<I", 8: "<Q"}[size], value)
-    assert ctypes.string_at(base, total) == bytes(want)
-
-
-@pytest.mark.parametrize("offsets,cooperative,buffered", [
-    ("natural", False, True), ("natural", True, False), ("shifted", False, False),
-    (None, False, False)])
-def test_the_buffer_launch_is_taken_only_where_the_driver_agrees(no_driver, monkeypatch, offsets,
-                                                                 cooperative, buffered):
-    """With PARAM_BUFFER set, a record launches as one buffer (``extra``: the buffer's
-    address and size) where the driver's parameter offsets are the buffer's; a
-    cooperative kernel (its launch takes no ``extra``), a driver that lays them out
-    otherwise or cannot say keep the pointer per parameter."""
-    natural, total = L.natural_offsets(_sizes(None))
-    answer = {"natural": natural, "shifted": [o + 8 * (i > 8) for i, o in enumerate(natural)],
-              None: None}[offsets]
-    monkeypatch.setattr(L, "PARAM_BUFFER", True)
-    monkeypatch.setattr(L, "_param_offsets", lambda func: answer)
-    calls = []
-    monkeypatch.setattr(L.driver, "launch_buffer", lambda *a: calls.append(("buffer", a)))
-    monkeypatch.setattr(L.driver, "launch", lambda *a: calls.append(("params", a)))
-    monkeypatch.setattr(L.driver, "launch_cooperative", lambda *a: calls.append(("coop", a)))
-    args = _args()
-    launch = L.HandleLaunch(_Kernel(TYPES, cooperative=cooperative), args)
-    launch(4, 256, 77, args)
-    kind, (func, grid, block, smem, stream, rec) = calls.pop()
-    assert (func, grid, block, smem, stream) == (0x1234, 4, 256, 0, 77)
-    if buffered:
-        assert kind == "buffer"
-        listed = [rec[i] or 0 for i in range(5)]
-        assert listed[0::2] == [1, 2, 0]        # BUFFER_POINTER, BUFFER_SIZE, END
-        assert listed[1] == ctypes.addressof(launch.buffer)
-        assert ctypes.c_size_t.from_address(listed[3]).value == total
-    else:
-        assert kind == ("coop" if cooperative else "params") and rec is launch
-        assert launch.extra is None
-    monkeypatch.setattr(L, "PARAM_BUFFER", False)
-    assert L.HandleLaunch(_Kernel(TYPES), args).extra is None      # off: never
-
-
 @pytest.mark.parametrize("ty", [numba_types.Array(numba_types.uint8, 2, "C"),
                                 numba_types.Array(numba_types.uint8, 1, "A"),
                                 numba_types.float32])

@@ -49,15 +49,6 @@ def launch(func: int, grid: int, block: int, smem: int, stream: int, args) -> No
             check(rc, "cuLaunchKernel")
 
 
-def launch_buffer(func: int, grid: int, block: int, smem: int, stream: int, extra) -> None:
-    """``func<<<grid, block, smem, stream>>>`` with its parameters as one buffer: ``extra``
-    the ``CU_LAUNCH_PARAM_BUFFER_*`` list naming it."""
-    if grid > 0:
-        rc = lib().cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, stream, None, extra)
-        if rc:
-            check(rc, "cuLaunchKernel")
-
-
 def launch_cooperative(func: int, grid: int, block: int, smem: int, stream: int, args) -> None:
     """A launch whose blocks are all resident at once (the pack kernel's closing grid
     barrier relies on it); needs no relocatable device code."""

@@ -17,13 +17,6 @@ pack plan's), a :class:`BoundLaunch` holds a record of its own with every other 
 written once, and a launch writes only the arrays' data pointers; :class:`PerThread`
 keeps such objects, one set per thread.
 
-The record's fields lie in one buffer, each at its natural alignment. The driver
-copies a launch's parameters one by one from the ``kernelParams`` pointers (a Numba
-record has seven per array: 60-130 per launch), or as one block from a buffer named
-by ``extra`` (``CU_LAUNCH_PARAM_BUFFER_POINTER``); with :data:`PARAM_BUFFER` set, a
-record launches the second way where the driver's parameter offsets are the
-buffer's.
-
 The layout is Numba's private ABI, so it is checked against the compiled kernel
 before it is used: the parameters' number and sizes against the driver's
 ``cuFuncGetParamInfo``, and the values against what Numba's own marshalling
@@ -78,49 +71,19 @@ def kinds_of(args) -> tuple:
     return tuple([a.dtype if type(a) is KernelArray else type(a) for a in args])
 
 
-# Launch with the record as one parameter buffer (``extra``) rather than a pointer per
-# parameter: an A/B candidate (bench/NOTES.md, session 42), off until measured.
-PARAM_BUFFER = False
-_BUFFER_POINTER, _BUFFER_SIZE, _PARAMS_END = 1, 2, 0   # CU_LAUNCH_PARAM_* markers
-
-
-def _param_info(func: int) -> list | None:
-    """(offset, size) of each of a kernel's parameters from the driver, or None where it
-    cannot say."""
+def _param_sizes(func: int) -> list | None:
+    """Byte sizes of a kernel's parameters from the driver, or None where it cannot say."""
     get = getattr(driver.lib(), "cuFuncGetParamInfo", None)
     if get is None:
         return None
-    info, off, size = [], ctypes.c_size_t(), ctypes.c_size_t()
+    sizes, off, size = [], ctypes.c_size_t(), ctypes.c_size_t()
     while True:
-        rc = get(_PTR(func), ctypes.c_size_t(len(info)), ctypes.byref(off), ctypes.byref(size))
+        rc = get(_PTR(func), ctypes.c_size_t(len(sizes)), ctypes.byref(off), ctypes.byref(size))
         if rc == CUDA_ERROR_INVALID_VALUE:
-            return info
+            return sizes
         if rc:
             return None
-        info.append((off.value, size.value))
-
-
-def _param_sizes(func: int) -> list | None:
-    """Byte sizes of a kernel's parameters from the driver, or None where it cannot say."""
-    info = _param_info(func)
-    return None if info is None else [size for _, size in info]
-
-
-def _param_offsets(func: int) -> list | None:
-    """Byte offsets of a kernel's parameters from the driver, or None where it cannot say."""
-    info = _param_info(func)
-    return None if info is None else [off for off, _ in info]
-
-
-def natural_offsets(sizes) -> tuple:
-    """(offsets, total bytes) of parameters of these sizes laid out in order, each at its
-    own alignment (how the PTX ``.param`` space places scalars)."""
-    offsets, at = [], 0
-    for n in sizes:
-        at = -(-at // n) * n
-        offsets.append(at)
-        at += n
-    return offsets, at
+        sizes.append(size.value)
 
 
 def _function_handle(kernel) -> int:
@@ -144,46 +107,35 @@ class HandleLaunch:
         self.kernel = kernel            # so that another record can be built for it
         self.func = _function_handle(kernel)
         self.cooperative = bool(getattr(kernel, "cooperative", False))
-        self.slots, self.is_array = [], []
-        kinds = []       # each argument's fields' ctypes types, and an array's item size
+        fields, self.slots, self.is_array = [], [], []
         for ty, arg in zip(kernel.argument_types, args):
             if isinstance(ty, types.Array):
                 if ty.ndim != 1 or ty.layout != "C" or type(arg) is not KernelArray:
                     raise TypeError(f"argument type {ty} is not a 1-D C-contiguous KernelArray")
-                # meminfo, parent, count, item size, data, shape, stride
-                kinds.append(((_PTR, _PTR, _INT64, _INT64, ctypes.c_uint64, _INT64, _INT64),
-                              arg.dtype.itemsize))
+                item = arg.dtype.itemsize
+                f = [_PTR(0), _PTR(0), _INT64(), _INT64(item), ctypes.c_uint64(), _INT64(),
+                     _INT64(item)]
+                fields += f
+                self.slots.append((f[2], f[4], f[5]))      # count, data, shape
+                self.is_array.append(True)
             elif isinstance(ty, types.Boolean):
-                kinds.append(((ctypes.c_bool,), None))
+                f = ctypes.c_bool()
+                fields.append(f)
+                self.slots.append(f)
+                self.is_array.append(False)
             elif isinstance(ty, types.Integer):
-                kinds.append(((getattr(ctypes, f"c_{ty}"),), None))
+                f = getattr(ctypes, f"c_{ty}")()
+                fields.append(f)
+                self.slots.append(f)
+                self.is_array.append(False)
             else:
                 raise TypeError(f"argument type {ty} is not covered")
-        flat = [k for ks, _ in kinds for k in ks]
-        offsets, total = natural_offsets([ctypes.sizeof(k) for k in flat])
-        self.buffer = (ctypes.c_uint64 * max(1, -(-total // 8)))()   # 8-byte aligned
-        fields = [k.from_buffer(self.buffer, off) for k, off in zip(flat, offsets)]
-        at = 0
-        for ks, item in kinds:
-            f = fields[at:at + len(ks)]
-            at += len(ks)
-            self.is_array.append(item is not None)
-            if item is not None:
-                f[3].value = f[6].value = item
-                self.slots.append((f[2], f[4], f[5]))      # count, data, shape
-            else:
-                self.slots.append(f[0])
         self.fields = fields
         self.pointers = (_PTR * len(fields))(*[ctypes.addressof(f) for f in fields])
         sizes = _param_sizes(self.func)
         if sizes is None or sizes != [ctypes.sizeof(f) for f in fields]:
             raise TypeError(f"parameter sizes {sizes} differ from the record's "
                             f"{[ctypes.sizeof(f) for f in fields]}")
-        self.extra = None        # the buffer launch, where taken and the driver agrees
-        if PARAM_BUFFER and not self.cooperative and _param_offsets(self.func) == offsets:
-            self._size = ctypes.c_size_t(total)
-            self.extra = (_PTR * 5)(_BUFFER_POINTER, ctypes.addressof(self.buffer),
-                                    _BUFFER_SIZE, ctypes.addressof(self._size), _PARAMS_END)
 
     def fill(self, args) -> None:
         for is_array, slot, arg in zip(self.is_array, self.slots, args):
@@ -201,8 +153,6 @@ class HandleLaunch:
         """Launch with the record as it stands."""
         if self.cooperative:
             driver.launch_cooperative(self.func, grid, block, 0, stream, self)
-        elif self.extra is not None:
-            driver.launch_buffer(self.func, grid, block, 0, stream, self.extra)
         else:
             driver.launch(self.func, grid, block, 0, stream, self)
 
