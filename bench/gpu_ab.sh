@@ -6,7 +6,7 @@
 #   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver codecs exact
 #   fused (exact: profile_exact.py, the Python steps after the count against the native ones;
 #   driver: driver_cost.py, the driver's calls and their share of each op)
-#   CUPY_AB   "label|options|kernel_variants flags;..." (default: the switches of session 41)
+#   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
 #   TESTS, PYTEST_ARGS as in gpu_run.sh
@@ -17,7 +17,7 @@ OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT" /tmp/gpu_ab
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab driver codecs exact fused}
-CUPY_AB=${CUPY_AB:-"base||--unpack-only;wredux|-DBS_UNPACK_WARP_REDUX=1|--unpack-only;sbase||--encoding signplane;sneg|-DBS_PACK_NEG_NOSIGN_ONLY=1|--encoding signplane;rbase||--encoding raw;rneg|-DBS_PACK_NEG_NOSIGN_ONLY=1|--encoding raw"}
+CUPY_AB=${CUPY_AB:-"base||"}
 NUMBA_AB=${NUMBA_AB:-"|warp_redux=1|unpack_prefetch=1"}
 t0=$(date +%s)
 say() { echo "$1 at $(( $(date +%s) - t0 )) s"; }

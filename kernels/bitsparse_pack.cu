@@ -376,9 +376,6 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 #ifndef BS_PACK_PREFETCH
 #define BS_PACK_PREFETCH 1
 #endif
-#ifndef BS_PACK_NEG_NOSIGN_ONLY
-#define BS_PACK_NEG_NOSIGN_ONLY 1
-#endif
 #ifndef BS_PACK_FUSED_BLOCKS
 #define BS_PACK_FUSED_BLOCKS 3   // relu_pack's blocks per SM (72 registers)
 #endif
@@ -499,13 +496,11 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         // Ranks: per-round counts packed into 8- or 16-bit fields of warp scans
         // (bs_scan_rounds), then over warps.
         const u32 wtot = bs_scan_rounds<R, V>(bits, lane, start);
-        // BS_PACK_NEG_NOSIGN_ONLY: only nosign carries its flag (the other encodings'
-        // is 0 by construction; an A/B switch: nvcc allocates registers differently).
-        const bool wneg = BS_PACK_NEG_NOSIGN_ONLY ? ENC == 1 && __any_sync(BS_FULL, neg != 0u)
-                                                  : __any_sync(BS_FULL, ENC == 1 && neg != 0u);
+        // Only nosign carries its flag (the other encodings' is 0 by construction).
+        const bool wneg = ENC == 1 && __any_sync(BS_FULL, neg != 0u);
         if (lane == 0) {
             s_warp_tot[warp] = wtot;
-            if (!BS_PACK_NEG_NOSIGN_ONLY || ENC == 1) s_warp_neg[warp] = wneg;
+            if (ENC == 1) s_warp_neg[warp] = wneg;
         }
         if (tid == 0) s_next = claim;
         __syncthreads();                                                   // B1
@@ -514,8 +509,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         const u32 wt = lane < BS_WARPS ? s_warp_tot[lane] : 0u;
         warp_excl = bs_warp_sum(lane < warp ? wt : 0u);
         n = bs_warp_sum(wt);
-        any_neg = (!BS_PACK_NEG_NOSIGN_ONLY || ENC == 1)
-                      ? bs_warp_or(lane < BS_WARPS ? s_warp_neg[lane] : 0u) : 0u;
+        any_neg = ENC == 1 ? bs_warp_or(lane < BS_WARPS ? s_warp_neg[lane] : 0u) : 0u;
         if (tid == 0) {
             bs_st_u64(&cdesc[tile], (tile == 0 ? BS_INCL : BS_AGG) | (any_neg ? BS_NEG : 0ull) | n);
             atomicAdd(reinterpret_cast<unsigned long long*>(&gdesc[tile >> BS_GROUP_LOG2]),

@@ -245,11 +245,6 @@ __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
 #ifndef BS_UNPACK_AHEAD_DIV
 #define BS_UNPACK_AHEAD_DIV 4     // K = resident blocks / this
 #endif
-// The warps before this one: lane k reads warp k's count and one REDUX sums them, in
-// place of every thread's loop over the counts (an A/B switch, off by default).
-#ifndef BS_UNPACK_WARP_REDUX
-#define BS_UNPACK_WARP_REDUX 1
-#endif
 
 // Blocks per SM of an unpack-family kernel (its launch bounds).
 template <int BITS, int OP> struct BsUnpackBlocks {
@@ -369,13 +364,8 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
                                    reinterpret_cast<const u8*>(usigns_ptr), usigns_len, P, n, uvals,
                                    [] {});
     __syncthreads();                                                   // B1
-#if BS_UNPACK_WARP_REDUX
+    // The warps before this one: lane k reads warp k's count and one REDUX sums them.
     const u32 warp_excl = bs_warp_sum(lane < warp ? s_warp_tot[lane] : 0u);
-#else
-    u32 warp_excl = 0;
-#pragma unroll
-    for (int k = 0; k < BS_WARPS; ++k) warp_excl += k < warp ? s_warp_tot[k] : 0u;
-#endif
 
     // 2. Expand and store (or combine with the gradient).
     uint4* orow = reinterpret_cast<uint4*>(reinterpret_cast<T*>(out_ptr) + tile_base + lane_el);
