@@ -32,7 +32,9 @@ count set, since no kernel writes it).
 
 Per op and backend: the fastest of ``--repeats`` loops of ``--calls`` calls (µs per
 call), driver calls per op by kind, and the parameter bytes the op's launches pass.
-``--profile OP`` prints a cProfile of that op's loop per backend instead; ``--module`` adds
+``--profile OP`` prints a cProfile of that op's loop per backend instead; ``--micro`` adds
+what the path's building blocks cost here (a ctypes write, a launch, a Python call: a
+slow host slows all of them, a slow path only its own); ``--module`` adds
 the packed ReLU² FFN module against dense, forward and backward, on the torch adapter's
 C++ path (its kernels and driver calls the stand-in's).
 ``--variant numba:FIELD=VALUE`` builds the Numba backend with a ``PackVariant`` field
@@ -377,6 +379,35 @@ def module_rows(torch, fake, repeats: int, calls: int, dims=(4, 16, 64)) -> list
     return rows
 
 
+def micro_rows(torch, calls: int) -> list:
+    """What the hot path's building blocks cost on this machine, µs per call (the fastest
+    of 5 timeit loops): to tell a slow host (every block slower) from a slow path."""
+    import threading
+    import timeit
+
+    from bitsparse_core.backends.cuda import driver
+    from bitsparse_core.backends.numba import backend as nb
+    value, local = ctypes.c_uint64(), threading.local()
+    local.x = 1
+    lib = driver.lib()
+    bound = next((v.pack for _, v in nb._PACK_LAUNCHES._entries().values()
+                  if type(v) is nb._PackLaunches), None)
+    addresses = [0x10000 * i for i in range(8)]
+    blocks = {
+        "a Python call": lambda: len(addresses),
+        "a ctypes c_uint64 .value write": lambda: setattr(value, "value", 123456789),
+        "a threading.local read": lambda: local.x,
+        "driver.current_device() (cuCtxGetDevice through ctypes)": driver.current_device,
+        "lib.cuStreamQuery (a ctypes call of one argument)": lambda: lib.cuStreamQuery(5),
+        "torch.empty(8192, uint8) on the CPU": lambda: torch.empty(8192, dtype=torch.uint8),
+    }
+    if bound is not None:
+        blocks["a Numba pack's bound launch (12 pointer writes, the ctypes launch)"] = (
+            lambda: bound(5, addresses))
+    return [{"block": k, "us": min(timeit.repeat(fn, number=calls, repeat=5)) / calls * 1e6}
+            for k, fn in blocks.items()]
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -404,6 +435,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--variant", action="append", default=[])
     ap.add_argument("--profile", default=None, help="an op: print its cProfile instead")
+    ap.add_argument("--micro", action="store_true",
+                    help="also the building blocks' costs (a ctypes write, a launch, ...)")
     ap.add_argument("--module", action="store_true",
                     help="also the packed ReLU² FFN module against dense on the C++ path")
     ap.add_argument("--out", default=None)
@@ -470,6 +503,10 @@ def main(argv=None) -> int:
         lines.append(f"| {op} | " + " | ".join(f"{rs[b]['us']:.2f}" for b in backends) + " | "
                      + " | ".join(calls) + " | "
                      + " | ".join(str(rs[b]["param_bytes"]) for b in backends) + " |")
+    if args.micro:
+        res["micro"] = micro_rows(torch, 20 * args.calls)
+        lines += ["", "Building blocks, µs per call:", "", "| block | µs |", "|---|---|"]
+        lines += [f"| {r['block']} | {r['us']:.3f} |" for r in res["micro"]]
     if args.module:
         res["module"] = module_rows(torch, fake, args.repeats, args.calls // 4)
         lines += ["", "The packed ReLU² FFN against dense on the torch adapter's C++ path (4 tokens, "

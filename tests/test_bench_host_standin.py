@@ -21,7 +21,7 @@ PACKS = ("pack_fixed", "relu_pack", "masked_pack")
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler for the stand-in driver")
 def test_every_op_runs_with_the_driver_calls_it_makes(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "host_standin.py"), "--calls", "20",
-           "--repeats", "1", "--out", str(tmp_path)]
+           "--repeats", "1", "--micro", "--out", str(tmp_path)]
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -37,6 +37,8 @@ def test_every_op_runs_with_the_driver_calls_it_makes(tmp_path):
         assert calls == want, (backend, op, calls)
         assert r["us"] > 0 and r["param_bytes"] > 0
     assert "| masked_pack |" in (tmp_path / "host_standin.md").read_text()
+    blocks = {r["block"] for r in res["micro"]}
+    assert "a Python call" in blocks and any("bound launch" in b for b in blocks)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None or shutil.which("c++") is None,
