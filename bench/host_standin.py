@@ -46,17 +46,18 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
-import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+import host_overhead as ho  # noqa: E402  (its loop times these calls too)
 
 OPS = ("pack_fixed", "relu_pack", "masked_pack", "unpack_out", "unpack", "relu_backward",
        "relu2_backward", "gated_backward")
@@ -280,17 +281,8 @@ def cases(bc, inp: dict, backend: str) -> dict:
 
 
 def loop_us(fn, calls: int) -> float:
-    keep = [None] * calls
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        for i in range(calls):
-            keep[i] = fn()
-        dt = time.perf_counter() - t0
-    finally:
-        gc.enable()
-    del keep
-    return 1e6 * dt / calls
+    """µs per call of a loop of ``calls`` calls, outputs kept (host_overhead.py's loop)."""
+    return ho.timed_loop(fn, calls, lambda: None, keep=True)[0]
 
 
 def param_bytes(fn) -> int:
@@ -330,9 +322,6 @@ def module_rows(torch, fake, repeats: int, calls: int, dims=(4, 16, 64)) -> list
     fastest of ``repeats`` loops. The C++ node's kernels do nothing, so the packed
     backward's GEMMs read whatever memory the CPU allocator gives: only tiny sizes keep
     that from showing."""
-    import torch.nn.functional as F
-    from torch import nn
-
     import bitsparse_core.torch as bst
     from bitsparse_core.backends.cuda import host
     from bitsparse_core.torch import capacity as C
@@ -343,16 +332,9 @@ def module_rows(torch, fake, repeats: int, calls: int, dims=(4, 16, 64)) -> list
     C.claim_slot = C.SLAB.acquire          # no CUDA graph capture to ask about
     native._handles.clear()
     host._RECORDS.__dict__.clear()
-
-    class Dense(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.fc2 = nn.Linear(d, ff), nn.Linear(ff, d)
-
-        def forward(self, x):
-            return self.fc2(F.relu(self.fc1(x)).square())
+    from module_host import DenseReLU2FFN
     torch.manual_seed(0)
-    dense = Dense().to(torch.bfloat16)
+    dense = DenseReLU2FFN(d, ff).to(torch.bfloat16)
     entry = [ctypes.cast(getattr(fake, n), ctypes.c_void_p).value
              for n in ("cuLaunchKernel", "cuLaunchCooperativeKernel", "cuMemsetD8Async",
                        "cuMemcpyDtoHAsync_v2", "cuGetErrorName")]
