@@ -593,3 +593,102 @@ def test_unpack_prefetch_is_refused_by_name_before_sm90(monkeypatch):
 
     monkeypatch.setattr(cuda, "get_current_device", no_driver)
     assert K.DtypeKernels("bfloat16", K.PackVariant(unpack_prefetch=True)).unpack
+
+
+def test_fixed_packs_run_whole_by_one_object_what_the_steps_would(monkeypatch):
+    """A fixed-capacity pack whose arguments this thread has packed with twice runs by
+    one object (``_FixedPack``, from the third call on): the fills and launches it
+    queues and the packed tensor it returns (capacity, count, every plane's address,
+    length, dtype and owner, status, stream) are those of the protocol's steps, for
+    pack (nosign, raw, signplane), relu_pack with y and masked_pack, with inputs at
+    changing and differently aligned addresses. Calls the protocol treats apart never
+    take it: ``capacity=True``, ``encoding="auto"``, another kernel variant."""
+    backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
+    if backend.K.SIM:
+        pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
+    from types import SimpleNamespace
+
+    from bitsparse_core import dtypes as _dt
+    from bitsparse_core.backends.cuda import interop
+    from bitsparse_core.errors import CapacityError
+    from bitsparse_core.spec.format import Encoding
+    K, dt = backend.K, _dt.BFLOAT16
+    monkeypatch.setattr(L, "_function_handle", lambda kernel: id(kernel.dispatcher))
+    monkeypatch.setattr(L, "_param_sizes", lambda func: _CompiledStandIn.sizes[func])
+    be, shape, st = backend.NumbaBackend(), (3, 20001), (7, None, 0)
+
+    class DevBuf(_Buf):
+        device = 0
+
+    def describe(p):
+        def plane(a):
+            if a is None or isinstance(a, _Buf):
+                return a and ("mask tensor's", a.ptr)
+            return (a.ptr, a.shape, a.dtype, a.device, a.stream, a._owner.ptr)
+        return (p.shape, p.dtype, p.encoding, p.chunk_log2, p.capacity, p._nnz, p.device,
+                p.extra, *(plane(getattr(p, n)) for n in
+                           ("mask", "offsets", "values", "signs", "status")))
+
+    def calls(P, made):
+        monkeypatch.setattr(backend, "_platform", lambda: P)
+        monkeypatch.setattr(backend.driver, "current_device", lambda: 0)
+        P.stream = lambda stream: st
+        P.order_after = lambda p, st_: None
+        for turn in range(6):
+            # turns 0-1 and 3-5 alternate addresses; from turn 3, x is 2 bytes off 8
+            x = DevBuf((1 << 40) + (turn % 2) * (1 << 30) + (2 if turn >= 3 else 0))
+            y = DevBuf((1 << 41) + (turn % 2) * (1 << 30))
+            P.import_dense = lambda t, dtype, st_: (t, shape, dt)
+            for enc, cap in (("nosign", 9000), (Encoding.RAW, 9000), ("signplane", 9000),
+                             ("auto", 9000)):
+                made.append(describe(be._pack(P, st, x, shape, dt, K.MODE_PACK, enc, 12,
+                                              cap, None)))
+            with pytest.raises(CapacityError, match="bool"):      # equal to 1, not an int
+                be._pack(P, st, x, shape, dt, K.MODE_PACK, "nosign", 12, True, None)
+            made.append(describe(be._pack(P, st, x, shape, dt, K.MODE_RELU, "nosign", 12, 9000,
+                                          None, y)))
+            p_mask = SimpleNamespace(device=("cuda", 0), shape=shape, dtype=dt, nnz=7000,
+                                     chunk_log2=12, mask=DevBuf((1 << 42) + (turn % 2) * 64),
+                                     offsets=DevBuf(1 << 43))
+            made.append(describe(backend.NumbaBackend.masked_pack(be, x, p_mask)))
+
+    def platform(launched):
+        P = _record_platform(backend, launched)
+        alloc = P.alloc
+
+        def alloc_dev(nbytes, st_, allocator):
+            return DevBuf(alloc(nbytes, st_, allocator).ptr)
+        P.alloc = alloc_dev
+        P.ci = interop
+        P.take_slot = lambda: 0              # "auto" waits for its status: none is read here
+        P.wait_slot = lambda slot, st_: (0, 9000)
+        return P
+
+    class NoRecords(L.PerThread):
+        def get(self, key, anchor):
+            return None
+
+    reference, launched, ref_made, made = [], [], [], []
+    monkeypatch.setattr(backend, "_PACK_LAUNCHES", NoRecords(1024))
+    monkeypatch.setattr(backend, "_FIXED_PACKS", NoRecords(1024))
+    calls(platform(reference), ref_made)
+
+    def driver_launch(func, grid, block, smem, stream, rec):
+        launched.append((func, grid, block, stream, rec.values()))
+    monkeypatch.setattr(L.driver, "launch", driver_launch)
+    monkeypatch.setattr(backend, "_PACK_LAUNCHES", L.PerThread(1024))
+    fixed_packs = L.PerThread(1024)
+    monkeypatch.setattr(backend, "_FIXED_PACKS", fixed_packs)
+    taken = []
+    original = backend._FixedPack.__call__
+    monkeypatch.setattr(backend._FixedPack, "__call__",
+                        lambda self, *a, **k: taken.append(self.lay) or original(self, *a, **k))
+    calls(platform(launched), made)
+    assert launched == reference
+    assert made == ref_made
+    # from the third turn of each alignment: nosign, raw, signplane, relu and masked
+    assert len(taken) == 5 * 2
+    kept = fixed_packs._entries()
+    assert {k[3] for k in kept} == {"nosign", Encoding.RAW, "signplane", Encoding.SIGNPLANE}
+    assert all(type(k[5]) is int and k[5] is not True for k in kept)
+    assert all(anchor is be.variant for anchor, _ in kept.values())

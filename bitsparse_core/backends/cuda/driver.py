@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 from ...errors import CudaDriverError
 
@@ -41,10 +42,37 @@ def check(rc: int, what: str) -> None:
         raise CudaDriverError(f"{what} failed: {name.value.decode() if name.value else rc}")
 
 
+@functools.lru_cache(maxsize=None)
+def _untyped() -> tuple:
+    """The launches and the fill without declared argument types: ctypes' conversion of
+    eleven declared arguments costs twice the call (0.8 µs against 0.4 on the
+    development CPU). Their arguments are passed as ctypes objects where they are
+    pointers or ``size_t`` (:func:`_pointer`) and as Python ints that fit a C ``int``
+    otherwise (grid, block, shared bytes, the fill's byte value); a larger int raises
+    ``ctypes.ArgumentError``."""
+    cuda = ctypes.CDLL("libcuda.so.1")      # its own function objects: lib()'s keep theirs
+    return cuda.cuLaunchKernel, cuda.cuLaunchCooperativeKernel, cuda.cuMemsetD8Async
+
+
+_POINTERS: dict = {}
+
+
+def _pointer(value: int) -> ctypes.c_void_p:
+    """A ``void *`` argument of ``value`` (function handles and streams recur: each is
+    made once)."""
+    p = _POINTERS.get(value)
+    if p is None:
+        if len(_POINTERS) >= 4096:
+            _POINTERS.clear()
+        p = _POINTERS[value] = _P(value)
+    return p
+
+
 def launch(func: int, grid: int, block: int, smem: int, stream: int, args) -> None:
     """``func<<<grid, block, smem, stream>>>(*args)``; ``args`` an :mod:`.abi` record."""
     if grid > 0:
-        rc = lib().cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, stream, args.pointers, None)
+        rc = _untyped()[0](_pointer(func), grid, 1, 1, block, 1, 1, smem, _pointer(stream),
+                           args.pointers, None)
         if rc:
             check(rc, "cuLaunchKernel")
 
@@ -53,15 +81,15 @@ def launch_cooperative(func: int, grid: int, block: int, smem: int, stream: int,
     """A launch whose blocks are all resident at once (the pack kernel's closing grid
     barrier relies on it); needs no relocatable device code."""
     if grid > 0:
-        rc = lib().cuLaunchCooperativeKernel(func, grid, 1, 1, block, 1, 1, smem, stream,
-                                             args.pointers)
+        rc = _untyped()[1](_pointer(func), grid, 1, 1, block, 1, 1, smem, _pointer(stream),
+                           args.pointers)
         if rc:
             check(rc, "cuLaunchCooperativeKernel")
 
 
 def memset0(ptr: int, nbytes: int, stream: int) -> None:
     if nbytes:
-        rc = lib().cuMemsetD8Async(ptr, 0, nbytes, stream)
+        rc = _untyped()[2](ctypes.c_uint64(ptr), 0, _SZ(nbytes), _pointer(stream))
         if rc:
             check(rc, "cuMemsetD8Async")
 
@@ -108,8 +136,16 @@ def current_device() -> int | None:
     """The device ordinal of the calling thread's current context, None without one
     (the call fails then; a ``CUdevice`` is its ordinal, as Numba, CuPy and PyTorch take
     it to be)."""
-    dev = ctypes.c_int()
-    return dev.value if lib().cuCtxGetDevice(ctypes.byref(dev)) == 0 else None
+    try:
+        dev, ref = _DEVICE_OUT.slot
+    except AttributeError:              # the thread's first call: its own output int
+        dev = ctypes.c_int()
+        ref = ctypes.byref(dev)
+        _DEVICE_OUT.slot = dev, ref
+    return dev.value if lib().cuCtxGetDevice(ref) == 0 else None
+
+
+_DEVICE_OUT = threading.local()
 
 
 def sync_stream(stream: int) -> None:

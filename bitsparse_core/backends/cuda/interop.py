@@ -88,6 +88,8 @@ def _runtime():
 # --------------------------------------------------------------------------- #
 def stream_handle(stream) -> int:
     """The raw ``cudaStream_t`` (as an int) for a user's stream argument."""
+    if type(stream) is int and stream >= 0:        # the hot path's own handles
+        return stream
     if stream is None:
         import cupy
         return int(cupy.cuda.get_current_stream().ptr)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import threading
+from functools import reduce as _reduce
+from operator import or_ as _or
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +43,7 @@ from ..cuda.abi import Mode
 from ..cuda import protocol
 from ..cuda import host, shrink, slots
 from ..cuda.host import pack_plan
+from ..cuda.interop import DevicePlane
 from . import kernels as K
 from .launch import BoundLaunch, KernelArray, Launch, PerThread, first_launch, kinds_of, log
 
@@ -231,14 +234,16 @@ class _NumbaSteps:
         self.mode, self.allocator, self.ybuf = mode, allocator, ybuf
         self.variant, self.slot = backend.variant, 0
         self.exact, self.shrunk = False, None
+        self.fixed_key, self.launches = None, None
 
     def run(self, plan, fixed, count=False):
         recipe = _recipe(plan, self.variant)
         al = _Alloc(self.P, plan, recipe.sections(not fixed), self.st, self.allocator)
         self.slot = self.P.take_slot() if count else 0
         self.exact = not fixed
-        self.backend._run_pack(self.P, self.st, self.buf, recipe, self.mode, al, self.ybuf,
-                               None, zero_tail=fixed, slot=self.slot)
+        kept = self.backend._run_pack(self.P, self.st, self.buf, recipe, self.mode, al,
+                                      self.ybuf, None, zero_tail=fixed, slot=self.slot)
+        self.launches = kept if fixed and not count else None
         return al
 
     def read_head(self, plan, al):
@@ -270,6 +275,9 @@ class _NumbaSteps:
         if type(al) is _Shrunk:
             return self.backend._packed(self.P, self.st, al.blocks, al.planes, plan.lay,
                                         nnz, False, capacity=nnz)
+        if self.launches is not None and self.fixed_key is not None:
+            _FIXED_PACKS.put(self.fixed_key, self.variant,
+                             _FixedPack(al, self.launches, pending_status))
         return self.backend._packed(self.P, self.st, al.blocks, al.sec.planes, al.lay, nnz,
                                     pending_status)
 
@@ -300,6 +308,7 @@ class _Shrunk(NamedTuple):
 # the records costs more than a few launches through the platform.
 _PACK_LAUNCHES = PerThread(1024)
 _SEEN_ONCE, _NOT_COVERED = "seen once", "not covered"
+_SHARES_MASK = {"shares_mask": True}
 
 
 # The unpack family's launches likewise, keyed by what fixes every argument but the
@@ -342,6 +351,51 @@ class _PackLaunches:
         self.pack(st[0], addresses)
         if self.finish is not None:
             self.finish(st[0], addresses)
+
+
+class _FixedPack:
+    """A whole fixed-capacity pack call (explicit encoding: nothing to wait for) on
+    arguments a thread has packed with before: the one allocation, the fill, the
+    launches by their records (:class:`_PackLaunches`) and the packed tensor's planes,
+    all worked out from that earlier call, so a call is these steps and no more. Kept
+    by :data:`_FIXED_PACKS` under what fixes them (:meth:`NumbaBackend._fixed_key`)."""
+
+    __slots__ = ("nbytes", "fill_at", "fill_len", "launches", "specs", "lay")
+
+    def __init__(self, al: _Alloc, launches: _PackLaunches, with_status: bool):
+        sec = al.sec
+        (self.nbytes,) = sec.sizes
+        _, self.fill_at, self.fill_len = sec.fill
+        self.launches, self.lay = launches, al.lay
+        planes = sec.planes if with_status else sec.planes[:4] + (None,)
+        self.specs = tuple(None if sp is None else sp[1:] for sp in planes)
+
+    def __call__(self, backend, P, st, buf, ybuf, allocator, mask_buf=None, mask=None,
+                 offsets=None, nnz=None, extra=None) -> PackedTensor:
+        """The packed tensor of ``buf`` (and relu_pack's ``ybuf``, masked_pack's mask
+        plane ``mask_buf`` with the mask tensor's ``mask``, ``offsets`` and count)."""
+        s, dev = st[0], st[2]
+        block = P.alloc(self.nbytes, st, allocator)
+        base = block.ptr
+        P.memset0(block, self.fill_at, self.fill_len, st)
+        addresses = [buf.ptr, buf.ptr if ybuf is None else ybuf.ptr, base]
+        if mask_buf is not None:
+            addresses.append(mask_buf.ptr)
+        self.launches.queue(st, addresses)
+        m, o, v, sg, status = [None if sp is None else
+                               DevicePlane(base + sp[0], sp[1], sp[2], dev, block, s)
+                               for sp in self.specs]
+        lay = self.lay
+        return PackedTensor(
+            lay.shape, lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
+            m if mask is None else mask, o if offsets is None else offsets, v, sg,
+            backend=backend, device=("cuda", dev), _nnz=nnz,
+            status=status, extra={"stream": s, **extra} if extra else {"stream": s})
+
+
+# Fixed-capacity pack calls by what fixes them, one set per thread (the launch records
+# inside are a thread's own); the anchor is the backend's kernel variant.
+_FIXED_PACKS = PerThread(1024)
 
 
 # ----------------------------------------------------------------------------
@@ -717,9 +771,28 @@ class NumbaBackend:
 
     def _pack(self, P, st, buf, shape, dt, mode, encoding, chunk_log2, capacity, allocator,
               ybuf=None):
+        key = self._fixed_key(st, buf, ybuf, shape, dt, mode, encoding, chunk_log2, capacity)
+        if key is not None:
+            fixed = _FIXED_PACKS.get(key, self.variant)
+            if fixed is not None:
+                return fixed(self, P, st, buf, ybuf, allocator)
         steps = _NumbaSteps(self, P, st, buf, dt, mode, allocator, ybuf)
+        steps.fixed_key = key
         return protocol.pack(steps, tuple(shape), dt, encoding, chunk_log2, capacity,
                              _MODES[mode])
+
+    def _fixed_key(self, st, buf, ybuf, shape, dt, mode, encoding, chunk_log2, capacity):
+        """The :data:`_FIXED_PACKS` key of a pack call: its arguments (a fixed capacity,
+        the encoding as given: the protocol decides once whether the call waits), the
+        device, the kernel variant's id, whether there is a y, and the dense tensors'
+        8-byte alignment (:meth:`_pack_key`); None where an argument's type could make
+        an equal key of arguments the protocol treats differently (``capacity=True``,
+        a float chunk size, an encoding that is neither a name nor an Encoding)."""
+        if (K.SIM or type(capacity) is not int or type(chunk_log2) is not int
+                or (type(encoding) is not str and type(encoding) is not Encoding)):
+            return None
+        return (mode, shape, dt, encoding, chunk_log2, capacity, st[2], id(self.variant),
+                buf.ptr % 8 == 0, None if ybuf is None else ybuf.ptr % 8 == 0)
 
     def _run_pack(self, P, st, buf, recipe, mode, al, ybuf, p_mask, zero_tail, slot=0):
         """Launch the one-pass pack into ``al`` (and, at fixed capacity, zero what
@@ -728,13 +801,13 @@ class NumbaBackend:
         a pack whose tiles OR their shared words: then no k_finish); its last tile
         writes the status and count into ``slot`` too (a pinned host slot, 0 for none).
         On a GPU, a plan this thread has packed with before launches by records of its
-        own (:class:`_PackLaunches`)."""
+        own (:class:`_PackLaunches`); returns them where it did (else None)."""
         if recipe.n_tiles == 0:           # an empty tensor: its header-less planes zeroed
             for b, n in al.written:
                 P.memset0(b, 0, n, st)
             if slot:
                 slots.write(slot, 0, 0)
-            return
+            return None
         fi, fo, fn = al.sec.fill
         P.memset0(al.blocks[fi], fo, fn, st)
         mask_plane = None if p_mask is None else P.import_plane(p_mask.mask)
@@ -751,7 +824,7 @@ class NumbaBackend:
             kept = _PACK_LAUNCHES.get(key, al.plan)
             if type(kept) is _PackLaunches:
                 kept.queue(st, addresses)
-                return
+                return kept
         pack, finish = self._pack_launches(P, recipe, mode, al, buf, ybuf, mask_plane,
                                            zero_tail, slot_buf)
         P.launch(pack.kernel, pack.grid, pack.block, st, *pack.args)
@@ -761,6 +834,7 @@ class NumbaBackend:
             kept = (_SEEN_ONCE if kept is None else
                     _PackLaunches.build(P, st, pack, finish, buffers, addresses) or _NOT_COVERED)
             _PACK_LAUNCHES.put(key, al.plan, kept)
+        return kept if type(kept) is _PackLaunches else None
 
     def _pack_key(self, st, recipe, mode, al, addresses, has_y, masked, zero_tail, has_slot):
         """What fixes every argument of a pack's launches but the buffers' addresses
@@ -856,13 +930,22 @@ class NumbaBackend:
         enc = masked_encoding(encoding)
         P.order_after(p_mask, st)
         nnz = p_mask.nnz  # the companion stores every masked position (sync if pending)
+        key = self._fixed_key(st, buf, None, shape, dt, K.MODE_MASKED, enc, p_mask.chunk_log2,
+                              nnz)
+        fixed = None if key is None else _FIXED_PACKS.get(key, self.variant)
+        if fixed is not None:
+            return fixed(self, P, st, buf, None, allocator, P.import_plane(p_mask.mask),
+                         p_mask.mask, p_mask.offsets, nnz, _SHARES_MASK)
         plan = pack_plan(tuple(shape), dt, enc, nnz, p_mask.chunk_log2, Mode.MASKED)
         recipe = _recipe(plan, self.variant)
         al = _Alloc(P, plan, recipe.sections(False), st, allocator)
-        self._run_pack(P, st, buf, recipe, K.MODE_MASKED, al, None, p_mask, zero_tail=False)
-        return self._packed(P, st, al.blocks, al.sec.planes, al.lay, nnz, enc == Encoding.NOSIGN,
-                            mask=p_mask.mask, offsets=p_mask.offsets,
-                            extra={"shares_mask": True})
+        kept = self._run_pack(P, st, buf, recipe, K.MODE_MASKED, al, None, p_mask,
+                              zero_tail=False)
+        with_status = enc == Encoding.NOSIGN
+        if kept is not None and key is not None:
+            _FIXED_PACKS.put(key, self.variant, _FixedPack(al, kept, with_status))
+        return self._packed(P, st, al.blocks, al.sec.planes, al.lay, nnz, with_status,
+                            mask=p_mask.mask, offsets=p_mask.offsets, extra=_SHARES_MASK)
 
     # ----------------------------------------------------------- unpacking
     @_one_context
@@ -929,7 +1012,9 @@ class NumbaBackend:
             P.launch(made.kernel, made.grid, made.block, st, *made.args)
             return
         addresses = [b.ptr for b in buffers]
-        key = (*key, st[2], *[a & 15 for a in addresses])
+        # every buffer 16-byte aligned (torch's and our allocations are): one 0 says so
+        aligned = not _reduce(_or, addresses) & 15
+        key = (key, st[2], 0 if aligned else tuple([a & 15 for a in addresses]))
         kept = _OP_LAUNCHES.get(key, anchor)
         if type(kept) is BoundLaunch:
             kept(st[0], addresses)
@@ -999,7 +1084,7 @@ class NumbaBackend:
     def _gated(self, P, st, p_r, p_u, gbuf, gg_buf, gu_buf, allocator):
         """Queue the gated kernel: u's values read under r's mask where u was packed
         under it (masked_pack), else from u unpacked first."""
-        numel, dt = p_r.numel, p_r.dtype
+        dt = p_r.dtype
         kern = K.kernels_for(dt.name, self.variant)
         r_planes = self._planes(P, p_r)
         shared = (p_u.mask is p_r.mask and p_u.offsets is p_r.offsets   # masked_pack's
@@ -1014,9 +1099,10 @@ class NumbaBackend:
             u_planes = u_planes[2:]
         op = K.OP_GATED if shared else K.OP_GATED_DENSE
         tile_log2 = kern.utile_log2[op]
+        lay_r = p_r.layout
         if shared:
             lay_u = p_u.layout
-            ubuf, u_key = None, (int(lay_u.encoding), lay_u.values[1], lay_u.signs[1])
+            ubuf, u_key = None, (lay_u.encoding, lay_u.values[1], lay_u.signs[1])
             buffers = (*r_planes, *u_planes, gbuf, gg_buf, gu_buf)
         else:
             ubuf, _ = P.new_dense(p_u.shape, dt, st, allocator)
@@ -1025,6 +1111,7 @@ class NumbaBackend:
             buffers = (*r_planes, ubuf, gbuf, gg_buf, gu_buf)
 
         def launch():
+            numel = p_r.numel
             mask, toff, shift = self._tile_offsets(P, p_r, r_planes, st, allocator, tile_log2)
             ge, g64, fast = self._dense_views(P, gbuf, numel, dt)
             og, og64, gg_fast = self._dense_views(P, gg_buf, numel, dt)
@@ -1043,9 +1130,8 @@ class NumbaBackend:
             return Launch(kernel, _ceil_div(numel, 1 << tile_log2), K.UNT,
                           (mask, numel, toff, shift, *self._stored(P, p_r, r_planes), *u_stored,
                            ue, u64, ge, g64, fast, og, og64, ou, ou64, o16))
-        key = (("gated", op, id(p_r.layout), u_key, kern) if p_r.chunk_log2 <= tile_log2
-               else None)
-        self._queue(P, st, key, p_r.layout, buffers, launch)
+        key = ("gated", op, id(lay_r), u_key, kern) if p_r.chunk_log2 <= tile_log2 else None
+        self._queue(P, st, key, lay_r, buffers, launch)
 
     def _grad(self, P, st, grad, p):
         gbuf, shape, dt = P.import_dense(grad, None, st)

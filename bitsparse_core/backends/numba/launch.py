@@ -146,8 +146,11 @@ class HandleLaunch:
                 slot.value = arg
 
     def values(self) -> list:
-        """The record's fields as integers (for the check against Numba's marshalling)."""
-        return [int(f.value or 0) for f in self.fields]
+        """The parameters as the kernel reads them, as integers (for the check against
+        Numba's marshalling): each field's value through the parameter list's pointer,
+        which a :class:`BoundLaunch` may point at another field of the same value."""
+        return [int(type(f).from_address(p).value or 0)
+                for f, p in zip(self.fields, self.pointers)]
 
     def launch(self, grid: int, block: int, stream: int) -> None:
         """Launch with the record as it stands."""
@@ -179,9 +182,19 @@ class BoundLaunch:
         record = HandleLaunch(template.kernel, launch.args)
         record.fill(launch.args)
         self.record, self.grid, self.block = record, launch.grid, launch.block
-        self.data = [(slot[1], *_place(arg, buffers, addresses))
-                     for is_array, slot, arg in zip(record.is_array, record.slots, launch.args)
-                     if is_array and arg.ptr]
+        # Arrays at one place (the same buffer and offset: a tensor's element and word
+        # views) share one data field: the parameter list points them all at the first.
+        index = {id(f): k for k, f in enumerate(record.fields)}
+        first = {}
+        for is_array, slot, arg in zip(record.is_array, record.slots, launch.args):
+            if not (is_array and arg.ptr):
+                continue
+            place = _place(arg, buffers, addresses)
+            if place in first:
+                record.pointers[index[id(slot[1])]] = ctypes.addressof(first[place])
+            else:
+                first[place] = slot[1]
+        self.data = [(field, *place) for place, field in first.items()]
 
     def __call__(self, stream: int, addresses) -> None:
         for data, i, offset in self.data:
