@@ -515,12 +515,13 @@ class _GpuPlatform:
     # A stream is (raw handle, numba Stream, device): the context current in the entry
     # point fixes the device, so it is asked for once per call.
     def stream(self, stream):
-        h = self.ci.stream_handle(stream)
+        h = stream if type(stream) is int and stream >= 0 else self.ci.stream_handle(stream)
         ns = self._streams.get(h)
         if ns is None:
             ns = self.cuda.external_stream(h) if h else self.cuda.default_stream()
             self._streams[h] = ns
-        return h, ns, self._dev()
+        dev = getattr(_ENTRY, "device", None)
+        return h, ns, self._dev() if dev is None else dev
 
     def device(self, st):
         return ("cuda", st[2])
@@ -709,8 +710,9 @@ class NumbaBackend:
     def _planes(P, p) -> tuple:
         """p's (mask, offsets, values, signs) as buffers the views and launch records
         take (:meth:`_GpuPlatform.import_plane`), each imported once per call."""
-        return (P.import_plane(p.mask), P.import_plane(p.offsets), P.import_plane(p.values),
-                P.import_plane(p.signs))
+        imp = P.import_plane
+        return tuple([pl if type(pl) is DevicePlane else imp(pl)
+                      for pl in (p.mask, p.offsets, p.values, p.signs)])
 
     @staticmethod
     def _plane_views(P, buf, nbytes):
@@ -976,7 +978,8 @@ class NumbaBackend:
 
     def _decode(self, P, st, p, op, gbuf, obuf, allocator):
         """Queue unpack kernel ``op`` (0: unpack, 1: relu2_backward) of p into obuf."""
-        numel, dt = p.numel, p.dtype
+        lay, dt = p.layout, p.dtype
+        numel = lay.numel
         if numel == 0:
             return
         kern = K.kernels_for(dt.name, self.variant)
@@ -996,8 +999,8 @@ class NumbaBackend:
                           K.UNT, (mask, numel, toff, shift, *self._stored(P, p, planes), ge, g64,
                                   fast, oe, o64, o16))
         # chunks larger than the tile: a scratch of prefix counts per call, no record
-        key = ("unpack", op, id(p.layout), kern) if p.chunk_log2 <= tile_log2 else None
-        self._queue(P, st, key, p.layout,
+        key = ("unpack", op, id(lay), kern) if p.chunk_log2 <= tile_log2 else None
+        self._queue(P, st, key, lay,
                     (*planes, obuf) if gbuf is None else (*planes, gbuf, obuf), launch)
 
     def _queue(self, P, st, key, anchor, buffers, launch):
@@ -1046,22 +1049,22 @@ class NumbaBackend:
 
     def _relu_backward(self, P, st, p, gbuf, obuf):
         """Queue the relu_backward kernel: grad where p's mask bit is set, else 0."""
-        numel, dt = p.numel, p.dtype
+        lay, dt = p.layout, p.dtype
+        numel = lay.numel
         ngroups = (numel + 7) >> 3
         if not ngroups:
             return
         mbuf = P.import_plane(p.mask)
 
         def launch():
-            mask = P.view(mbuf, 0, p.layout.mask[1], np.uint8)
+            mask = P.view(mbuf, 0, lay.mask[1], np.uint8)
             ge, g64, gfast = self._dense_views(P, gbuf, numel, dt)
             oe, o64, ofast = self._dense_views(P, obuf, numel, dt)
             block = 32 if K.SIM else 256
             return Launch(K.kernels_for(dt.name).relu_backward,
                           min(_ceil_div(ngroups, block), 8192), block,
                           (mask, numel, ge, g64, gfast, oe, o64, ofast))
-        self._queue(P, st, ("relu_backward", id(p.layout)), p.layout, (mbuf, gbuf, obuf),
-                    launch)
+        self._queue(P, st, ("relu_backward", id(lay)), lay, (mbuf, gbuf, obuf), launch)
 
     @_one_context
     def gated_backward(self, grad, p_r, p_u, *, stream=None, allocator=None):

@@ -210,6 +210,13 @@ def _place(arg: KernelArray, buffers, addresses) -> tuple:
     raise TypeError("an array argument lies in none of the launch's buffers")
 
 
+class _ThreadEntries(threading.local):
+    """A dict of each thread's own (made on the thread's first read)."""
+
+    def __init__(self):
+        self.entries = {}
+
+
 class PerThread:
     """Launch objects by key, one set per thread (a launch reads its record while ctypes
     has released the GIL, so threads never share one), at most ``limit`` per thread
@@ -218,16 +225,13 @@ class PerThread:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self._local = threading.local()
+        self._local = _ThreadEntries()
 
     def _entries(self) -> dict:
-        entries = getattr(self._local, "entries", None)
-        if entries is None:
-            entries = self._local.entries = {}
-        return entries
+        return self._local.entries
 
     def get(self, key, anchor):
-        entry = self._entries().get(key)
+        entry = self._local.entries.get(key)
         return entry[1] if entry is not None and entry[0] is anchor else None
 
     def put(self, key, anchor, value) -> None:
