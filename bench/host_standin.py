@@ -384,8 +384,8 @@ def micro_rows(torch, calls: int) -> list:
         "torch.empty(8192, uint8) on the CPU": lambda: torch.empty(8192, dtype=torch.uint8),
     }
     if bound is not None:
-        blocks["a Numba pack's bound launch (12 pointer writes, the ctypes launch)"] = (
-            lambda: bound(5, addresses))
+        blocks[f"a Numba pack's bound launch ({len(bound.data)} pointer writes, the ctypes "
+               "launch)"] = lambda: bound(5, addresses)
     return [{"block": k, "us": min(timeit.repeat(fn, number=calls, repeat=5)) / calls * 1e6}
             for k, fn in blocks.items()]
 
