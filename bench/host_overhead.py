@@ -43,7 +43,9 @@ that cost is paid per layer and is not hidden when the GPU work is short.
   loop (one ``torch.cuda.synchronize()`` before it), outputs collected in a
   list (so no call frees the previous call's memory) and dropped after the
   loop; garbage collection off during the loop. The loop runs ``--repeats``
-  times; ``host_us`` is the median of the loop means (all kept in the JSON).
+  times, every op's loops in turns (a round runs one loop of each op), so a host whose
+  speed drifts moves all ops alike; ``host_us`` is the median of the loop means,
+  ``host_min_us`` the fastest (all kept in the JSON).
   The targets are checked against this number. ``wall_us`` adds the final
   sync to the loop (if it is far above ``host_us``, the GPU was the bound).
 * Large tensors (``--large``, default 8192x16384 = 2^27 elements, the codec
@@ -447,15 +449,52 @@ def warm_up(fn, n: int, sync):
     sync()
 
 
-def measure_small(fn, args, dev: Device) -> dict:
-    """Host time per call on a tensor whose GPU work is negligible."""
-    warm_up(fn, args.warmup, dev.sync)
-    loops = [timed_loop(fn, args.iters, dev.sync, keep=True) for _ in range(max(1, args.repeats))]
-    rec = {"host_us": statistics.median(h for h, _ in loops),
-           "host_loops_us": [h for h, _ in loops],
-           "wall_us": statistics.median(w for _, w in loops), "iters": args.iters}
-    rec.update(_gpu_stats(dev.gpu_times_us(fn, args.gpu_reps)))
-    return rec
+def _failed(exc, dev: Device) -> dict:
+    try:
+        dev.sync()
+    except Exception:  # noqa: BLE001 -- a sticky CUDA error: the next ops will say so
+        pass
+    return {"error": repr(exc)[:300], "traceback": traceback.format_exc(limit=4)[-1500:]}
+
+
+def measure_small_in_turns(fns, args, dev: Device, deadline: Deadline) -> list:
+    """Host time per call of ops whose GPU work is negligible: ``--repeats`` loops of
+    each, taken in turns (round ``r`` runs the ``r``-th loop of every op in order), so a
+    host whose speed drifts during the run moves every op's loops alike and the ops
+    stay comparable; then each op's GPU time. A record per op: an ``error`` where its
+    warm-up or a loop raised, ``skipped`` where the time ran out before its first loop."""
+    recs, live = [{} for _ in fns], []
+    for i, fn in enumerate(fns):
+        try:
+            warm_up(fn, args.warmup, dev.sync)
+            live.append(i)
+        except Exception as exc:  # noqa: BLE001 -- one op failing must not stop the others
+            recs[i] = _failed(exc, dev)
+    loops = {i: [] for i in live}
+    for _ in range(max(1, args.repeats)):
+        if deadline.passed():
+            break
+        for i in [i for i in live if "error" not in recs[i]]:
+            try:
+                loops[i].append(timed_loop(fns[i], args.iters, dev.sync, keep=True))
+            except Exception as exc:  # noqa: BLE001
+                recs[i] = _failed(exc, dev)
+    for i in live:
+        if "error" in recs[i]:
+            continue
+        if not loops[i]:
+            recs[i] = {"skipped": "time limit"}
+            continue
+        hosts = [h for h, _ in loops[i]]
+        rec = {"host_us": statistics.median(hosts), "host_min_us": min(hosts),
+               "host_loops_us": hosts, "wall_us": statistics.median(w for _, w in loops[i]),
+               "iters": args.iters}
+        try:
+            rec.update(_gpu_stats(dev.gpu_times_us(fns[i], args.gpu_reps)))
+        except Exception as exc:  # noqa: BLE001
+            rec = _failed(exc, dev)
+        recs[i] = rec
+    return recs
 
 
 def measure_large(fn, args, dev: Device) -> dict:
@@ -474,18 +513,14 @@ def _gpu_stats(times):
             "gpu_min_us": min(times), "gpu_reps": len(times)}
 
 
-def measure_case(fn, size: str, args, dev: Device, deadline: Deadline) -> dict:
-    """One op on one tensor: its numbers, or ``error`` / ``skipped``; never raises."""
+def measure_case(fn, args, dev: Device, deadline: Deadline) -> dict:
+    """One op on a large tensor: its numbers, or ``error`` / ``skipped``; never raises."""
     if deadline.passed():
         return {"skipped": "time limit"}
     try:
-        return (measure_small if size == "small" else measure_large)(fn, args, dev)
+        return measure_large(fn, args, dev)
     except Exception as exc:  # noqa: BLE001 -- one op failing must not stop the others
-        try:
-            dev.sync()
-        except Exception:  # noqa: BLE001 -- a sticky CUDA error: the next ops will say so
-            pass
-        return {"error": repr(exc)[:300], "traceback": traceback.format_exc(limit=4)[-1500:]}
+        return _failed(exc, dev)
 
 
 # --------------------------------------------------------------------------- #
@@ -506,6 +541,44 @@ def available_backends(bc, names):
 
 def shape_name(shape) -> str:
     return "x".join(str(s) for s in shape)
+
+
+def _build(base, backend, mode, build, res) -> dict:
+    """One group's ops by name (none where building them raised: the setup says why)."""
+    try:
+        cases, setup = build()
+    except Exception as exc:  # noqa: BLE001
+        cases, setup = {}, {"error": repr(exc)[:300]}
+    res["setup"].append({**base, "backend": backend, "mode": mode, **setup})
+    return cases
+
+
+def _add_row(res, base, backend, mode, name, rec) -> None:
+    res["rows"].append({**base, "op": name, "call": LABELS.get(name, name), "backend": backend,
+                        "mode": mode, "target_us": target_for(name), **rec})
+    print_row(res["rows"][-1])
+
+
+def _run_small(groups, base, args, dev, deadline, res) -> None:
+    """Every group's ops built first, their loops then taken in turns."""
+    built = [(backend, mode, name, fn) for backend, mode, build in groups
+             for name, fn in _build(base, backend, mode, build, res).items()]
+    recs = measure_small_in_turns([fn for *_, fn in built], args, dev, deadline)
+    for (backend, mode, name, _), rec in zip(built, recs):
+        _add_row(res, base, backend, mode, name, rec)
+
+
+def _run_large(groups, base, args, dev, deadline, res) -> None:
+    """One group at a time (its outputs are large), each op measured on its own."""
+    for backend, mode, build in groups:
+        if deadline.passed():
+            res["notes"].append(f"{shape_name(base['shape'])} {backend}/{mode} skipped: "
+                                "time limit")
+            continue
+        cases = _build(base, backend, mode, build, res)
+        for name, fn in cases.items():
+            _add_row(res, base, backend, mode, name, measure_case(fn, args, dev, deadline))
+        del cases
 
 
 def run_shape(bc, torch, dev, shape, size, backends, hook, args, deadline, res):
@@ -531,22 +604,7 @@ def run_shape(bc, torch, dev, shape, size, backends, hook, args, deadline, res):
         groups.append((HOOK_BACKEND, HOOK_MODE, lambda: (hook_cases(hook, torch, dev, shape), {})))
     if size == "small":
         groups.append((REFERENCE_BACKEND, "last", lambda: (reference_cases(torch, inp), {})))
-    for backend, mode, build in groups:
-        if deadline.passed():
-            res["notes"].append(f"{shape_name(shape)} {backend}/{mode} skipped: time limit")
-            continue
-        try:
-            cases, setup = build()
-        except Exception as exc:  # noqa: BLE001
-            cases, setup = {}, {"error": repr(exc)[:300]}
-        res["setup"].append({**base, "backend": backend, "mode": mode, **setup})
-        for name, fn in cases.items():
-            rec = measure_case(fn, size, args, dev, deadline)
-            res["rows"].append({**base, "op": name, "call": LABELS.get(name, name),
-                                "backend": backend, "mode": mode,
-                                "target_us": target_for(name), **rec})
-            print_row(res["rows"][-1])
-        del cases
+    (_run_small if size == "small" else _run_large)(groups, base, args, dev, deadline, res)
     del inp
     dev.release()
 
@@ -682,6 +740,14 @@ def _cell(r, fields):
     return " / ".join(_f(r.get(f)) for f in fields)
 
 
+def _host_cell(r) -> str:
+    """The median loop's host µs, the fastest loop's in brackets (where the run has it)."""
+    cell = _cell(r, ["host_us"])
+    if r is not None and r.get("host_min_us") is not None and "error" not in r:
+        cell += f" ({_f(r['host_min_us'])})"
+    return cell
+
+
 def write_markdown(res, path: Path):
     meta, cfg = res["meta"], res["config"]
     small = tuple(cfg["small"])
@@ -696,7 +762,8 @@ def write_markdown(res, path: Path):
              f"allocator, the library's defaults for torch data); `callable`: an int stream and "
              f"a Python allocator function returning torch uint8 tensors.", "",
              f"* small [{shape_name(small)}]: host = wall of a {cfg['iters']}-call loop / "
-             f"{cfg['iters']} (no sync inside, outputs kept), median of {cfg['repeats']} loops; "
+             f"{cfg['iters']} (no sync inside, outputs kept), median of {cfg['repeats']} loops "
+             f"taken in turns with every other op's (fastest in brackets); "
              f"GPU = CUDA events, mean of {cfg['gpu_reps']} calls. The targets are checked on "
              f"host.",
              f"* large: enqueue = {cfg['large_iters']}-call loop / {cfg['large_iters']} (host, "
@@ -719,7 +786,7 @@ def write_markdown(res, path: Path):
         state = met_state(rs)
         in_adds = (f"{rs['host_us'] / add:.1f}" if add and rs is not None
                    and rs.get("host_us") is not None else "-")
-        cells = [f"`{LABELS.get(op, op)}`", backend, mode, _cell(rs, ["host_us"]), in_adds,
+        cells = [f"`{LABELS.get(op, op)}`", backend, mode, _host_cell(rs), in_adds,
                  _cell(rs, ["gpu_us"]) if rs is not None and "host_us" in rs else "-"]
         cells += [_cell(idx.get((op, backend, mode, s)), ["enqueue_us", "wall_us", "gpu_us"])
                   for s in large]
