@@ -307,6 +307,18 @@ class _CompiledStandIn:
         self.sizes[id(dispatcher)] = sizes
 
 
+def _records_on_stand_ins(monkeypatch):
+    """The Numba backend module with kernels' handles and parameter sizes taken from
+    :class:`_CompiledStandIn` (records built and checked with no GPU); skips under the
+    simulator, where the backend runs _SimPlatform."""
+    backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
+    if backend.K.SIM:
+        pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
+    monkeypatch.setattr(L, "_function_handle", lambda kernel: id(kernel.dispatcher))
+    monkeypatch.setattr(L, "_param_sizes", lambda func: _CompiledStandIn.sizes[func])
+    return backend
+
+
 def _record_platform(backend, launched):
     """A _GpuPlatform on stand-in memory: allocations at fixed addresses, fills and
     launches written to ``launched`` (a launch as the record its arguments fill)."""
@@ -349,9 +361,7 @@ def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypa
     fixed capacity, the worst case of an exact pack (two blocks, its count to a pinned
     slot at a changing address), relu_pack with y, masked_pack; with k_finish (``fill_limit`` 0) and without (the default's, these
     packs being small). The run without records is the reference."""
-    backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
-    if backend.K.SIM:
-        pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
+    backend = _records_on_stand_ins(monkeypatch)
     from types import SimpleNamespace
 
     from bitsparse_core import dtypes as _dt
@@ -359,8 +369,6 @@ def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypa
     from bitsparse_core.backends.cuda.host import pack_plan
     from bitsparse_core.spec.format import Encoding
     K, dt = backend.K, _dt.BFLOAT16
-    monkeypatch.setattr(L, "_function_handle", lambda kernel: id(kernel.dispatcher))
-    monkeypatch.setattr(L, "_param_sizes", lambda func: _CompiledStandIn.sizes[func])
     variant = K.COMMITTED if fill_limit is None else K.PackVariant(fill_limit=fill_limit)
     be, shape, st = backend.NumbaBackend(variant), (3, 20001), (7, None, 0)
     numel = shape[0] * shape[1]
@@ -413,17 +421,13 @@ def test_unpack_family_launches_by_its_own_records_what_the_platform_would(monke
     under its own (op 3, u unpacked first), and an unpack whose chunks are larger than
     the kernel's tile (a scratch per call: never a record). The run without records is
     the reference."""
-    backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
-    if backend.K.SIM:
-        pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
+    backend = _records_on_stand_ins(monkeypatch)
     from types import SimpleNamespace
 
     from bitsparse_core import dtypes as _dt
     from bitsparse_core.spec.format import Encoding, cached_layout
     dt, shape, st = _dt.BFLOAT16, (3, 20001), (7, None, 0)
     numel = shape[0] * shape[1]
-    monkeypatch.setattr(L, "_function_handle", lambda kernel: id(kernel.dispatcher))
-    monkeypatch.setattr(L, "_param_sizes", lambda func: _CompiledStandIn.sizes[func])
     be = backend.NumbaBackend()
 
     def packed(base, enc, cap, chunk_log2=12, mask=None, offsets=None):
@@ -603,9 +607,7 @@ def test_fixed_packs_run_whole_by_one_object_what_the_steps_would(monkeypatch):
     pack (nosign, raw, signplane), relu_pack with y and masked_pack, with inputs at
     changing and differently aligned addresses. Calls the protocol treats apart never
     take it: ``capacity=True``, ``encoding="auto"``, another kernel variant."""
-    backend = pytest.importorskip("bitsparse_core.backends.numba.backend")
-    if backend.K.SIM:
-        pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
+    backend = _records_on_stand_ins(monkeypatch)
     from types import SimpleNamespace
 
     from bitsparse_core import dtypes as _dt
@@ -613,8 +615,6 @@ def test_fixed_packs_run_whole_by_one_object_what_the_steps_would(monkeypatch):
     from bitsparse_core.errors import CapacityError
     from bitsparse_core.spec.format import Encoding
     K, dt = backend.K, _dt.BFLOAT16
-    monkeypatch.setattr(L, "_function_handle", lambda kernel: id(kernel.dispatcher))
-    monkeypatch.setattr(L, "_param_sizes", lambda func: _CompiledStandIn.sizes[func])
     be, shape, st = backend.NumbaBackend(), (3, 20001), (7, None, 0)
 
     class DevBuf(_Buf):
@@ -687,6 +687,10 @@ def test_fixed_packs_run_whole_by_one_object_what_the_steps_would(monkeypatch):
     assert launched == reference
     assert made == ref_made
     # from the third turn of each alignment: nosign, raw, signplane, relu and masked
+    assert len(taken) == 5 * 2
+    other = backend.NumbaBackend(K.PackVariant(fill_limit=0))     # the same arguments
+    other._pack(platform([]), st, DevBuf(1 << 40), shape, dt, K.MODE_PACK, "nosign", 12, 9000,
+                None)
     assert len(taken) == 5 * 2
     kept = fixed_packs._entries()
     assert {k[3] for k in kept} == {"nosign", Encoding.RAW, "signplane", Encoding.SIGNPLANE}
