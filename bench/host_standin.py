@@ -36,7 +36,8 @@ call), driver calls per op by kind, and the parameter bytes the op's launches pa
 what the path's building blocks cost here (a ctypes write, a launch, a Python call: a
 slow host slows all of them, a slow path only its own); ``--module`` adds
 the packed ReLU² FFN module against dense, forward and backward, on the torch adapter's
-C++ path (its kernels and driver calls the stand-in's).
+C++ path (its kernels and driver calls the stand-in's); ``--hf`` a tiny transformers
+OPT, plain and converted (issue 16's ``bench_hf.py`` model), the same way.
 ``--variant numba:FIELD=VALUE`` builds the Numba backend with a ``PackVariant`` field
 changed. Writes ``host_standin.json`` / ``.md`` under ``--out`` when given.
 """
@@ -44,6 +45,7 @@ changed. Writes ``host_standin.json`` / ``.md`` under ``--out`` when given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import json
@@ -314,32 +316,57 @@ def param_bytes(fn) -> int:
     return sum(seen)
 
 
-def module_rows(torch, fake, repeats: int, calls: int, dims=(4, 16, 64)) -> list:
-    """Forward, and forward plus backward, of the GPT bench's dense ReLU² MLP and of its
-    ``PackedReLU2FFN`` on the torch adapter's C++ path (``native.emulate_on_host`` with
-    the stand-in's entry points; a pack writes its slot clean, so the backward takes the
-    clean branch), at sizes where the CPU's GEMMs cost about a microsecond: µs per call,
-    fastest of ``repeats`` loops. The C++ node's kernels do nothing, so the packed
-    backward's GEMMs read whatever memory the CPU allocator gives: only tiny sizes keep
-    that from showing."""
-    import bitsparse_core.torch as bst
+@contextlib.contextmanager
+def cxx_path(torch, fake):
+    """The torch adapter's C++ path on the stand-in (``native.emulate_on_host`` with the
+    stand-in's entry points: CPU tensors take it, its kernels and driver calls do
+    nothing; a pack writes its slot clean, so a backward takes the clean branch)."""
     from bitsparse_core.backends.cuda import host
     from bitsparse_core.torch import capacity as C
     from bitsparse_core.torch import native
-    tokens, d, ff = dims
     watch_pack_slots(fake)
     host.kernel = fake_kernel_handles()
     C.claim_slot = C.SLAB.acquire          # no CUDA graph capture to ask about
     native._handles.clear()
     host._RECORDS.__dict__.clear()
-    from module_host import DenseReLU2FFN
-    torch.manual_seed(0)
-    dense = DenseReLU2FFN(d, ff).to(torch.bfloat16)
     entry = [ctypes.cast(getattr(fake, n), ctypes.c_void_p).value
              for n in ("cuLaunchKernel", "cuLaunchCooperativeKernel", "cuMemsetD8Async",
                        "cuMemcpyDtoHAsync_v2", "cuGetErrorName")]
-    rows = []
     with native.emulate_on_host(entry):
+        yield
+
+
+def fastest_in_turns(fns: dict, repeats: int, calls: int) -> dict:
+    """µs per call of each of ``fns``: the fastest of ``repeats`` loops, taken in turns."""
+    for fn in fns.values():
+        loop_us(fn, 200)
+    loops = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            loops[k].append(loop_us(fn, calls))
+    return {k: min(v) for k, v in loops.items()}
+
+
+def _forward_backward_rows(fastest: dict, names) -> list:
+    rows = []
+    for name in names:
+        f, t = fastest[(name, "forward")], fastest[(name, "train")]
+        rows.append({"variant": name, "forward_us": f, "backward_us": t - f, "train_us": t})
+    return rows
+
+
+def module_rows(torch, fake, repeats: int, calls: int, dims=(4, 16, 64)) -> list:
+    """Forward, and forward plus backward, of the GPT bench's dense ReLU² MLP and of its
+    ``PackedReLU2FFN`` on the torch adapter's C++ path (:func:`cxx_path`), at sizes where
+    the CPU's GEMMs cost about a microsecond: µs per call, fastest of ``repeats`` loops.
+    The C++ node's kernels do nothing, so the packed backward's GEMMs read whatever
+    memory the CPU allocator gives: only tiny sizes keep that from showing."""
+    import bitsparse_core.torch as bst
+    tokens, d, ff = dims
+    from module_host import DenseReLU2FFN
+    torch.manual_seed(0)
+    dense = DenseReLU2FFN(d, ff).to(torch.bfloat16)
+    with cxx_path(torch, fake):
         packed = bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="nosign")
         x = torch.randn(tokens, d, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(tokens, d, dtype=torch.bfloat16)
@@ -347,18 +374,45 @@ def module_rows(torch, fake, repeats: int, calls: int, dims=(4, 16, 64)) -> list
         for name, m in (("dense", dense), ("packed-nosign", packed)):
             fns[(name, "forward")] = lambda m=m: m(x)
             fns[(name, "train")] = lambda m=m: m(x).backward(g)
-        for fn in fns.values():
-            loop_us(fn, 200)
-        loops = {k: [] for k in fns}
-        for _ in range(repeats):
-            for k, fn in fns.items():
-                loops[k].append(loop_us(fn, calls))
+        fastest = fastest_in_turns(fns, repeats, calls)
         if packed.stats()["recomputes"]:
             raise RuntimeError("the packed backward recomputed: the stand-in's slot did not land")
-    for name in ("dense", "packed-nosign"):
-        f, t = min(loops[(name, "forward")]), min(loops[(name, "train")])
-        rows.append({"variant": name, "forward_us": f, "backward_us": t - f, "train_us": t})
-    return rows
+    return _forward_backward_rows(fastest, ("dense", "packed-nosign"))
+
+
+def hf_rows(torch, fake, repeats: int, calls: int, dims=(2, 16, 64, 8)) -> list:
+    """bench_hf.py's model at a tiny size (``transformers.OPTForCausalLM`` from a config:
+    ReLU FFN, SDPA, bf16; ``dims`` = layers, d, d_ff, tokens), plain and converted
+    (``bitsparse_core.torch.convert``), forward and forward plus backward of the sum of
+    the logits on the C++ path (:func:`cxx_path`): what conversion adds to a step's host
+    time, µs per call, fastest of ``repeats`` loops taken in turns."""
+    import copy
+
+    import bitsparse_core.torch as bst
+    from transformers import OPTConfig, OPTForCausalLM
+    layers, d, ff, seq = dims
+    cfg = OPTConfig(vocab_size=64, hidden_size=d, word_embed_proj_dim=d, num_hidden_layers=layers,
+                    ffn_dim=ff, num_attention_heads=2, max_position_embeddings=seq,
+                    activation_function="relu", dropout=0.0, attention_dropout=0.0,
+                    activation_dropout=0.0, layerdrop=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    plain = OPTForCausalLM(cfg).to(torch.bfloat16)
+    converted = copy.deepcopy(plain)
+    ids = torch.randint(0, 64, (1, seq))
+    with cxx_path(torch, fake):
+        report = bst.convert(converted)
+        if len(report.replaced) != layers:
+            raise RuntimeError(f"convert() converted nothing: {report}")
+        fns = {}
+        for name, m in (("plain", plain), ("converted", converted)):
+            fns[(name, "forward")] = lambda m=m: m(input_ids=ids, use_cache=False).logits
+            fns[(name, "train")] = (
+                lambda m=m: m(input_ids=ids, use_cache=False).logits.float().sum().backward())
+        fastest = fastest_in_turns(fns, repeats, calls)
+        from bitsparse_core.torch.convert import packed_modules
+        if any(m.stats()["recomputes"] for m in packed_modules(converted).values()):
+            raise RuntimeError("a converted backward recomputed: the stand-in's slot did not land")
+    return _forward_backward_rows(fastest, ("plain", "converted"))
 
 
 def micro_rows(torch, calls: int) -> list:
@@ -421,6 +475,8 @@ def main(argv=None) -> int:
                     help="also the building blocks' costs (a ctypes write, a launch, ...)")
     ap.add_argument("--module", action="store_true",
                     help="also the packed ReLU² FFN module against dense on the C++ path")
+    ap.add_argument("--hf", action="store_true",
+                    help="also a tiny transformers OPT, plain and converted, on the C++ path")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
@@ -428,6 +484,9 @@ def main(argv=None) -> int:
     fake = build_fake_driver(tmp)
     import torch
     install(torch)
+    # the module rows' GEMMs stand in for the GPU's: one thread, so no OpenMP hand-off
+    # (a few µs a GEMM here) is counted as host time
+    torch.set_num_threads(1)
     import bitsparse_core as bc
     from bitsparse_core.backends import registry
     from bitsparse_core.backends.numba import backend as nb
@@ -496,6 +555,13 @@ def main(argv=None) -> int:
                   "| variant | forward | backward | forward + backward |", "|---|---|---|---|"]
         lines += [f"| {r['variant']} | {r['forward_us']:.2f} | {r['backward_us']:.2f} | "
                   f"{r['train_us']:.2f} |" for r in res["module"]]
+    if args.hf:
+        res["hf"] = hf_rows(torch, fake, args.repeats, args.calls // 10)
+        lines += ["", "A tiny OPT (transformers; 2 layers, d 16, d_ff 64, 8 tokens, bf16), plain "
+                  "and converted, on the torch adapter's C++ path, µs per call:", "",
+                  "| variant | forward | backward | forward + backward |", "|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['forward_us']:.2f} | {r['backward_us']:.2f} | "
+                  f"{r['train_us']:.2f} |" for r in res["hf"]]
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)

@@ -45,13 +45,23 @@ def test_every_op_runs_with_the_driver_calls_it_makes(tmp_path):
                     reason="no C / C++ compiler for the stand-in driver and the extension")
 def test_module_rows_run_the_packed_ffn_through_the_cpp_path(tmp_path):
     """--module: the packed FFN's forward and backward on the C++ path with the stand-in's
-    entry points (its packs' slots written clean, so no recompute), beside dense."""
+    entry points (its packs' slots written clean, so no recompute), beside dense; --hf
+    (where transformers is installed): a tiny OPT, plain and converted, the same way."""
+    try:
+        import transformers  # noqa: F401
+        hf = ["--hf"]
+    except ImportError:
+        hf = []
     cmd = [sys.executable, str(ROOT / "bench" / "host_standin.py"), "--calls", "40",
-           "--repeats", "1", "--module", "--backends", "cupy", "--out", str(tmp_path)]
+           "--repeats", "1", "--module", *hf, "--backends", "cupy", "--out", str(tmp_path)]
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads((tmp_path / "host_standin.json").read_text())["module"]
+    res = json.loads((tmp_path / "host_standin.json").read_text())
+    rows = res["module"]
     assert [r["variant"] for r in rows] == ["dense", "packed-nosign"]
     # times are reported, never asserted
     assert all(r[k] > 0 for r in rows for k in ("forward_us", "train_us"))
+    if hf:
+        assert [r["variant"] for r in res["hf"]] == ["plain", "converted"]
+        assert all(r[k] > 0 for r in res["hf"] for k in ("forward_us", "train_us"))
