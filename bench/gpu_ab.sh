@@ -3,9 +3,10 @@
 # the GPU tests and sanitizers on the tree as it is, the A/B runs of the prepared
 # compile-time switches and Numba variants, and the codec / fused-op benches.
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
-#   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver codecs exact
-#   fused (exact: profile_exact.py, the Python steps after the count against the native ones;
-#   driver: driver_cost.py, the driver's calls and their share of each op)
+#   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver host codecs
+#   exact fused (exact: profile_exact.py, the Python steps after the count against the native
+#   ones; driver: driver_cost.py, the driver's calls and their share of each op; host:
+#   host_overhead.py on the small tensor and host_standin.py --micro on this host)
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
@@ -16,7 +17,7 @@ set -u
 OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT" /tmp/gpu_ab
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab driver codecs exact fused}
+PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab driver host codecs exact fused}
 CUPY_AB=${CUPY_AB:-"base||"}
 NUMBA_AB=${NUMBA_AB:-"|warp_redux=1|unpack_prefetch=1"}
 t0=$(date +%s)
@@ -83,6 +84,17 @@ if has driver; then
       >/tmp/gpu_ab/driver.log 2>&1 || tail -5 /tmp/gpu_ab/driver.log
   grep -E "^\|" "$OUT"/driver/driver_cost.md | head -40
   say "driver"
+fi
+if has host; then
+  # issue 14's host times (both modes, small tensor only: the loops in turns) and the
+  # stand-in on this host, with its building blocks, to read them against
+  timeout 200 python3 bench/host_overhead.py --backends cupy,numba --large '' \
+      --out "$OUT/host" >/tmp/gpu_ab/host.log 2>&1 || tail -5 /tmp/gpu_ab/host.log
+  grep -E "^\|" "$OUT"/host/host_overhead.md | head -40
+  timeout 150 python3 bench/host_standin.py --micro --out "$OUT/standin" \
+      >/tmp/gpu_ab/standin.log 2>&1 || tail -5 /tmp/gpu_ab/standin.log
+  grep -E "^\|" "$OUT"/standin/host_standin.md | head -30
+  say "host"
 fi
 if has codecs; then
   timeout 200 python3 bench/bench_codecs.py --backends cupy,numba --numel 117440512 --reps 10 --no-nvcomp \
