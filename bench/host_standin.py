@@ -355,6 +355,14 @@ def _forward_backward_rows(fastest: dict, names) -> list:
     return rows
 
 
+def _forward_backward_table(title: str, rows) -> list:
+    """Markdown lines of :func:`_forward_backward_rows`' rows under ``title``."""
+    return (["", f"{title}, µs per call:", "",
+             "| variant | forward | backward | forward + backward |", "|---|---|---|---|"]
+            + [f"| {r['variant']} | {r['forward_us']:.2f} | {r['backward_us']:.2f} | "
+               f"{r['train_us']:.2f} |" for r in rows])
+
+
 def module_rows(torch, fake, repeats: int, calls: int, dims=(4, 16, 64)) -> list:
     """Forward, and forward plus backward, of the GPT bench's dense ReLU² MLP and of its
     ``PackedReLU2FFN`` on the torch adapter's C++ path (:func:`cxx_path`), at sizes where
@@ -550,18 +558,14 @@ def main(argv=None) -> int:
         lines += [f"| {r['block']} | {r['us']:.3f} |" for r in res["micro"]]
     if args.module:
         res["module"] = module_rows(torch, fake, args.repeats, args.calls // 4)
-        lines += ["", "The packed ReLU² FFN against dense on the torch adapter's C++ path (4 tokens, "
-                  "d 16, d_ff 64, bf16), µs per call:", "",
-                  "| variant | forward | backward | forward + backward |", "|---|---|---|---|"]
-        lines += [f"| {r['variant']} | {r['forward_us']:.2f} | {r['backward_us']:.2f} | "
-                  f"{r['train_us']:.2f} |" for r in res["module"]]
+        lines += _forward_backward_table(
+            "The packed ReLU² FFN against dense on the torch adapter's C++ path (4 tokens, "
+            "d 16, d_ff 64, bf16)", res["module"])
     if args.hf:
         res["hf"] = hf_rows(torch, fake, args.repeats, args.calls // 10)
-        lines += ["", "A tiny OPT (transformers; 2 layers, d 16, d_ff 64, 8 tokens, bf16), plain "
-                  "and converted, on the torch adapter's C++ path, µs per call:", "",
-                  "| variant | forward | backward | forward + backward |", "|---|---|---|---|"]
-        lines += [f"| {r['variant']} | {r['forward_us']:.2f} | {r['backward_us']:.2f} | "
-                  f"{r['train_us']:.2f} |" for r in res["hf"]]
+        lines += _forward_backward_table(
+            "A tiny OPT (transformers; 2 layers, d 16, d_ff 64, 8 tokens, bf16), plain and "
+            "converted, on the torch adapter's C++ path", res["hf"])
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)
