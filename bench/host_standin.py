@@ -410,7 +410,8 @@ def hf_rows(torch, fake, repeats: int, calls: int, dims=(2, 16, 64, 8)) -> list:
     with cxx_path(torch, fake):
         report = bst.convert(converted)
         if len(report.replaced) != layers:
-            raise RuntimeError(f"convert() converted nothing: {report}")
+            raise RuntimeError(f"convert() replaced {len(report.replaced)} of {layers} layers: "
+                               f"{report}")
         fns = {}
         for name, m in (("plain", plain), ("converted", converted)):
             fns[(name, "forward")] = lambda m=m: m(input_ids=ids, use_cache=False).logits
