@@ -515,13 +515,12 @@ class _GpuPlatform:
     # A stream is (raw handle, numba Stream, device): the context current in the entry
     # point fixes the device, so it is asked for once per call.
     def stream(self, stream):
-        h = stream if type(stream) is int and stream >= 0 else self.ci.stream_handle(stream)
+        h = self.ci.stream_handle(stream)
         ns = self._streams.get(h)
         if ns is None:
             ns = self.cuda.external_stream(h) if h else self.cuda.default_stream()
             self._streams[h] = ns
-        dev = getattr(_ENTRY, "device", None)
-        return h, ns, self._dev() if dev is None else dev
+        return h, ns, self._dev()
 
     def device(self, st):
         return ("cuda", st[2])
@@ -710,9 +709,8 @@ class NumbaBackend:
     def _planes(P, p) -> tuple:
         """p's (mask, offsets, values, signs) as buffers the views and launch records
         take (:meth:`_GpuPlatform.import_plane`), each imported once per call."""
-        imp = P.import_plane
-        return tuple([pl if type(pl) is DevicePlane else imp(pl)
-                      for pl in (p.mask, p.offsets, p.values, p.signs)])
+        return (P.import_plane(p.mask), P.import_plane(p.offsets), P.import_plane(p.values),
+                P.import_plane(p.signs))
 
     @staticmethod
     def _plane_views(P, buf, nbytes):
