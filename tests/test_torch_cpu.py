@@ -821,6 +821,50 @@ def test_from_dense_shares_parameters_and_state_dict_matches():
     assert torch.equal(fresh(x), m(x)) and torch.equal(m(x), fc2(torch.relu(fc1(x))))
 
 
+def test_modules_read_the_linears_parameters_as_their_attributes_give_them():
+    """The modules read a plain nn.Linear's parameters from its parameter dict (the fast
+    read); a parametrized linear, a subclass and a weight put in the instance dict are
+    read by attribute, so the packed FFN computes with what ``lin.weight`` gives."""
+    import torch.nn.utils.parametrize as P
+    from bitsparse_core.torch.modules import linear_params
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    plain, nobias = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16, bias=False)
+    assert linear_params(plain) == (plain.weight, plain.bias)
+    assert linear_params(nobias)[1] is None
+    param = torch.nn.Linear(8, 16)
+    P.register_parametrization(param, "weight", Doubled())
+    assert torch.equal(linear_params(param)[0], 2 * param.parametrizations.weight.original)
+    shadowed = torch.nn.Linear(8, 16)
+    view = torch.zeros(16, 8)
+    object.__setattr__(shadowed, "weight", view)   # as a wrapper's unsharded view
+    assert linear_params(shadowed)[0] is view
+
+    class Scaled(torch.nn.Linear):
+        pass
+
+    sub = Scaled(8, 16)
+    Scaled.bias = property(lambda self: self._parameters["bias"] * 3)
+    assert torch.equal(linear_params(sub)[1], 3 * sub._parameters["bias"])
+
+    fc2 = torch.nn.Linear(16, 8)
+    m = PackedReLUFFN.from_dense(param, fc2, encoding="raw")
+    x = torch.randn(5, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    got, want = m(x), fc2(torch.relu(param(x2)))
+    assert torch.equal(got, want)
+    got.square().sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    for p in m.parameters():
+        p.grad = None
+    want.square().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, m.parameters()))
+    assert torch.equal(x.grad, x2.grad)
+
+
 def test_grad_only_for_what_needs_it():
     """Frozen weights and inputs without grad: backward computes just what is asked."""
     a = torch.randn(6, 16, requires_grad=True)

@@ -36,7 +36,7 @@ from typing import Callable
 from torch import nn
 
 from ._bridge import TORCH_TO_BS
-from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN
+from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN, linear_params
 
 __all__ = ["convert", "register_rule", "unregister_rule", "Rule", "Skip", "ConvertReport", "PackedBlock",
            "RULES", "packed_modules"]
@@ -109,9 +109,10 @@ def _packable(*linears) -> bool:
     dtype = None
     for lin in linears:
         if lin is not None:
+            w = linear_params(lin)[0]
             if dtype is None:
-                dtype = lin.weight.dtype
-            elif lin.weight.dtype != dtype:
+                dtype = w.dtype
+            elif w.dtype != dtype:
                 return False
     return dtype in TORCH_TO_BS
 
@@ -280,7 +281,8 @@ def _inline_class(cls):
 
     def forward(self, *args, **kwargs):
         d = self.__dict__
-        if not _packable(self.fc1, self.fc2):
+        linears = d["_modules"]   # not self.fc1: shadowed while a call is in this forward
+        if not _packable(linears["fc1"], linears["fc2"]):
             return original(self, *args, **kwargs)
         stand_in = _StandIn(d["_bitsparse_packed"])
         saved = [(k, d[k]) for k in _SHADOWED if k in d]   # re-entered, or plain attributes

@@ -165,6 +165,20 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     return out
 
 
+def _module_call(a, weight, bias, x, w1, b1, square, encoding, policy):
+    """:func:`relu_linear`'s C++ path for the call a module makes in plain eager (its own
+    policy, no autocast, no offload, backend ``"auto"``) with only the checks that call
+    needs; None where anything else applies (the caller then takes :func:`relu_linear`,
+    every check included). Its Python is per layer on a host-paced step's critical path."""
+    enc = _ENCODING_IDS.get(encoding) if type(encoding) is str else None
+    args = (a, weight, bias, x, w1, b1)
+    if (enc is None or _traced() or not _no_modes(args, 6) or a.layout != torch.strided
+            or a.dtype not in B.TORCH_TO_BS or not a.is_contiguous()):
+        return None
+    return _native.relu_linear(a, weight, bias, x, w1, b1, policy.capacity(a.numel()),
+                               bool(square), enc, None, policy, None)
+
+
 def _traced() -> bool:
     """Under torch.compile or a torch.func transform (Function.apply's full path)."""
     return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
@@ -420,7 +434,13 @@ def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign
         # The casts autocast's linear would make, made explicitly so the recompute
         # sees exactly the tensors the first GEMM used (and saves nothing new).
         x, w1, b1 = _autocast(x, mm), _autocast(w1, mm), _autocast(b1, mm)
-    a, = _linear_outside_autocast(mm, (x, w1, b1))
+        a, = _linear_outside_autocast(mm, (x, w1, b1))
+    else:
+        a = F.linear(x, w1, b1)
+        if policy is not None and offload is None and backend == "auto":
+            out = _module_call(a, w2, b2, x, w1, b1, square, encoding, policy)
+            if out is not None:
+                return out
     return relu_linear(a, w2, b2, square=square, encoding=encoding, density=density,
                        policy=policy, recompute=(x, w1, b1), backend=backend, offload=offload)
 
