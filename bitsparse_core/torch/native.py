@@ -64,7 +64,7 @@ ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2", "slot")
 _lock = threading.Lock()
 _off = 0                   # depth of python_path() blocks
 _built: dict = {}          # "module" / "error", once tried
-_cuda_ready = False
+_cuda = None               # the extension once cuda_module() handed it the CUDA driver
 _plans: dict = {}          # handle -> PackPlan (what the backward's state call needs)
 _handles: dict = {}        # (square, shape, dtype, capacity, encoding, device) -> handle or None
 
@@ -88,7 +88,7 @@ def emulate_on_host(entry_points):
     :meth:`set_driver` takes: five C function addresses) standing in for the CUDA driver:
     the tests' emulation, whose "kernels" run the NumPy reference on host memory, so
     that CI (no GPU) runs the C++ autograd node end to end."""
-    global _emulation, _cuda_ready
+    global _emulation, _cuda
     mod = module()
     if mod is None:
         raise RuntimeError(f"the C++ host path is not built: {_built.get('error')}")
@@ -98,7 +98,7 @@ def emulate_on_host(entry_points):
     _forget_handles(mod)   # plans of an earlier driver name kernels this one does not know
     mod.register_kernels("CPU")
     # the CUDA entry points are handed over again on the next CUDA call
-    _emulation, _cuda_ready = mod, False
+    _emulation, _cuda = mod, None
     try:
         yield mod
     finally:
@@ -194,12 +194,14 @@ def build_error():
 
 def cuda_module():
     """:func:`module` with the CUDA driver's entry points handed over, or None."""
-    global _cuda_ready
+    global _cuda
+    if _cuda is not None:
+        return _cuda
     mod = module()
-    if mod is None or _cuda_ready:
-        return mod
+    if mod is None:
+        return None
     with _lock:
-        if not _cuda_ready:
+        if _cuda is None:
             lib = host.driver.lib()
             addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value   # noqa: E731
             mod.set_driver(addr(lib.cuLaunchKernel), addr(lib.cuLaunchCooperativeKernel),
@@ -215,7 +217,7 @@ def cuda_module():
             mod.register_kernels("CUDA")
             _ops.CUDA_KERNELS.update(relu_linear=mod.relu_linear_kernel,
                                      relu_linear_backward=mod.relu_linear_backward_kernel)
-            _cuda_ready = True
+            _cuda = mod
     return mod
 
 
@@ -379,7 +381,7 @@ def _module_for(t: torch.Tensor):
         return None
     if not t.is_cuda:       # only a test's host emulation gets here (see emulate_on_host)
         return _emulation
-    return cuda_module()
+    return _cuda or cuda_module()
 
 
 def _handle(mod, square: bool, shape, dtype, capacity: int, encoding: int, device: int):
