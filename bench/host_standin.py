@@ -39,7 +39,11 @@ the packed ReLU² FFN module against dense, forward and backward, on the torch a
 C++ path (its kernels and driver calls the stand-in's); ``--hf`` a tiny transformers
 OPT, plain and converted (issue 16's ``bench_hf.py`` model), the same way.
 ``--variant numba:FIELD=VALUE`` builds the Numba backend with a ``PackVariant`` field
-changed. Writes ``host_standin.json`` / ``.md`` under ``--out`` when given.
+changed. The C++ path's rows allocate CPU tensors where the device would take its
+caching allocator's blocks; under glibc's ``malloc`` those allocations cost microseconds
+that vary with the heap (``malloc_consolidate``, ``memalign``), so run them with a
+caching ``malloc`` preloaded where one is at hand (``LD_PRELOAD=.../libjemalloc.so.2``);
+the header names the ``malloc`` the run had. Writes ``host_standin.json`` / ``.md`` under ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import argparse
 import contextlib
 import ctypes
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -405,21 +410,29 @@ def hf_rows(torch, fake, repeats: int, calls: int, dims=(2, 16, 64, 8)) -> list:
                     activation_dropout=0.0, layerdrop=0.0, attn_implementation="sdpa")
     torch.manual_seed(0)
     plain = OPTForCausalLM(cfg).to(torch.bfloat16)
-    converted = copy.deepcopy(plain)
     ids = torch.randint(0, 64, (1, seq))
     with cxx_path(torch, fake):
-        report = bst.convert(converted)
-        if len(report.replaced) != layers:
-            raise RuntimeError(f"convert() replaced {len(report.replaced)} of {layers} layers: "
-                               f"{report}")
+        # a model of its own for each loop: one that trains in turns with the forward
+        # loop changes what that forward costs (its parameters' gradients, its packs'
+        # policy), by ~5 % on this CPU (bench/NOTES.md, session 44)
+        models = {}
+        for name, use in itertools.product(("plain", "converted"), ("forward", "train")):
+            m = models[(name, use)] = copy.deepcopy(plain)
+            if name == "converted":
+                report = bst.convert(m)
+                if len(report.replaced) != layers:
+                    raise RuntimeError(f"convert() replaced {len(report.replaced)} of {layers} "
+                                       f"layers: {report}")
         fns = {}
-        for name, m in (("plain", plain), ("converted", converted)):
-            fns[(name, "forward")] = lambda m=m: m(input_ids=ids, use_cache=False).logits
-            fns[(name, "train")] = (
-                lambda m=m: m(input_ids=ids, use_cache=False).logits.float().sum().backward())
+        for (name, use), m in models.items():
+            fns[(name, use)] = ((lambda m=m: m(input_ids=ids, use_cache=False).logits)
+                                if use == "forward" else
+                                (lambda m=m: m(input_ids=ids, use_cache=False).logits.float()
+                                 .sum().backward()))
         fastest = fastest_in_turns(fns, repeats, calls)
         from bitsparse_core.torch.convert import packed_modules
-        if any(m.stats()["recomputes"] for m in packed_modules(converted).values()):
+        if any(p.stats()["recomputes"] for use in ("forward", "train")
+               for p in packed_modules(models[("converted", use)]).values()):
             raise RuntimeError("a converted backward recomputed: the stand-in's slot did not land")
     return _forward_backward_rows(fastest, ("plain", "converted"))
 
@@ -451,6 +464,15 @@ def micro_rows(torch, calls: int) -> list:
                "launch)"] = lambda: bound(5, addresses)
     return [{"block": k, "us": min(timeit.repeat(fn, number=calls, repeat=5)) / calls * 1e6}
             for k, fn in blocks.items()]
+
+
+def _malloc() -> str:
+    """The ``malloc`` this process runs on: a preloaded jemalloc or tcmalloc, else glibc's."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    return next((name for name in ("jemalloc", "tcmalloc") if name in maps), "glibc")
 
 
 def _commit() -> str:
@@ -539,10 +561,11 @@ def main(argv=None) -> int:
         r["us"] = min(r["loops_us"])
     res = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "shape": list(shape), "calls": args.calls, "repeats": args.repeats,
-           "variant": args.variant, "torch_add_us": min(add), "rows": rows,
+           "variant": args.variant, "torch_add_us": min(add), "rows": rows, "malloc": _malloc(),
            "commit": _commit()}
     lines = [f"stand-in host µs per call ({args.shape} bf16; fastest of {args.repeats} loops of "
-             f"{args.calls}; torch x + x {min(add):.2f} µs on this CPU)", "",
+             f"{args.calls}; torch x + x {min(add):.2f} µs on this CPU; {res['malloc']} malloc)",
+             "",
              "| op | " + " | ".join(f"{b} µs" for b in backends)
              + " | " + " | ".join(f"{b} driver calls" for b in backends)
              + " | " + " | ".join(f"{b} param bytes" for b in backends) + " |",

@@ -37,6 +37,7 @@ def test_every_op_runs_with_the_driver_calls_it_makes(tmp_path):
         assert calls == want, (backend, op, calls)
         assert r["us"] > 0 and r["param_bytes"] > 0
     assert "| masked_pack |" in (tmp_path / "host_standin.md").read_text()
+    assert res["malloc"] in ("glibc", "jemalloc", "tcmalloc", "unknown")
     blocks = {r["block"] for r in res["micro"]}
     assert "a Python call" in blocks and any("bound launch" in b for b in blocks)
 
