@@ -4,9 +4,11 @@
 # compile-time switches and Numba variants, and the codec / fused-op benches.
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
 #   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver host codecs
-#   exact fused (exact: profile_exact.py, the Python steps after the count against the native
-#   ones; driver: driver_cost.py, the driver's calls and their share of each op; host:
-#   host_overhead.py on the small tensor and host_standin.py --micro on this host)
+#   exact fused train hf (exact: profile_exact.py, the Python steps after the count against
+#   the native ones; driver: driver_cost.py, the driver's calls and their share of each op;
+#   host: host_overhead.py on the small tensor and host_standin.py --micro on this host;
+#   train: issue 15's gpt12 step, every variant its targets name, in interleaved turns;
+#   hf: issue 16's OPT step, plain / converted / hooks, in interleaved turns)
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
@@ -17,7 +19,7 @@ set -u
 OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT" /tmp/gpu_ab
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab driver host codecs exact fused}
+PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab driver host codecs exact fused train hf}
 CUPY_AB=${CUPY_AB:-"base||"}
 NUMBA_AB=${NUMBA_AB:-"|warp_redux=1|unpack_prefetch=1"}
 t0=$(date +%s)
@@ -115,6 +117,19 @@ if has fused; then
       || tail -5 /tmp/gpu_ab/fused.log
   grep -E "^\|" "$OUT"/fused/*.md | head -20
   say "fused"
+fi
+if has train; then
+  timeout 300 python3 bench/train_gpt.py --preset gpt12 --interleave 12 --time-limit 280 \
+      --variants dense,checkpoint,ours-nosign,dense-compiled,ours-compiled --out "$OUT/train" \
+      >/tmp/gpu_ab/train.log 2>&1 || tail -5 /tmp/gpu_ab/train.log
+  grep -A10 "^## Interleaved" "$OUT"/train/train_gpt.md | grep -E "^\|" | head -9
+  say "train"
+fi
+if has hf; then
+  timeout 260 python3 bench/bench_hf.py --variants plain,converted,hooks --interleave 40 \
+      --steps 10 --time-limit 240 --out "$OUT/hf" >/tmp/gpu_ab/hf.log 2>&1 || tail -5 /tmp/gpu_ab/hf.log
+  grep -A9 "^## Interleaved" "$OUT"/hf/bench_hf.md | grep -E "^\|" | head -8
+  say "hf"
 fi
 # one archive comes back whole however many files the parts wrote
 cp -r /tmp/gpu_ab "$OUT/raw_logs"
