@@ -15,6 +15,9 @@ from .functional import _check_encoding, gated_relu_ffn, relu_ffn
 from .offload import resolve as resolve_offload
 
 
+_LINEAR = nn.Linear
+
+
 def linear_params(lin: nn.Module):
     """``(lin.weight, lin.bias)``, read from the parameter dict where that is what the two
     attributes give: a plain ``nn.Linear`` (a parametrized or FSDP-sharded one has a class
@@ -26,9 +29,6 @@ def linear_params(lin: nn.Module):
         if "weight" in p and "bias" in p and "weight" not in d and "bias" not in d:
             return p["weight"], p["bias"]
     return lin.weight, lin.bias
-
-
-_LINEAR = nn.Linear
 
 
 class _PackedFFN(nn.Module):
@@ -101,11 +101,12 @@ class PackedReGLUFFN(_PackedFFN):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (wg, bg), (wu, bu), (w2, b2) = (linear_params(self.gate_proj), linear_params(self.up_proj),
+        (wg, bg), (wu, bu), (w2, b2) = (linear_params(self.gate_proj),
+                                        linear_params(self.up_proj),
                                         linear_params(self.down_proj))
-        return gated_relu_ffn(x, wg, bg, wu, bu, w2, b2, encoding=self.encoding, u_encoding=self.u_encoding,
-                              policy=self.capacity_policy, backend=self.backend,
-                              offload=self.offload)
+        return gated_relu_ffn(x, wg, bg, wu, bu, w2, b2, encoding=self.encoding,
+                              u_encoding=self.u_encoding, policy=self.capacity_policy,
+                              backend=self.backend, offload=self.offload)
 
     @classmethod
     def from_dense(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, *,
