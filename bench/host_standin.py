@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import ctypes
 import datetime
 import itertools
@@ -380,15 +381,17 @@ def module_rows(torch, fake, repeats: int, calls: int, dims=(4, 16, 64)) -> list
     torch.manual_seed(0)
     dense = DenseReLU2FFN(d, ff).to(torch.bfloat16)
     with cxx_path(torch, fake):
-        packed = bst.PackedReLU2FFN.from_dense(dense.fc1, dense.fc2, encoding="nosign")
         x = torch.randn(tokens, d, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(tokens, d, dtype=torch.bfloat16)
-        fns = {}
-        for name, m in (("dense", dense), ("packed-nosign", packed)):
-            fns[(name, "forward")] = lambda m=m: m(x)
-            fns[(name, "train")] = lambda m=m: m(x).backward(g)
+        fns, packed = {}, []
+        for use in ("forward", "train"):   # a module of its own per loop, as in hf_rows
+            m = copy.deepcopy(dense)
+            packed.append(bst.PackedReLU2FFN.from_dense(m.fc1, m.fc2, encoding="nosign"))
+            for name, mod in (("dense", m), ("packed-nosign", packed[-1])):
+                fns[(name, use)] = ((lambda mod=mod: mod(x)) if use == "forward" else
+                                    (lambda mod=mod: mod(x).backward(g)))
         fastest = fastest_in_turns(fns, repeats, calls)
-        if packed.stats()["recomputes"]:
+        if any(p.stats()["recomputes"] for p in packed):
             raise RuntimeError("the packed backward recomputed: the stand-in's slot did not land")
     return _forward_backward_rows(fastest, ("dense", "packed-nosign"))
 
@@ -399,8 +402,6 @@ def hf_rows(torch, fake, repeats: int, calls: int, dims=(2, 16, 64, 8)) -> list:
     (``bitsparse_core.torch.convert``), forward and forward plus backward of the sum of
     the logits on the C++ path (:func:`cxx_path`): what conversion adds to a step's host
     time, µs per call, fastest of ``repeats`` loops taken in turns."""
-    import copy
-
     import bitsparse_core.torch as bst
     from transformers import OPTConfig, OPTForCausalLM
     layers, d, ff, seq = dims
