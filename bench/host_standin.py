@@ -43,7 +43,8 @@ changed. The C++ path's rows allocate CPU tensors where the device would take it
 caching allocator's blocks; under glibc's ``malloc`` those allocations cost microseconds
 that vary with the heap (``malloc_consolidate``, ``memalign``), so run them with a
 caching ``malloc`` preloaded where one is at hand (``LD_PRELOAD=.../libjemalloc.so.2``);
-the header names the ``malloc`` the run had. Writes ``host_standin.json`` / ``.md`` under ``--out`` when given.
+the header names the ``malloc`` the run had. Writes ``host_standin.json`` / ``.md``
+under ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -413,9 +414,8 @@ def hf_rows(torch, fake, repeats: int, calls: int, dims=(2, 16, 64, 8)) -> list:
     plain = OPTForCausalLM(cfg).to(torch.bfloat16)
     ids = torch.randint(0, 64, (1, seq))
     with cxx_path(torch, fake):
-        # a model of its own for each loop: one that trains in turns with the forward
-        # loop changes what that forward costs (its parameters' gradients, its packs'
-        # policy), by ~5 % on this CPU (bench/NOTES.md, session 44)
+        # a model of its own for each loop: a model that trains in turns with its forward
+        # loop makes that forward ~5 % slower on this CPU (bench/NOTES.md, session 44)
         models = {}
         for name, use in itertools.product(("plain", "converted"), ("forward", "train")):
             m = models[(name, use)] = copy.deepcopy(plain)
