@@ -552,6 +552,41 @@ def test_emulated_native_computes_only_the_gradients_asked_for(emulated, frozen)
     assert all(torch.equal(a, b) for a, b in zip(gots, wants))
 
 
+def test_emulated_module_call_under_a_dispatch_mode_goes_through_the_dispatcher(emulated):
+    """A module's direct call of the C++ path is for plain eager only: under a dispatch mode
+    the call goes through torch.ops, so the mode sees ``bitsparse.relu_linear``; the
+    results are the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch_models import make_pair
+    _, ours = make_pair("relu2", "nosign", d=16, f=64, layers=1)
+    blk = ours.blocks[0]
+    x = torch.randn(24, 16)
+    eager = blk(x)
+    assert [k for k, _ in emulated.launches if k[0] == "pack"], "the C++ path did not run"
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        logged = blk(x)
+    assert any(s.startswith("bitsparse.relu_linear") for s in seen), seen
+    assert torch.equal(eager, logged)
+
+
+def test_emulated_module_call_of_a_dtype_not_stored_raises_the_named_error(emulated):
+    """The module's direct call checks the dtype as the op does: float64 raises
+    UnsupportedDTypeError, as on the Python path, and launches nothing."""
+    from bitsparse_core.errors import UnsupportedDTypeError
+    from bitsparse_core.torch import PackedReLUFFN
+    m = PackedReLUFFN(8, 16, dtype=torch.float64)
+    with pytest.raises(UnsupportedDTypeError):
+        m(torch.randn(4, 8, dtype=torch.float64))
+    assert not emulated.launches
+
+
 def test_emulated_native_twice_through_one_graph_and_hooks(emulated):
     """retain_graph: two backwards through one C++ node give the same gradients; an outer
     saved_tensors_hooks sees the node's saved tensors (the packed block among them)."""
