@@ -367,7 +367,7 @@ class _FixedPack:
         (self.nbytes,) = sec.sizes
         _, self.fill_at, self.fill_len = sec.fill
         self.launches, self.lay = launches, al.lay
-        planes = sec.planes if with_status else sec.planes[:4] + (None,)
+        planes = sec.planes if with_status else (*sec.planes[:4], None)
         self.specs = tuple(None if sp is None else sp[1:] for sp in planes)
 
     def __call__(self, backend, P, st, buf, ybuf, allocator, mask_buf=None, mask=None,
@@ -382,15 +382,22 @@ class _FixedPack:
         if mask_buf is not None:
             addresses.append(mask_buf.ptr)
         self.launches.queue(st, addresses)
-        m, o, v, sg, status = [None if sp is None else
-                               DevicePlane(base + sp[0], sp[1], sp[2], dev, block, s)
-                               for sp in self.specs]
-        lay = self.lay
-        return PackedTensor(
-            lay.shape, lay.dtype, lay.encoding, lay.chunk_log2, lay.capacity,
-            m if mask is None else mask, o if offsets is None else offsets, v, sg,
-            backend=backend, device=("cuda", dev), _nnz=nnz,
-            status=status, extra={"stream": s, **extra} if extra else {"stream": s})
+        planes = [None if sp is None else DevicePlane(base + sp[0], sp[1], sp[2], dev, block, s)
+                  for sp in self.specs]
+        return _packed_tensor(backend, self.lay, self.lay.capacity, planes, ("cuda", dev), nnz,
+                              s, mask, offsets, extra)
+
+
+def _packed_tensor(backend, lay, capacity, planes, device, nnz, stream, mask=None, offsets=None,
+                   extra=None) -> PackedTensor:
+    """The PackedTensor of ``planes`` (mask, offsets, values, signs, status) laid out by
+    ``lay`` at ``capacity``; ``mask`` / ``offsets``: a masked pack's, its companion's."""
+    m, o, v, sg, status = planes
+    return PackedTensor(
+        lay.shape, lay.dtype, lay.encoding, lay.chunk_log2, capacity,
+        m if mask is None else mask, o if offsets is None else offsets, v, sg,
+        backend=backend, device=device, _nnz=nnz, status=status,
+        extra={"stream": stream, **extra} if extra else {"stream": stream})
 
 
 # Fixed-capacity pack calls by what fixes them, one set per thread (the launch records
@@ -909,15 +916,10 @@ class NumbaBackend:
         """The PackedTensor of the planes ``specs`` (:attr:`_Sections.planes`) of
         ``blocks``, laid out by ``lay`` (at ``capacity``, where given: an exact pack's
         count, ``lay`` its worst case)."""
-        m, o, v, sg, *status = P.planes(blocks, specs if with_status else specs[:4], st)
-        stream = st[0] if st is not None else 0
-        return PackedTensor(
-            lay.shape, lay.dtype, lay.encoding, lay.chunk_log2,
-            lay.capacity if capacity is None else capacity,
-            m if mask is None else mask, o if offsets is None else offsets, v, sg,
-            backend=self, device=P.device(st), _nnz=nnz,
-            status=status[0] if status else None,
-            extra={"stream": stream, **extra} if extra else {"stream": stream})
+        planes = P.planes(blocks, specs if with_status else (*specs[:4], None), st)
+        return _packed_tensor(self, lay, lay.capacity if capacity is None else capacity, planes,
+                              P.device(st), nnz, st[0] if st is not None else 0, mask, offsets,
+                              extra)
 
     @_one_context
     def masked_pack(self, u, p_mask, *, dtype=None, encoding="signplane", stream=None,
