@@ -34,7 +34,10 @@
 #include "torch_host_offload.h"
 #include "torch_host_slots.h"
 
-using torch::autograd::AutogradContext;
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
 using torch::autograd::variable_list;
 
 namespace {
@@ -55,7 +58,8 @@ Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shap
 // The op's two halves (shared by the autograd node and the dispatcher's kernels)
 // ---------------------------------------------------------------------------
 struct Forward {
-  Tensor out, block, ticket;
+  Tensor out, block;
+  Ticket ticket;
   std::shared_ptr<Stash> stash;   // the block's, when offloaded (``block`` is then undefined)
 };
 
@@ -71,7 +75,7 @@ Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<
               a.numel());
   c10::DeviceGuard device_guard(a.device());
   void* stream = current_stream(a.device());
-  Tensor ticket = claim_ticket(stream);
+  const Ticket ticket = claim_slot(stream);
   track(policy, ticket, a.numel(), capacity);
   const int64_t item = a.element_size();
   const int64_t yelems = ceil_div(a.numel() * item, 16) * 16 / item;
@@ -106,7 +110,7 @@ Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<
 // Whether the backward may read the packed values: the slot says clean (and the policy's
 // poll is not due), else Python's policy decides (waits, recomputes, or raises where
 // there is no recompute source).
-bool decide_clean(const Tensor& ticket, int64_t policy, int64_t handle, const Tensor& block,
+bool decide_clean(const Ticket& ticket, int64_t policy, int64_t handle, const Tensor& block,
                   bool recompute_source) {
   return (slot_shows_clean(ticket) && !poll_due(policy))
          || pack_is_clean(handle, policy, ticket, block, recompute_source);
@@ -175,75 +179,119 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
 }
 
 // ---------------------------------------------------------------------------
-// The autograd function (eager mode)
+// The autograd node (eager mode)
 // ---------------------------------------------------------------------------
-constexpr size_t kInputs = 12;   // forward's arguments after ctx
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
 
-// An offloaded block between forward and backward, as the node's saved data holds it.
-// Dropped with the node when no backward comes (~Stash gives its buffer back).
-struct StashHolder : torch::CustomClassHolder {
-  std::shared_ptr<Stash> stash;
-  explicit StashHolder(std::shared_ptr<Stash> s) : stash(std::move(s)) {}
-};
+// A new node of type T, as this PyTorch's autograd holds nodes (std::shared_ptr before
+// 2.12, c10::intrusive_ptr since).
+template <class T, class Ptr = decltype(torch::autograd::Edge().function)>
+auto new_node() {
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<Node>>) {
+    return std::make_shared<T>();
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
 
-struct ReLULinear : public torch::autograd::Function<ReLULinear> {
-  // Optional tensors are std::optional (autograd records an input's metadata, which an
-  // undefined tensor does not have). ``offloader``: the model's offload engine, or null.
-  static Tensor forward(AutogradContext* ctx, Tensor a, Tensor weight,
-                        std::optional<Tensor> bias, Tensor x, Tensor w1, std::optional<Tensor> b1,
-                        int64_t capacity, int64_t handle, bool square, int64_t mm_dtype,
-                        int64_t policy, OffloadEngine* offloader) {
-    RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
-    c10::DeviceGuard device_guard(a.device());   // the offloader's calls too
-    const Plan& P = plan_at(handle);
-    auto [out, block, ticket, stash] =
-        forward_impl(a, weight, bias, P, policy, capacity, mm_dtype, offloader);
-    if (stash) {   // the block went to the host; backward takes it back
-      ctx->saved_data["stash"] =
-          c10::IValue::make_capsule(c10::make_intrusive<StashHolder>(std::move(stash)));
-    }
-    ctx->save_for_backward({block, weight, x, w1, b1.value_or(Tensor())});
-    ctx->saved_data["ticket"] = ticket;
-    ctx->saved_data["a_shape"] = a.sizes().vec();
-    ctx->saved_data["a_dtype"] = static_cast<int64_t>(a.scalar_type());
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["handle"] = handle;
-    ctx->saved_data["square"] = square;
-    ctx->saved_data["mm_dtype"] = mm_dtype;
-    ctx->saved_data["policy"] = policy;
-    return out;
+// The backward of one eager relu_linear call, written as a node of its own rather than a
+// torch::autograd::Function: its edges are a, weight and bias only (the recompute source
+// gets its gradients through a), and what backward needs is kept in fields, not in the
+// context's string-keyed map; a training step makes one per packed layer.
+struct ReLULinearBackward : public Node {
+  SavedVariable block, weight, x, w1, b1;
+  std::shared_ptr<Stash> stash;   // the block's, when offloaded (``block`` is then empty)
+  Ticket ticket;
+  std::vector<int64_t> a_shape;
+  at::ScalarType a_dtype = at::kFloat;
+  bool has_bias = false, square = false;
+  int64_t handle = -1, mm_dtype = -1, policy = 0;
+
+  std::string name() const override { return "bitsparse::ReLULinearBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (SavedVariable* v : {&block, &weight, &x, &w1, &b1}) v->reset_data();
+    stash.reset();
   }
 
-  // The offloaded block, back on the device (ordered before this backward's work); a
-  // second take, a second backward through the graph, raises.
-  static Tensor take_back(const c10::IValue& capsule) {
-    auto holder = c10::static_intrusive_pointer_cast<StashHolder>(capsule.toCapsule());
-    return holder->stash->engine->take(holder->stash);
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(kInputs);
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    variable_list result(3);
     const Tensor& grad_out = grads[0];
     if (!grad_out.defined()) return result;   // the output was not used
     RECORD_FUNCTION("bitsparse::relu_linear_backward", c10::ArrayRef<const c10::IValue>{});
-    const auto saved = ctx->get_saved_variables();
-    const auto& data = ctx->saved_data;
-    const auto stash = data.find("stash");
-    const Tensor block = stash != data.end() ? take_back(stash->second) : saved[0];
-    const Tensor &weight = saved[1], &x = saved[2], &w1 = saved[3], &b1 = saved[4];
-    const int64_t handle = data.at("handle").toInt(), policy = data.at("policy").toInt();
-    const bool clean = decide_clean(data.at("ticket").toTensor(), policy, handle, block, true);
-    const Grads g = backward_impl(
-        grad_out, block, weight, x, w1, b1, data.at("a_shape").toIntVector(),
-        static_cast<at::ScalarType>(data.at("a_dtype").toInt()), plan_at(handle), clean,
-        data.at("square").toBool(), data.at("mm_dtype").toInt(), ctx->needs_input_grad(0),
-        ctx->needs_input_grad(1), data.at("has_bias").toBool() && ctx->needs_input_grad(2));
-    result[0] = g.a;
-    result[1] = g.weight;
-    result[2] = g.bias;
+    const bool need_a = task_should_compute_output(0), need_w = task_should_compute_output(1);
+    const bool need_b = has_bias && task_should_compute_output(2);
+    // weight first: it is always saved, so a second backward through a freed graph
+    // raises PyTorch's own error here, before the stash is asked twice
+    const Tensor w = weight.unpack();
+    const Tensor xs = x.unpack(), w1s = w1.unpack(), b1s = b1.unpack();
+    const Tensor packed = stash ? stash->engine->take(stash) : block.unpack();
+    const bool clean = decide_clean(ticket, policy, handle, packed, true);
+    Grads g;
+    {
+      // once differentiable: the gradients are computed outside autograd (a kernel writes
+      // over grad_h in place) and, under create_graph, carry an error node below
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      g = backward_impl(grad_out, packed, w, xs, w1s, b1s, a_shape, a_dtype, plan_at(handle),
+                        clean, square, mm_dtype, need_a, need_w, need_b);
+    }
+    result[0] = std::move(g.a);
+    result[1] = std::move(g.weight);
+    result[2] = std::move(g.bias);
+    if (at::GradMode::is_enabled() && grad_out.requires_grad()) {
+      for (Tensor& t : result) {
+        if (t.defined()) t = t.detach().requires_grad_(true);
+      }
+      result = torch::autograd::DelayedError(
+                   "bitsparse: the packed ReLU op's backward is not differentiable "
+                   "(trying to differentiate twice)", 3)
+                   .apply(std::move(result));
+    }
     return result;
   }
 };
+
+// The eager op: the forward outside autograd, then (where a gradient is wanted) the node
+// that runs its backward, saving what that needs.
+Tensor relu_linear_eager(const Tensor& a, const Tensor& weight, const std::optional<Tensor>& bias,
+                         const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
+                         int64_t capacity, int64_t handle, bool square, int64_t mm_dtype,
+                         int64_t policy, OffloadEngine* offloader) {
+  RECORD_FUNCTION("bitsparse::relu_linear", c10::ArrayRef<const c10::IValue>{});
+  using torch::autograd::isFwGradDefined;
+  TORCH_CHECK(!isFwGradDefined(a) && !isFwGradDefined(weight) && !isFwGradDefined(bias),
+              "bitsparse: the packed ReLU op has no forward-mode derivative (jvp); use the "
+              "dense FFN under forward-mode AD");
+  const bool grad = torch::autograd::compute_requires_grad(a, weight, bias);
+  c10::DeviceGuard device_guard(a.device());   // the offloader's calls too
+  Forward f;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    f = forward_impl(a, weight, bias, plan_at(handle), policy, capacity, mm_dtype, offloader);
+  }
+  if (!grad) return f.out;   // nothing to save: the block goes (the pack is still tracked)
+  auto node = new_node<ReLULinearBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(a, weight, bias));
+  node->block = SavedVariable(f.block, false);
+  node->weight = SavedVariable(weight, false);
+  node->x = SavedVariable(x, false);
+  node->w1 = SavedVariable(w1, false);
+  node->b1 = SavedVariable(b1, false);
+  node->stash = std::move(f.stash);
+  node->ticket = f.ticket;
+  node->a_shape = a.sizes().vec();
+  node->a_dtype = a.scalar_type();
+  node->has_bias = bias.has_value() && bias->defined();
+  node->square = square;
+  node->handle = handle;
+  node->mm_dtype = mm_dtype;
+  node->policy = policy;
+  torch::autograd::set_history(f.out, node);
+  return f.out;
+}
 
 void check_input(const Tensor& a) {
   TORCH_CHECK(driver.launch != nullptr, "bitsparse: native module used before set_driver");
@@ -265,7 +313,7 @@ Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Te
   const int64_t mm = dtype_code(mm_dtype);
   OffloadEngine* off = offloader.get();   // the caller keeps it
   py::gil_scoped_release no_gil;   // as any ATen call from Python
-  return ReLULinear::apply(a, weight, bias, x, w1, b1, capacity, handle, square, mm, policy,
+  return relu_linear_eager(a, weight, bias, x, w1, b1, capacity, handle, square, mm, policy,
                            off);
 }
 
@@ -343,7 +391,7 @@ Result3 relu_linear_kernel(const Tensor& a_in, const Tensor& weight,
   }
   Forward f = forward_impl(a, weight, bias, plan_at(handle), policy, capacity,
                            mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1);
-  return {f.out, f.block, f.ticket};
+  return {f.out, f.block, ticket_tensor(f.ticket)};
 }
 
 Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
@@ -366,7 +414,7 @@ Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
   }
   const bool need_a = needs & 1, need_w = needs & 2, need_b = has_bias && (needs & 4);
   const Tensor xs = x.value_or(Tensor()), w1s = w1.value_or(Tensor()), b1s = b1.value_or(Tensor());
-  const bool clean = decide_clean(ticket, policy, handle, block, xs.defined());
+  const bool clean = decide_clean(ticket_of(ticket), policy, handle, block, xs.defined());
   Grads g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, a_dtype,
                           plan_at(handle), clean, square,
                           mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1, need_a, need_w, need_b);

@@ -49,14 +49,26 @@ volatile int64_t* slot_generation(int64_t i) {
   return reinterpret_cast<volatile int64_t*>(slab.generations) + i;
 }
 
-// A ticket: a CPU int64 tensor [slot, generation] of its own (what the ops' fake kernels
+// A pack's ticket: its slot of the ring and the generation it took there (slot NO_SLOT:
+// none). The eager op keeps it as two ints; the ops' dispatcher kernels and Python see it as
+// a tensor (ticket_tensor).
+struct Ticket {
+  int64_t slot = kNoSlot, generation = 0;
+};
+
+// A ticket as a CPU int64 tensor [slot, generation] of its own (what the ops' fake kernels
 // describe), as capacity.FlagSlab makes them.
-Tensor new_ticket(int64_t slot, int64_t generation) {
+Tensor ticket_tensor(const Ticket& ticket) {
   Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kLong));
   int64_t* p = t.data_ptr<int64_t>();
-  p[0] = slot;
-  p[1] = generation;
+  p[0] = ticket.slot;
+  p[1] = ticket.generation;
   return t;
+}
+
+Ticket ticket_of(const Tensor& t) {
+  const int64_t* p = t.data_ptr<int64_t>();
+  return {p[0], p[1]};
 }
 
 bool capturing(void* stream) {
@@ -67,16 +79,14 @@ bool capturing(void* stream) {
   return status != 0;
 }
 
-// The next free slot of the ring, ``(index, generation)`` (FlagSlab.acquire's rule: a slot
-// whose count has not landed is skipped), its sentinels written before the pack is
-// queued; NO_SLOT while ``stream`` is captured into a CUDA graph (a count cannot be read
-// without a sync there) or with every slot in flight. The generation is bumped first: a
-// reader of the slot's previous ticket then sees a stale generation, never the new
-// sentinels as the old pack's state.
-std::pair<int64_t, int64_t> claim_slot(void* stream) {
-  if (slab.base == 0 || slab.slots <= slab.ring_begin || capturing(stream)) {
-    return {kNoSlot, 0};
-  }
+// The next free slot of the ring (FlagSlab.acquire's rule: a slot whose count has not
+// landed is skipped), its sentinels written before the pack is queued; NO_SLOT while
+// ``stream`` is captured into a CUDA graph (a count cannot be read without a sync there) or
+// with every slot in flight. The generation is bumped first: a reader of the slot's
+// previous ticket then sees a stale generation, never the new sentinels as the old pack's
+// state.
+Ticket claim_slot(void* stream) {
+  if (slab.base == 0 || slab.slots <= slab.ring_begin || capturing(stream)) return {};
   std::lock_guard<std::mutex> lock(slab.mutex);
   for (int64_t k = slab.ring_begin; k < slab.slots; ++k) {
     const int64_t i = slab.next;
@@ -88,31 +98,24 @@ std::pair<int64_t, int64_t> claim_slot(void* stream) {
     *slot_count(i) = kSentinel64;
     return {i, generation};
   }
-  return {kNoSlot, 0};
-}
-
-// The same as a ticket.
-Tensor claim_ticket(void* stream) {
-  const auto [i, generation] = claim_slot(stream);
-  return new_ticket(i, generation);
+  return {};
 }
 
 // The host address of a ticket's slot, 0 for a pack without one (a NO_SLOT ticket, taken
 // during a graph capture or with every slot in flight).
-int64_t slot_of(const Tensor& ticket) {
-  const int64_t i = ticket.data_ptr<int64_t>()[0];
+int64_t slot_of(const Ticket& ticket) {
+  const int64_t i = ticket.slot;
   return (slab.base && i >= 0 && i < slab.slots) ? slab.base + 16 * i : 0;
 }
 
 // The slot's {u32 status, u32 pad, u64 nnz} once the kernel's have landed, when the slot still
 // belongs to this pack (its generation): FlagSlab.read's rule.
-bool slot_shows_clean(const Tensor& ticket) {
+bool slot_shows_clean(const Ticket& ticket) {
   if (slot_of(ticket) == 0 || slab.generations == 0) return false;
-  const int64_t* t = ticket.data_ptr<int64_t>();
-  const uint32_t s = *slot_status(t[0]);
-  const uint64_t n = *slot_count(t[0]);
+  const uint32_t s = *slot_status(ticket.slot);
+  const uint64_t n = *slot_count(ticket.slot);
   // status 0: landed (the sentinel is all ones) and clean
-  return *slot_generation(t[0]) == t[1] && s == 0 && n != kSentinel64;
+  return *slot_generation(ticket.slot) == ticket.generation && s == 0 && n != kSentinel64;
 }
 
 // Packs tracked for their capacity policy (CapacityPolicy.track's records, made here
@@ -126,14 +129,13 @@ std::mutex track_mutex;
 std::deque<Tracked> tracked;
 std::map<int64_t, int64_t> packs_of_policy;
 
-void track(int64_t policy, const Tensor& ticket, int64_t numel, int64_t capacity) {
+void track(int64_t policy, const Ticket& ticket, int64_t numel, int64_t capacity) {
   if (policy <= 0) return;   // policy ids start at 1
-  const int64_t* t = ticket.data_ptr<int64_t>();
   std::lock_guard<std::mutex> lock(track_mutex);
   ++packs_of_policy[policy];
-  if (t[0] < 0) return;      // no slot: nothing will come back
+  if (ticket.slot < 0) return;   // no slot: nothing will come back
   if (tracked.size() == kMaxTracked) tracked.pop_front();
-  tracked.push_back({policy, t[0], t[1], numel, capacity});
+  tracked.push_back({policy, ticket.slot, ticket.generation, numel, capacity});
 }
 
 py::tuple drain_tracks() {
@@ -151,11 +153,12 @@ py::tuple drain_tracks() {
   return py::make_tuple(out, packs);
 }
 
-bool pack_is_clean(int64_t handle, int64_t policy, const Tensor& ticket, const Tensor& block,
+bool pack_is_clean(int64_t handle, int64_t policy, const Ticket& ticket, const Tensor& block,
                    bool recompute_source) {
   py::gil_scoped_acquire gil;
   TORCH_CHECK(clean_state_fn != nullptr, "bitsparse: native module used before set_state_fn");
-  return (*clean_state_fn)(handle, policy, ticket, block, recompute_source).cast<bool>();
+  return (*clean_state_fn)(handle, policy, ticket_tensor(ticket), block, recompute_source)
+      .cast<bool>();
 }
 
 }  // namespace

@@ -605,6 +605,66 @@ def test_emulated_native_twice_through_one_graph_and_hooks(emulated):
     assert torch.equal(first, second) and torch.uint8 in seen
 
 
+def test_emulated_native_node_has_edges_to_a_weight_and_bias_only(emulated):
+    """The C++ node's edges are the op's differentiable inputs (a, weight, bias): the
+    recompute source (x, w1, b1) gets its gradients through a, once, as in dense PyTorch."""
+    from torch_models import make_pair
+    dense, ours = make_pair("relu", "nosign", d=16, f=64, layers=1)
+    x = torch.randn(24, 16, requires_grad=True)
+    out = ours.blocks[0](x)
+    assert out.grad_fn.name() == "bitsparse::ReLULinearBackward"
+    a_fn, w_fn, b_fn = (fn for fn, _ in out.grad_fn.next_functions)
+    assert a_fn.name().startswith("Addmm")   # the first GEMM's node
+    assert w_fn.variable is ours.blocks[0].fc2.weight and b_fn.variable is ours.blocks[0].fc2.bias
+    got = torch.autograd.grad(out.square().sum(), [x, *ours.blocks[0].parameters()])
+    xd = x.detach().requires_grad_(True)
+    want = torch.autograd.grad(dense.blocks[0](xd).square().sum(),
+                               [xd, *dense.blocks[0].parameters()])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_emulated_native_without_grad_packs_and_builds_no_node(emulated):
+    """Under no_grad (or with nothing requiring a gradient) the C++ op still packs (the
+    policy counts it) and returns a tensor without a grad_fn; the dense result is equal."""
+    from torch_models import make_pair
+    dense, ours = make_pair("relu2", "nosign", d=16, f=64, layers=1)
+    blk = ours.blocks[0]
+    x = torch.randn(24, 16)
+    with torch.no_grad():
+        out = blk(x)
+    assert out.grad_fn is None and not out.requires_grad
+    assert blk.stats()["packs"] == 1
+    assert [k for k, _ in emulated.launches if k[0] == "pack"]
+    with torch.no_grad():
+        assert torch.equal(out, dense.blocks[0](x))
+
+
+def test_emulated_native_backward_is_once_differentiable(emulated):
+    """create_graph=True: the first-order gradients are dense PyTorch's; differentiating
+    them again raises (the backward's kernels are not differentiable), as the Python
+    path's once_differentiable does, rather than giving a wrong second derivative."""
+    from torch_models import make_pair
+    dense, ours = make_pair("relu", "nosign", d=16, f=64, layers=1)
+    x = torch.randn(24, 16, requires_grad=True)
+    g, = torch.autograd.grad(ours.blocks[0](x).square().sum(), x, create_graph=True)
+    want, = torch.autograd.grad(dense.blocks[0](x).square().sum(), x, create_graph=True)
+    assert torch.equal(g, want) and g.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+def test_emulated_native_forward_mode_ad_raises(emulated):
+    """Forward-mode AD has no rule in the C++ op: a dual input raises an error that says
+    so, never a tangent silently dropped."""
+    import torch.autograd.forward_ad as fwAD
+    from torch_models import make_pair
+    _, ours = make_pair("relu", "nosign", d=16, f=64, layers=1)
+    with fwAD.dual_level():
+        x = fwAD.make_dual(torch.randn(24, 16), torch.randn(24, 16))
+        with pytest.raises(RuntimeError, match="forward-mode"):
+            ours.blocks[0](x)
+
+
 @pytest.mark.parametrize("kind", ["relu", "relu2"])
 @pytest.mark.parametrize("frozen", ["none", "fc2"])
 def test_emulated_backward_writes_its_gradient_over_grad_h(emulated, kind, frozen):
