@@ -37,6 +37,10 @@
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 using torch::autograd::variable_list;
 
@@ -438,6 +442,68 @@ void register_kernels(const std::string& key) {
   registered[key] = std::move(lib);
 }
 
+// ---------------------------------------------------------------------------
+// A module's eager call: the first GEMM and the op in one call from Python
+// ---------------------------------------------------------------------------
+std::vector<at::ScalarType> stored_dtypes;   // set_stored_dtypes: _bridge.TORCH_TO_BS's
+
+// What functional._no_modes asks of Python, from the thread-local state it reads: no
+// dispatch or function mode, no JIT trace, no functorch transform.
+bool plain_eager_state() {
+  const c10::DispatchKeySet included = c10::impl::tls_local_dispatch_key_set().included_;
+  return c10::impl::TorchDispatchModeTLS::stack_len() == 0 &&
+         !at::impl::torch_function_mode_enabled() && !torch::jit::tracer::isTracing() &&
+         !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+         !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode);
+}
+
+// A torch.Tensor or nn.Parameter, not a subclass (None where ``optional``).
+bool plain_tensor(py::handle h, bool optional = false) {
+  return (optional && h.is_none()) || THPVariable_CheckExact(h.ptr());
+}
+
+std::optional<Tensor> optional_tensor(py::handle h) {
+  if (h.is_none()) return std::nullopt;
+  return THPVariable_Unpack(h.ptr());
+}
+
+// relu_ffn(x, w1, b1, w2, b2) as a module calls it in plain eager (functional._module_call:
+// its own policy, no autocast, no offload, backend "auto"; the trace check stays in Python,
+// which dynamo reads), with the rest of the checks the Python path would make: (out, a);
+// (None, None) where this path does not take the call (the caller runs relu_ffn's own
+// path), (None, a) where it declines after the first GEMM (the caller goes on with a).
+// ``capacity``: the policy's for the activation's element count.
+std::pair<Tensor, Tensor> relu_ffn_call(py::handle xh, py::handle w1h, py::handle b1h,
+                                        py::handle w2h, py::handle b2h, int64_t capacity,
+                                        bool square, int64_t encoding, int64_t policy) {
+  if (driver.launch == nullptr || python_path_depth.load() != 0 || !plain_eager_state() ||
+      !plain_tensor(xh) || !plain_tensor(w1h) || !plain_tensor(w2h) ||
+      !plain_tensor(b1h, true) || !plain_tensor(b2h, true)) {
+    return {};
+  }
+  const Tensor& x = THPVariable_Unpack(xh.ptr());
+  const Tensor& w1 = THPVariable_Unpack(w1h.ptr());
+  const Tensor& w2 = THPVariable_Unpack(w2h.ptr());
+  const std::optional<Tensor> b1 = optional_tensor(b1h), b2 = optional_tensor(b2h);
+  const auto stored = [](at::ScalarType t) {
+    return std::find(stored_dtypes.begin(), stored_dtypes.end(), t) != stored_dtypes.end();
+  };
+  if (!(x.is_cuda() || (host_emulation && x.is_cpu())) || x.layout() != at::kStrided ||
+      !stored(x.scalar_type()) || w1.dim() != 2) {
+    return {};
+  }
+  py::gil_scoped_release no_gil;   // as any ATen call from Python
+  Tensor a = at::linear(x, w1, b1);
+  if (a.layout() != at::kStrided || !stored(a.scalar_type())) return {Tensor(), a};
+  a = a.contiguous();
+  const int64_t handle =
+      handle_of(square, a.sizes(), a.scalar_type(), capacity, encoding, a.device());
+  if (handle < 0) return {Tensor(), a};
+  Tensor out = relu_linear_eager(a, w2, b2, x, w1, b1, capacity, handle, square, -1, policy,
+                                 nullptr);
+  return {out, a};
+}
+
 py::bytes launch_params(int64_t handle, const std::string& name, uint64_t block,
                         const std::array<uint64_t, N_ROLES>& roles) {
   const Plan& P = plan_at(handle);
@@ -568,6 +634,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return std::make_pair(e.tokens, e.released);
            });
   m.def("relu_linear", &relu_linear);
+  m.def("relu_ffn_call", &relu_ffn_call);
+  m.def("set_stored_dtypes", [](const std::vector<py::handle>& dtypes) {
+    stored_dtypes.clear();
+    for (const py::handle& d : dtypes) stored_dtypes.push_back(
+        static_cast<at::ScalarType>(dtype_code(d)));
+  });
   m.def("relu_linear_kernel", &relu_linear_kernel, py::call_guard<py::gil_scoped_release>());
   m.def("relu_linear_backward_kernel", &relu_linear_backward_kernel,
         py::call_guard<py::gil_scoped_release>());

@@ -587,6 +587,43 @@ def test_emulated_module_call_of_a_dtype_not_stored_raises_the_named_error(emula
     assert not emulated.launches
 
 
+def test_emulated_module_call_takes_plain_eager_calls_only(emulated):
+    """The module's one call into the extension (the first GEMM and the op) answers
+    ``(out, a)`` for plain tensors, ``a`` being ``F.linear(x, w1, b1)`` and ``out`` the dense
+    FFN's; it declines, ``(None, None)``, for a tensor subclass, an unstored dtype, under
+    ``python_path()`` and under a function mode, before any GEMM or launch."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+    from bitsparse_core.torch import functional as FN
+    from bitsparse_core.torch.capacity import CapacityPolicy
+    g = torch.Generator().manual_seed(3)
+    x, w1, b1 = torch.randn(6, 8, generator=g), torch.randn(16, 8, generator=g), torch.randn(16)
+    w2, b2 = torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
+    pol = CapacityPolicy(None)
+    out, a = FN._module_call(x, w1, b1, w2, b2, False, "nosign", pol)
+    assert torch.equal(a, F.linear(x, w1, b1))
+    assert torch.equal(out, F.linear(torch.relu(a), w2, b2))
+    assert pol.stats()["packs"] == 1
+    launches = len(emulated.launches)
+
+    class Sub(torch.Tensor):
+        pass
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert FN._module_call(x.as_subclass(Sub), w1, b1, w2, b2, False, "nosign", pol) == (None, None)
+    assert FN._module_call(x, w1, b1, w2.as_subclass(Sub), b2, False, "nosign", pol) == (None, None)
+    assert FN._module_call(x.double(), w1.double(), b1.double(), w2.double(), b2.double(),
+                           False, "nosign", pol) == (None, None)
+    with native.python_path():
+        assert FN._module_call(x, w1, b1, w2, b2, False, "nosign", pol) == (None, None)
+    with Mode():
+        assert FN._module_call(x, w1, b1, w2, b2, False, "nosign", pol) == (None, None)
+    assert len(emulated.launches) == launches and pol.stats()["packs"] == 1
+
+
 def test_emulated_native_twice_through_one_graph_and_hooks(emulated):
     """retain_graph: two backwards through one C++ node give the same gradients; an outer
     saved_tensors_hooks sees the node's saved tensors (the packed block among them)."""

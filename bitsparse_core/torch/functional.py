@@ -165,18 +165,22 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     return out
 
 
-def _module_call(a, weight, bias, x, w1, b1, square, encoding, policy):
-    """:func:`relu_linear`'s C++ path for the call a module makes in plain eager (its own
-    policy, no autocast, no offload, backend ``"auto"``) with only the checks that call
-    needs; None where anything else applies (the caller then takes :func:`relu_linear`,
-    every check included). Its Python is per layer on a host-paced step's critical path."""
+def _module_call(x, w1, b1, w2, b2, square, encoding, policy):
+    """:func:`relu_ffn` as a module calls it in plain eager (its own policy, no autocast, no
+    offload, backend ``"auto"``): on the C++ path, the first GEMM and the op are one call
+    (the extension's ``relu_ffn_call`` makes the other checks). ``(out, a)``; ``(None, None)``
+    where that path does not take the call, ``(None, a)`` where it declined after the first
+    GEMM; the caller then takes :func:`relu_linear`, every check included. Its Python is
+    per layer on a host-paced step's critical path."""
     enc = _ENCODING_IDS.get(encoding) if type(encoding) is str else None
-    args = (a, weight, bias, x, w1, b1)
-    if (enc is None or _traced() or not _no_modes(args, 6) or a.layout != torch.strided
-            or a.dtype not in B.TORCH_TO_BS or not a.is_contiguous()):
-        return None
-    return _native.relu_linear(a, weight, bias, x, w1, b1, policy.capacity(a.numel()),
-                               bool(square), enc, None, policy, None)
+    if enc is None or _traced():   # dynamo needs the trace check before the extension's
+        return None, None
+    mod = _native._module_for(x)
+    k = x.shape[-1]
+    if mod is None or not k:
+        return None, None
+    return mod.relu_ffn_call(x, w1, b1, w2, b2, policy.capacity(x.numel() // k * w1.shape[0]),
+                             bool(square), enc, policy.id)
 
 
 def _traced() -> bool:
@@ -436,11 +440,13 @@ def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign
         x, w1, b1 = _autocast(x, mm), _autocast(w1, mm), _autocast(b1, mm)
         a, = _linear_outside_autocast(mm, (x, w1, b1))
     else:
-        a = F.linear(x, w1, b1)
+        a = None
         if policy is not None and offload is None and backend == "auto":
-            out = _module_call(a, w2, b2, x, w1, b1, square, encoding, policy)
+            out, a = _module_call(x, w1, b1, w2, b2, square, encoding, policy)
             if out is not None:
                 return out
+        if a is None:
+            a = F.linear(x, w1, b1)
     return relu_linear(a, w2, b2, square=square, encoding=encoding, density=density,
                        policy=policy, recompute=(x, w1, b1), backend=backend, offload=offload)
 

@@ -50,6 +50,7 @@ import torch
 from ..backends.cuda import abi, host, interop, shrink
 from ..backends.cuda.sources import kernel_dir
 from ..spec.format import DEFAULT_CHUNK_LOG2
+from . import _bridge
 from . import capacity as C
 from . import ops as _ops
 
@@ -161,6 +162,7 @@ def module():
                     mod.set_dispatch(_handle_for, _ops.relu_linear, _ops.relu_linear_backward,
                                      DEFAULT_CHUNK_LOG2)
                     mod.set_python_path_depth(_off)
+                    mod.set_stored_dtypes(list(_bridge.TORCH_TO_BS))
                     C.NATIVE_TRACKS = mod.drain_tracks
                 except Exception as exc:   # no compiler, no headers, a failed build
                     if mode == "on":
