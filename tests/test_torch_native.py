@@ -660,6 +660,21 @@ def test_emulated_native_node_has_edges_to_a_weight_and_bias_only(emulated):
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_emulated_native_under_checkpoint_is_bit_identical(emulated, reentrant):
+    """torch.utils.checkpoint around the packed layers: the C++ node's saves go through the
+    checkpoint's hooks (non-reentrant) or its recomputed forward (reentrant), training is
+    the checkpointed dense model's bit for bit, and the recompute packs again."""
+    from torch_models import assert_same_training, make_pair, train
+    dense, ours = make_pair("relu2", "nosign", checkpoint=reentrant)
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(2, 16, 32, generator=g), torch.randn(2, 16, 32, generator=g)
+    x.requires_grad_(True)
+    assert_same_training(train(dense, x, target), train(ours, x, target))
+    packs = sum(k[0] == "pack" for k, _ in emulated.launches)
+    assert packs == 2 * 3 * 2   # two layers, three steps, forward and its recompute
+
+
 def test_emulated_native_without_grad_packs_and_builds_no_node(emulated):
     """Under no_grad (or with nothing requiring a gradient) the C++ op still packs (the
     policy counts it) and returns a tensor without a grad_fn; the dense result is equal."""
