@@ -188,8 +188,8 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 
-// A new node of type T, as this PyTorch's autograd holds nodes (std::shared_ptr before
-// 2.12, c10::intrusive_ptr since).
+// A new node of type T, as this PyTorch's autograd holds nodes (std::shared_ptr in older
+// releases, c10::intrusive_ptr in newer ones).
 template <class T, class Ptr = decltype(torch::autograd::Edge().function)>
 auto new_node() {
   if constexpr (std::is_same_v<Ptr, std::shared_ptr<Node>>) {

@@ -590,8 +590,8 @@ def test_emulated_module_call_of_a_dtype_not_stored_raises_the_named_error(emula
 def test_emulated_module_call_takes_plain_eager_calls_only(emulated):
     """The module's one call into the extension (the first GEMM and the op) answers
     ``(out, a)`` for plain tensors, ``a`` being ``F.linear(x, w1, b1)`` and ``out`` the dense
-    FFN's; it declines, ``(None, None)``, for a tensor subclass, an unstored dtype, under
-    ``python_path()`` and under a function mode, before any GEMM or launch."""
+    FFN's; it declines, ``(None, None)``, for a tensor subclass, an unstored dtype, a 0-d
+    input, under ``python_path()`` and under a function mode, before any GEMM or launch."""
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
     from bitsparse_core.torch import functional as FN
@@ -617,6 +617,7 @@ def test_emulated_module_call_takes_plain_eager_calls_only(emulated):
     assert FN._module_call(x, w1, b1, w2.as_subclass(Sub), b2, False, "nosign", pol) == (None, None)
     assert FN._module_call(x.double(), w1.double(), b1.double(), w2.double(), b2.double(),
                            False, "nosign", pol) == (None, None)
+    assert FN._module_call(torch.tensor(1.0), w1, b1, w2, b2, False, "nosign", pol) == (None, None)
     with native.python_path():
         assert FN._module_call(x, w1, b1, w2, b2, False, "nosign", pol) == (None, None)
     with Mode():

@@ -176,7 +176,8 @@ def _module_call(x, w1, b1, w2, b2, square, encoding, policy):
     if enc is None or _traced():   # dynamo needs the trace check before the extension's
         return None, None
     mod = _native._module_for(x)
-    k = x.shape[-1]
+    shape = x.shape
+    k = shape[-1] if shape else 0   # a 0-d x: F.linear's own error, on the full path
     if mod is None or not k:
         return None, None
     return mod.relu_ffn_call(x, w1, b1, w2, b2, policy.capacity(x.numel() // k * w1.shape[0]),
