@@ -587,8 +587,8 @@ def test_emulated_module_call_of_a_dtype_not_stored_raises_the_named_error(emula
     assert not emulated.launches
 
 
-def test_emulated_module_call_takes_plain_eager_calls_only(emulated):
-    """The module's one call into the extension (the first GEMM and the op) answers
+def test_emulated_eager_call_takes_plain_eager_calls_only(emulated):
+    """relu_ffn's one call into the extension (the first GEMM and the op) answers
     ``(out, a)`` for plain tensors, ``a`` being ``F.linear(x, w1, b1)`` and ``out`` the dense
     FFN's; it declines, ``(None, None)``, for a tensor subclass, an unstored dtype, a 0-d
     input, under ``python_path()`` and under a function mode, before any GEMM or launch."""
@@ -600,7 +600,7 @@ def test_emulated_module_call_takes_plain_eager_calls_only(emulated):
     x, w1, b1 = torch.randn(6, 8, generator=g), torch.randn(16, 8, generator=g), torch.randn(16)
     w2, b2 = torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
     pol = CapacityPolicy(None)
-    out, a = FN._module_call(x, w1, b1, w2, b2, False, "nosign", pol)
+    out, a = FN._eager_call(x, w1, b1, w2, b2, False, "nosign", pol)
     assert torch.equal(a, F.linear(x, w1, b1))
     assert torch.equal(out, F.linear(torch.relu(a), w2, b2))
     assert pol.stats()["packs"] == 1
@@ -613,16 +613,41 @@ def test_emulated_module_call_takes_plain_eager_calls_only(emulated):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    assert FN._module_call(x.as_subclass(Sub), w1, b1, w2, b2, False, "nosign", pol) == (None, None)
-    assert FN._module_call(x, w1, b1, w2.as_subclass(Sub), b2, False, "nosign", pol) == (None, None)
-    assert FN._module_call(x.double(), w1.double(), b1.double(), w2.double(), b2.double(),
+    assert FN._eager_call(x.as_subclass(Sub), w1, b1, w2, b2, False, "nosign", pol) == (None, None)
+    assert FN._eager_call(x, w1, b1, w2.as_subclass(Sub), b2, False, "nosign", pol) == (None, None)
+    assert FN._eager_call(x.double(), w1.double(), b1.double(), w2.double(), b2.double(),
                            False, "nosign", pol) == (None, None)
-    assert FN._module_call(torch.tensor(1.0), w1, b1, w2, b2, False, "nosign", pol) == (None, None)
+    assert FN._eager_call(torch.tensor(1.0), w1, b1, w2, b2, False, "nosign", pol) == (None, None)
     with native.python_path():
-        assert FN._module_call(x, w1, b1, w2, b2, False, "nosign", pol) == (None, None)
+        assert FN._eager_call(x, w1, b1, w2, b2, False, "nosign", pol) == (None, None)
     with Mode():
-        assert FN._module_call(x, w1, b1, w2, b2, False, "nosign", pol) == (None, None)
+        assert FN._eager_call(x, w1, b1, w2, b2, False, "nosign", pol) == (None, None)
     assert len(emulated.launches) == launches and pol.stats()["packs"] == 1
+
+
+def test_emulated_functional_relu_ffn_takes_the_one_call(emulated, monkeypatch):
+    """The functional relu_ffn without a policy takes the same one call as a module, at
+    relu_linear's shared policy for its shape; the result is the dense FFN's, and its
+    gradients too."""
+    import torch.nn.functional as F
+    from bitsparse_core.torch import functional as FN
+    from bitsparse_core.torch import relu_ffn
+    calls = []
+    real = native._emulation.relu_ffn_call
+    monkeypatch.setattr(native._emulation, "relu_ffn_call",
+                        lambda *a: calls.append(a[5]) or real(*a))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+    w1, b1 = torch.randn(16, 8, generator=g), torch.randn(16, generator=g)
+    w2, b2 = torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
+    out = relu_ffn(x, w1, b1, w2, b2, square=True)
+    pol = FN._shared_policy(None, (2, 5, 16), torch.float32, True)
+    assert calls == [pol.capacity(2 * 5 * 16)] and pol.stats()["packs"] == 1
+    xd = x.detach().requires_grad_(True)
+    want = F.linear(torch.relu(F.linear(xd, w1, b1)) ** 2, w2, b2)
+    assert torch.equal(out, want)
+    gy = torch.randn(out.shape, generator=g)
+    assert torch.equal(torch.autograd.grad(out, x, gy)[0], torch.autograd.grad(want, xd, gy)[0])
 
 
 def test_emulated_native_twice_through_one_graph_and_hooks(emulated):

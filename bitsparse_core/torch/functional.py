@@ -165,20 +165,18 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
     return out
 
 
-def _module_call(x, w1, b1, w2, b2, square, encoding, policy):
-    """:func:`relu_ffn` as a module calls it in plain eager (its own policy, no autocast, no
-    offload, backend ``"auto"``): on the C++ path, the first GEMM and the op are one call
-    (the extension's ``relu_ffn_call`` makes the other checks). ``(out, a)``; ``(None, None)``
+def _eager_call(x, w1, b1, w2, b2, square, encoding, policy):
+    """:func:`relu_ffn` in eager mode (no trace, no autocast, no offload, backend ``"auto"``:
+    the caller checked those): on the C++ path, the first GEMM and the op are one call (the
+    extension's ``relu_ffn_call`` makes the other checks). ``(out, a)``; ``(None, None)``
     where that path does not take the call, ``(None, a)`` where it declined after the first
     GEMM; the caller then takes :func:`relu_linear`, every check included. Its Python is
     per layer on a host-paced step's critical path."""
     enc = _ENCODING_IDS.get(encoding) if type(encoding) is str else None
-    if enc is None or _traced():   # dynamo needs the trace check before the extension's
-        return None, None
     mod = _native._module_for(x)
     shape = x.shape
     k = shape[-1] if shape else 0   # a 0-d x: F.linear's own error, on the full path
-    if mod is None or not k:
+    if enc is None or mod is None or not k:
         return None, None
     return mod.relu_ffn_call(x, w1, b1, w2, b2, policy.capacity(x.numel() // k * w1.shape[0]),
                              bool(square), enc, policy.id)
@@ -442,10 +440,16 @@ def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign
         a, = _linear_outside_autocast(mm, (x, w1, b1))
     else:
         a = None
-        if policy is not None and offload is None and backend == "auto":
-            out, a = _module_call(x, w1, b1, w2, b2, square, encoding, policy)
-            if out is not None:
-                return out
+        # the trace check first: dynamo reads it, and must not see the extension's call
+        if offload is None and backend == "auto" and not _traced():
+            pol = policy
+            if pol is None and x.dim():   # relu_linear's shared policy, a's shape ahead
+                pol = _shared_policy(density, (*x.shape[:-1], w1.shape[0]), x.dtype,
+                                     bool(square))
+            if pol is not None:
+                out, a = _eager_call(x, w1, b1, w2, b2, square, encoding, pol)
+                if out is not None:
+                    return out
         if a is None:
             a = F.linear(x, w1, b1)
     return relu_linear(a, w2, b2, square=square, encoding=encoding, density=density,

@@ -8,8 +8,9 @@ builds ``kernels/torch_ffn_host.cpp`` as a PyTorch C++ extension (the first use 
 process compiles it, about half a minute, then torch's extension cache keeps it) and
 sends :func:`~.functional.relu_linear` there when the C++ path applies: the forward's
 pack launch and the whole backward then run in C++, the backward in an autograd node of
-the extension's own. A packed module's plain eager forward enters it once for its first
-GEMM and the op (``relu_ffn_call``, from :func:`.functional._module_call`). The
+the extension's own. ``relu_ffn`` in plain eager (a packed module's forward among its
+callers) enters it once for its first GEMM and the op (``relu_ffn_call``, from
+:func:`.functional._eager_call`). The
 backward reads the pack's count from its pinned slot (:class:`.capacity.FlagSlab`)
 itself and calls back into Python (:func:`.ops._clean_state`, the capacity policy)
 only where the pack is not known clean there, and every 8th backward of a policy, whose
