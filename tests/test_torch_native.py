@@ -715,6 +715,9 @@ def test_emulated_native_without_grad_packs_and_builds_no_node(emulated):
     assert [k for k, _ in emulated.launches if k[0] == "pack"]
     with torch.no_grad():
         assert torch.equal(out, dense.blocks[0](x))
+    blk.requires_grad_(False)   # grad mode on, nothing asks for a gradient
+    frozen = blk(x)
+    assert frozen.grad_fn is None and torch.equal(frozen, out) and blk.stats()["packs"] == 2
 
 
 def test_emulated_native_backward_is_once_differentiable(emulated):
