@@ -702,8 +702,9 @@ def test_emulated_native_under_checkpoint_is_bit_identical(emulated, reentrant):
 
 
 def test_emulated_native_without_grad_packs_and_builds_no_node(emulated):
-    """Under no_grad (or with nothing requiring a gradient) the C++ op still packs (the
-    policy counts it) and returns a tensor without a grad_fn; the dense result is equal."""
+    """Under no_grad, inference_mode or with nothing requiring a gradient the C++ op still
+    packs (the policy counts it) and returns a tensor without a grad_fn; the dense result
+    is equal."""
     from torch_models import make_pair
     dense, ours = make_pair("relu2", "nosign", d=16, f=64, layers=1)
     blk = ours.blocks[0]
@@ -718,6 +719,9 @@ def test_emulated_native_without_grad_packs_and_builds_no_node(emulated):
     blk.requires_grad_(False)   # grad mode on, nothing asks for a gradient
     frozen = blk(x)
     assert frozen.grad_fn is None and torch.equal(frozen, out) and blk.stats()["packs"] == 2
+    with torch.inference_mode():
+        inferred = blk(x)
+    assert torch.equal(inferred, out) and blk.stats()["packs"] == 3
 
 
 def test_emulated_native_backward_is_once_differentiable(emulated):
