@@ -442,12 +442,11 @@ def relu_ffn(x, w1, b1, w2, b2, *, square: bool = False, encoding: str = "nosign
         a = None
         # the trace check first: dynamo reads it, and must not see the extension's call
         if offload is None and backend == "auto" and not _traced():
-            pol = policy
-            if pol is None and x.dim():   # relu_linear's shared policy, a's shape ahead
-                pol = _shared_policy(density, (*x.shape[:-1], w1.shape[0]), x.dtype,
-                                     bool(square))
-            if pol is not None:
-                out, a = _eager_call(x, w1, b1, w2, b2, square, encoding, pol)
+            if policy is None and x.dim():   # relu_linear's shared policy, a's shape ahead
+                policy = _shared_policy(density, (*x.shape[:-1], w1.shape[0]), x.dtype,
+                                        bool(square))
+            if policy is not None:
+                out, a = _eager_call(x, w1, b1, w2, b2, square, encoding, policy)
                 if out is not None:
                     return out
         if a is None:
