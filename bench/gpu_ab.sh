@@ -12,7 +12,8 @@
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
-#   TESTS, PYTEST_ARGS as in gpu_run.sh
+#   TESTS, PYTEST_ARGS as in gpu_run.sh; TEST_TIMEOUT, TRAIN_LIMIT, HF_LIMIT: seconds for
+#             the suite and the two training benches' time limits (330, 280, 240)
 # The tables print as they are made; logs, tables and results end up in one archive,
 # $OUT/bundle.tgz (only 8 files come back from a device call).
 set -u
@@ -119,15 +120,16 @@ if has fused; then
   say "fused"
 fi
 if has train; then
-  timeout 300 python3 bench/train_gpt.py --preset gpt12 --interleave 12 --time-limit 280 \
+  timeout $(( ${TRAIN_LIMIT:-280} + 20 )) python3 bench/train_gpt.py --preset gpt12 --interleave 12 \
+      --time-limit "${TRAIN_LIMIT:-280}" \
       --variants dense,checkpoint,ours-nosign,dense-compiled,ours-compiled --out "$OUT/train" \
       >/tmp/gpu_ab/train.log 2>&1 || tail -5 /tmp/gpu_ab/train.log
   grep -A10 "^## Interleaved" "$OUT"/train/train_gpt.md | grep -E "^\|" | head -9
   say "train"
 fi
 if has hf; then
-  timeout 260 python3 bench/bench_hf.py --variants plain,converted,hooks --interleave 40 \
-      --steps 10 --time-limit 240 --out "$OUT/hf" >/tmp/gpu_ab/hf.log 2>&1 || tail -5 /tmp/gpu_ab/hf.log
+  timeout $(( ${HF_LIMIT:-240} + 20 )) python3 bench/bench_hf.py --variants plain,converted,hooks \
+      --interleave 40 --steps 10 --time-limit "${HF_LIMIT:-240}" --out "$OUT/hf" >/tmp/gpu_ab/hf.log 2>&1 || tail -5 /tmp/gpu_ab/hf.log
   grep -A9 "^## Interleaved" "$OUT"/hf/bench_hf.md | grep -E "^\|" | head -8
   say "hf"
 fi
