@@ -599,6 +599,34 @@ def test_unpack_prefetch_is_refused_by_name_before_sm90(monkeypatch):
     assert K.DtypeKernels("bfloat16", K.PackVariant(unpack_prefetch=True)).unpack
 
 
+def test_the_default_prefetches_where_the_device_has_it(monkeypatch):
+    """The default variant's unpack family asks for L2 prefetches on sm_90 and later, is
+    built without them on an older device or where no device can be asked, and never
+    raises for it (an explicit True does: the test above)."""
+    from numba import cuda
+
+    from bitsparse_core.backends.numba import kernels as K
+
+    if K.SIM:
+        assert K.DtypeKernels("bfloat16", K.PackVariant()).prefetch
+        return
+
+    class Device:
+        compute_capability = (8, 0)
+
+    monkeypatch.setattr(cuda, "get_current_device", lambda: Device())
+    assert not K.DtypeKernels("bfloat16", K.PackVariant()).prefetch
+    Device.compute_capability = (9, 0)
+    assert K.DtypeKernels("bfloat16", K.PackVariant()).prefetch
+
+    def no_driver():
+        raise RuntimeError("no CUDA driver")
+
+    monkeypatch.setattr(cuda, "get_current_device", no_driver)
+    assert not K.DtypeKernels("bfloat16", K.PackVariant()).prefetch
+    assert not K.DtypeKernels("bfloat16", K.PackVariant(unpack_prefetch=False)).prefetch
+
+
 def test_fixed_packs_run_whole_by_one_object_what_the_steps_would(monkeypatch):
     """A fixed-capacity pack whose arguments this thread has packed with twice runs by
     one object (``_FixedPack``, from the third call on): the fills and launches it

@@ -71,14 +71,15 @@ class PackVariant:
     over them, in the plain and masked packs and the unpack family (under the
     simulator, through shared memory). ``unpack_prefetch``: the
     unpack-family kernels ask for the planes of the tile a quarter of a wave ahead in L2
-    (``cp.async.bulk.prefetch``, as the CuPy unpack does; an A/B candidate, off by
-    default; refused on a device older than sm_90)."""
+    (``cp.async.bulk.prefetch``, as the CuPy unpack does); True is refused on a device
+    older than sm_90, None (the default) means where the device has it (and under the
+    simulator). Both defaults: bench/NOTES.md, session 43."""
     pack_rounds: int | None = None
     pack_blocks: int | None = None
     lb_early: bool = False
     ticket: bool = True
-    warp_redux: bool = False
-    unpack_prefetch: bool = False
+    warp_redux: bool = True
+    unpack_prefetch: bool | None = None
     incl_every: int = 1
     fill_limit: int = 8 << 20
 
@@ -106,12 +107,28 @@ def _check_bulk_prefetch() -> None:
                                      f"capability 9.0 or later; this device has {cc[0]}.{cc[1]}")
 
 
+def _bulk_prefetch(requested: bool | None) -> bool:
+    """Whether the unpack family is built with its L2 prefetch: as ``requested`` (True
+    checked against the device), or with None, where the current device is sm_90 or
+    later (always under the simulator; never where no device can be asked)."""
+    if requested is not None:
+        if requested:
+            _check_bulk_prefetch()
+        return bool(requested)
+    if SIM:
+        return True
+    try:
+        from numba import cuda
+        return tuple(cuda.get_current_device().compute_capability) >= (9, 0)
+    except Exception:  # noqa: BLE001 -- no driver or context: the build that runs anywhere
+        return False
+
+
 class DtypeKernels:
     """The kernels of one element type, compiled on first launch."""
 
     def __init__(self, name: str, variant: PackVariant = COMMITTED):
-        if variant.unpack_prefetch:
-            _check_bulk_prefetch()
+        self.prefetch = prefetch = _bulk_prefetch(variant.unpack_prefetch)
         el = elem(name)
         self.name, self.variant = name, variant
         self.bits = el.BITS
@@ -119,8 +136,7 @@ class DtypeKernels:
                                            variant.lb_early, variant.ticket, variant.warp_redux)
         self.ptile, self.ptile_log2 = geo.PTILE, geo.PTILE_LOG2
         self.finish = make_finish(el.W)
-        self.utile_log2, self.unpack = make_unpack_kernels(el, variant.unpack_prefetch,
-                                                           variant.warp_redux)
+        self.utile_log2, self.unpack = make_unpack_kernels(el, prefetch, variant.warp_redux)
         self.relu_backward = make_relu_backward(el)
 
 
