@@ -4,10 +4,11 @@
 # compile-time switches and Numba variants, and the codec / fused-op benches.
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
 #   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver host codecs
-#   exact fused train hf (exact: profile_exact.py, the Python steps after the count against
+#   exact fused train ffn hf (exact: profile_exact.py, the Python steps after the count against
 #   the native ones; driver: driver_cost.py, the driver's calls and their share of each op;
 #   host: host_overhead.py on the small tensor and host_standin.py --micro on this host;
 #   train: issue 15's gpt12 step, every variant its targets name, in interleaved turns;
+#   ffn: issue 15's FFN stack (dense, checkpointing, ours raw and nosign);
 #   hf: issue 16's OPT step, plain / converted / hooks, in interleaved turns)
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
@@ -20,7 +21,7 @@ set -u
 OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT" /tmp/gpu_ab
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab driver host codecs exact fused train hf}
+PARTS=${PARTS:-tests sanitizer cupy_ab numba_ab driver host codecs exact fused train ffn hf}
 CUPY_AB=${CUPY_AB:-"base||"}
 NUMBA_AB=${NUMBA_AB:-"|warp_redux=1|unpack_prefetch=1"}
 t0=$(date +%s)
@@ -126,6 +127,12 @@ if has train; then
       >/tmp/gpu_ab/train.log 2>&1 || tail -5 /tmp/gpu_ab/train.log
   grep -A10 "^## Interleaved" "$OUT"/train/train_gpt.md | grep -E "^\|" | head -9
   say "train"
+fi
+if has ffn; then
+  timeout 200 python3 bench/bench_torch_ffn.py --variants dense,checkpoint,ours_raw,ours_nosign --steps 9 \
+      --out "$OUT/ffn/torch_ffn" >/tmp/gpu_ab/ffn.log 2>&1 || tail -5 /tmp/gpu_ab/ffn.log
+  grep -hE "^(\||## )" "$OUT"/ffn/*.md | head -20
+  say "ffn"
 fi
 if has hf; then
   timeout $(( ${HF_LIMIT:-240} + 20 )) python3 bench/bench_hf.py --variants plain,converted,hooks \
