@@ -512,16 +512,28 @@ def test_plain_pack_queues_nothing_without_a_slot(monkeypatch):
 # The C++ host path (bitsparse_core/torch/native.py)                          #
 # --------------------------------------------------------------------------- #
 def _count_native(monkeypatch, python_only=False):
-    """Counts the calls the C++ path took; ``python_only`` sends every call to Python."""
-    from bitsparse_core.torch import native
+    """Counts the op calls the C++ path took, by either entry: ``relu_ffn``'s one call
+    (``functional._eager_call``: counted where it ran the op, else the call goes on to
+    ``relu_linear``) and ``native.relu_linear``; ``python_only`` sends every call to
+    Python."""
+    from bitsparse_core.torch import functional, native
     taken = []
-    inner = native.relu_linear
+    inner, inner_call = native.relu_linear, functional._eager_call
 
     def spy(*args, **kwargs):
         out = None if python_only else inner(*args, **kwargs)
         taken.append(out is not None)
         return out
+
+    def call_spy(*args):
+        if python_only:
+            return None, None
+        out, a = inner_call(*args)
+        if out is not None:
+            taken.append(True)
+        return out, a
     monkeypatch.setattr(native, "relu_linear", spy)
+    monkeypatch.setattr(functional, "_eager_call", call_spy)
     return taken
 
 
