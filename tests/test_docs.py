@@ -279,6 +279,43 @@ def readme() -> list:
     ]
 
 
+def readme_h100() -> list:
+    """The rows of the README's second table: session 46's H100 runs (``*_h100.json``)."""
+    hf = result("bench_hf_h100.json")
+    hiv = hf["interleaved"]["variants"]
+    hv = hf["variants"]
+    tg = result("train_gpt_h100.json")
+    tiv, tgv, sh = tg["interleaved"]["variants"], tg["variants"], tg["shape"]
+    ff = result("torch_ffn_h100.json")
+    kinds = {k: v["variants"] for k, v in ff["kinds"].items()}
+    ci = lambda v, key="median_ratio_ci95": f"{pct(v[key][0])} to {pct(v[key][1])}"  # noqa: E731
+    ffn = "; ".join(
+        f"{'ReLU²' if kind == 'relu2' else 'ReLU'} {pct(v['ours_raw']['time_vs_dense'])} (raw) / "
+        f"{pct(v['ours_nosign']['time_vs_dense'])} (nosign) vs "
+        f"{pct(v['checkpoint']['time_vs_dense'])} checkpointed"
+        for kind, v in kinds.items())
+    return [
+        f"| transformers OPT as above, steps in turn ({hf['interleaved']['turns']} turns) | "
+        f"`convert(model)` {pct(hiv['converted']['median_ratio'])} (95 % interval of the "
+        f"median {ci(hiv['converted'])}), `compress_saved_tensors` "
+        f"{pct(hiv['hooks']['median_ratio'])} ({ci(hiv['hooks'])}) vs plain; peak "
+        f"{mib(hv['converted']['peak_mib'])} / {mib(hv['hooks']['peak_mib'])} MiB vs "
+        f"{mib(hv['plain']['peak_mib'])} plain | `bench/results/bench_hf_h100.md` |",
+
+        f"| {sh['layers']}-layer ReLU² GPT as above, SDPA's fused attention, steps in turn "
+        f"({tg['interleaved']['turns']} turns) | step {pct(tiv['ours-nosign']['median_ratio'])} "
+        f"({ci(tiv['ours-nosign'])}) vs dense, checkpointing "
+        f"{pct(tiv['checkpoint']['median_ratio'])}, torch.compile'd "
+        f"{pct(tiv['ours-compiled']['median_ratio_vs_own'])} "
+        f"({ci(tiv['ours-compiled'], 'median_ratio_vs_own_ci95')}) vs compiled dense; peak "
+        f"{mib(tgv['ours-nosign']['peak_mib'])} MiB vs {mib(tgv['dense']['peak_mib'])} dense "
+        "| `bench/results/train_gpt_h100.md` |",
+
+        f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
+        f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
+    ]
+
+
 def guide() -> list:
     import bitsparse_core as bc
     from bitsparse_core.spec import format as fmt
@@ -457,7 +494,7 @@ def jax_md() -> list:
     ]
 
 
-FRAGMENTS = {"README.md": readme, "docs/guide.md": guide, "docs/torch.md": torch_md,
+FRAGMENTS = {"README.md": lambda: readme() + readme_h100(), "docs/guide.md": guide, "docs/torch.md": torch_md,
              "docs/jax.md": jax_md}
 
 
