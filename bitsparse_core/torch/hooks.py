@@ -61,7 +61,7 @@ import weakref
 import torch
 
 from ..backends.cuda import abi
-from ..backends.cuda.interop import stream_wait
+from ..backends.cuda.interop import stream_wait, torch_stream
 from ..errors import SavedTensorModifiedError
 from . import _bridge as B
 from . import capacity as C
@@ -378,10 +378,8 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
                                                  site.skip)
                 site.skip = 0
             return None
-        plan = O.plain_plan(t.shape, t.dtype, capacity, int(site.encoding))
         cuda = t.is_cuda
-        mod, handle = native.plain_handle(t, plan)   # queued from C++ where it is built
-        nbytes = O.plain_block_bytes(plan, cuda or handle is not None)
+        plan, mod, handle, nbytes = self._prepared(site, t, capacity)
         if nbytes >= numel * t.element_size():
             return None
         if self._in_flight and self._in_flight + nbytes > self._credit:
@@ -396,7 +394,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if block is None:
             return None   # no slot for its count (a graph capture, or the ring in flight)
         packed = _Packed(self, site, block, plan, handle, key, known, t,
-                         O._stream(t.device) if cuda else None, nbytes)
+                         torch_stream(t.get_device()) if cuda else None, nbytes)
         self._flights.append((key, known, site, numel, nbytes, weakref.ref(packed)))
         if len(self._flights) == 1:
             self._tell_head()
@@ -405,6 +403,21 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         if known is not None:
             self._poll()   # a host pack's count is known at once
         return None if packed.state == DENSE else packed
+
+    @staticmethod
+    def _prepared(site, t: torch.Tensor, capacity: int):
+        """``(plan, extension, handle, block bytes)`` of a pack of ``t`` at ``capacity``,
+        kept on its site: step after step a site packs at the same capacity, on the same
+        device and path, and the lookups by plan cost more than the pack's own Python."""
+        mod = native._module_for(t)
+        key = (capacity, site.encoding, t.get_device(), mod)
+        prep = site.prepared
+        if prep is None or prep[0] != key:
+            plan = O.plain_plan(t.shape, t.dtype, capacity, int(site.encoding))
+            mod, handle = native.plain_handle(t, plan)   # queued from C++ where it is built
+            prep = site.prepared = (key, plan, mod, handle,
+                                    O.plain_block_bytes(plan, t.is_cuda or handle is not None))
+        return prep[1:]
 
     def _poll(self, forward: bool = True) -> None:
         """Take in every count that has landed, in queue order (no CUDA call). In backward
@@ -514,10 +527,10 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             # backward through the graph (retain_graph) until autograd frees it
             obj.block = obj.block.stashed.take()
         block = self._from_outer(obj.block)
-        if obj.stream is not None and obj.stream != O._stream(block.device):
+        if obj.stream is not None and obj.stream != torch_stream(block.get_device()):
             # read on another stream than it was made on: after the pack's kernels, and
             # not reused by the allocator before this read
-            stream_wait(O._stream(block.device), obj.stream, block.device.index)
+            stream_wait(torch_stream(block.get_device()), obj.stream, block.device.index)
             block.record_stream(torch.cuda.current_stream(block.device))
         t = None if obj.handle is None else native.plain_unpack(block, obj.handle, obj.shape,
                                                                   obj.dtype)

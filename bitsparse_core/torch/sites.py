@@ -39,7 +39,7 @@ class SaveSite:
     """One save site: its encoding, recent densities, pass-through countdown and the
     factor of the next one."""
 
-    __slots__ = ("encoding", "fallback", "recent", "skip", "backoff")
+    __slots__ = ("encoding", "fallback", "recent", "skip", "backoff", "prepared")
 
     def __init__(self, encoding: str):
         self.fallback = FALLBACK.get(encoding)
@@ -47,6 +47,7 @@ class SaveSite:
         self.recent = collections.deque(maxlen=WINDOW)
         self.skip = 0
         self.backoff = 1
+        self.prepared = None   # the hooks' plan and handle for the last capacity used here
 
     def capacity(self, numel: int, limit: float, margin: float) -> int | None:
         """The capacity of the next pack here, or None to pass this save through.
