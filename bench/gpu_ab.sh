@@ -4,12 +4,13 @@
 # compile-time switches and Numba variants, and the codec / fused-op benches.
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
 #   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver host codecs
-#   exact fused train ffn hf (exact: profile_exact.py, the Python steps after the count against
-#   the native ones; driver: driver_cost.py, the driver's calls and their share of each op;
+#   exact fused train ffn hf hfprof (exact: profile_exact.py, the Python steps after the
+#   count against the native ones; driver: driver_cost.py, the driver's calls and their share of each op;
 #   host: host_overhead.py on the small tensor and host_standin.py --micro on this host;
 #   train: issue 15's gpt12 step, every variant its targets name, in interleaved turns;
 #   ffn: issue 15's FFN stack (dense, checkpointing, ours raw and nosign);
-#   hf: issue 16's OPT step, plain / converted / hooks, in interleaved turns)
+#   hf: issue 16's OPT step, plain / converted / hooks, in interleaved turns;
+#   hfprof: the hooks' host time on the device's host, under cProfile)
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
@@ -139,6 +140,14 @@ if has hf; then
       --interleave 40 --steps 10 --time-limit "${HF_LIMIT:-240}" --out "$OUT/hf" >/tmp/gpu_ab/hf.log 2>&1 || tail -5 /tmp/gpu_ab/hf.log
   grep -A9 "^## Interleaved" "$OUT"/hf/bench_hf.md | grep -E "^\|" | head -8
   say "hf"
+fi
+if has hfprof; then
+  # where the hooks' host time goes on the device's host: cProfile of plain's and the
+  # hooks' steps (bench_hf_cprofile.txt), beside the hooks' per-call timing
+  timeout 200 python3 bench/bench_hf.py --variants plain,hooks --steps 5 --cprofile-steps 5 \
+      --time-limit 180 --out "$OUT/hfprof" >/tmp/gpu_ab/hfprof.log 2>&1 || tail -5 /tmp/gpu_ab/hfprof.log
+  grep -A8 "^| hook calls" "$OUT"/hfprof/bench_hf.md
+  say "hfprof"
 fi
 # one archive comes back whole however many files the parts wrote
 cp -r /tmp/gpu_ab "$OUT/raw_logs"
