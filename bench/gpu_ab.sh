@@ -5,7 +5,8 @@
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
 #   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver host codecs
 #   exact fused train ffn hf hfprof (exact: profile_exact.py, the Python steps after the
-#   count against the native ones; driver: driver_cost.py, the driver's calls and their share of each op;
+#   count against the native ones; driver: driver_cost.py, the driver's calls and their
+#   share of each op;
 #   host: host_overhead.py on the small tensor and host_standin.py --micro on this host;
 #   train: issue 15's gpt12 step, every variant its targets name, in interleaved turns;
 #   ffn: issue 15's FFN stack (dense, checkpointing, ours raw and nosign);
@@ -130,14 +131,15 @@ if has train; then
   say "train"
 fi
 if has ffn; then
-  timeout 200 python3 bench/bench_torch_ffn.py --variants dense,checkpoint,ours_raw,ours_nosign --steps 9 \
-      --out "$OUT/ffn/torch_ffn" >/tmp/gpu_ab/ffn.log 2>&1 || tail -5 /tmp/gpu_ab/ffn.log
+  timeout 200 python3 bench/bench_torch_ffn.py --variants dense,checkpoint,ours_raw,ours_nosign \
+      --steps 9 --out "$OUT/ffn/torch_ffn" >/tmp/gpu_ab/ffn.log 2>&1 || tail -5 /tmp/gpu_ab/ffn.log
   grep -hE "^(\||## )" "$OUT"/ffn/*.md | head -20
   say "ffn"
 fi
 if has hf; then
   timeout $(( ${HF_LIMIT:-240} + 20 )) python3 bench/bench_hf.py --variants plain,converted,hooks \
-      --interleave 40 --steps 10 --time-limit "${HF_LIMIT:-240}" --out "$OUT/hf" >/tmp/gpu_ab/hf.log 2>&1 || tail -5 /tmp/gpu_ab/hf.log
+      --interleave 40 --steps 10 --time-limit "${HF_LIMIT:-240}" --out "$OUT/hf" \
+      >/tmp/gpu_ab/hf.log 2>&1 || tail -5 /tmp/gpu_ab/hf.log
   grep -A9 "^## Interleaved" "$OUT"/hf/bench_hf.md | grep -E "^\|" | head -8
   say "hf"
 fi
@@ -145,7 +147,8 @@ if has hfprof; then
   # where the hooks' host time goes on the device's host: cProfile of plain's and the
   # hooks' steps (bench_hf_cprofile.txt), beside the hooks' per-call timing
   timeout 200 python3 bench/bench_hf.py --variants plain,hooks --steps 5 --cprofile-steps 5 \
-      --time-limit 180 --out "$OUT/hfprof" >/tmp/gpu_ab/hfprof.log 2>&1 || tail -5 /tmp/gpu_ab/hfprof.log
+      --time-limit 180 --out "$OUT/hfprof" >/tmp/gpu_ab/hfprof.log 2>&1 \
+      || tail -5 /tmp/gpu_ab/hfprof.log
   grep -A8 "^| hook calls" "$OUT"/hfprof/bench_hf.md
   say "hfprof"
 fi

@@ -494,8 +494,8 @@ def jax_md() -> list:
     ]
 
 
-FRAGMENTS = {"README.md": lambda: readme() + readme_h100(), "docs/guide.md": guide, "docs/torch.md": torch_md,
-             "docs/jax.md": jax_md}
+FRAGMENTS = {"README.md": lambda: readme() + readme_h100(), "docs/guide.md": guide,
+             "docs/torch.md": torch_md, "docs/jax.md": jax_md}
 
 
 # ----------------------------------------------------------------------- tests
