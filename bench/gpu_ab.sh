@@ -34,7 +34,8 @@ say "warm-up"
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
 if has tests; then
-  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+  # SIGINT at the limit: pytest still prints its summary and the failures' names
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-330}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
       ${PYTEST_ARGS:--n 14 --maxfail=40} ${TESTS:-tests} 2>&1 | tail -c 60000 >"$OUT/pytest.log"
   say "pytest rc=${PIPESTATUS[0]}"; tail -n 3 "$OUT/pytest.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 fi

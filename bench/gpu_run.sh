@@ -22,7 +22,9 @@ t0=$(date +%s)
 echo "setup $(( $(date +%s) - t0 )) s"; tail -n 3 "$OUT/setup.log"
 if [ -z "${SKIP_TESTS:-}" ]; then
   # pytest-xdist (on the device image): the Numba tests compile for minutes on one core
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:--n 12 --maxfail=40} \
+  # SIGINT at the limit: pytest still prints its summary and the failures' names
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+      ${PYTEST_ARGS:--n 12 --maxfail=40} \
       ${TESTS:-tests} >"$OUT/pytest.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s"; tail -n 30 "$OUT/pytest.log" | cut -c1-400
 fi

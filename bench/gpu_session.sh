@@ -22,7 +22,8 @@ python3 -c "from bitsparse_core.backends.cupy.backend import warm_cache; print('
 echo "warm-up $(( $(date +%s) - t0 )) s" >>"$OUT/setup.log"
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu ${PYTEST_ARGS--x} -q -p no:cacheprovider \
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu ${PYTEST_ARGS--x} -q -rfE \
+      -p no:cacheprovider \
       ${TESTS:-tests/test_gpu_cupy.py} 2>&1 | tail -c 200000 >"$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
   tail -n 25 "$OUT/pytest.log"
