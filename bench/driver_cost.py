@@ -11,7 +11,9 @@ kept, garbage collection off), median of ``--repeats`` loops, per call:
 * the driver entry points the hot path uses, called through ctypes as
   ``backends/cuda/driver.py`` calls them: ``cuLaunchKernel`` of an empty kernel, of
   one with 24 u64 parameters and of the unpack kernel with its argument record; the
-  same launch through ``ctypes.PyDLL`` (the GIL kept, to see whether releasing it
+  empty kernel on two blocks per SM by ``cuLaunchKernel`` and by
+  ``cuLaunchCooperativeKernel`` (what the pack's cooperative launch adds); the first
+  launch through ``ctypes.PyDLL`` (the GIL kept, to see whether releasing it
   costs); CuPy's own launch of the empty kernel; ``cuMemsetD8Async`` (a pack's
   scratch); ``cuStreamQuery`` and ``cuCtxGetCurrent`` (a call's floor through ctypes);
   the relu² pack's fill and cooperative launch with its record, at 1x4096 and at the
@@ -80,6 +82,8 @@ def driver_calls(torch, cupy, stream: int) -> dict:
     vals = (ctypes.c_uint64 * 24)()
     p24 = (ctypes.c_void_p * 24)(*[ctypes.addressof(vals) + 8 * i for i in range(24)])
     uf, grid, uptrs = unpack.func, unpack.n_tiles, unpack.args.pointers
+    coop = lib.cuLaunchCooperativeKernel
+    wide = 2 * torch.cuda.get_device_properties(x.device).multi_processor_count   # resident
     ptr, ctx = out.data_ptr(), ctypes.c_void_p()
     keep = [x, out, p, empty, k24, vals, p24, no_params, pylib]   # alive while timed
     packs = {}
@@ -97,6 +101,12 @@ def driver_calls(torch, cupy, stream: int) -> dict:
                                                             p24, None),
         "cuLaunchKernel, the unpack kernel": lambda: launch(uf, grid, 1, 1, abi.THREADS, 1, 1, 0,
                                                             stream, uptrs, None),
+        # what the pack's cooperative launch costs the host over an ordinary one, at a
+        # grid of two blocks per SM (every block resident, as the pack's is)
+        f"cuLaunchKernel, empty kernel, {wide} blocks": lambda: launch(
+            f0, wide, 1, 1, 32, 1, 1, 0, stream, no_params, None),
+        f"cuLaunchCooperativeKernel, empty kernel, {wide} blocks": lambda: coop(
+            f0, wide, 1, 1, 32, 1, 1, 0, stream, no_params),
         "cuLaunchKernel through PyDLL, empty kernel": lambda: pylaunch(
             f0, 1, 1, 1, 32, 1, 1, 0, stream, no_params, None),
         "CuPy's launch, empty kernel": lambda: empty((1,), (32,), ()),
