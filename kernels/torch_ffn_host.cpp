@@ -467,9 +467,9 @@ std::optional<Tensor> optional_tensor(py::handle h) {
   return THPVariable_Unpack(h.ptr());
 }
 
-// relu_ffn(x, w1, b1, w2, b2) as a module calls it in plain eager (functional._module_call:
-// its own policy, no autocast, no offload, backend "auto"; the trace check stays in Python,
-// which dynamo reads), with the rest of the checks the Python path would make: (out, a);
+// relu_ffn(x, w1, b1, w2, b2) in plain eager (functional._eager_call: a policy, no
+// autocast, no offload, backend "auto"; the trace check stays in Python, which dynamo
+// reads), with the rest of the checks the Python path would make: (out, a);
 // (None, None) where this path does not take the call (the caller runs relu_ffn's own
 // path), (None, a) where it declines after the first GEMM (the caller goes on with a).
 // ``capacity``: the policy's for the activation's element count.

@@ -527,10 +527,11 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             # backward through the graph (retain_graph) until autograd frees it
             obj.block = obj.block.stashed.take()
         block = self._from_outer(obj.block)
-        if obj.stream is not None and obj.stream != torch_stream(block.get_device()):
+        reader = None if obj.stream is None else torch_stream(block.get_device())
+        if reader is not None and obj.stream != reader:
             # read on another stream than it was made on: after the pack's kernels, and
             # not reused by the allocator before this read
-            stream_wait(torch_stream(block.get_device()), obj.stream, block.device.index)
+            stream_wait(reader, obj.stream, block.get_device())
             block.record_stream(torch.cuda.current_stream(block.device))
         t = None if obj.handle is None else native.plain_unpack(block, obj.handle, obj.shape,
                                                                   obj.dtype)

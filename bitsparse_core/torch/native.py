@@ -10,11 +10,10 @@ sends :func:`~.functional.relu_linear` there when the C++ path applies: the forw
 pack launch and the whole backward then run in C++, the backward in an autograd node of
 the extension's own. ``relu_ffn`` in plain eager (a packed module's forward among its
 callers) enters it once for its first GEMM and the op (``relu_ffn_call``, from
-:func:`.functional._eager_call`). The
-backward reads the pack's count from its pinned slot (:class:`.capacity.FlagSlab`)
-itself and calls back into Python (:func:`.ops._clean_state`, the capacity policy)
-only where the pack is not known clean there, and every 8th backward of a policy, whose
-poll moves the capacity. A pack's
+:func:`.functional._eager_call`). The backward reads the pack's count from its pinned
+slot (:class:`.capacity.FlagSlab`) itself and calls back into Python
+(:func:`.ops._clean_state`, the capacity policy) only where the pack is not known clean
+there, and every 8th backward of a policy, whose poll moves the capacity. A pack's
 pinned slot comes from the extension's own ring of the slab, and the pack is queued for
 its policy there (:func:`.capacity.drain_native_tracks` hands the queue over when the
 policy polls). The same C++ halves of the op, without the autograd node, are the
