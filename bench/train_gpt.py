@@ -450,7 +450,7 @@ def graphs_compiled() -> int:
 
 def cprofile_steps(step, batches, device: torch.device, top: int = 45) -> str:
     """The Python functions that take the host's time in a few steps (cProfile,
-    sorted by own time), with no sync between the steps."""
+    sorted by own time, then by cumulative time), with no sync between the steps."""
     import cProfile
     import io
     import pstats
@@ -463,7 +463,10 @@ def cprofile_steps(step, batches, device: torch.device, top: int = 45) -> str:
     prof.disable()
     sync(device)
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    buf.write("\nBy cumulative time:\n")
+    stats.sort_stats("cumulative").print_stats(top)
     return f"{len(on_device)} steps\n" + buf.getvalue()
 
 
