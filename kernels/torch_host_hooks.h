@@ -3,14 +3,21 @@
 // compress_saved_tensors sees every tensor autograd saves: in a transformer layer about
 // thirty, of which a few are worth packing, and deciding that the rest are not took
 // microseconds of Python per save. This front makes those decisions and calls the Python
-// hooks only for what needs them (a new pack at a site that is trying, a save of a tensor
-// already packed, and every save and unpack while other saved-tensor hooks enclose ours):
+// hooks only for what needs them (a new pack at a site that is trying, and every save and
+// unpack while other saved-tensor hooks enclose ours):
 //
 //   * not a candidate (a subclass, small, a leaf that requires grad, a dtype, device, layout
 //     or stride the codec does not take): passed through;
 //   * a base tensor passed through before (alive and unmodified since): passed through again;
+//   * a base tensor packed before: answered by its pack (or a view of it), or passed
+//     through where the pack kept the dense tensor;
 //   * a new base tensor at a save site that Python told to pass (``skip``): passed
 //     through, the site's countdown taken down.
+//
+// Unpacks of packs (and of their views) it does itself where Python would only decode or
+// hand back the tensor this backward decoded already: a clean pack of these hooks, its block
+// a tensor on the stream it was made on, decoded by its plan's handle. The rest (pending,
+// dense, offloaded or enclosed packs, another stream, the Python codec) go to hooks.py.
 //
 // It keeps Python's rules exactly: the base of a view that covers all of it, save sites
 // keyed by (ordinal of the new base tensor since the hooks were entered, shape, dtype),
@@ -22,6 +29,7 @@
 
 #pragma once
 
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "torch_host_common.h"
@@ -29,6 +37,9 @@
 #include "torch_host_slots.h"
 
 namespace {
+
+Tensor hooks_unpack(int64_t handle, const Tensor& block, at::IntArrayRef shape,
+                    at::ScalarType dtype);
 
 // What a weak reference points to (a new reference), or nullptr once it died.
 PyObject* referent(PyObject* ref) {
@@ -52,13 +63,14 @@ struct SavedHooksFront {
   bool outer = false;
   PyObject* hooks_ref = nullptr;   // weak reference to the Python hooks object
   PyObject* new_fn = nullptr;      // unbound hooks methods and types (module-level: strong)
-  PyObject* share_fn = nullptr;
   PyObject* pack_fn = nullptr;
   PyObject* poll_fn = nullptr;
   PyObject* unpack_fn = nullptr;   // hooks._unpack_saved
   PyObject* packed_type = nullptr;
   PyObject* view_type = nullptr;
   PyObject* outer_type = nullptr;
+  PyObject* clean_state = nullptr;   // hooks.CLEAN, the state of a pack backward may decode
+  PyObject* dense_state = nullptr;   // hooks.DENSE, a pack that kept the dense tensor
   // the bases seen (while they live): version and the pack made of it (a weak reference),
   // or none where the save was passed through
   struct Base {
@@ -75,7 +87,9 @@ struct SavedHooksFront {
   };
   std::unordered_map<int64_t, Skip> skips;
   int64_t ordinal = 0;
-  int64_t passed = 0;        // saves passed through here (Python adds them to its stats)
+  // saves passed through and shared, packs decoded and decodes reused here (Python adds
+  // them to its stats)
+  int64_t passed = 0, shared = 0, unpacked = 0, reused = 0;
   // The oldest pack whose count the hooks have not taken in (hooks._flights[0]): every save
   // looks at its pinned slot, as Python's pack hook does, and has Python take the counts
   // in once it has landed (or can never land). kAsk: a count Python looks at itself (one
@@ -94,8 +108,8 @@ struct SavedHooksFront {
 
   ~SavedHooksFront() {
     for (auto& item : bases) Py_XDECREF(item.second.packed);
-    for (PyObject* p : {hooks_ref, new_fn, share_fn, pack_fn, poll_fn, unpack_fn, packed_type,
-                        view_type, outer_type}) {
+    for (PyObject* p : {hooks_ref, new_fn, pack_fn, poll_fn, unpack_fn, packed_type,
+                        view_type, outer_type, clean_state, dense_state}) {
       Py_XDECREF(p);
     }
   }
@@ -188,16 +202,9 @@ struct SavedHooksFront {
       if (found->second.packed == nullptr) return pass(obj);
       PyObject* packed = referent(found->second.packed);
       if (packed == nullptr && PyErr_Occurred()) return nullptr;
-      if (packed != nullptr) {   // Python decides: shared, or passed where it kept dense
-        PyObject* h = hooks();
-        if (h == nullptr) {
-          Py_DECREF(packed);
-          return nullptr;
-        }
-        PyObject* r = PyObject_CallFunctionObjArgs(share_fn, h, packed, obj,
-                                                   whole ? Py_True : Py_False, nullptr);
+      if (packed != nullptr) {
+        PyObject* r = share(packed, obj, whole, t);
         Py_DECREF(packed);
-        Py_DECREF(h);
         return r;
       }
       // the pack died before its base: a new save of it is a new base
@@ -236,15 +243,201 @@ struct SavedHooksFront {
     return keep;
   }
 
-  PyObject* unpack(PyObject* obj) {
-    PyTypeObject* type = Py_TYPE(obj);
-    if (reinterpret_cast<PyObject*>(type) == packed_type ||
-        reinterpret_cast<PyObject*>(type) == view_type ||
-        reinterpret_cast<PyObject*>(type) == outer_type) {
-      return PyObject_CallOneArg(unpack_fn, obj);
+  // A save of a base already packed (hooks._share): passed through where its pack
+  // kept the dense tensor, else answered by the pack (or a view of it), one more save of it.
+  PyObject* share(PyObject* packed, PyObject* obj, bool whole, const Tensor& t) {
+    static PyObject* const k_state = PyUnicode_InternFromString("state");
+    static PyObject* const k_saves = PyUnicode_InternFromString("saves");
+    {
+      Attr state(packed, k_state);
+      if (state.get() == nullptr) return nullptr;
+      if (state.get() == dense_state) return pass(obj);
     }
-    Py_INCREF(obj);
-    return obj;
+    const int64_t saves = int_attr(packed, k_saves);
+    if (PyErr_Occurred() || set_int(packed, k_saves, saves + 1) < 0) return nullptr;
+    ++shared;
+    if (whole) {
+      Py_INCREF(packed);
+      return packed;
+    }
+    PyObject* shape = PyTuple_New(t.dim());
+    if (shape == nullptr) return nullptr;
+    for (int64_t i = 0; i < t.dim(); ++i) {
+      PyObject* n = PyLong_FromLongLong(t.size(i));
+      if (n == nullptr) {
+        Py_DECREF(shape);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(shape, i, n);
+    }
+    PyObject* view = PyObject_CallFunctionObjArgs(view_type, packed, shape, nullptr);
+    Py_DECREF(shape);
+    return view;
+  }
+
+  PyObject* unpack(PyObject* obj) {
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
+    if (type != packed_type && type != view_type && type != outer_type) {
+      Py_INCREF(obj);
+      return obj;
+    }
+    PyObject* r = nullptr;
+    if (type == packed_type) {
+      r = unpack_here(obj);
+    } else if (type == view_type) {   // the base's tensor, viewed as the saved shape
+      r = unpack_view_here(obj);
+    }
+    if (r != nullptr || PyErr_Occurred()) return r;
+    return PyObject_CallOneArg(unpack_fn, obj);
+  }
+
+  PyObject* unpack_view_here(PyObject* view) {
+    static PyObject* const k_base = PyUnicode_InternFromString("base");
+    static PyObject* const k_shape = PyUnicode_InternFromString("shape");
+    PyObject* base = PyObject_GetAttr(view, k_base);
+    if (base == nullptr) return nullptr;
+    PyObject* t = Py_TYPE(base) == reinterpret_cast<PyTypeObject*>(packed_type)
+                      ? unpack_here(base) : nullptr;
+    Py_DECREF(base);
+    if (t == nullptr) return nullptr;
+    PyObject* shape = PyObject_GetAttr(view, k_shape);
+    PyObject* r = shape == nullptr ? nullptr : guarded([&] {
+      return THPVariable_Wrap(THPVariable_Unpack(t).view(int_sequence(shape)));
+    });
+    Py_XDECREF(shape);
+    Py_DECREF(t);
+    return r;
+  }
+
+  // hooks._unpack's common case, without Python: a clean pack of these hooks whose backward
+  // decodes it (its block a tensor on the current stream, its plan this extension's), or
+  // takes the tensor an earlier node of this backward decoded. nullptr with no error set:
+  // Python's _unpack takes it (and looks at the counts in flight itself).
+  PyObject* unpack_here(PyObject* packed) {
+    static PyObject* const k_owner = PyUnicode_InternFromString("owner");
+    static PyObject* const k_state = PyUnicode_InternFromString("state");
+    static PyObject* const k_unpacked = PyUnicode_InternFromString("unpacked");
+    static PyObject* const k_to_unpack = PyUnicode_InternFromString("to_unpack");
+    static PyObject* const k_saves = PyUnicode_InternFromString("saves");
+    static PyObject* const k_keep = PyUnicode_InternFromString("keep");
+    static PyObject* const k_block = PyUnicode_InternFromString("block");
+    static PyObject* const k_handle = PyUnicode_InternFromString("handle");
+    static PyObject* const k_stream = PyUnicode_InternFromString("stream");
+    static PyObject* const k_shape = PyUnicode_InternFromString("shape");
+    static PyObject* const k_dtype = PyUnicode_InternFromString("dtype");
+    if (outer) return nullptr;   // no head kept then (hooks._tell_head): Python polls
+    PyObject* h = referent(hooks_ref);
+    if (h == nullptr) {          // the hooks died: Python's path says so
+      PyErr_Clear();
+      return nullptr;
+    }
+    Attr owner(packed, k_owner);
+    bool go = owner.get() == h;
+    if (go && head != kNone && head_landed()) {   // _unpack's _poll(forward=False)
+      PyObject* r = PyObject_CallFunctionObjArgs(poll_fn, h, Py_False, nullptr);
+      go = r != nullptr;
+      Py_XDECREF(r);
+    }
+    Py_DECREF(h);
+    if (!go) return nullptr;
+    if (Attr(packed, k_state).get() != clean_state) return nullptr;
+    // the tensor an earlier unpack of this backward made, while alive
+    Attr ref(packed, k_unpacked);
+    if (ref.get() == nullptr) return nullptr;
+    PyObject* alive = ref.get() == Py_None ? nullptr : referent(ref.get());
+    if (alive != nullptr) {
+      const int64_t left = int_attr(packed, k_to_unpack) - 1;
+      if (PyErr_Occurred() || set_int(packed, k_to_unpack, left) < 0 ||
+          (left <= 0 && PyObject_SetAttr(packed, k_keep, Py_None) < 0)) {
+        Py_DECREF(alive);
+        return nullptr;
+      }
+      ++reused;
+      return alive;
+    }
+    if (PyErr_Occurred()) return nullptr;
+    Attr block(packed, k_block), handle(packed, k_handle), stream(packed, k_stream),
+        shape(packed, k_shape), dtype(packed, k_dtype);
+    if (PyErr_Occurred() || !THPVariable_CheckExact(block.get()) || handle.get() == Py_None ||
+        !THPDtype_Check(dtype.get())) {
+      return nullptr;
+    }
+    PyObject* out = guarded([&]() -> PyObject* {
+      const Tensor& b = THPVariable_Unpack(block.get());
+      if (stream.get() != Py_None) {   // made on another stream: Python orders the read
+        const auto made = PyLong_AsUnsignedLongLong(stream.get());
+        if (made == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw python_error();
+        if (made != reinterpret_cast<uintptr_t>(current_stream(b.device()))) return nullptr;
+      }
+      const int64_t id = PyLong_AsLongLong(handle.get());
+      if (id == -1 && PyErr_Occurred()) throw python_error();
+      return THPVariable_Wrap(hooks_unpack(id, b, int_sequence(shape.get()),
+                                           reinterpret_cast<THPDtype*>(dtype.get())->scalar_type));
+    });
+    if (out == nullptr) return nullptr;
+    // held until every other node that saved it has unpacked it (hooks._unpack)
+    const int64_t saves = int_attr(packed, k_saves);
+    PyObject* weak = PyErr_Occurred() ? nullptr : PyWeakref_NewRef(out, nullptr);
+    const bool ok = weak != nullptr && PyObject_SetAttr(packed, k_unpacked, weak) == 0 &&
+                    set_int(packed, k_to_unpack, saves - 1) == 0 &&
+                    PyObject_SetAttr(packed, k_keep, saves > 1 ? out : Py_None) == 0;
+    Py_XDECREF(weak);
+    if (!ok) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    ++unpacked;
+    return out;
+  }
+
+  // An attribute read (a new reference, released at the end of the scope; nullptr with the
+  // error set where it failed).
+  struct Attr {
+    PyObject* obj;
+    Attr(PyObject* owner, PyObject* name) : obj(PyObject_GetAttr(owner, name)) {}
+    ~Attr() { Py_XDECREF(obj); }
+    Attr(const Attr&) = delete;
+    Attr& operator=(const Attr&) = delete;
+    PyObject* get() const { return obj; }
+  };
+
+  // f() with torch's and Python's errors turned into a set Python error and nullptr.
+  template <typename F>
+  static PyObject* guarded(F f) {
+    HANDLE_TH_ERRORS
+    return f();
+    END_HANDLE_TH_ERRORS_RET(nullptr)
+  }
+
+  static int64_t int_attr(PyObject* obj, PyObject* name) {
+    PyObject* v = PyObject_GetAttr(obj, name);
+    if (v == nullptr) return -1;
+    const int64_t n = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return n;
+  }
+
+  static int set_int(PyObject* obj, PyObject* name, int64_t n) {
+    PyObject* v = PyLong_FromLongLong(n);
+    if (v == nullptr) return -1;
+    const int r = PyObject_SetAttr(obj, name, v);
+    Py_DECREF(v);
+    return r;
+  }
+
+  // A shape tuple's sizes (an error set where it is not a sequence of ints).
+  static std::vector<int64_t> int_sequence(PyObject* seq) {
+    std::vector<int64_t> out;
+    PyObject* fast = PySequence_Fast(seq, "bitsparse: a shape must be a sequence");
+    if (fast == nullptr) throw python_error();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    out.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      out.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i)));
+    }
+    Py_DECREF(fast);
+    if (PyErr_Occurred()) throw python_error();
+    return out;
   }
 };
 
@@ -276,10 +469,10 @@ PyMethodDef front_unpack_def = {"saved_tensor_unpack", front_unpack, METH_O,
                                 "compress_saved_tensors' unpack hook (C++ front)"};
 
 // ``(capsule, pack, unpack)``: the front's state and the two hooks autograd calls.
-py::tuple make_hooks_front(py::object hooks, py::object new_fn, py::object share_fn,
+py::tuple make_hooks_front(py::object hooks, py::object new_fn,
                            py::object pack_fn, py::object poll_fn, py::object unpack_fn,
                            py::object packed_type, py::object view_type, py::object outer_type,
-                           int64_t min_numel,
+                           py::object clean_state, py::object dense_state, int64_t min_numel,
                            bool on_cuda, bool on_cpu, const std::vector<py::object>& dtypes) {
   auto* f = new SavedHooksFront();
   py::capsule capsule(f, kFrontCapsule, [](PyObject* c) {
@@ -288,10 +481,10 @@ py::tuple make_hooks_front(py::object hooks, py::object new_fn, py::object share
   f->hooks_ref = PyWeakref_NewRef(hooks.ptr(), nullptr);
   if (f->hooks_ref == nullptr) throw py::error_already_set();
   for (auto [slot, obj] : {std::pair<PyObject**, py::object*>{&f->new_fn, &new_fn},
-                           {&f->share_fn, &share_fn}, {&f->pack_fn, &pack_fn},
-                           {&f->poll_fn, &poll_fn},
+                           {&f->pack_fn, &pack_fn}, {&f->poll_fn, &poll_fn},
                            {&f->unpack_fn, &unpack_fn}, {&f->packed_type, &packed_type},
-                           {&f->view_type, &view_type}, {&f->outer_type, &outer_type}}) {
+                           {&f->view_type, &view_type}, {&f->outer_type, &outer_type},
+                           {&f->clean_state, &clean_state}, {&f->dense_state, &dense_state}}) {
     *slot = obj->inc_ref().ptr();
   }
   f->min_numel = std::max<int64_t>(1, min_numel);
@@ -375,11 +568,12 @@ void def_hooks_front(py::module_& m) {
     f.head_generation_at = generation_at;
     f.head_generation = generation;
   });
-  m.def("hooks_front_take_passed", [](const py::capsule& c) {
+  // (saves passed through, saves shared, packs decoded, decodes reused) since the last call
+  m.def("hooks_front_take_counts", [](const py::capsule& c) {
     SavedHooksFront& f = front_at(c);
-    const int64_t n = f.passed;
-    f.passed = 0;
-    return n;
+    const auto counts = py::make_tuple(f.passed, f.shared, f.unpacked, f.reused);
+    f.passed = f.shared = f.unpacked = f.reused = 0;
+    return counts;
   });
 }
 

@@ -774,13 +774,22 @@ def test_emulated_backward_writes_its_gradient_over_grad_h(emulated, kind, froze
 def test_emulated_hooks_pack_and_unpack_through_the_extension(emulated):
     """compress_saved_tensors' packs and unpacks queued from C++ (``hooks_pack`` /
     ``hooks_unpack``, mode PACK), the C++ front in front: training bit-identical to plain,
-    each clean pack's count read from its slot of the extension's ring."""
+    each clean pack's count read from its slot of the extension's ring, and its decode
+    (and the second node's reuse of it) done by the front without Python."""
     from bitsparse_core.torch import capacity as C
     from bitsparse_core.torch import compress_saved_tensors
+    from bitsparse_core.torch import hooks as H
     from torch_models import Hooked, assert_same_training, relu_mlp, train
     torch.manual_seed(0)
     x, target = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
     hooks = compress_saved_tensors(min_numel=256, min_sparsity=0.5)
+    in_python = []
+
+    def python_unpack(obj, _unpack=hooks._unpack):
+        if type(obj) is H._Packed and obj.state == H.CLEAN:
+            in_python.append(obj)
+        return _unpack(obj)
+    hooks._unpack = python_unpack    # what hooks._unpack_saved calls
     rec_plain = train(relu_mlp(), x, target, steps=3)
     rec_hooks = train(Hooked(relu_mlp(), hooks), x, target, steps=3)
     rec_hooks = [(l, {k[len("inner."):]: v for k, v in g.items()},
@@ -792,6 +801,7 @@ def test_emulated_hooks_pack_and_unpack_through_the_extension(emulated):
     unpacks = [rec for key, rec in emulated.launches
                if key[0] == "unpack" and key[2] == abi.Op.UNPACK]
     assert len(packs) == hooks.stats.tried >= 6 and len(unpacks) == hooks.stats.unpacked
+    assert hooks.stats.reused == hooks.stats.shared == 2 * 3 and not in_python
     ring = C.SLAB.slots   # the extension's slots lie above Python's
     assert all(rec["slot"] >= C.SLAB.base() + 16 * ring for rec in packs)
 

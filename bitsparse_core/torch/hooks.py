@@ -262,14 +262,19 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
 
     @property
     def stats(self) -> SavedStats:
-        if self._front is not None:   # saves the C++ front passed through
-            self._stats.passed += self._front_mod.hooks_front_take_passed(self._front)
+        if self._front is not None:   # what the C++ front did without Python
+            passed, shared, unpacked, reused = self._front_mod.hooks_front_take_counts(
+                self._front)
+            self._stats.passed += passed
+            self._stats.shared += shared
+            self._stats.unpacked += unpacked
+            self._stats.reused += reused
         return self._stats
 
     @stats.setter
     def stats(self, value: SavedStats) -> None:
         if self._front is not None:
-            self._front_mod.hooks_front_take_passed(self._front)
+            self._front_mod.hooks_front_take_counts(self._front)
         self._stats = value
 
     def __enter__(self) -> "compress_saved_tensors":
@@ -295,9 +300,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             self._front_mod = mod
             cls = type(self)
             self._front, pack, unpack = mod.hooks_front(
-                self, cls._front_new, cls._front_share, cls._pack, cls._poll, _unpack_saved,
-                _Packed, _View, _Outer, self.min_numel, self._on_cuda, self._on_cpu,
-                list(B.TORCH_TO_BS))
+                self, cls._front_new, cls._pack, cls._poll, _unpack_saved,
+                _Packed, _View, _Outer, CLEAN, DENSE, self.min_numel, self._on_cuda,
+                self._on_cpu, list(B.TORCH_TO_BS))
             self._front_hooks = (pack, unpack)
         mod.hooks_front_enter(self._front, self._outer is not None)
         self.pack_hook, self.unpack_hook = self._front_hooks
@@ -335,7 +340,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             if hit[1] is None:
                 self._stats.passed += 1
                 return self._to_outer(t)
-            return self._front_share(hit[1], t, base is t)
+            return self._share(hit[1], t, base is t)
         self._ordinal += 1
         packed = self._pack_new(base, self._ordinal)
         self._by_base.put(base, base._version, packed)
@@ -356,8 +361,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         packed = self._pack_new(base, ordinal)
         return packed, self._keep(packed, t, base is t)
 
-    def _front_share(self, packed: _Packed, t, whole: bool):
-        """A save of a base tensor already packed (the C++ front's call too)."""
+    def _share(self, packed: _Packed, t, whole: bool):
+        """A save of a base tensor already packed (the C++ front does the same itself:
+        ``share`` in torch_host_hooks.h)."""
         if packed.state == DENSE:
             self._stats.passed += 1
             return self._to_outer(t)
@@ -498,6 +504,8 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
 
     # ---------------------------------------------------------------- unpack
     def _unpack(self, obj):
+        # The C++ front decodes a clean pack, or reuses this backward's decode, itself
+        # (torch_host_hooks.h, unpack_here): the two keep the same rules.
         cls = type(obj)
         if cls is _View:
             return self._unpack(obj.base).view(obj.shape)
@@ -561,8 +569,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _unpack_saved(obj):
-    """The C++ front's unpack of what it does not return as is: a pack, a view of one (their
-    hooks unpack them), or what enclosing hooks keep."""
+    """The C++ front's unpack of what it leaves to Python: a pack or a view of one that is
+    not a clean decode on its stream (their hooks unpack them), or what enclosing hooks
+    keep."""
     cls = type(obj)
     if cls is _Outer:
         return compress_saved_tensors._from_outer(obj)
