@@ -135,9 +135,6 @@ def readme() -> list:
     cd = result("codecs.json")
     cupy, slow = numba_over_cupy(cd, ("pack_exact_ms", "pack_fixed_ms", "unpack_ms"))
     bf16_90 = next(row for row in cupy if (row["dtype"], row["sparsity"]) == ("bfloat16", 0.9))
-    c8 = result("codecs_8192x14336.json")
-    assert c8["numel"] == 8192 * 14336
-    c8_cupy, c8_slow = numba_over_cupy(c8, ("pack_fixed_ms", "unpack_ms"))
     # a variant whose profiled steps held a recompile (its capacity moved) counts the
     # compiler's syncs there; the table says so, and they are not the ops'
     recompiled = [name for name, v in tgv.items() if v.get("compiles", {}).get("profiled")]
@@ -258,14 +255,7 @@ def readme() -> list:
         f"{span(slow['pack_exact_ms'], '{:.2f}')}× "
         "| `bench/results/codecs.md` |",
 
-        f"| codec kernels, bf16 / fp8 [8192, 14336] elements "
-        f"| CuPy: fixed-capacity pack {span([100 * r['pack_fixed_frac_copy'] for r in c8_cupy if r['dtype'] == 'bfloat16'])} % "
-        f"(bf16) / {span([100 * r['pack_fixed_frac_copy'] for r in c8_cupy if r['dtype'] != 'bfloat16'])} % "
-        f"(fp8) of the copy bandwidth ({c8['copy_bandwidth_Bps'] / 1e12:.2f} TB/s), unpack "
-        f"{span([100 * r['unpack_frac_copy'] for r in c8_cupy])} %. Numba / CuPy time: "
-        f"fixed-capacity pack {span(c8_slow['pack_fixed_ms'], '{:.2f}')}×, unpack "
-        f"{span(c8_slow['unpack_ms'], '{:.2f}')}× "
-        "| `bench/results/codecs_8192x14336.md` |",
+        codecs_8192x14336_row("codecs_8192x14336"),
 
         f"| fused ops of a training step, bf16 {fz_shape}, {100 * fz_density:.0f} % nonzeros (a "
         "fresh gpt12 FFN activation) | "
@@ -279,8 +269,24 @@ def readme() -> list:
     ]
 
 
+def codecs_8192x14336_row(stem: str) -> str:
+    """The README's row of a codec run at issue 20's shape (``stem``.json)."""
+    c8 = result(f"{stem}.json")
+    assert c8["numel"] == 8192 * 14336
+    cupy, slow = numba_over_cupy(c8, ("pack_fixed_ms", "unpack_ms"))
+    frac = lambda key, keep: span([100 * r[key] for r in cupy if keep(r["dtype"])])  # noqa: E731
+    return (f"| codec kernels, bf16 / fp8 [8192, 14336] elements "
+            f"| CuPy: fixed-capacity pack {frac('pack_fixed_frac_copy', lambda d: d == 'bfloat16')} % "
+            f"(bf16) / {frac('pack_fixed_frac_copy', lambda d: d != 'bfloat16')} % "
+            f"(fp8) of the copy bandwidth ({c8['copy_bandwidth_Bps'] / 1e12:.2f} TB/s), unpack "
+            f"{frac('unpack_frac_copy', lambda d: True)} %. Numba / CuPy time: "
+            f"fixed-capacity pack {span(slow['pack_fixed_ms'], '{:.2f}')}×, unpack "
+            f"{span(slow['unpack_ms'], '{:.2f}')}× "
+            f"| `bench/results/{stem}.md` |")
+
+
 def readme_h100() -> list:
-    """The rows of the README's second table: session 46's H100 runs (``*_h100.json``)."""
+    """The rows of the README's second table: the H100 runs (``*_h100.json``)."""
     hf = result("bench_hf_h100.json")
     hiv = hf["interleaved"]["variants"]
     hv = hf["variants"]
@@ -313,6 +319,8 @@ def readme_h100() -> list:
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
+
+        codecs_8192x14336_row("codecs_8192x14336_h100"),
     ]
 
 
