@@ -216,12 +216,12 @@ def hook_host_time(hooks, step, batches: list, device: torch.device) -> dict:
     by_kind = collections.defaultdict(lambda: [0, 0.0])   # "pack: new" -> [calls, seconds]
     clock = time.perf_counter
     hook_of = {}    # what the hooks' __enter__ chose (the C++ front's, or Python's own)
-    stats = hooks._stats
     packs = (hooks_module._Packed, hooks_module._View)
 
     def kind(name, arg, tried, shared):
         if name == "unpack":
             return "unpack: a pack" if type(arg) in packs else "unpack: passed through"
+        stats = hooks.stats   # the property: it takes in the C++ front's counts too
         if stats.tried > tried:
             return "pack: new"
         if stats.shared > shared:
@@ -233,6 +233,7 @@ def hook_host_time(hooks, step, batches: list, device: torch.device) -> dict:
 
         def call(arg):
             hook = hook_of[name]
+            stats = hooks.stats
             tried, shared = stats.tried, stats.shared
             t0 = clock()
             r = hook(arg)

@@ -51,6 +51,8 @@ def test_bench_hf_small_on_cpu(tmp_path):
     assert sum(k["calls_per_step"] for n, k in kinds.items() if n.startswith("pack")) == \
         hh["pack_calls_per_step"]
     assert kinds["pack: new"]["calls_per_step"] > 0 and "unpack: a pack" in kinds
+    # shared saves counted as such, the C++ front's included
+    assert kinds["pack: shared"]["calls_per_step"] == variants["hooks"]["packed"]["shared_per_step"]
     assert "hook_host" not in variants["noop-hooks"] and "Host time inside the hooks" in \
         (tmp_path / "bench_hf.md").read_text()
     converted = variants["converted"]["packed"]
