@@ -40,6 +40,13 @@ namespace {
 
 Tensor hooks_unpack(int64_t handle, const Tensor& block, at::IntArrayRef shape,
                     at::ScalarType dtype);
+// A hooks pack queued: its block (undefined where no slot could be taken) and its slot's
+// index and generation.
+struct HooksPack {
+  Tensor block;
+  int64_t slot, generation;
+};
+HooksPack hooks_pack_queued(int64_t handle, const Tensor& a);
 
 // What a weak reference points to (a new reference), or nullptr once it died.
 PyObject* referent(PyObject* ref) {
@@ -86,10 +93,21 @@ struct SavedHooksFront {
     int64_t left;
   };
   std::unordered_map<int64_t, Skip> skips;
+  // save sites Python told to pack here (by ordinal): the key and the site's version they
+  // were told at, the plan of the pack there (hooks._pack_new's, as long as the site's
+  // version stays), and the site and plan objects a pack keeps
+  struct Ready {
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+    int64_t device, version, handle, nbytes;
+    PyObject* site = nullptr;   // strong
+    PyObject* plan = nullptr;   // strong
+  };
+  std::unordered_map<int64_t, Ready> ready;
   int64_t ordinal = 0;
   // saves passed through and shared, packs decoded and decodes reused here (Python adds
   // them to its stats)
-  int64_t passed = 0, shared = 0, unpacked = 0, reused = 0;
+  int64_t passed = 0, shared = 0, unpacked = 0, reused = 0, tried = 0;
   // The oldest pack whose count the hooks have not taken in (hooks._flights[0]): every save
   // looks at its pinned slot, as Python's pack hook does, and has Python take the counts
   // in once it has landed (or can never land). kAsk: a count Python looks at itself (one
@@ -108,6 +126,7 @@ struct SavedHooksFront {
 
   ~SavedHooksFront() {
     for (auto& item : bases) Py_XDECREF(item.second.packed);
+    for (auto& item : ready) forget(item.second);
     for (PyObject* p : {hooks_ref, new_fn, pack_fn, poll_fn, unpack_fn, packed_type,
                         view_type, outer_type, clean_state, dense_state}) {
       Py_XDECREF(p);
@@ -219,16 +238,26 @@ struct SavedHooksFront {
     }
     PyObject* h = hooks();
     if (h == nullptr) return nullptr;
-    PyObject* base_obj = whole ? (Py_INCREF(obj), obj) : THPVariable_Wrap(base);
-    if (base_obj == nullptr) {
-      Py_DECREF(h);
-      return nullptr;
+    // (the pack made of the base or None, what autograd keeps for this save): here where
+    // Python told this site to pack and it has not changed since, else Python's
+    PyObject* r = nullptr;
+    const auto rd = ready.find(ordinal);
+    if (rd != ready.end() && rd->second.dtype == base.scalar_type() &&
+        rd->second.device == (base.is_cuda() ? base.get_device() : -1) &&
+        base.sizes().equals(rd->second.shape)) {
+      r = pack_ready(rd->second, h, base, obj, whole);
+      if (r == nullptr && PyErr_Occurred()) {
+        Py_DECREF(h);
+        return nullptr;
+      }
     }
-    PyObject* ord = PyLong_FromLongLong(ordinal);
-    // (the pack made of the base or None, what autograd keeps for this save)
-    PyObject* r = PyObject_CallFunctionObjArgs(new_fn, h, base_obj, obj, ord, nullptr);
-    Py_DECREF(ord);
-    Py_DECREF(base_obj);
+    if (r == nullptr) {
+      PyObject* base_obj = whole ? (Py_INCREF(obj), obj) : THPVariable_Wrap(base);
+      PyObject* ord = base_obj == nullptr ? nullptr : PyLong_FromLongLong(ordinal);
+      if (ord != nullptr) r = PyObject_CallFunctionObjArgs(new_fn, h, base_obj, obj, ord, nullptr);
+      Py_XDECREF(ord);
+      Py_XDECREF(base_obj);
+    }
     Py_DECREF(h);
     if (r == nullptr) return nullptr;
     if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
@@ -241,6 +270,91 @@ struct SavedHooksFront {
     Py_INCREF(keep);
     Py_DECREF(r);
     return keep;
+  }
+
+  // hooks._pack_new for a site Python told to pack here (``R``), unless the site changed
+  // since or the hooks' credit throttles it: the pack queued, the pending ``_Packed``
+  // that keeps the dense tensor until its count lands, its entry in the flights and the
+  // head, ``(packed, keep)`` as ``_front_new`` returns them. nullptr with no error set:
+  // Python's ``_front_new`` takes the save.
+  PyObject* pack_ready(const Ready& R, PyObject* h, const Tensor& base, PyObject* obj,
+                       bool whole) {
+    static PyObject* const k_version = PyUnicode_InternFromString("version");
+    static PyObject* const k_in_flight = PyUnicode_InternFromString("_in_flight");
+    static PyObject* const k_credit = PyUnicode_InternFromString("_credit");
+    static PyObject* const k_flights = PyUnicode_InternFromString("_flights");
+    static PyObject* const k_append = PyUnicode_InternFromString("append");
+    if (int_attr(R.site, k_version) != R.version || PyErr_Occurred()) return nullptr;
+    const int64_t in_flight = int_attr(h, k_in_flight);
+    if (PyErr_Occurred()) return nullptr;
+    if (in_flight != 0) {   // _pack_new's throttle: Python counts it
+      const int64_t credit = int_attr(h, k_credit);
+      if (PyErr_Occurred() || in_flight + R.nbytes > credit) return nullptr;
+    }
+    return guarded([&]() -> PyObject* {
+      const Tensor dense = base.detach();   // held while the count is on its way
+      const HooksPack q = hooks_pack_queued(R.handle, dense);
+      if (!q.block.defined()) {   // no slot for its count: passed through
+        ++passed;
+        return Py_BuildValue("(OO)", Py_None, obj);
+      }
+      const auto made = [](PyObject* p) {
+        if (p == nullptr) throw python_error();
+        return py::reinterpret_steal<py::object>(p);
+      };
+      const py::object dense_obj = made(THPVariable_Wrap(dense));
+      const py::object block = made(THPVariable_Wrap(q.block));
+      const py::object key = made(Py_BuildValue("(LL)", static_cast<long long>(q.slot),
+                                                static_cast<long long>(q.generation)));
+      const py::object stream =
+          base.is_cuda() ? made(PyLong_FromUnsignedLongLong(
+                               reinterpret_cast<uintptr_t>(current_stream(base.device()))))
+                         : py::none();
+      const py::object handle = made(PyLong_FromLongLong(R.handle));
+      const py::object nbytes = made(PyLong_FromLongLong(R.nbytes));
+      const py::object packed = made(PyObject_CallFunctionObjArgs(
+          packed_type, h, R.site, block.ptr(), R.plan, handle.ptr(), key.ptr(), Py_None,
+          dense_obj.ptr(), stream.ptr(), nbytes.ptr(), nullptr));
+      const py::object weak = made(PyWeakref_NewRef(packed.ptr(), nullptr));
+      const py::object entry = made(Py_BuildValue(
+          "(OOOLOO)", key.ptr(), Py_None, R.site, static_cast<long long>(base.numel()),
+          nbytes.ptr(), weak.ptr()));
+      const py::object flights = made(PyObject_GetAttr(h, k_flights));
+      made(PyObject_CallMethodOneArg(flights.ptr(), k_append, entry.ptr()));
+      if (PyObject_Length(flights.ptr()) == 1) {   // hooks._tell_head
+        head = kSlot;
+        head_status = slab.base + 16 * q.slot;
+        head_generation_at = reinterpret_cast<int64_t>(slot_generation(q.slot));
+        head_generation = q.generation;
+      }
+      if (set_int(h, k_in_flight, in_flight + R.nbytes) < 0) throw python_error();
+      ++tried;
+      const py::object keep = whole ? packed : made(view_of(packed.ptr(), dense));
+      return Py_BuildValue("(OO)", packed.ptr(), keep.ptr());
+    });
+  }
+
+  // A _View of ``packed`` for a save of ``t``'s shape.
+  PyObject* view_of(PyObject* packed, const Tensor& t) {
+    PyObject* shape = PyTuple_New(t.dim());
+    if (shape == nullptr) return nullptr;
+    for (int64_t i = 0; i < t.dim(); ++i) {
+      PyObject* n = PyLong_FromLongLong(t.size(i));
+      if (n == nullptr) {
+        Py_DECREF(shape);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(shape, i, n);
+    }
+    PyObject* view = PyObject_CallFunctionObjArgs(view_type, packed, shape, nullptr);
+    Py_DECREF(shape);
+    return view;
+  }
+
+  static void forget(Ready& r) {
+    Py_XDECREF(r.site);
+    Py_XDECREF(r.plan);
+    r.site = r.plan = nullptr;
   }
 
   // A save of a base already packed (hooks._share): passed through where its pack
@@ -260,19 +374,7 @@ struct SavedHooksFront {
       Py_INCREF(packed);
       return packed;
     }
-    PyObject* shape = PyTuple_New(t.dim());
-    if (shape == nullptr) return nullptr;
-    for (int64_t i = 0; i < t.dim(); ++i) {
-      PyObject* n = PyLong_FromLongLong(t.size(i));
-      if (n == nullptr) {
-        Py_DECREF(shape);
-        return nullptr;
-      }
-      PyTuple_SET_ITEM(shape, i, n);
-    }
-    PyObject* view = PyObject_CallFunctionObjArgs(view_type, packed, shape, nullptr);
-    Py_DECREF(shape);
-    return view;
+    return view_of(packed, t);
   }
 
   PyObject* unpack(PyObject* obj) {
@@ -507,7 +609,7 @@ py::tuple make_hooks_front(py::object hooks, py::object new_fn,
 // the block None where no slot could be taken (a graph capture, every slot in flight; a
 // pack whose count cannot come back is of no use to the hooks). One allocation: the pack's
 // scratch rides behind the block (ops.pack_plain's layout).
-py::tuple hooks_pack(int64_t handle, const Tensor& a) {
+HooksPack hooks_pack_queued(int64_t handle, const Tensor& a) {
   const Plan& P = plan_at(handle);
   TORCH_CHECK(a.numel() == P.numel && P.numel > 0, "bitsparse: plan of ", P.numel,
               " elements for ", a.numel());
@@ -515,13 +617,19 @@ py::tuple hooks_pack(int64_t handle, const Tensor& a) {
   c10::DeviceGuard device_guard(a.device());
   void* stream = current_stream(a.device());
   const auto [i, generation] = claim_slot(stream);
-  if (i < 0) return py::make_tuple(py::none(), i, generation);
+  if (i < 0) return {Tensor(), i, generation};
   Tensor whole = at::empty({P.nbytes + P.scratch_bytes}, a.options().dtype(at::kByte));
   const uint64_t b = address(whole), scratch = b + static_cast<uint64_t>(P.nbytes);
   memset0(scratch, P.scratch_bytes, stream);
   P.pack.run(stream, b, {address(a), 0, scratch, 0, 0, 0,
                          static_cast<uint64_t>(slab.base + 16 * i)});
-  return py::make_tuple(whole.narrow(0, 0, P.nbytes), i, generation);
+  return {whole.narrow(0, 0, P.nbytes), i, generation};
+}
+
+py::tuple hooks_pack(int64_t handle, const Tensor& a) {
+  const HooksPack p = hooks_pack_queued(handle, a);
+  if (!p.block.defined()) return py::make_tuple(py::none(), p.slot, p.generation);
+  return py::make_tuple(p.block, p.slot, p.generation);
 }
 
 // The dense tensor of a block packed by ``handle``'s plan, decoded on the current stream.
@@ -568,12 +676,33 @@ void def_hooks_front(py::module_& m) {
     f.head_generation_at = generation_at;
     f.head_generation = generation;
   });
-  // (saves passed through, saves shared, packs decoded, decodes reused) since the last call
+  // (saves passed through, saves shared, packs decoded, decodes reused, packs tried) since
+  // the last call
   m.def("hooks_front_take_counts", [](const py::capsule& c) {
     SavedHooksFront& f = front_at(c);
-    const auto counts = py::make_tuple(f.passed, f.shared, f.unpacked, f.reused);
-    f.passed = f.shared = f.unpacked = f.reused = 0;
+    const auto counts = py::make_tuple(f.passed, f.shared, f.unpacked, f.reused, f.tried);
+    f.passed = f.shared = f.unpacked = f.reused = f.tried = 0;
     return counts;
+  });
+  // A site where hooks._pack_new just packed by a C++ plan: the next saves there pack here
+  // (the site, its version, the plan object, its handle, the block's bytes), until the
+  // site's version moves.
+  m.def("hooks_front_ready", [](const py::capsule& c, int64_t ordinal, std::vector<int64_t> shape,
+                                py::object dtype, int64_t device, py::object site,
+                                int64_t version, py::object plan, int64_t handle,
+                                int64_t nbytes) {
+    SavedHooksFront& f = front_at(c);
+    TORCH_CHECK(THPDtype_Check(dtype.ptr()), "bitsparse: a torch.dtype expected");
+    if (f.ready.size() >= 4096) {   // sites.MAX_SITES: forwards that never repeat
+      for (auto& item : f.ready) SavedHooksFront::forget(item.second);
+      f.ready.clear();
+    }
+    auto& r = f.ready[ordinal];
+    SavedHooksFront::forget(r);
+    r = SavedHooksFront::Ready{std::move(shape),
+                               reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, device,
+                               version, handle, nbytes, site.inc_ref().ptr(),
+                               plan.inc_ref().ptr()};
   });
 }
 

@@ -731,6 +731,44 @@ def test_hooks_a_site_still_dense_when_tried_again_waits_twice_as_long():
     assert passes_until_tried() == RETRY_AFTER
 
 
+def test_site_version_moves_whenever_its_next_capacity_or_encoding_would():
+    """The C++ front packs at a site without asking Python while the site's version stays:
+    it must move with every change of what capacity() would answer (a count that moves
+    the bucket, a too-dense count, a skip, a late pack, a nosign violation), and only
+    then."""
+    from bitsparse_core.torch.sites import SaveSite
+    from bitsparse_core.backends.cuda import abi
+    site, n = SaveSite("auto"), 1000
+
+    def moved(step):
+        v = site.version
+        step()
+        return site.version != v
+    first = site.capacity(n, 0.5, 0.1)
+    assert first == 500
+    assert moved(lambda: site.observe(0, 100, n))            # 500 -> a bucket above 0.1
+    cap = site.capacity(n, 0.5, 0.1)
+    assert cap < first
+    assert not moved(lambda: site.observe(0, 101, n))        # the same bucket
+    assert site.capacity(n, 0.5, 0.1) == cap
+    assert moved(lambda: site.observe(0, 450, n))            # a bucket up
+    assert moved(lambda: site.observe(0, 900, n))            # too dense: the next passes
+    assert moved(lambda: site.capacity(n, 0.5, 0.1)) and site.skip > 0
+    assert moved(lambda: site.capacity(n, 0.5, 0.1))         # a skip counted down
+    site.skip = 0
+    site.recent.clear()
+    assert site.capacity(n, 0.5, 0.1) == 500 and site.backoff > 1   # tried again
+    assert moved(lambda: site.observe(0, 499, n))            # 500 again, but backoff resets
+    site.capacity(n, 0.5, 0.1)
+    assert site.backoff == 1
+    assert moved(site.late)
+    site.skip = 0
+    site.capacity(n, 0.5, 0.1)
+    assert moved(lambda: site.observe(abi.STATUS_NOSIGN_VIOLATION, 10, n))   # nosign -> raw
+    site.capacity(n, 0.5, 0.1)
+    assert not moved(lambda: site.observe(abi.STATUS_NOSIGN_VIOLATION, 10, n))
+
+
 @pytest.mark.parametrize("looks", [None, 0, 1, 3], ids=["never", "at-once", "1", "3"])
 def test_hooks_training_bit_identical_whenever_counts_land(monkeypatch, looks):
     _Counts(monkeypatch, looks)

@@ -775,7 +775,8 @@ def test_emulated_hooks_pack_and_unpack_through_the_extension(emulated):
     """compress_saved_tensors' packs and unpacks queued from C++ (``hooks_pack`` /
     ``hooks_unpack``, mode PACK), the C++ front in front: training bit-identical to plain,
     each clean pack's count read from its slot of the extension's ring, and its decode
-    (and the second node's reuse of it) done by the front without Python."""
+    (and the second node's reuse of it) done by the front without Python, as are the new
+    packs at sites whose capacity has settled."""
     from bitsparse_core.torch import capacity as C
     from bitsparse_core.torch import compress_saved_tensors
     from bitsparse_core.torch import hooks as H
@@ -790,18 +791,24 @@ def test_emulated_hooks_pack_and_unpack_through_the_extension(emulated):
             in_python.append(obj)
         return _unpack(obj)
     hooks._unpack = python_unpack    # what hooks._unpack_saved calls
-    rec_plain = train(relu_mlp(), x, target, steps=3)
-    rec_hooks = train(Hooked(relu_mlp(), hooks), x, target, steps=3)
+    new_in_python = []
+    hooks._pack_new = lambda *a, _pack_new=hooks._pack_new: (new_in_python.append(a[1]),
+                                                             _pack_new(*a))[1]
+    steps = 6
+    rec_plain = train(relu_mlp(), x, target, steps=steps)
+    rec_hooks = train(Hooked(relu_mlp(), hooks), x, target, steps=steps)
     rec_hooks = [(l, {k[len("inner."):]: v for k, v in g.items()},
                   {k[len("inner."):]: v for k, v in p.items()}) for l, g, p in rec_hooks]
     assert_same_training(rec_plain, rec_hooks)
-    assert hooks.stats.packed == 2 * 3 and hooks.stats.unpacked == 2 * 3
+    assert hooks.stats.packed == 2 * steps and hooks.stats.unpacked == 2 * steps
     packs = [rec for key, rec in emulated.launches
              if key[0] == "pack" and key[3] == abi.Mode.PACK]
     unpacks = [rec for key, rec in emulated.launches
                if key[0] == "unpack" and key[2] == abi.Op.UNPACK]
     assert len(packs) == hooks.stats.tried >= 6 and len(unpacks) == hooks.stats.unpacked
-    assert hooks.stats.reused == hooks.stats.shared == 2 * 3 and not in_python
+    assert hooks.stats.reused == hooks.stats.shared == 2 * steps and not in_python
+    # the first packs at each site, and those after a count moved its bucket, were Python's
+    assert 2 <= len(new_in_python) < hooks.stats.tried
     ring = C.SLAB.slots   # the extension's slots lie above Python's
     assert all(rec["slot"] >= C.SLAB.base() + 16 * ring for rec in packs)
 

@@ -263,8 +263,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     @property
     def stats(self) -> SavedStats:
         if self._front is not None:   # what the C++ front did without Python
-            passed, shared, unpacked, reused = self._front_mod.hooks_front_take_counts(
+            passed, shared, unpacked, reused, tried = self._front_mod.hooks_front_take_counts(
                 self._front)
+            self._stats.tried += tried
             self._stats.passed += passed
             self._stats.shared += shared
             self._stats.unpacked += unpacked
@@ -359,6 +360,12 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         in the counts that landed): ``(the pack made of base or None, what autograd keeps
         for t)``."""
         packed = self._pack_new(base, ordinal)
+        if packed is not None and packed.handle is not None and self._front_counts:
+            # the next saves at this site pack in C++ while the site stays as it is now
+            site = packed.site
+            self._front_mod.hooks_front_ready(self._front, ordinal, list(base.shape), base.dtype,
+                                              base.get_device(), site, site.version,
+                                              packed.plan, packed.handle, packed.nbytes)
         return packed, self._keep(packed, t, base is t)
 
     def _share(self, packed: _Packed, t, whole: bool):

@@ -39,7 +39,8 @@ class SaveSite:
     """One save site: its encoding, recent densities, pass-through countdown and the
     factor of the next one."""
 
-    __slots__ = ("encoding", "fallback", "recent", "skip", "backoff", "prepared")
+    __slots__ = ("encoding", "fallback", "recent", "skip", "backoff", "prepared", "version",
+                 "asked")
 
     def __init__(self, encoding: str):
         self.fallback = FALLBACK.get(encoding)
@@ -48,35 +49,57 @@ class SaveSite:
         self.skip = 0
         self.backoff = 1
         self.prepared = None   # the hooks' plan and handle for the last capacity used here
+        # Bumped by every change of what capacity() answers or of the encoding (the C++
+        # front packs at a site whose version it was told, without asking Python, until
+        # the version moves); ``asked``: capacity()'s last question and its answer.
+        self.version = 0
+        self.asked = None
 
     def capacity(self, numel: int, limit: float, margin: float) -> int | None:
         """The capacity of the next pack here, or None to pass this save through.
         ``limit``: the largest density worth packing."""
         if self.skip:
             self.skip -= 1
+            self.version += 1
             return None
+        cap = self._sized(numel, limit, margin)
+        if cap is None:                     # the recent counts were too dense
+            self.skip = RETRY_AFTER * self.backoff - 1   # this save is the first passed through
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+            self.recent.clear()             # then tried again from the largest capacity
+            self.version += 1
+            return None
+        if self.recent:                     # sized from a clean count: no longer backing off
+            self.backoff = 1
+        self.asked = (numel, limit, margin, cap)
+        return cap
+
+    def _sized(self, numel: int, limit: float, margin: float) -> int | None:
+        """The capacity the recent counts give (None: too dense to pack)."""
         top = math.ceil(limit * numel)
         if not self.recent:
             return min(numel, top)
         seen = max(self.recent)
         if seen > limit:
-            self.skip = RETRY_AFTER * self.backoff - 1   # this save is the first passed through
-            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
-            self.recent.clear()             # then tried again from the largest capacity
             return None
-        self.backoff = 1
         return min(numel, top, math.ceil(LADDER[sized_bucket(seen, margin)] * numel))
 
     def late(self) -> None:
         """A pack here had not come back when backward unpacked it: pass the next saves
         through (its count still teaches the site when it lands)."""
         self.skip = max(self.skip, RETRY_AFTER)
+        self.version += 1
 
     def observe(self, status: int, nnz: int, numel: int) -> None:
         """Take in a pack's count (overflowed or not: the kernel counts every nonzero)."""
         self.recent.append(nnz / numel if numel else 0.0)
-        if status & abi.STATUS_NOSIGN_VIOLATION and self.fallback is not None:
+        if (status & abi.STATUS_NOSIGN_VIOLATION and self.fallback is not None
+                and self.encoding != self.fallback):
             self.encoding = self.fallback
+            self.version += 1
+        if (self.backoff != 1                # the next capacity() resets it
+                or (self.asked is not None and self._sized(*self.asked[:3]) != self.asked[3])):
+            self.version += 1               # ... or answers otherwise
 
 
 class Sites:
@@ -93,6 +116,6 @@ class Sites:
         site = self._by_key.get(key)
         if site is None:
             if len(self._by_key) >= MAX_SITES:
-                del self._by_key[next(iter(self._by_key))]
+                self._by_key.pop(next(iter(self._by_key))).version += 1   # forgotten
             site = self._by_key[key] = SaveSite(self.encoding)
         return site
