@@ -245,7 +245,7 @@ struct SavedHooksFront {
     if (rd != ready.end() && rd->second.dtype == base.scalar_type() &&
         rd->second.device == (base.is_cuda() ? base.get_device() : -1) &&
         base.sizes().equals(rd->second.shape)) {
-      r = pack_ready(rd->second, h, base, obj, whole);
+      r = pack_ready(rd->second, h, base, t, obj, whole);
       if (r == nullptr && PyErr_Occurred()) {
         Py_DECREF(h);
         return nullptr;
@@ -277,23 +277,29 @@ struct SavedHooksFront {
   // that keeps the dense tensor until its count lands, its entry in the flights and the
   // head, ``(packed, keep)`` as ``_front_new`` returns them. nullptr with no error set:
   // Python's ``_front_new`` takes the save.
-  PyObject* pack_ready(const Ready& R, PyObject* h, const Tensor& base, PyObject* obj,
-                       bool whole) {
+  PyObject* pack_ready(const Ready& ready_site, PyObject* h, const Tensor& base,
+                       const Tensor& t, PyObject* obj, bool whole) {
     static PyObject* const k_version = PyUnicode_InternFromString("version");
     static PyObject* const k_in_flight = PyUnicode_InternFromString("_in_flight");
     static PyObject* const k_credit = PyUnicode_InternFromString("_credit");
     static PyObject* const k_flights = PyUnicode_InternFromString("_flights");
     static PyObject* const k_append = PyUnicode_InternFromString("append");
-    if (int_attr(R.site, k_version) != R.version || PyErr_Occurred()) return nullptr;
+    // copied and held here: the Python calls below may change the records
+    const int64_t handle_id = ready_site.handle, bytes = ready_site.nbytes;
+    const py::object site = py::reinterpret_borrow<py::object>(ready_site.site);
+    const py::object plan = py::reinterpret_borrow<py::object>(ready_site.plan);
+    if (int_attr(site.ptr(), k_version) != ready_site.version || PyErr_Occurred()) {
+      return nullptr;
+    }
     const int64_t in_flight = int_attr(h, k_in_flight);
     if (PyErr_Occurred()) return nullptr;
     if (in_flight != 0) {   // _pack_new's throttle: Python counts it
       const int64_t credit = int_attr(h, k_credit);
-      if (PyErr_Occurred() || in_flight + R.nbytes > credit) return nullptr;
+      if (PyErr_Occurred() || in_flight + bytes > credit) return nullptr;
     }
     return guarded([&]() -> PyObject* {
       const Tensor dense = base.detach();   // held while the count is on its way
-      const HooksPack q = hooks_pack_queued(R.handle, dense);
+      const HooksPack q = hooks_pack_queued(handle_id, dense);
       if (!q.block.defined()) {   // no slot for its count: passed through
         ++passed;
         return Py_BuildValue("(OO)", Py_None, obj);
@@ -310,14 +316,14 @@ struct SavedHooksFront {
           base.is_cuda() ? made(PyLong_FromUnsignedLongLong(
                                reinterpret_cast<uintptr_t>(current_stream(base.device()))))
                          : py::none();
-      const py::object handle = made(PyLong_FromLongLong(R.handle));
-      const py::object nbytes = made(PyLong_FromLongLong(R.nbytes));
+      const py::object handle = made(PyLong_FromLongLong(handle_id));
+      const py::object nbytes = made(PyLong_FromLongLong(bytes));
       const py::object packed = made(PyObject_CallFunctionObjArgs(
-          packed_type, h, R.site, block.ptr(), R.plan, handle.ptr(), key.ptr(), Py_None,
+          packed_type, h, site.ptr(), block.ptr(), plan.ptr(), handle.ptr(), key.ptr(), Py_None,
           dense_obj.ptr(), stream.ptr(), nbytes.ptr(), nullptr));
       const py::object weak = made(PyWeakref_NewRef(packed.ptr(), nullptr));
       const py::object entry = made(Py_BuildValue(
-          "(OOOLOO)", key.ptr(), Py_None, R.site, static_cast<long long>(base.numel()),
+          "(OOOLOO)", key.ptr(), Py_None, site.ptr(), static_cast<long long>(base.numel()),
           nbytes.ptr(), weak.ptr()));
       const py::object flights = made(PyObject_GetAttr(h, k_flights));
       made(PyObject_CallMethodOneArg(flights.ptr(), k_append, entry.ptr()));
@@ -327,9 +333,9 @@ struct SavedHooksFront {
         head_generation_at = reinterpret_cast<int64_t>(slot_generation(q.slot));
         head_generation = q.generation;
       }
-      if (set_int(h, k_in_flight, in_flight + R.nbytes) < 0) throw python_error();
+      if (set_int(h, k_in_flight, in_flight + bytes) < 0) throw python_error();
       ++tried;
-      const py::object keep = whole ? packed : made(view_of(packed.ptr(), dense));
+      const py::object keep = whole ? packed : made(view_of(packed.ptr(), t));
       return Py_BuildValue("(OO)", packed.ptr(), keep.ptr());
     });
   }

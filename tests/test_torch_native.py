@@ -813,6 +813,40 @@ def test_emulated_hooks_pack_and_unpack_through_the_extension(emulated):
     assert all(rec["slot"] >= C.SLAB.base() + 16 * ring for rec in packs)
 
 
+def test_emulated_hooks_new_pack_of_a_view_in_cpp(emulated):
+    """A site whose saves are views of their base (the base packed, the save kept as a
+    view of the pack) packs in C++ once its capacity settles, and each save unpacks to
+    its own shape: the gradients equal plain PyTorch's step after step."""
+    from bitsparse_core.torch import compress_saved_tensors
+
+    class SavesFlat(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            r = torch.relu(a)
+            ctx.save_for_backward(r.view(-1))
+            return r * 3
+
+        @staticmethod
+        def backward(ctx, g):
+            (flat,) = ctx.saved_tensors
+            assert flat.dim() == 1
+            return g * 3 * (flat.view(g.shape) > 0)
+
+    hooks = compress_saved_tensors(min_numel=256, min_sparsity=0.5)
+    new_in_python = []
+    hooks._pack_new = lambda *a, _pack_new=hooks._pack_new: (new_in_python.append(a[1]),
+                                                             _pack_new(*a))[1]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        a = (torch.randn(32, 64, generator=g) - 1.0).requires_grad_()
+        with hooks:
+            out = SavesFlat.apply(a)
+        out.square().sum().backward()
+        r = torch.relu(a.detach())
+        assert torch.equal(a.grad, 2 * r * 3 * 3 * (r > 0))
+    assert hooks.stats.packed == 6 and len(new_in_python) < hooks.stats.tried
+
+
 def test_emulated_driver_error_is_raised(emulated, monkeypatch):
     """A failing launch surfaces as a named error, not as wrong data."""
     from bitsparse_core.torch import relu_ffn
