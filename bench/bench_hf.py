@@ -15,6 +15,8 @@ copy of one CPU model built once:
   backward in pinned host memory;
 * ``hooks-python``   -- (opt-in) ``hooks`` without their C++ front, every save through the
   Python hooks (``native.python_path()``);
+* ``hooks-pynew``    -- (opt-in) ``hooks`` with every new pack made by Python, as before the
+  C++ front packed at settled sites: what that step of the front saves, in one process;
 * ``noop-hooks``     -- (opt-in) the forward inside saved-tensor hooks that return what
   they are given: what PyTorch's hook calls alone cost, the floor of any approach built
   on them (``hooks`` included).
@@ -61,7 +63,7 @@ from plotting import pyplot  # noqa: E402
 
 VOCAB = 256
 VARIANTS = ("plain", "hooks", "converted", "checkpointing")
-KNOWN_VARIANTS = VARIANTS + ("hooks-offload", "hooks-python", "noop-hooks")   # run when asked
+KNOWN_VARIANTS = VARIANTS + ("hooks-offload", "hooks-python", "hooks-pynew", "noop-hooks")   # run when asked
 SIZES = {"opt12": tg.Shape(layers=12, d=1024, heads=16, d_ff=4096, seq=1024, batch=8)}
 SMALL = tg.Shape(layers=2, d=64, heads=2, d_ff=256, seq=64, batch=2)
 # A freshly initialised OPT's FFN activations are about half zero (fc1's bias starts at 0),
@@ -106,6 +108,14 @@ def _same(t):
     return t
 
 
+class _PythonNewPacks(bst.compress_saved_tensors):
+    """The hooks with no site handed to the C++ front: its every new pack is Python's."""
+
+    def _front_new(self, base, t, ordinal):
+        packed = self._pack_new(base, ordinal)
+        return packed, self._keep(packed, t, base is t)
+
+
 def prepare(bench: HFBench, name: str):
     """The variant's model (bf16 copy of the base), its forward ``(x, y) -> loss``, its
     optimizer (AdamW, defaults), and what the variant packs with."""
@@ -115,13 +125,13 @@ def prepare(bench: HFBench, name: str):
 
     def forward(x, y):
         return lm_loss(model, x, y)
-    if name in ("hooks", "hooks-offload", "hooks-python"):
+    if name in ("hooks", "hooks-offload", "hooks-python", "hooks-pynew"):
         offload = None
         if name == "hooks-offload":
             from bitsparse_core.torch.offload import Offloader
             offload = extra["offload"] = Offloader()
-        hooks = extra["hooks"] = bst.compress_saved_tensors(**bench.args.hooks_kwargs,
-                                                            offload=offload)
+        kind = _PythonNewPacks if name == "hooks-pynew" else bst.compress_saved_tensors
+        hooks = extra["hooks"] = kind(**bench.args.hooks_kwargs, offload=offload)
 
         def forward(x, y):   # the hooks variant's forward
             with hooks:

@@ -22,7 +22,7 @@ def test_bench_hf_small_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_hf.py"), "--device", "cpu",
                           "--small", "--steps", "2", "--rounds", "2", "--interleave", "2",
-                          "--variants", "plain,hooks,converted,checkpointing,noop-hooks,hooks-python",
+                          "--variants", "plain,hooks,converted,checkpointing,noop-hooks,hooks-python,hooks-pynew",
                           "--out", str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -30,11 +30,11 @@ def test_bench_hf_small_on_cpu(tmp_path):
     summary = json.loads((tmp_path / "bench_hf.json").read_text())
     variants = summary["variants"]
     assert list(variants) == ["plain", "hooks", "converted", "checkpointing", "noop-hooks",
-                              "hooks-python"]
+                              "hooks-python", "hooks-pynew"]
     assert all(v["status"] == "ok" for v in variants.values()), {
         n: v["status"] for n, v in variants.items()}
     steps = summary["plan"]["warmup"] + summary["plan"]["timed"] + summary["plan"]["profiled"]
-    for name in ("hooks", "converted", "checkpointing", "noop-hooks", "hooks-python"):
+    for name in ("hooks", "converted", "checkpointing", "noop-hooks", "hooks-python", "hooks-pynew"):
         v = variants[name]
         assert len(v["losses"]) == steps
         assert v["losses_bit_identical"] is True and v["max_abs_loss_diff"] == 0, name

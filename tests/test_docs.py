@@ -304,7 +304,10 @@ def readme_h100() -> list:
         f"| transformers OPT as above, steps in turn ({hf['interleaved']['turns']} turns) | "
         f"`convert(model)` {pct(hiv['converted']['median_ratio'])} (95 % interval of the "
         f"median {ci(hiv['converted'])}), `compress_saved_tensors` "
-        f"{pct(hiv['hooks']['median_ratio'])} ({ci(hiv['hooks'])}) vs plain; peak "
+        f"{pct(hiv['hooks']['median_ratio'])} ({ci(hiv['hooks'])})"
+        + (f", checkpointing {pct(hiv['checkpointing']['median_ratio'])}"
+           if "checkpointing" in hiv else "")
+        + " vs plain; peak "
         f"{mib(hv['converted']['peak_mib'])} / {mib(hv['hooks']['peak_mib'])} MiB vs "
         f"{mib(hv['plain']['peak_mib'])} plain | `bench/results/bench_hf_h100.md` |",
 
