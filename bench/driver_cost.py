@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import host_overhead as ho  # noqa: E402
-from plotting import pyplot  # noqa: E402
+from plotting import pyplot, save  # noqa: E402
 
 
 def per_call_us(fn, calls: int, repeats: int, sync) -> list:
@@ -224,9 +224,7 @@ def plot(summary: dict, path: Path) -> None:
     ax.barh(ops, drv, left=rest, label="driver queueing calls")
     ax.set_xlabel("host µs per call (fastest loop)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv=None) -> int:

@@ -4,14 +4,15 @@
 # compile-time switches and Numba variants, and the codec / fused-op benches.
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
 #   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver host codecs
-#   exact fused train ffn hf hfprof (exact: profile_exact.py, the Python steps after the
+#   exact fused train ffn hf hfprof pace (exact: profile_exact.py, the Python steps after the
 #   count against the native ones; driver: driver_cost.py, the driver's calls and their
 #   share of each op;
 #   host: host_overhead.py on the small tensor and host_standin.py --micro on this host;
 #   train: issue 15's gpt12 step, every variant its targets name, in interleaved turns;
 #   ffn: issue 15's FFN stack (dense, checkpointing, ours raw and nosign);
 #   hf: issue 16's OPT step, plain / converted / hooks, in interleaved turns;
-#   hfprof: the hooks' host time on the device's host, under cProfile)
+#   hfprof: the hooks' host time on the device's host, under cProfile;
+#   pace: step_pace.py, the OPT step's GPU busy time beside its wall time)
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
@@ -152,6 +153,13 @@ if has hfprof; then
       || tail -5 /tmp/gpu_ab/hfprof.log
   grep -A8 "^| hook calls" "$OUT"/hfprof/bench_hf.md
   say "hfprof"
+fi
+if has pace; then
+  # which side paces the OPT step: GPU busy per step beside the wall time, per variant
+  timeout 260 python3 bench/step_pace.py --variants plain,hooks,noop-hooks --turns 60 \
+      --time-limit 200 --out "$OUT/pace" >/tmp/gpu_ab/pace.log 2>&1 || tail -5 /tmp/gpu_ab/pace.log
+  grep -E "^\|" "$OUT"/pace/step_pace.md | head -6
+  say "pace"
 fi
 # one archive comes back whole however many files the parts wrote
 cp -r /tmp/gpu_ab "$OUT/raw_logs"

@@ -11,3 +11,12 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def save(fig, path, dpi: int = 110) -> None:
+    """Write ``fig`` to ``path`` laid out tight, and release it (pyplot keeps every figure
+    alive until it is closed)."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
