@@ -3,8 +3,8 @@
 // compress_saved_tensors sees every tensor autograd saves: in a transformer layer about
 // thirty, of which a few are worth packing, and deciding that the rest are not took
 // microseconds of Python per save. This front makes those decisions and calls the Python
-// hooks only for what needs them (a new pack at a site that is trying, and every save and
-// unpack while other saved-tensor hooks enclose ours):
+// hooks only for what needs them (a new pack at a site whose capacity has not settled, and
+// every save and unpack while other saved-tensor hooks enclose ours):
 //
 //   * not a candidate (a subclass, small, a leaf that requires grad, a dtype, device, layout
 //     or stride the codec does not take): passed through;
@@ -12,7 +12,10 @@
 //   * a base tensor packed before: answered by its pack (or a view of it), or passed
 //     through where the pack kept the dense tensor;
 //   * a new base tensor at a save site that Python told to pass (``skip``): passed
-//     through, the site's countdown taken down.
+//     through, the site's countdown taken down;
+//   * a new base tensor at a site Python packed at and told of (``ready``: its plan, and
+//     the site's version then): packed here, as hooks._pack_new would, while the site's
+//     version stays (sites.py moves it with every change of what the site would answer).
 //
 // Unpacks of packs (and of their views) it does itself where Python would only decode or
 // hand back the tensor this backward decoded already: a clean pack of these hooks, its block

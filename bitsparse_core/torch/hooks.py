@@ -25,10 +25,12 @@ block. Where the host runs far ahead of the GPU, saves pass through instead
 
 Most saves need no Python: in a transformer layer a few of about thirty are worth
 packing. Where the C++ extension is built (:func:`.native.hooks_module`), its front
-(``kernels/torch_host_hooks.h``) sees every save first and passes through, without a
-Python call, what is not a candidate, a base tensor already passed through, and a new
-base at a save site that is passing for a while; it calls these hooks for the rest, by
-the same rules, so both paths take the same decisions.
+(``kernels/torch_host_hooks.h``) sees every save first. Without a Python call it passes
+through what is not a candidate, a base tensor already passed through, and a new base at
+a save site that is passing for a while; answers a save of a base already packed; packs
+a new base at a site whose capacity has settled (these hooks tell it the site's plan and
+``version`` after packing there, :mod:`.sites`); and decodes the common unpack. It calls
+these hooks for the rest, by the same rules, so both paths take the same decisions.
 
 Hooks entered inside other saved-tensor hooks (``save_on_cpu``, an offloading pair)
 compose with them: PyTorch calls only the innermost pair, so ours hand the enclosing
