@@ -41,6 +41,9 @@
 
 namespace {
 
+// Save sites remembered, as sites.MAX_SITES (past it, forwards that never repeat).
+constexpr size_t kMaxSites = 4096;
+
 Tensor hooks_unpack(int64_t handle, const Tensor& block, at::IntArrayRef shape,
                     at::ScalarType dtype);
 // A hooks pack queued: its block (undefined where no slot could be taken) and its slot's
@@ -118,6 +121,16 @@ struct SavedHooksFront {
   enum Head { kNone, kSlot, kAsk };
   Head head = kNone;
   int64_t head_status = 0, head_generation_at = 0, head_generation = 0;
+
+  // hooks._tell_head's record of the oldest pack in flight: none (status 0), its slot's
+  // host address, the address of the slot's generation and the generation it was taken
+  // at, or -1: Python looks itself.
+  void show_head(int64_t status, int64_t generation_at, int64_t generation) {
+    head = status == 0 ? kNone : status < 0 ? kAsk : kSlot;
+    head_status = status;
+    head_generation_at = generation_at;
+    head_generation = generation;
+  }
 
   bool head_landed() const {
     if (head == kAsk) return true;
@@ -331,10 +344,8 @@ struct SavedHooksFront {
       const py::object flights = made(PyObject_GetAttr(h, k_flights));
       made(PyObject_CallMethodOneArg(flights.ptr(), k_append, entry.ptr()));
       if (PyObject_Length(flights.ptr()) == 1) {   // hooks._tell_head
-        head = kSlot;
-        head_status = slab.base + 16 * q.slot;
-        head_generation_at = reinterpret_cast<int64_t>(slot_generation(q.slot));
-        head_generation = q.generation;
+        show_head(slab.base + 16 * q.slot, reinterpret_cast<int64_t>(slot_generation(q.slot)),
+                  q.generation);
       }
       if (set_int(h, k_in_flight, in_flight + bytes) < 0) throw python_error();
       ++tried;
@@ -670,20 +681,14 @@ void def_hooks_front(py::module_& m) {
                                std::vector<int64_t> shape, py::object dtype, int64_t left) {
     SavedHooksFront& f = front_at(c);
     TORCH_CHECK(THPDtype_Check(dtype.ptr()), "bitsparse: a torch.dtype expected");
-    if (f.skips.size() >= 4096) f.skips.clear();   // sites.MAX_SITES: forwards that never repeat
+    if (f.skips.size() >= kMaxSites) f.skips.clear();   // forwards that never repeat
     f.skips[ordinal] = SavedHooksFront::Skip{
         std::move(shape), reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, left};
   });
-  // The oldest pack in flight: none (status 0), its slot's host address, the address of the
-  // slot's generation and the generation it was taken at, or -1: Python looks itself.
+  // The oldest pack in flight (SavedHooksFront::show_head).
   m.def("hooks_front_head", [](const py::capsule& c, int64_t status, int64_t generation_at,
                                int64_t generation) {
-    SavedHooksFront& f = front_at(c);
-    f.head = status == 0 ? SavedHooksFront::kNone
-             : status < 0 ? SavedHooksFront::kAsk : SavedHooksFront::kSlot;
-    f.head_status = status;
-    f.head_generation_at = generation_at;
-    f.head_generation = generation;
+    front_at(c).show_head(status, generation_at, generation);
   });
   // (saves passed through, saves shared, packs decoded, decodes reused, packs tried) since
   // the last call
@@ -702,7 +707,7 @@ void def_hooks_front(py::module_& m) {
                                 int64_t nbytes) {
     SavedHooksFront& f = front_at(c);
     TORCH_CHECK(THPDtype_Check(dtype.ptr()), "bitsparse: a torch.dtype expected");
-    if (f.ready.size() >= 4096) {   // sites.MAX_SITES: forwards that never repeat
+    if (f.ready.size() >= kMaxSites) {   // forwards that never repeat
       for (auto& item : f.ready) SavedHooksFront::forget(item.second);
       f.ready.clear();
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 import shutil
 import sysconfig
 
@@ -1189,3 +1190,11 @@ def test_build_flags_follow_the_headers(monkeypatch, tmp_path):
     part.write_text(part.read_text() + "\n// edited\n")
     native.build()
     assert seen[0] == seen[1] != seen[2]
+
+
+def test_front_remembers_as_many_sites_as_python():
+    # the C++ front's bound on the sites it keeps records of is sites.MAX_SITES
+    from bitsparse_core.torch import sites
+    text = (native.kernel_dir() / "torch_host_hooks.h").read_text()
+    bound = re.search(r"constexpr size_t kMaxSites = (\d+);", text)
+    assert bound is not None and int(bound.group(1)) == sites.MAX_SITES
