@@ -223,7 +223,12 @@ def install(torch):
                 sizes += [8] * 7
             else:
                 sizes.append(1 if isinstance(ty, types.Boolean) else ty.bitwidth // 8)
-        L._param_sizes = lambda func: sizes
+        layout, end = [], 0
+        for size in sizes:                  # each at the next multiple of its size
+            end = -(-end // size) * size
+            layout.append((end, size))
+            end += size
+        L._param_layout = lambda func: layout
         original_init(self, kernel, args)
     L.HandleLaunch.__init__ = handle_init
 

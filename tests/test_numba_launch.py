@@ -63,12 +63,23 @@ def _sizes(kernel):
     return [8, 8, 8, 8, 8, 8, 8, 8, 1, 4, 8, 8, 8, 8, 8, 8, 8]
 
 
+def _layout(sizes):
+    """(offset, size) of each parameter as the driver gives them: each at the next
+    multiple of its size."""
+    layout, end = [], 0
+    for size in sizes:
+        end = -(-end // size) * size
+        layout.append((end, size))
+        end += size
+    return layout
+
+
 @pytest.fixture
 def no_driver(monkeypatch):
     """The driver's answers where there is no GPU: a handle, and the parameter sizes of
     TYPES as NVVM lays them out."""
     monkeypatch.setattr(L, "_function_handle", lambda kernel: 0x1234)
-    monkeypatch.setattr(L, "_param_sizes", lambda func: _sizes(None))
+    monkeypatch.setattr(L, "_param_layout", lambda func: _layout(_sizes(None)))
 
 
 def test_kernel_array_is_plain_data():
@@ -86,7 +97,15 @@ def test_record_matches_numbas_marshalling(no_driver, n, flag):
     numba_args = [_DeviceArray(a) if isinstance(a, L.KernelArray) else a for a in args]
     assert launch.values() == L.numba_values(kernel, numba_args, 0)
     assert [ctypes.sizeof(f) for f in launch.fields] == _sizes(None)
-    # the launch's void** points at the fields, in order
+    # the fields lie in one buffer at the driver's offsets, which the launch's extra
+    # array names with its size; the void** (for a cooperative launch) points at them
+    base = ctypes.addressof(launch.buffer)
+    assert [(ctypes.addressof(f) - base, ctypes.sizeof(f)) for f in launch.fields] == \
+        _layout(_sizes(None))
+    assert ctypes.sizeof(launch.buffer) == 128 and base % 8 == 0
+    extra = [launch.extra[i] for i in range(5)]
+    assert extra[0] == 1 and extra[1] == base and extra[2] == 2 and extra[4] is None
+    assert ctypes.c_size_t.from_address(extra[3]).value == 128
     assert [launch.pointers[i] for i in range(len(launch.fields))] == \
         [ctypes.addressof(f) for f in launch.fields]
 
@@ -104,10 +123,10 @@ def test_a_refill_changes_only_what_the_arguments_say(no_driver):
 
 def test_parameter_sizes_that_differ_keep_the_dispatcher(monkeypatch):
     monkeypatch.setattr(L, "_function_handle", lambda kernel: 0x1234)
-    monkeypatch.setattr(L, "_param_sizes", lambda func: _sizes(None)[:-1])
+    monkeypatch.setattr(L, "_param_layout", lambda func: _layout(_sizes(None)[:-1]))
     with pytest.raises(TypeError, match="parameter sizes"):
         L.HandleLaunch(_Kernel(TYPES), _args())
-    monkeypatch.setattr(L, "_param_sizes", lambda func: None)     # a driver that cannot say
+    monkeypatch.setattr(L, "_param_layout", lambda func: None)     # a driver that cannot say
     with pytest.raises(TypeError):
         L.HandleLaunch(_Kernel(TYPES), _args())
 
@@ -247,7 +266,7 @@ def test_a_bound_launch_writes_the_data_pointers_of_its_buffers(no_driver, monke
     the same buffers, launches the record a fill of that call's arguments would make:
     only the non-empty arrays' data fields change."""
     launched = []
-    monkeypatch.setattr(L.driver, "launch", lambda func, grid, block, smem, stream, rec:
+    monkeypatch.setattr(L.driver, "launch_packed", lambda func, grid, block, smem, stream, rec:
                         launched.append((func, grid, block, stream, rec.values())))
     kernel = _Kernel(TYPES)
     a, b = _Buf(0x7000_0000), _Buf(0x7100_0000)
@@ -315,7 +334,7 @@ def _records_on_stand_ins(monkeypatch):
     if backend.K.SIM:
         pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
     monkeypatch.setattr(L, "_function_handle", lambda kernel: id(kernel.dispatcher))
-    monkeypatch.setattr(L, "_param_sizes", lambda func: _CompiledStandIn.sizes[func])
+    monkeypatch.setattr(L, "_param_layout", lambda func: _layout(_CompiledStandIn.sizes[func]))
     return backend
 
 
@@ -404,7 +423,7 @@ def test_pack_plans_launch_by_their_own_records_what_the_platform_would(monkeypa
     def driver_launch(func, grid, block, smem, stream, rec):
         by_driver.append(func)
         launched.append((func, grid, block, stream, rec.values()))
-    monkeypatch.setattr(L.driver, "launch", driver_launch)
+    monkeypatch.setattr(L.driver, "launch_packed", driver_launch)
     monkeypatch.setattr(backend, "_PACK_LAUNCHES", L.PerThread(1024))
     calls(_record_platform(backend, launched))
     assert launched == reference
@@ -477,7 +496,7 @@ def test_unpack_family_launches_by_its_own_records_what_the_platform_would(monke
     def driver_launch(func, grid, block, smem, stream, rec):
         by_driver.append(func)
         launched.append((func, grid, block, stream, rec.values()))
-    monkeypatch.setattr(L.driver, "launch", driver_launch)
+    monkeypatch.setattr(L.driver, "launch_packed", driver_launch)
     monkeypatch.setattr(backend, "_OP_LAUNCHES", L.PerThread(1024))
     calls(platform(launched))
     assert launched == reference
@@ -703,7 +722,7 @@ def test_fixed_packs_run_whole_by_one_object_what_the_steps_would(monkeypatch):
 
     def driver_launch(func, grid, block, smem, stream, rec):
         launched.append((func, grid, block, stream, rec.values()))
-    monkeypatch.setattr(L.driver, "launch", driver_launch)
+    monkeypatch.setattr(L.driver, "launch_packed", driver_launch)
     monkeypatch.setattr(backend, "_PACK_LAUNCHES", L.PerThread(1024))
     fixed_packs = L.PerThread(1024)
     monkeypatch.setattr(backend, "_FIXED_PACKS", fixed_packs)

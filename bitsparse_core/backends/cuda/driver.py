@@ -77,6 +77,32 @@ def launch(func: int, grid: int, block: int, smem: int, stream: int, args) -> No
             check(rc, "cuLaunchKernel")
 
 
+def launch_packed(func: int, grid: int, block: int, smem: int, stream: int, args) -> None:
+    """``func<<<grid, block, smem, stream>>>`` with its parameters in one buffer, laid out
+    as the kernel's parameter list: ``args.extra`` the ``CU_LAUNCH_PARAM_BUFFER_POINTER`` /
+    ``_SIZE`` / ``_END`` array (:func:`param_buffer`). The driver then copies one buffer,
+    where an array of parameter pointers costs it a copy per parameter (a Numba kernel
+    has a hundred and more)."""
+    if grid > 0:
+        rc = _untyped()[0](_pointer(func), grid, 1, 1, block, 1, 1, smem, _pointer(stream),
+                           None, args.extra)
+        if rc:
+            check(rc, "cuLaunchKernel")
+
+
+CU_LAUNCH_PARAM_END, CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
+
+
+def param_buffer(buffer) -> tuple:
+    """``(extra, size)`` for :func:`launch_packed`: the ``extra`` array that names
+    ``buffer`` (a ctypes object, kept alive by the caller) and the ``size_t`` it points
+    at, which the caller keeps alive with it."""
+    size = _SZ(ctypes.sizeof(buffer))
+    extra = (_P * 5)(CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
+                     CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), CU_LAUNCH_PARAM_END)
+    return extra, size
+
+
 def launch_cooperative(func: int, grid: int, block: int, smem: int, stream: int, args) -> None:
     """A launch whose blocks are all resident at once (the pack kernel's closing grid
     barrier relies on it); needs no relocatable device code."""

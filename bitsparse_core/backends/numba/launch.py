@@ -9,8 +9,11 @@ kernel with a given set of argument types goes through the dispatcher, which
 compiles it; :class:`HandleLaunch` then takes the function handle of the kernel that
 launch ran and lays out Numba's parameter list once: an array is seven parameters
 (meminfo, parent, element count, item size, data, shape, stride), an integer or a
-boolean one of its width. Later launches write the few fields that change and call
-``cuLaunchKernel`` (:mod:`..cuda.driver`).
+boolean one of its width. The fields lie in one buffer at the offsets the driver gives
+for the kernel's parameters, so a launch hands the driver that buffer
+(``CU_LAUNCH_PARAM_BUFFER_POINTER``) rather than a pointer per parameter, each of which
+the driver would copy on its own. Later launches write the few fields that change and
+call ``cuLaunchKernel`` (:mod:`..cuda.driver`).
 
 Where a caller's launches differ between calls only in where a few buffers are (one
 pack plan's), a :class:`BoundLaunch` holds a record of its own with every other field
@@ -19,7 +22,7 @@ keeps such objects, one set per thread.
 
 The layout is Numba's private ABI, so it is checked against the compiled kernel
 before it is used: the parameters' number and sizes against the driver's
-``cuFuncGetParamInfo``, and the values against what Numba's own marshalling
+``cuFuncGetParamInfo`` (which gives their offsets too), and the values against what Numba's own marshalling
 (``_Kernel._prepare_args``) makes of the first launch's arguments. A kernel that
 fails a check, or that this module does not cover (launch-config-sensitive, debug,
 an argument type other than a 1-D C-contiguous array, an integer or a boolean), keeps
@@ -71,19 +74,20 @@ def kinds_of(args) -> tuple:
     return tuple([a.dtype if type(a) is KernelArray else type(a) for a in args])
 
 
-def _param_sizes(func: int) -> list | None:
-    """Byte sizes of a kernel's parameters from the driver, or None where it cannot say."""
+def _param_layout(func: int) -> list | None:
+    """``(offset, size)`` in bytes of each of a kernel's parameters, from the driver; None
+    where it cannot say."""
     get = getattr(driver.lib(), "cuFuncGetParamInfo", None)
     if get is None:
         return None
-    sizes, off, size = [], ctypes.c_size_t(), ctypes.c_size_t()
+    layout, off, size = [], ctypes.c_size_t(), ctypes.c_size_t()
     while True:
-        rc = get(_PTR(func), ctypes.c_size_t(len(sizes)), ctypes.byref(off), ctypes.byref(size))
+        rc = get(_PTR(func), ctypes.c_size_t(len(layout)), ctypes.byref(off), ctypes.byref(size))
         if rc == CUDA_ERROR_INVALID_VALUE:
-            return sizes
+            return layout
         if rc:
             return None
-        sizes.append(size.value)
+        layout.append((off.value, size.value))
 
 
 def _function_handle(kernel) -> int:
@@ -107,35 +111,43 @@ class HandleLaunch:
         self.kernel = kernel            # so that another record can be built for it
         self.func = _function_handle(kernel)
         self.cooperative = bool(getattr(kernel, "cooperative", False))
-        fields, self.slots, self.is_array = [], [], []
+        kinds, self.is_array = [], []     # (ctypes type, initial value) per parameter
         for ty, arg in zip(kernel.argument_types, args):
             if isinstance(ty, types.Array):
                 if ty.ndim != 1 or ty.layout != "C" or type(arg) is not KernelArray:
                     raise TypeError(f"argument type {ty} is not a 1-D C-contiguous KernelArray")
                 item = arg.dtype.itemsize
-                f = [_PTR(0), _PTR(0), _INT64(), _INT64(item), ctypes.c_uint64(), _INT64(),
-                     _INT64(item)]
-                fields += f
-                self.slots.append((f[2], f[4], f[5]))      # count, data, shape
+                kinds += [(_PTR, 0), (_PTR, 0), (_INT64, 0), (_INT64, item),
+                          (ctypes.c_uint64, 0), (_INT64, 0), (_INT64, item)]
                 self.is_array.append(True)
             elif isinstance(ty, types.Boolean):
-                f = ctypes.c_bool()
-                fields.append(f)
-                self.slots.append(f)
+                kinds.append((ctypes.c_bool, False))
                 self.is_array.append(False)
             elif isinstance(ty, types.Integer):
-                f = getattr(ctypes, f"c_{ty}")()
-                fields.append(f)
-                self.slots.append(f)
+                kinds.append((getattr(ctypes, f"c_{ty}"), 0))
                 self.is_array.append(False)
             else:
                 raise TypeError(f"argument type {ty} is not covered")
-        self.fields = fields
+        layout = _param_layout(self.func)
+        if layout is None or [size for _, size in layout] != [ctypes.sizeof(k) for k, _ in kinds]:
+            raise TypeError(f"parameter sizes {layout and [size for _, size in layout]} differ "
+                            f"from the record's {[ctypes.sizeof(k) for k, _ in kinds]}")
+        end = max((off + size for off, size in layout), default=0)
+        self.buffer = (ctypes.c_uint64 * ((end + 7) // 8))()    # 8-byte aligned
+        self.fields = fields = [k.from_buffer(self.buffer, off) for (k, _), (off, _) in
+                                zip(kinds, layout)]
+        for f, (_, value) in zip(fields, kinds):
+            f.value = value
+        self.slots, k = [], 0
+        for is_array in self.is_array:
+            if is_array:
+                self.slots.append((fields[k + 2], fields[k + 4], fields[k + 5]))  # count, data, shape
+                k += 7
+            else:
+                self.slots.append(fields[k])
+                k += 1
         self.pointers = (_PTR * len(fields))(*[ctypes.addressof(f) for f in fields])
-        sizes = _param_sizes(self.func)
-        if sizes is None or sizes != [ctypes.sizeof(f) for f in fields]:
-            raise TypeError(f"parameter sizes {sizes} differ from the record's "
-                            f"{[ctypes.sizeof(f) for f in fields]}")
+        self.extra, self._extra_size = driver.param_buffer(self.buffer)
 
     def fill(self, args) -> None:
         for is_array, slot, arg in zip(self.is_array, self.slots, args):
@@ -147,17 +159,16 @@ class HandleLaunch:
 
     def values(self) -> list:
         """The parameters as the kernel reads them, as integers (for the check against
-        Numba's marshalling): each field's value through the parameter list's pointer,
-        which a :class:`BoundLaunch` may point at another field of the same value."""
-        return [int(type(f).from_address(p).value or 0)
-                for f, p in zip(self.fields, self.pointers)]
+        Numba's marshalling)."""
+        return [int(f.value or 0) for f in self.fields]
 
     def launch(self, grid: int, block: int, stream: int) -> None:
-        """Launch with the record as it stands."""
+        """Launch with the record as it stands (a cooperative launch takes no parameter
+        buffer: it gets the parameter pointers, which point into the same buffer)."""
         if self.cooperative:
             driver.launch_cooperative(self.func, grid, block, 0, stream, self)
         else:
-            driver.launch(self.func, grid, block, 0, stream, self)
+            driver.launch_packed(self.func, grid, block, 0, stream, self)
 
     def __call__(self, grid: int, block: int, stream: int, args) -> None:
         self.fill(args)
@@ -182,19 +193,9 @@ class BoundLaunch:
         record = HandleLaunch(template.kernel, launch.args)
         record.fill(launch.args)
         self.record, self.grid, self.block = record, launch.grid, launch.block
-        # Arrays at one place (the same buffer and offset: a tensor's element and word
-        # views) share one data field: the parameter list points them all at the first.
-        index = {id(f): k for k, f in enumerate(record.fields)}
-        first = {}
-        for is_array, slot, arg in zip(record.is_array, record.slots, launch.args):
-            if not (is_array and arg.ptr):
-                continue
-            place = _place(arg, buffers, addresses)
-            if place in first:
-                record.pointers[index[id(slot[1])]] = ctypes.addressof(first[place])
-            else:
-                first[place] = slot[1]
-        self.data = [(field, *place) for place, field in first.items()]
+        self.data = [(slot[1], *_place(arg, buffers, addresses))
+                     for is_array, slot, arg in zip(record.is_array, record.slots, launch.args)
+                     if is_array and arg.ptr]
 
     def __call__(self, stream: int, addresses) -> None:
         for data, i, offset in self.data:
