@@ -105,7 +105,7 @@ def test_record_matches_numbas_marshalling(no_driver, n, flag):
     assert ctypes.sizeof(launch.buffer) == 128 and base % 8 == 0
     extra = [launch.extra[i] for i in range(5)]
     assert extra[0] == 1 and extra[1] == base and extra[2] == 2 and extra[4] is None
-    assert ctypes.c_size_t.from_address(extra[3]).value == 128
+    assert ctypes.c_size_t.from_address(extra[3]).value == 128   # the parameters end there
     assert [launch.pointers[i] for i in range(len(launch.fields))] == \
         [ctypes.addressof(f) for f in launch.fields]
 

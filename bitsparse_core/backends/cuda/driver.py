@@ -93,11 +93,12 @@ def launch_packed(func: int, grid: int, block: int, smem: int, stream: int, args
 CU_LAUNCH_PARAM_END, CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
 
 
-def param_buffer(buffer) -> tuple:
-    """``(extra, size)`` for :func:`launch_packed`: the ``extra`` array that names
-    ``buffer`` (a ctypes object, kept alive by the caller) and the ``size_t`` it points
-    at, which the caller keeps alive with it."""
-    size = _SZ(ctypes.sizeof(buffer))
+def param_buffer(buffer, nbytes: int) -> tuple:
+    """``(extra, size)`` for :func:`launch_packed`: the ``extra`` array that names the
+    first ``nbytes`` of ``buffer`` (a ctypes object, kept alive by the caller; ``nbytes``
+    exactly the kernel's parameter bytes: the driver refuses a larger size) and the
+    ``size_t`` it points at, which the caller keeps alive with it."""
+    size = _SZ(nbytes)
     extra = (_P * 5)(CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
                      CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), CU_LAUNCH_PARAM_END)
     return extra, size

@@ -147,7 +147,7 @@ class HandleLaunch:
                 self.slots.append(fields[k])
                 k += 1
         self.pointers = (_PTR * len(fields))(*[ctypes.addressof(f) for f in fields])
-        self.extra, self._extra_size = driver.param_buffer(self.buffer)
+        self.extra, self._extra_size = driver.param_buffer(self.buffer, end)
 
     def fill(self, args) -> None:
         for is_array, slot, arg in zip(self.is_array, self.slots, args):
