@@ -57,7 +57,7 @@ def summarise(runs: list, base: str) -> dict:
     adds = [r.get(("torch", "first", "torch_add")) for _, r in runs]
     rows = []
     for k in keys:
-        if k[0] in ("torch",):
+        if k[0] == "torch":            # the host's own ops (x + x, empty): its speed
             continue
         row = {"backend": k[0], "mode": k[1], "op": k[2],
                "runs": {lb: [r[k] for label, r in runs if label == lb] for lb in labels},
@@ -72,7 +72,8 @@ def summarise(runs: list, base: str) -> dict:
 def markdown(res: dict, title: str) -> str:
     others = [lb for lb in res["labels"] if lb != res["base"]]
     head = (["backend", "mode", "op"] + [f"{lb} µs (runs)" for lb in res["labels"]]
-            + [f"{lb} − {res['base']} µs" for lb in others] + [f"{lb} × {res['base']}" for lb in others])
+            + [f"{lb} − {res['base']} µs" for lb in others]
+            + [f"{lb} × {res['base']}" for lb in others])
     out = [f"# {title}", "",
            f"Runs in the order {', '.join(res['order'])}; torch `x + x` at each run's start: "
            + ", ".join("-" if a is None else f"{a:.1f}" for a in res["torch_add_us"])

@@ -334,7 +334,8 @@ def _records_on_stand_ins(monkeypatch):
     if backend.K.SIM:
         pytest.skip("under the CUDA simulator the backend runs _SimPlatform")
     monkeypatch.setattr(L, "_function_handle", lambda kernel: id(kernel.dispatcher))
-    monkeypatch.setattr(L, "_param_layout", lambda func: _layout(_CompiledStandIn.sizes[func]))
+    monkeypatch.setattr(L, "_param_layout",
+                        lambda func: _layout(_CompiledStandIn.sizes[func]))
     return backend
 
 

@@ -20,13 +20,13 @@ pack plan's), a :class:`BoundLaunch` holds a record of its own with every other 
 written once, and a launch writes only the arrays' data pointers; :class:`PerThread`
 keeps such objects, one set per thread.
 
-The layout is Numba's private ABI, so it is checked against the compiled kernel
-before it is used: the parameters' number and sizes against the driver's
-``cuFuncGetParamInfo`` (which gives their offsets too), and the values against what Numba's own marshalling
-(``_Kernel._prepare_args``) makes of the first launch's arguments. A kernel that
-fails a check, or that this module does not cover (launch-config-sensitive, debug,
-an argument type other than a 1-D C-contiguous array, an integer or a boolean), keeps
-launching through the dispatcher.
+The layout is Numba's private ABI, so it is checked against the compiled kernel before
+it is used: the parameters' number and sizes against the driver's ``cuFuncGetParamInfo``
+(which gives their offsets too), and the values against what Numba's own marshalling
+(``_Kernel._prepare_args``) makes of the first launch's arguments. A kernel that fails a
+check, or that this module does not cover (launch-config-sensitive, debug, an argument
+type other than a 1-D C-contiguous array, an integer or a boolean), keeps launching
+through the dispatcher.
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ class HandleLaunch:
         self.slots, k = [], 0
         for is_array in self.is_array:
             if is_array:
-                self.slots.append((fields[k + 2], fields[k + 4], fields[k + 5]))  # count, data, shape
+                # count, data, shape
+                self.slots.append((fields[k + 2], fields[k + 4], fields[k + 5]))
                 k += 7
             else:
                 self.slots.append(fields[k])
