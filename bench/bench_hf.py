@@ -98,6 +98,19 @@ def opt_model(shape: tg.Shape, seed: int):
     return OPTForCausalLM(cfg).float()
 
 
+def resident_bench(device: str, seed: int, small: bool, time_limit: float, out: str):
+    """The bench as the tools beside this one build it (step_pace.py, host_by_op.py):
+    ``(bench, shape, device, batches)``, eight batches of the text on the device."""
+    args = parse_args(["--out", out, "--device", device, "--seed", str(seed),
+                       "--time-limit", str(time_limit)] + (["--small"] if small else []))
+    shape, dev = tg.shape_and_device(args, SMALL if small else SIZES[args.size])
+    text = tg.stdlib_bytes(limit=(4 << 20) if small else (64 << 20))
+    bench = HFBench(args, shape, text, {}, dev, base=opt_model(shape, seed))
+    batches = [(x.to(dev), y.to(dev)) for x, y in
+               tg.make_batches(bench.data, 8, shape.batch, shape.seq, seed)]
+    return bench, shape, dev, batches
+
+
 def lm_loss(model, x, y):
     # make_batches' targets are already shifted: transformers' labels= would shift again
     logits = model(input_ids=x, use_cache=False).logits

@@ -4,15 +4,16 @@
 # compile-time switches and Numba variants, and the codec / fused-op benches.
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
 #   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver host codecs
-#   exact fused train ffn hf hfprof pace (exact: profile_exact.py, the Python steps after the
-#   count against the native ones; driver: driver_cost.py, the driver's calls and their
+#   exact fused train ffn hf hfprof pace byop (exact: profile_exact.py, the Python steps
+#   after the count against the native ones; driver: driver_cost.py, the driver's calls and their
 #   share of each op;
 #   host: host_overhead.py on the small tensor and host_standin.py --micro on this host;
 #   train: issue 15's gpt12 step, every variant its targets name, in interleaved turns;
 #   ffn: issue 15's FFN stack (dense, checkpointing, ours raw and nosign);
 #   hf: issue 16's OPT step, plain / converted / hooks, in interleaved turns;
 #   hfprof: the hooks' host time on the device's host, under cProfile;
-#   pace: step_pace.py, the OPT step's GPU busy time beside its wall time)
+#   pace: step_pace.py, the OPT step's GPU busy time beside its wall time;
+#   byop: host_by_op.py, the OPT step's host time op by op, hooks and converted vs plain)
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
@@ -160,6 +161,13 @@ if has pace; then
       --time-limit 200 --out "$OUT/pace" >/tmp/gpu_ab/pace.log 2>&1 || tail -5 /tmp/gpu_ab/pace.log
   grep -E "^\|" "$OUT"/pace/step_pace.md | head -6
   say "pace"
+fi
+if has byop; then
+  # where the hooks' and converted's host time goes, op by op (forward / backward)
+  timeout 200 python3 bench/host_by_op.py --variants plain,hooks,converted --steps 8 \
+      --time-limit 170 --out "$OUT/byop" >/tmp/gpu_ab/byop.log 2>&1 || tail -5 /tmp/gpu_ab/byop.log
+  grep -A5 "^| variant" "$OUT"/byop/host_by_op.md
+  say "byop"
 fi
 # one archive comes back whole however many files the parts wrote
 cp -r /tmp/gpu_ab "$OUT/raw_logs"

@@ -71,14 +71,8 @@ def run(args) -> dict:
     if unknown or "plain" not in names:
         raise SystemExit(f"--variants: plain and any of {', '.join(hf.KNOWN_VARIANTS)} "
                          f"(unknown: {sorted(unknown)})")
-    hf_args = hf.parse_args(["--out", args.out, "--device", args.device, "--seed", str(args.seed),
-                             "--time-limit", str(args.time_limit)]
-                            + (["--small"] if args.small else []))
-    shape, device = tg.shape_and_device(hf_args, hf.SMALL if args.small else hf.SIZES[hf_args.size])
-    text = tg.stdlib_bytes(limit=(4 << 20) if args.small else (64 << 20))
-    bench = hf.HFBench(hf_args, shape, text, {}, device, base=hf.opt_model(shape, args.seed))
-    batches = [(x.to(device), y.to(device)) for x, y in
-               tg.make_batches(bench.data, 8, shape.batch, shape.seq, args.seed)]
+    bench, shape, device, batches = hf.resident_bench(args.device, args.seed, args.small,
+                                                      args.time_limit, args.out)
     resident = {}   # kept past run_variants, which drops its own references to the steps
 
     def make_step(name):
