@@ -98,6 +98,17 @@ def opt_model(shape: tg.Shape, seed: int):
     return OPTForCausalLM(cfg).float()
 
 
+def variants_with_plain(text: str) -> list:
+    """``--variants`` of the tools that compare against plain (step_pace.py,
+    host_by_op.py): plain among them, every name a known variant."""
+    names = text.split(",")
+    unknown = set(names) - set(KNOWN_VARIANTS)
+    if unknown or "plain" not in names:
+        raise SystemExit(f"--variants: plain and any of {', '.join(KNOWN_VARIANTS)} "
+                         f"(unknown: {sorted(unknown)})")
+    return names
+
+
 def resident_bench(device: str, seed: int, small: bool, time_limit: float, out: str):
     """The bench as the tools beside this one build it (step_pace.py, host_by_op.py):
     ``(bench, shape, device, batches)``, eight batches of the text on the device."""

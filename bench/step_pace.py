@@ -66,11 +66,7 @@ def gpu_activity(step, steps: int, device: torch.device) -> dict | None:
 
 
 def run(args) -> dict:
-    names = args.variants.split(",")
-    unknown = set(names) - set(hf.KNOWN_VARIANTS)
-    if unknown or "plain" not in names:
-        raise SystemExit(f"--variants: plain and any of {', '.join(hf.KNOWN_VARIANTS)} "
-                         f"(unknown: {sorted(unknown)})")
+    names = hf.variants_with_plain(args.variants)
     bench, shape, device, batches = hf.resident_bench(args.device, args.seed, args.small,
                                                       args.time_limit, args.out)
     resident = {}   # kept past run_variants, which drops its own references to the steps
