@@ -109,6 +109,38 @@ def variants_with_plain(text: str) -> list:
     return names
 
 
+def add_resident_args(ap, time_limit: float, out: str) -> None:
+    """The arguments of :func:`resident_bench` on a tool's command line."""
+    ap.add_argument("--small", action="store_true", help="bench_hf.py's small model")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-limit", type=float, default=time_limit,
+                    help="seconds; the turns stop there (those measured are kept)")
+    ap.add_argument("--out", default=out)
+
+
+def tool_summary(args, shape: tg.Shape, device: torch.device) -> dict:
+    """The head of a tool's summary: its arguments, the model's shape, the device."""
+    return {"config": vars(args),
+            "shape": {k: getattr(shape, k) for k in ("layers", "d", "heads", "d_ff", "seq",
+                                                      "batch")},
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__}
+
+
+def write_tool_reports(summary: dict, out: str, stem: str, markdown, plot) -> None:
+    """A tool's ``stem.json``, ``stem.md`` (``markdown(summary)``, also printed) and
+    ``stem.png`` (``plot(summary, path)``) under ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=str))
+    text = markdown(summary)
+    (out / f"{stem}.md").write_text(text)
+    plot(summary, out / f"{stem}.png")
+    print(text)
+    print(f"wrote {out}/{stem}.{{json,md,png}} in {time.monotonic() - tg.START:.0f} s")
+
+
 def resident_bench(device: str, seed: int, small: bool, time_limit: float, out: str):
     """The bench as the tools beside this one build it (step_pace.py, host_by_op.py):
     ``(bench, shape, device, batches)``, eight batches of the text on the device."""

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -112,10 +110,7 @@ def run(args) -> dict:
     for name in names:
         _, forward, opt, _ = hf.prepare(bench, name)
         steps[name] = ((lambda i, f=forward: f(*batches[i % len(batches)])), opt)
-    summary = {"config": vars(args), "shape": {k: getattr(shape, k) for k in
-                                               ("layers", "d", "heads", "d_ff", "seq", "batch")},
-               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__}
+    summary = hf.tool_summary(args, shape, device)
     try:
         with tg.attention_backend("auto"):
             books, turns = profiled_turns(steps, args.steps, args.warmup, device,
@@ -175,21 +170,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="plain,hooks,converted")
     ap.add_argument("--steps", type=int, default=6, help="profiled turns")
     ap.add_argument("--warmup", type=int, default=3, help="unprofiled turns first")
-    ap.add_argument("--small", action="store_true", help="bench_hf.py's small model")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-limit", type=float, default=240.0,
-                    help="seconds; the turns stop there (those profiled are kept)")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    hf.add_resident_args(ap, time_limit=240.0, out=str(HERE / "results"))
     args = ap.parse_args(argv)
     summary = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "host_by_op.json").write_text(json.dumps(summary, indent=1, default=str))
-    (out / "host_by_op.md").write_text(markdown(summary))
-    plot(summary, out / "host_by_op.png")
-    print(markdown(summary))
-    print(f"wrote {out}/host_by_op.{{json,md,png}} in {time.monotonic() - tg.START:.0f} s")
+    hf.write_tool_reports(summary, args.out, "host_by_op", markdown, plot)
     return 0 if summary["turns"] else 1
 
 

@@ -24,9 +24,7 @@ the GPU columns stay empty.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -75,10 +73,7 @@ def run(args) -> dict:
         _, forward, opt, _ = hf.prepare(bench, name)
         resident[name] = lambda i: tg.train_step(forward, opt, *batches[i % len(batches)])
         return resident[name]
-    summary = {"config": vars(args), "shape": {k: getattr(shape, k) for k in
-                                               ("layers", "d", "heads", "d_ff", "seq", "batch")},
-               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__}
+    summary = hf.tool_summary(args, shape, device)
     try:
         with tg.attention_backend("auto"):
             summary["interleaved"] = interleaved.run_variants(
@@ -152,21 +147,10 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5, help="untimed turns first")
     ap.add_argument("--profiled", type=int, default=6, help="steps per variant, GPU profiled")
-    ap.add_argument("--small", action="store_true", help="bench_hf.py's small model")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-limit", type=float, default=300.0,
-                    help="seconds; the turns stop there (those timed are kept)")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    hf.add_resident_args(ap, time_limit=300.0, out=str(HERE / "results"))
     args = ap.parse_args(argv)
     summary = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "step_pace.json").write_text(json.dumps(summary, indent=1, default=str))
-    (out / "step_pace.md").write_text(markdown(summary))
-    plot(summary, out / "step_pace.png")
-    print(markdown(summary))
-    print(f"wrote {out}/step_pace.{{json,md,png}} in {time.monotonic() - tg.START:.0f} s")
+    hf.write_tool_reports(summary, args.out, "step_pace", markdown, plot)
     return 0 if summary["interleaved"].get("status") == "ok" else 1
 
 
