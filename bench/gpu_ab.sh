@@ -157,9 +157,10 @@ if has hfprof; then
 fi
 if has pace; then
   # which side paces the OPT step: GPU busy per step beside the wall time, per variant
-  timeout 260 python3 bench/step_pace.py --variants plain,hooks,noop-hooks --turns 60 \
+  # (converted too: what it adds on the GPU, beside what it adds on the host)
+  timeout 260 python3 bench/step_pace.py --variants plain,hooks,noop-hooks,converted --turns 60 \
       --time-limit 200 --out "$OUT/pace" >/tmp/gpu_ab/pace.log 2>&1 || tail -5 /tmp/gpu_ab/pace.log
-  grep -E "^\|" "$OUT"/pace/step_pace.md | head -6
+  grep -E "^\|" "$OUT"/pace/step_pace.md | head -7
   say "pace"
 fi
 if has byop; then
