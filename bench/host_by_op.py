@@ -133,7 +133,8 @@ def markdown(summary: dict) -> str:
     variants = summary["variants"]
     if not variants:
         return "\n".join(lines + ["No turn was profiled.", ""])
-    lines += ["| variant | forward µs | − plain | backward µs | − plain |", "|---|---|---|---|---|"]
+    lines += ["| variant | forward µs | − plain | backward µs | − plain |",
+              "|---|---|---|---|---|"]
     for name, ph in variants.items():
         f, b = ph["forward"], ph["backward"]
         lines.append(f"| {name} | {f['total_us']:.0f} | {f['minus_base_us']:+.0f} | "
