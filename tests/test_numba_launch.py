@@ -110,6 +110,18 @@ def test_record_matches_numbas_marshalling(no_driver, n, flag):
         [ctypes.addressof(f) for f in launch.fields]
 
 
+def test_the_buffer_size_given_the_driver_is_where_the_parameters_end(monkeypatch):
+    """A kernel whose parameters end on a boolean: the buffer is whole 8-byte words, the
+    size the launch names is the parameters' end (the driver refuses a larger one)."""
+    monkeypatch.setattr(L, "_function_handle", lambda kernel: 0x1234)
+    sizes = [8] * 7 + [1]
+    monkeypatch.setattr(L, "_param_layout", lambda func: _layout(sizes))
+    launch = L.HandleLaunch(_Kernel(TYPES[:1] + [numba_types.boolean]),
+                            [L.KernelArray(64, 4, U8, None), True])
+    assert ctypes.sizeof(launch.buffer) == 64
+    assert ctypes.c_size_t.from_address(launch.extra[3]).value == 57
+
+
 def test_a_refill_changes_only_what_the_arguments_say(no_driver):
     launch = L.HandleLaunch(_Kernel(TYPES), _args())
     launch.fill(_args(1000, True))
