@@ -55,6 +55,16 @@ SIM_ACTIVE = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_bench(script: str, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    """``python3 bench/<script> *args`` from the repository root, the package importable,
+    one OpenMP thread unless set (a bench's small matmuls crawl on a busy machine's many
+    threads); its output captured as text."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def run_in_simulator(test_file: str, timeout: int = 1800) -> None:
     """Run the test module ``test_file`` again in a child pytest process with Numba's
     CUDA simulator switched on (``NUMBA_ENABLE_CUDASIM=1``): the variable must be set

@@ -6,12 +6,11 @@ label is refused."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_bench
 
 pytest.importorskip("torch")
 
@@ -23,13 +22,11 @@ import host_ab  # noqa: E402
 @pytest.fixture(scope="module")
 def two_logs(tmp_path_factory):
     d = tmp_path_factory.mktemp("host_ab")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     logs = []
     for k in range(2):
-        out = subprocess.run([sys.executable, str(ROOT / "bench" / "host_overhead.py"),
-                              "--backends", "numpy", "--modes", "torch", "--cpu-smoke",
-                              "--no-plot", "--no-hook", "--out", str(d / f"run{k}")],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        out = run_bench("host_overhead.py", "--backends", "numpy", "--modes", "torch",
+                        "--cpu-smoke", "--no-plot", "--no-hook", "--out", str(d / f"run{k}"),
+                        timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         log = d / f"run{k}.log"
         log.write_text(out.stdout)

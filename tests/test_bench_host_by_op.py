@@ -5,12 +5,11 @@ differences from itself are zero, and a bad variant list is refused."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_bench
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -20,10 +19,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def _run(tmp_path, *extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "host_by_op.py"), "--device", "cpu",
-                           "--small", "--out", str(tmp_path), *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    return run_bench("host_by_op.py", "--device", "cpu", "--small", "--out", str(tmp_path),
+                     *extra)
 
 
 def test_host_by_op_small_on_cpu(tmp_path):

@@ -4,24 +4,17 @@ written, the GPU columns stay empty off CUDA, and a bad variant list is refused.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_bench
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def _run(tmp_path, *extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "step_pace.py"), "--device", "cpu",
-                           "--small", "--out", str(tmp_path), *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return run_bench("step_pace.py", "--device", "cpu", "--small", "--out", str(tmp_path),
+                     *extra, timeout=120)
 
 
 def test_step_pace_small_on_cpu(tmp_path):
