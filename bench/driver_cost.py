@@ -147,9 +147,11 @@ def _relu2_pack_launch(torch, lib, shape, stream: int, keep: list):
 
 
 class _NoQueueing:
-    """The driver's queueing calls as no-ops, for the ``with`` block."""
+    """The driver's queueing calls as no-ops, for the ``with`` block. Every launch
+    entry is among them: one left real would launch a kernel whose scratch the no-op
+    memset left unzeroed (Numba's ``launch_packed`` did: an illegal address)."""
 
-    NAMES = ("launch", "launch_cooperative", "memset0", "copy")
+    NAMES = ("launch", "launch_packed", "launch_cooperative", "memset0", "copy")
 
     def __enter__(self):
         from bitsparse_core.backends.cuda import driver

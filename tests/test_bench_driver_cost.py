@@ -36,3 +36,12 @@ def test_without_cuda_it_exits_2_and_writes_nothing(tmp_path):
     assert run.returncode == 2
     assert "no CUDA device" in run.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_no_queueing_covers_every_launch_and_queueing_call_of_the_driver():
+    from bitsparse_core.backends.cuda import driver
+    queueing = {n for n in vars(driver) if n.startswith("launch") or n in ("memset0", "copy")}
+    assert queueing <= set(driver_cost._NoQueueing.NAMES)
+    with driver_cost._NoQueueing():
+        assert all(getattr(driver, n)(*range(6)) is None for n in driver_cost._NoQueueing.NAMES)
+    assert driver.launch_packed.__module__ == driver.__name__
