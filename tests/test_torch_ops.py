@@ -224,6 +224,56 @@ def test_compile_fullgraph_bit_identical_to_compiled_dense(device, size, backend
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("cls", [bst.PackedReLU2FFN, bst.PackedReGLUFFN])
+def test_compiled_graph_is_reused_when_the_capacity_moves(device, backend, cls):
+    """An adaptive capacity is a graph input under torch.compile: its bucket moving (as
+    the policy's poll moves it, here set before each step: full, sparse enough to
+    overflow, sized, full again) compiles nothing new, and the results stay those of
+    the dense model, the overflowing step's through its exact recompute."""
+    if backend == "inductor" and device == "cpu" and shutil.which("g++") is None:
+        pytest.skip("inductor on CPU compiles C++ and no g++ is on PATH")
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    m = _model(cls, device)
+    pol = m.capacity_policy
+    compiled = torch.compile(m, backend=backend, fullgraph=True)
+    dense = torch.compile(lambda t: _dense(m, t), backend=backend, fullgraph=True)
+    overflows = pol.overflows
+    for bucket in (len(C.LADDER) - 1, 0, 15, len(C.LADDER) - 1, 12):
+        torch.manual_seed(bucket)
+        x = torch.randn(3, 40, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+        pol.bucket = bucket
+        out, grads = _grads(compiled, m, x, steps=1)
+        ref, ref_grads = _grads(dense, m, x, steps=1)
+        assert torch.equal(out, ref)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert pol.overflows > overflows              # bucket 0 (1/64 of a density) overflowed
+    assert counters["stats"]["unique_graphs"] == 2   # the model's graph and dense's
+
+
+def test_fake_block_size_is_the_plan_size_at_every_capacity():
+    """The fake kernels' size of a block at a symbolic capacity is the size formula's:
+    the plan at capacity 0 plus the value and sign sections (checked at concrete ones)."""
+    from bitsparse_core.backends.cuda import abi
+    from bitsparse_core.spec.format import Encoding
+    from bitsparse_core.torch import ops
+    for mode in (abi.Mode.RELU, abi.Mode.RELU2, abi.Mode.MASKED):
+        for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
+            for enc in Encoding:
+                if mode == abi.Mode.MASKED and enc == Encoding.NOSIGN:
+                    continue
+                for cap in (0, 1, 7, 8, 63, 64, 65, 511, 998, 3 * 333):
+                    plan = ops._plan_of(mode, (3, 333), dtype, cap, int(enc), 12)
+
+                    class Sym(int):     # takes the symbolic branch, computes as an int
+                        pass
+                    assert ops._block_nbytes(mode, (3, 333), dtype, Sym(cap), int(enc),
+                                             12) == plan.nbytes, (mode, dtype, enc, cap)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("density", [None, 0.01])
 @pytest.mark.parametrize("cls", [bst.PackedReLU2FFN, bst.PackedReGLUFFN])

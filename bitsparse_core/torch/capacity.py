@@ -208,6 +208,19 @@ def bucket_of(density: float) -> int:
     return bisect.bisect_left(LADDER, density)
 
 
+# Under torch.compile an adaptive capacity is read from the size of a stand-in tensor
+# (CapacityPolicy.traced_capacity), its density in units of 2**-UNIT_LOG2.
+UNIT_LOG2 = 20
+
+
+def _density_units(density: float) -> torch.Tensor:
+    """A tensor of ``ceil(density * 2**UNIT_LOG2)`` elements and no storage of its own (a
+    one-element tensor expanded), its size marked dynamic for torch.compile."""
+    units = torch.empty(1).expand(math.ceil(density * (1 << UNIT_LOG2)))
+    torch._dynamo.maybe_mark_dynamic(units, 0)
+    return units
+
+
 def sized_bucket(densest: float, margin: float) -> int:
     """The bucket a capacity is sized to from the densest recent count: the smallest
     ladder density at or above it plus ``margin`` (the policy's and the save sites' rule)."""
@@ -221,10 +234,12 @@ class CapacityPolicy:
     to adapt: the first packs use the full capacity (they cannot overflow) while
     their counts come back; later ones the smallest ladder density at or above
     ``(1 + margin)`` times the largest density of the last ``window`` packs.
-    ``bucket`` is a plain int attribute, so ``torch.compile`` guards on it and
-    recompiles (at most once per bucket) when the capacity moves. It moves only in
-    :meth:`poll`, which the backward calls: a forward and its recompute under
-    activation checkpointing always see the same capacity.
+    Under ``torch.compile`` the capacity is :meth:`traced_capacity`, a symbolic size the
+    graph takes as an input, so a move of the bucket reuses the compiled graph instead
+    of recompiling (one recompile per bucket and layer, with torch.compile's limit of a
+    few recompiles per frame, would leave a model that trains long enough running
+    eager). The bucket moves only in :meth:`poll`, which the backward calls: a forward
+    and its recompute under activation checkpointing always see the same capacity.
 
     ``pending``: what a backward does when its pack's count has not come back yet,
     which happens when the host runs ahead of the GPU (a GPU-bound step): ``"wait"``
@@ -262,19 +277,42 @@ class CapacityPolicy:
         # torch.save of a model) starts without them.
         state = dict(self.__dict__)
         state["_pending"] = collections.deque(maxlen=self._pending.maxlen)
+        state.pop("_units")         # made anew from the bucket, its dynamic mark with it
         return state
 
     def __setstate__(self, state: dict) -> None:
+        bucket = state.pop("_bucket", None)
+        bucket = state.pop("bucket", len(LADDER) - 1) if bucket is None else bucket
         # A copy gets its own id: the ops find their policy by id, and an id taken over
         # from the original would feed the copy's packs to the original (or, loaded in
         # another process, to whichever policy has that number there).
         self.__dict__.update(state)
+        self.bucket = bucket
         self.id = next(_IDS)
         POLICIES[self.id] = self
+
+    @property
+    def bucket(self) -> int:
+        return self._bucket
+
+    @bucket.setter
+    def bucket(self, bucket: int) -> None:
+        if bucket != getattr(self, "_bucket", None):
+            self._bucket = bucket
+            self._units = _density_units(LADDER[bucket])
 
     def capacity(self, numel: int) -> int:
         d = self.density if self.density is not None else LADDER[self.bucket]
         return min(numel, math.ceil(d * numel))
+
+    def traced_capacity(self, numel):
+        """The capacity inside a trace (torch.compile, torch.func): an adaptive policy's is
+        ``ceil(units * numel / 2**UNIT_LOG2)`` with ``units`` the size of a stand-in tensor
+        whose size is dynamic, so the graph takes the capacity as an input (at least
+        :meth:`capacity`'s, at most ``numel``); a fixed density's is a constant."""
+        if self.density is not None:
+            return self.capacity(numel)
+        return (self._units.shape[0] * numel + (1 << UNIT_LOG2) - 1) // (1 << UNIT_LOG2)
 
     def track(self, ticket: torch.Tensor, numel: int, capacity: int, known=None) -> None:
         """Remember a pack whose count is on its way back (called at pack time);

@@ -146,7 +146,8 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
                                                            bool(square))
     traced = _traced()
     off = _offloader(offload, traced, device_type)
-    capacity, square, enc = pol.capacity(a.numel()), bool(square), _encoding_id(encoding)
+    capacity = pol.traced_capacity(a.numel()) if traced else pol.capacity(a.numel())
+    square, enc = bool(square), _encoding_id(encoding)
     args = (a, weight, bias, x, w1, b1, capacity, square, enc, DEFAULT_CHUNK_LOG2, mm_dtype,
             pol.id, off)
     if x is not None and not traced and _no_modes(args, 6):
@@ -406,7 +407,8 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
     g, u = g.contiguous(), u.contiguous()
     pol = policy if policy is not None else _shared_policy(density, g.shape, g.dtype, "gated")
     traced = _traced()
-    args = (g, u, weight, bias, x, wg, bg, wu, bu, pol.capacity(g.numel()),
+    capacity = pol.traced_capacity(g.numel()) if traced else pol.capacity(g.numel())
+    args = (g, u, weight, bias, x, wg, bg, wu, bu, capacity,
             _encoding_id(encoding), u_enc, DEFAULT_CHUNK_LOG2, mm_dtype, pol.id,
             _offloader(offload, traced, device_type))
     if traced:

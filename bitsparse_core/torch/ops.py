@@ -34,6 +34,7 @@ from ..backends.cuda import abi, host
 from ..backends.cuda.interop import torch_stream
 from ..errors import CapacityOverflowError, EncodingError, UnsupportedTransformError
 from ..packed import PackedTensor
+from ..spec import format as _fmt
 from ..spec import ops as reference_ops
 from ..spec.codec import pack_array
 from ..spec.format import DEFAULT_CHUNK_LOG2, Encoding
@@ -64,6 +65,20 @@ def _plan(a_shape, dtype: torch.dtype, capacity: int, square: bool, encoding: in
           chunk_log2: int) -> host.PackPlan:
     mode = abi.Mode.RELU2 if square else abi.Mode.RELU
     return _plan_of(mode, a_shape, dtype, capacity, encoding, chunk_log2)
+
+
+def _block_nbytes(mode: abi.Mode, a_shape, dtype: torch.dtype, capacity, encoding: int,
+                  chunk_log2: int):
+    """A block's bytes at ``capacity`` for the fake kernels. Under torch.compile an adaptive
+    capacity is symbolic (:meth:`.capacity.CapacityPolicy.traced_capacity`): the values
+    and signs are the block's last sections, so its size is the plan's at capacity 0
+    plus theirs, the size formula's arithmetic on the symbol."""
+    if isinstance(capacity, int):
+        return _plan_of(mode, a_shape, dtype, capacity, encoding, chunk_log2).nbytes
+    empty = _plan_of(mode, a_shape, dtype, 0, encoding, chunk_log2)
+    bs_dtype, enc = B.TORCH_TO_BS[dtype], Encoding(encoding)
+    return (empty.nbytes + _fmt.align(_fmt.values_nbytes(bs_dtype, enc, capacity))
+            + _fmt.align(_fmt.signs_nbytes(enc, capacity)))
 
 
 def plain_plan(shape, dtype: torch.dtype, capacity: int, encoding: int) -> host.PackPlan:
@@ -240,11 +255,11 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
 # autograd formula lives in ReLULinearFunction (functional.py) instead.
 _LIB = torch.library.Library("bitsparse", "DEF")
 _LIB.define("relu_linear(Tensor a, Tensor weight, Tensor? bias, Tensor? x, Tensor? w1, "
-            "Tensor? b1, int capacity, bool square, int encoding, int chunk_log2, "
+            "Tensor? b1, SymInt capacity, bool square, int encoding, int chunk_log2, "
             "ScalarType? mm_dtype, int policy) -> (Tensor, Tensor, Tensor)")
 _LIB.define("relu_linear_backward(Tensor grad_out, Tensor block, Tensor ticket, Tensor weight, "
             "Tensor? x, Tensor? w1, Tensor? b1, int[] a_shape, ScalarType a_dtype, "
-            "bool has_bias, int capacity, bool square, int encoding, int chunk_log2, "
+            "bool has_bias, SymInt capacity, bool square, int encoding, int chunk_log2, "
             "ScalarType? mm_dtype, int policy, int needs) -> (Tensor, Tensor, Tensor)")
 # ``needs`` of relu_linear_backward: which gradients autograd asks for.
 NEED_A, NEED_W, NEED_B = 1, 2, 4
@@ -300,9 +315,10 @@ def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 @torch.library.register_fake("bitsparse::relu_linear")
 def _(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype, policy):
-    plan = _plan(a.shape, a.dtype, capacity, square, encoding, chunk_log2)
+    mode = abi.Mode.RELU2 if square else abi.Mode.RELU
+    nbytes = _block_nbytes(mode, a.shape, a.dtype, capacity, encoding, chunk_log2)
     out = a.new_empty((*a.shape[:-1], weight.shape[0]), dtype=mm_dtype or a.dtype)
-    return (out, a.new_empty((plan.nbytes,), dtype=torch.uint8),
+    return (out, a.new_empty((nbytes,), dtype=torch.uint8),
             torch.empty((2,), dtype=torch.int64))
 
 
@@ -449,12 +465,12 @@ def _relu2_grad_and_square_(grad_h, block, plan):
 # Gated (ReGLU): relu(g) packed, u where g > 0 behind the same mask           #
 # --------------------------------------------------------------------------- #
 _LIB.define("gated_relu_linear(Tensor g, Tensor u, Tensor weight, Tensor? bias, Tensor? x, "
-            "Tensor? wg, Tensor? bg, Tensor? wu, Tensor? bu, int capacity, int encoding, "
+            "Tensor? wg, Tensor? bg, Tensor? wu, Tensor? bu, SymInt capacity, int encoding, "
             "int u_encoding, int chunk_log2, ScalarType? mm_dtype, int policy) "
             "-> (Tensor, Tensor, Tensor, Tensor)")
 _LIB.define("gated_relu_linear_backward(Tensor grad_out, Tensor block_r, Tensor block_u, "
             "Tensor ticket, Tensor weight, Tensor? x, Tensor? wg, Tensor? bg, Tensor? wu, "
-            "Tensor? bu, int[] a_shape, ScalarType a_dtype, bool has_bias, int capacity, "
+            "Tensor? bu, int[] a_shape, ScalarType a_dtype, bool has_bias, SymInt capacity, "
             "int encoding, int u_encoding, int chunk_log2, ScalarType? mm_dtype, int policy, "
             "int needs) -> (Tensor, Tensor, Tensor, Tensor)")
 # ``needs`` of gated_relu_linear_backward: NEED_A covers both grad_g and grad_u.
@@ -520,11 +536,11 @@ def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, enco
 @torch.library.register_fake("bitsparse::gated_relu_linear")
 def _(g, u, weight, bias, x, wg, bg, wu, bu, capacity, encoding, u_encoding, chunk_log2,
       mm_dtype, policy):
-    plan_r = _plan(g.shape, g.dtype, capacity, False, encoding, chunk_log2)
-    plan_u = _u_plan(g.shape, g.dtype, capacity, u_encoding, chunk_log2)
+    r_bytes = _block_nbytes(abi.Mode.RELU, g.shape, g.dtype, capacity, encoding, chunk_log2)
+    u_bytes = _block_nbytes(abi.Mode.MASKED, g.shape, g.dtype, capacity, u_encoding, chunk_log2)
     out = g.new_empty((*g.shape[:-1], weight.shape[0]), dtype=mm_dtype or g.dtype)
-    return (out, g.new_empty((plan_r.nbytes,), dtype=torch.uint8),
-            g.new_empty((plan_u.nbytes,), dtype=torch.uint8),
+    return (out, g.new_empty((r_bytes,), dtype=torch.uint8),
+            g.new_empty((u_bytes,), dtype=torch.uint8),
             torch.empty((2,), dtype=torch.int64))
 
 
