@@ -260,6 +260,9 @@ def test_fake_block_size_is_the_plan_size_at_every_capacity():
     from bitsparse_core.backends.cuda import abi
     from bitsparse_core.spec.format import Encoding
     from bitsparse_core.torch import ops
+
+    class Sym(int):     # not an int by type: takes the symbolic branch, computes as one
+        pass
     for mode in (abi.Mode.RELU, abi.Mode.RELU2, abi.Mode.MASKED):
         for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
             for enc in Encoding:
@@ -267,9 +270,6 @@ def test_fake_block_size_is_the_plan_size_at_every_capacity():
                     continue
                 for cap in (0, 1, 7, 8, 63, 64, 65, 511, 998, 3 * 333):
                     plan = ops._plan_of(mode, (3, 333), dtype, cap, int(enc), 12)
-
-                    class Sym(int):     # takes the symbolic branch, computes as an int
-                        pass
                     assert ops._block_nbytes(mode, (3, 333), dtype, Sym(cap), int(enc),
                                              12) == plan.nbytes, (mode, dtype, enc, cap)
 

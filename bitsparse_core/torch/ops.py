@@ -72,8 +72,8 @@ def _block_nbytes(mode: abi.Mode, a_shape, dtype: torch.dtype, capacity, encodin
     """A block's bytes at ``capacity`` for the fake kernels. Under torch.compile an adaptive
     capacity is symbolic (:meth:`.capacity.CapacityPolicy.traced_capacity`): the values
     and signs are the block's last sections, so its size is the plan's at capacity 0
-    plus theirs, the size formula's arithmetic on the symbol."""
-    if isinstance(capacity, int):
+    plus theirs, the size formula's arithmetic on the symbol (any other int-like too)."""
+    if type(capacity) is int:
         return _plan_of(mode, a_shape, dtype, capacity, encoding, chunk_log2).nbytes
     empty = _plan_of(mode, a_shape, dtype, 0, encoding, chunk_log2)
     bs_dtype, enc = B.TORCH_TO_BS[dtype], Encoding(encoding)
