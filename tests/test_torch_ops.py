@@ -254,6 +254,28 @@ def test_compiled_graph_is_reused_when_the_capacity_moves(device, backend, cls):
     assert counters["stats"]["unique_graphs"] == 2   # the model's graph and dense's
 
 
+def test_policy_copies_keep_the_bucket_and_make_their_own_density_stand_in():
+    """A copy (deepcopy, pickle; also of a state written before the stand-in existed,
+    with ``bucket`` as a plain attribute) has the original's bucket, a stand-in of its
+    own whose size is that bucket's density, and the same traced capacity."""
+    import copy
+    import pickle
+    pol = C.CapacityPolicy()
+    pol.bucket = 7
+    units = C._density_units(C.LADDER[7]).shape[0]
+    old = pol.__getstate__()
+    old["bucket"] = old.pop("_bucket")                  # the layout before the stand-in
+    legacy = C.CapacityPolicy.__new__(C.CapacityPolicy)
+    legacy.__setstate__(old)
+    for twin in (copy.deepcopy(pol), pickle.loads(pickle.dumps(pol)), legacy):
+        assert twin.bucket == 7 and twin.id != pol.id
+        assert twin._units is not pol._units and twin._units.shape[0] == units
+        assert twin.traced_capacity(12345) == pol.traced_capacity(12345)
+    assert pol.capacity(12345) <= pol.traced_capacity(12345) <= pol.capacity(12345) + 1
+    pol.bucket = len(C.LADDER) - 1                      # density 1: the whole tensor
+    assert pol.traced_capacity(12345) == 12345
+
+
 def test_fake_block_size_is_the_plan_size_at_every_capacity():
     """The fake kernels' size of a block at a symbolic capacity is the size formula's:
     the plan at capacity 0 plus the value and sign sections (checked at concrete ones)."""
