@@ -285,6 +285,18 @@ def codecs_8192x14336_row(stem: str) -> str:
             f"| `bench/results/{stem}.md` |")
 
 
+def gpt12_turns_row(tg: dict, stem: str) -> str:
+    """A GPT run of eager and compiled variants in many turns (no checkpointing)."""
+    tiv = tg["interleaved"]["variants"]
+    ci = lambda v, key="median_ratio_ci95": f"{pct(v[key][0])} to {pct(v[key][1])}"  # noqa: E731
+    return (f"| same GPT, eager and torch.compile'd, steps in turn ({tg['interleaved']['turns']} "
+            f"turns, another run) | torch.compile'd "
+            f"{pct(tiv['ours-compiled']['median_ratio_vs_own'])} "
+            f"({ci(tiv['ours-compiled'], 'median_ratio_vs_own_ci95')}) vs compiled dense; eager "
+            f"{pct(tiv['ours-nosign']['median_ratio'])} ({ci(tiv['ours-nosign'])}) vs dense "
+            f"| `bench/results/{stem}.md` |")
+
+
 def readme_h100() -> list:
     """The rows of the README's second table: the H100 runs (``*_h100.json``)."""
     hf = result("bench_hf_h100.json")
@@ -319,6 +331,8 @@ def readme_h100() -> list:
         f"({ci(tiv['ours-compiled'], 'median_ratio_vs_own_ci95')}) vs compiled dense; peak "
         f"{mib(tgv['ours-nosign']['peak_mib'])} MiB vs {mib(tgv['dense']['peak_mib'])} dense "
         "| `bench/results/train_gpt_h100.md` |",
+
+        gpt12_turns_row(result("train_gpt_h100_60turns.json"), "train_gpt_h100_60turns"),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
