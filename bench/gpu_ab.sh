@@ -4,11 +4,13 @@
 # compile-time switches and Numba variants, and the codec / fused-op benches.
 # Usage (device machine, repo root): PARTS="tests sanitizer codecs" bash bench/gpu_ab.sh
 #   PARTS (in this order, any subset): tests sanitizer cupy_ab numba_ab driver host codecs
-#   exact fused train ffn hf hfprof pace byop (exact: profile_exact.py, the Python steps
+#   exact fused train compiled ffn hf hfprof pace byop (exact: profile_exact.py, the Python steps
 #   after the count against the native ones; driver: driver_cost.py, the driver's calls and their
 #   share of each op;
 #   host: host_overhead.py on the small tensor and host_standin.py --micro on this host;
 #   train: issue 15's gpt12 step, every variant its targets name, in interleaved turns;
+#   compiled: gpt12 eager and compiled (no checkpointing) in 60 turns, with each variant's
+#   compile count (a bucket move must not recompile ours-compiled);
 #   ffn: issue 15's FFN stack (dense, checkpointing, ours raw and nosign);
 #   hf: issue 16's OPT step, plain / converted / hooks, in interleaved turns;
 #   hfprof: the hooks' host time on the device's host, under cProfile;
@@ -133,6 +135,15 @@ if has train; then
       >/tmp/gpu_ab/train.log 2>&1 || tail -5 /tmp/gpu_ab/train.log
   grep -A10 "^## Interleaved" "$OUT"/train/train_gpt.md | grep -E "^\|" | head -9
   say "train"
+fi
+if has compiled; then
+  timeout $(( ${TRAIN_LIMIT:-280} + 20 )) python3 bench/train_gpt.py --preset gpt12 --steps 5 \
+      --interleave 60 --time-limit "${TRAIN_LIMIT:-280}" \
+      --variants dense,ours-nosign,dense-compiled,ours-compiled --out "$OUT/compiled" \
+      >/tmp/gpu_ab/compiled.log 2>&1 || tail -5 /tmp/gpu_ab/compiled.log
+  grep -A8 "^## Interleaved" "$OUT"/compiled/train_gpt.md | grep -E "^\|" | head -7
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('compiles', {k: v.get('compiles') for k, v in d['variants'].items()})" "$OUT/compiled/train_gpt.json"
+  say "compiled"
 fi
 if has ffn; then
   timeout 200 python3 bench/bench_torch_ffn.py --variants dense,checkpoint,ours_raw,ours_nosign \

@@ -585,11 +585,15 @@ def run_interleaved(bench: Bench, names: list, turns: int, warmup: int) -> dict:
     def make_step(name):
         _, call, opt = build(bench, name)
         return lambda i: train_step(call, opt, *batches[i % len(batches)])
+    before = graphs_compiled()
     with attention_backend(bench.args.attn):
-        return interleaved.run_variants(names, make_step, "dense", turns, warmup,
-                                        lambda: sync(device), bench.check_time,
-                                        {n: VARIANTS[n].reference for n in names},
-                                        cleanup=lambda: free_memory(device))
+        result = interleaved.run_variants(names, make_step, "dense", turns, warmup,
+                                          lambda: sync(device), bench.check_time,
+                                          {n: VARIANTS[n].reference for n in names},
+                                          cleanup=lambda: free_memory(device))
+    # one graph per compiled variant where nothing recompiled (a capacity move must not)
+    result["graphs_compiled"] = graphs_compiled() - before
+    return result
 
 
 def print_variant(name: str, res: dict) -> None:
@@ -838,6 +842,10 @@ def markdown_interleaved(result: dict | None) -> list:
         return ["", "## Interleaved steps", "", f"Not run: {result.get('status')}."]
     out = [""] + interleaved.markdown(result)
     out += [f"- {n}: {why}" for n, why in (result.get("failed") or {}).items()]
+    if "graphs_compiled" in result:
+        out += ["", f"torch.compile compiled {result['graphs_compiled']} graphs in this run "
+                "(the variants' builds and warm-up turns included: one per compiled variant "
+                "when nothing recompiled)."]
     return out
 
 

@@ -39,6 +39,24 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
     assert rec["ratios"] == pytest.approx([o / d for o, d in zip(
         rec["step_ms"], inter["variants"]["dense"]["step_ms"])])
     assert "## Interleaved steps" in md
+    assert inter["graphs_compiled"] == 0 and "torch.compile compiled 0 graphs" in md
+
+
+def test_interleaved_compiled_variants_compile_once_each_on_cpu(tmp_path):
+    """The packed model compiled, trained in turns while its capacity settles from the
+    full one to the densities it sees: one graph per compiled variant, no recompile."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "train_gpt.py"), "--small",
+                          "--device", "cpu", "--variants", "dense,dense-compiled,ours-compiled",
+                          "--steps", "1", "--warmup", "1", "--profile-steps", "0",
+                          "--sparsity-every", "0", "--interleave", "4", "--out", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "train_gpt.json").read_text())
+    inter = summary["interleaved"]
+    assert inter["status"] == "ok" and not inter["failed"]
+    assert inter["graphs_compiled"] == 2
+    assert summary["variants"]["ours-compiled"]["capacity"]["max_density"] > 0   # counts came back
 
 
 def test_copy_overlap_counts_copy_time_under_kernels():
