@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_bench
 
 pytest.importorskip("torch")
 
@@ -45,12 +46,10 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
 def test_interleaved_compiled_variants_compile_once_each_on_cpu(tmp_path):
     """The packed model compiled, trained in turns while its capacity settles from the
     full one to the densities it sees: one graph per compiled variant, no recompile."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "train_gpt.py"), "--small",
-                          "--device", "cpu", "--variants", "dense,dense-compiled,ours-compiled",
-                          "--steps", "1", "--warmup", "1", "--profile-steps", "0",
-                          "--sparsity-every", "0", "--interleave", "4", "--out", str(tmp_path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run_bench("train_gpt.py", "--small", "--device", "cpu", "--variants",
+                    "dense,dense-compiled,ours-compiled", "--steps", "1", "--warmup", "1",
+                    "--profile-steps", "0", "--sparsity-every", "0", "--interleave", "4",
+                    "--out", str(tmp_path), timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((tmp_path / "train_gpt.json").read_text())
     inter = summary["interleaved"]
