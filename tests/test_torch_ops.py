@@ -231,13 +231,15 @@ def test_compiled_graph_is_reused_when_the_capacity_moves(device, backend, cls):
     """An adaptive capacity is a graph input under torch.compile: its bucket moving (as
     the policy's poll moves it, here set before each step: full, sparse enough to
     overflow, sized, full again) compiles nothing new, and the results stay those of
-    the dense model, the overflowing step's through its exact recompute."""
+    the dense model, the overflowing step's through its exact recompute. The model is
+    built under its device's context, as a model built on the GPU is."""
     if backend == "inductor" and device == "cpu" and shutil.which("g++") is None:
         pytest.skip("inductor on CPU compiles C++ and no g++ is on PATH")
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    m = _model(cls, device)
+    with torch.device(device):
+        m = _model(cls, device)
     pol = m.capacity_policy
     compiled = torch.compile(m, backend=backend, fullgraph=True)
     dense = torch.compile(lambda t: _dense(m, t), backend=backend, fullgraph=True)
@@ -252,6 +254,18 @@ def test_compiled_graph_is_reused_when_the_capacity_moves(device, backend, cls):
         assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     assert pol.overflows > overflows              # bucket 0 (1/64 of a density) overflowed
     assert counters["stats"]["unique_graphs"] == 2   # the model's graph and dense's
+
+
+def test_density_stand_in_stays_on_the_cpu_under_a_default_device():
+    """The stand-in's device is part of dynamo's guards: one made under a ``torch.device``
+    context (a model built on the GPU) and its successors after a bucket move must agree,
+    or the first move recompiles the model (seen on the H100: 3 graphs where 2 were due)."""
+    with torch.device("meta"):
+        pol = C.CapacityPolicy()
+        first = pol._units
+        pol.bucket = 7
+    assert first.device.type == "cpu" and pol._units.device.type == "cpu"
+    assert first.shape[0] != pol._units.shape[0]
 
 
 def test_policy_copies_keep_the_bucket_and_make_their_own_density_stand_in():

@@ -215,8 +215,10 @@ UNIT_LOG2 = 20
 
 def _density_units(density: float) -> torch.Tensor:
     """A tensor of ``ceil(density * 2**UNIT_LOG2)`` elements and no storage of its own (a
-    one-element tensor expanded), its size marked dynamic for torch.compile."""
-    units = torch.empty(1).expand(math.ceil(density * (1 << UNIT_LOG2)))
+    one-element tensor expanded), its size marked dynamic for torch.compile. Always on the
+    CPU: dynamo guards on its device, and a stand-in made under a ``torch.device``
+    context (a model built on the GPU) would differ from its successors."""
+    units = torch.empty(1, device="cpu").expand(math.ceil(density * (1 << UNIT_LOG2)))
     torch._dynamo.maybe_mark_dynamic(units, 0)
     return units
 
