@@ -37,7 +37,9 @@ what the path's building blocks cost here (a ctypes write, a launch, a Python ca
 slow host slows all of them, a slow path only its own); ``--module`` adds
 the packed ReLU² FFN module against dense, forward and backward, on the torch adapter's
 C++ path (its kernels and driver calls the stand-in's); ``--hf`` a tiny transformers
-OPT, plain and converted (issue 16's ``bench_hf.py`` model), the same way.
+OPT, plain and converted (issue 16's ``bench_hf.py`` model), the same way; ``--compiled
+LAYERS`` a stack of LAYERS ReLU² MLP blocks under ``torch.compile``, dense and packed, with
+the packed step's extra host time by function (issue 15's compiled gap on the host).
 ``--variant numba:FIELD=VALUE`` builds the Numba backend with a ``PackVariant`` field
 changed. The C++ path's rows allocate CPU tensors where the device would take its
 caching allocator's blocks; under glibc's ``malloc`` those allocations cost microseconds
@@ -443,6 +445,106 @@ def hf_rows(torch, fake, repeats: int, calls: int, dims=(2, 16, 64, 8)) -> list:
     return _forward_backward_rows(fastest, ("plain", "converted"))
 
 
+def _residual_stack(torch, mlps):
+    """Residual blocks ``x + mlp(x)``, one per MLP: the GPT bench's MLPs without attention."""
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlps = torch.nn.ModuleList(mlps)
+
+        def forward(self, x):
+            for mlp in self.mlps:
+                x = x + mlp(x)
+            return x
+    return Stack()
+
+
+def _tottime_by_function(fn, calls: int) -> dict:
+    """cProfile's own time (µs per call of ``fn``) and calls per call, by function; the
+    modules inductor writes are one entry, ``inductor's generated code``. Read from the
+    profiler's raw entries: pstats keys C functions by how they print, and every op of a
+    ``torch.ops`` namespace prints as ``torch._ops.<namespace>.``, so it keeps one of them;
+    here they add up into that one row."""
+    import cProfile
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    out: dict = {}
+    for e in pr.getstats():
+        code = e.code
+        if isinstance(code, str):
+            key = code
+        elif "torchinductor" in code.co_filename:
+            key = "inductor's generated code"
+        else:
+            key = f"{Path(code.co_filename).name}:{code.co_firstlineno}({code.co_name})"
+        us, n = out.get(key, (0.0, 0.0))
+        out[key] = (us + e.inlinetime / calls * 1e6, n + e.callcount / calls)
+    return out
+
+
+def compiled_rows(torch, fake, repeats: int, calls: int, layers: int = 12,
+                  dims=(4, 16, 64), top: int = 25) -> dict:
+    """Issue 15's compiled gap on the host: a ``layers``-block residual stack of the GPT
+    bench's ReLU² MLP, dense and with ``PackedReLU2FFN`` (nosign), each under
+    ``torch.compile`` (inductor, which on the CPU needs a C++ compiler), on the C++ path
+    (:func:`cxx_path`): forward and forward plus backward µs per step (fastest of
+    ``repeats`` loops in turns), and what the packed step spends more than dense's, by
+    function (cProfile's own time, the ``top`` largest differences): the ops' C++ halves,
+    dynamo's guards (booked to the module call that enters the frame), the size reads of
+    the capacities' stand-ins, inductor's size asserts and the capacity polls."""
+    import bitsparse_core.torch as bst
+    from module_host import DenseReLU2FFN
+    tokens, d, ff = dims
+    torch.manual_seed(0)
+    dense = _residual_stack(torch, [DenseReLU2FFN(d, ff) for _ in range(layers)]).to(
+        torch.bfloat16)
+    with cxx_path(torch, fake):
+        x = torch.randn(tokens, d, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(tokens, d, dtype=torch.bfloat16)
+        fns, packed = {}, []
+        for use in ("forward", "train"):   # a model of its own per loop, as in hf_rows
+            m, p = copy.deepcopy(dense), copy.deepcopy(dense)
+            p.mlps = torch.nn.ModuleList(
+                bst.PackedReLU2FFN.from_dense(b.fc1, b.fc2, encoding="nosign") for b in p.mlps)
+            packed.append(p)
+            for name, mod in (("dense", m), ("packed-nosign", p)):
+                call = torch.compile(mod, fullgraph=True)
+                fns[(name, use)] = ((lambda c=call: c(x)) if use == "forward" else
+                                    (lambda c=call: c(x).backward(g)))
+        fastest = fastest_in_turns(fns, repeats, calls)
+        by_function = {n: _tottime_by_function(fns[(n, "train")], calls)
+                       for n in ("dense", "packed-nosign")}
+        if any(b.stats()["recomputes"] for p in packed for b in p.mlps):
+            raise RuntimeError("the packed backward recomputed: the stand-in's slot did not land")
+    a, b = by_function["dense"], by_function["packed-nosign"]
+    zero = (0.0, 0.0)
+    diff = sorted(({"function": k, "us": b.get(k, zero)[0] - a.get(k, zero)[0],
+                    "dense_calls": a.get(k, zero)[1], "packed_calls": b.get(k, zero)[1]}
+                   for k in set(a) | set(b)), key=lambda r: -abs(r["us"]))
+    return {"layers": layers, "dims": list(dims),
+            "rows": _forward_backward_rows(fastest, ("dense", "packed-nosign")),
+            "by_function": diff[:top],
+            "by_function_total_us": sum(v[0] for v in b.values()) - sum(v[0] for v in a.values())}
+
+
+def _compiled_tables(res: dict) -> list:
+    tokens, d, ff = res["dims"]
+    lines = _forward_backward_table(
+        f"A {res['layers']}-block residual stack of the ReLU² MLP under torch.compile "
+        f"(inductor), dense and packed, on the torch adapter's C++ path ({tokens} tokens, "
+        f"d {d}, d_ff {ff}, bf16)", res["rows"])
+    lines += ["", "Where the compiled packed step (forward + backward) spends more host time "
+              f"than dense's: cProfile's own time by function, µs per step (all functions: "
+              f"{res['by_function_total_us']:+.0f} µs under the profiler):", "",
+              "| function | packed − dense µs | calls dense / packed |", "|---|---|---|"]
+    lines += [f"| `{r['function']}` | {r['us']:+.1f} | {r['dense_calls']:.1f} / "
+              f"{r['packed_calls']:.1f} |" for r in res["by_function"]]
+    return lines
+
+
 def micro_rows(torch, calls: int) -> list:
     """What the hot path's building blocks cost on this machine, µs per call (the fastest
     of 5 timeit loops): to tell a slow host (every block slower) from a slow path."""
@@ -514,6 +616,9 @@ def main(argv=None) -> int:
                     help="also the packed ReLU² FFN module against dense on the C++ path")
     ap.add_argument("--hf", action="store_true",
                     help="also a tiny transformers OPT, plain and converted, on the C++ path")
+    ap.add_argument("--compiled", type=int, default=0, metavar="LAYERS",
+                    help="also a LAYERS-block MLP stack under torch.compile, dense and packed, "
+                         "on the C++ path, with the packed step's extra host time by function")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
@@ -596,6 +701,10 @@ def main(argv=None) -> int:
         lines += _forward_backward_table(
             "A tiny OPT (transformers; 2 layers, d 16, d_ff 64, 8 tokens, bf16), plain and "
             "converted, on the torch adapter's C++ path", res["hf"])
+    if args.compiled:
+        res["compiled"] = compiled_rows(torch, fake, args.repeats, max(args.calls // 10, 1),
+                                        layers=args.compiled)
+        lines += _compiled_tables(res["compiled"])
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)

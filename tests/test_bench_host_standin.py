@@ -66,3 +66,25 @@ def test_module_rows_run_the_packed_ffn_through_the_cpp_path(tmp_path):
     if hf:
         assert [r["variant"] for r in res["hf"]] == ["plain", "converted"]
         assert all(r[k] > 0 for r in res["hf"] for k in ("forward_us", "train_us"))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("c++") is None,
+                    reason="no C / C++ compiler for the stand-in driver, the extension and "
+                           "inductor's CPU kernels")
+def test_compiled_rows_compare_the_compiled_stacks_and_name_the_ops(tmp_path):
+    """--compiled: a stack of MLP blocks under torch.compile, dense and packed, on the C++
+    path; the packed step's extra host time by function names the bitsparse ops, both of
+    them (forward and backward: pstats alone would keep one of the two entries that print
+    alike)."""
+    cmd = [sys.executable, str(ROOT / "bench" / "host_standin.py"), "--calls", "40",
+           "--repeats", "1", "--compiled", "2", "--backends", "cupy", "--out", str(tmp_path)]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    res = json.loads((tmp_path / "host_standin.json").read_text())["compiled"]
+    assert res["layers"] == 2
+    assert [r["variant"] for r in res["rows"]] == ["dense", "packed-nosign"]
+    assert all(r[k] > 0 for r in res["rows"] for k in ("forward_us", "train_us"))
+    ops = [r for r in res["by_function"] if "torch._ops.bitsparse" in r["function"]]
+    assert len(ops) == 1 and ops[0]["dense_calls"] == 0
+    assert ops[0]["packed_calls"] == 2 * 2          # each block's forward and backward op
