@@ -290,11 +290,12 @@ def ci(v: dict, key: str = "median_ratio_ci95") -> str:
     return f"{pct(v[key][0])} to {pct(v[key][1])}"
 
 
-def gpt12_turns_row(tg: dict, stem: str) -> str:
-    """A GPT run of eager and compiled variants in many turns (no checkpointing)."""
+def gpt12_turns_row(tg: dict, stem: str, run: str = "another run") -> str:
+    """A GPT run of eager and compiled variants in many turns (no checkpointing); ``run``
+    says which."""
     tiv = tg["interleaved"]["variants"]
     return (f"| same GPT, eager and torch.compile'd, steps in turn ({tg['interleaved']['turns']} "
-            f"turns, another run) | torch.compile'd "
+            f"turns, {run}) | torch.compile'd "
             f"{pct(tiv['ours-compiled']['median_ratio_vs_own'])} "
             f"({ci(tiv['ours-compiled'], 'median_ratio_vs_own_ci95')}) vs compiled dense; eager "
             f"{pct(tiv['ours-nosign']['median_ratio'])} ({ci(tiv['ours-nosign'])}) vs dense "
@@ -336,6 +337,10 @@ def readme_h100() -> list:
         "| `bench/results/train_gpt_h100.md` |",
 
         gpt12_turns_row(result("train_gpt_h100_60turns.json"), "train_gpt_h100_60turns"),
+        *(gpt12_turns_row(result(f"train_gpt_h100_60turns_{host}_host.json"),
+                          f"train_gpt_h100_60turns_{host}_host", run)
+          for host, run in (("fast", "a fast host: dense's step 26 ms"),
+                            ("slow", "a slow host: dense's step 37 ms"))),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
