@@ -85,6 +85,7 @@ def test_compiled_rows_compare_the_compiled_stacks_and_name_the_ops(tmp_path):
     assert res["layers"] == 2
     assert [r["variant"] for r in res["rows"]] == ["dense", "packed-nosign"]
     assert all(r[k] > 0 for r in res["rows"] for k in ("forward_us", "train_us"))
-    ops = [r for r in res["by_function"] if "torch._ops.bitsparse" in r["function"]]
-    assert len(ops) == 1 and ops[0]["dense_calls"] == 0
-    assert ops[0]["packed_calls"] == 2 * 2          # each block's forward and backward op
+    for name, per_block in (("by_function", 2), ("by_function_forward", 1)):
+        ops = [r for r in res[name] if "torch._ops.bitsparse" in r["function"]]
+        assert len(ops) == 1 and ops[0]["dense_calls"] == 0
+        assert ops[0]["packed_calls"] == 2 * per_block   # forward (and backward) op a block
