@@ -493,9 +493,9 @@ def compiled_rows(torch, fake, repeats: int, calls: int, layers: int = 12,
     (:func:`cxx_path`): forward and forward plus backward µs per step (fastest of
     ``repeats`` loops in turns), and what the packed step, and its forward alone, spend
     more than dense's, by function (cProfile's own time, the ``top`` largest differences):
-    the ops' C++ halves,
-    dynamo's guards (booked to the module call that enters the frame), the size reads of
-    the capacities' stand-ins, inductor's size asserts and the capacity polls."""
+    the ops' C++ halves, dynamo's guards (booked to the module call that enters the frame),
+    the size reads of the capacities' stand-ins, inductor's size asserts and the capacity
+    polls."""
     import bitsparse_core.torch as bst
     from module_host import DenseReLU2FFN
     tokens, d, ff = dims
