@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import run_bench
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,3 +98,31 @@ def test_step_split_report_names_what_paces_each_variant():
     assert lines["a"].endswith("| host |") and lines["b"].endswith("| GPU |")
     assert lines["c"].endswith("| host (queue full) |")
     assert "| 30.0 | 15.0 | 10.0 / 10.0 / 10.0 | 5.0 / 5.0 / 5.0 |" in lines["a"]
+
+
+def test_pretraining_gives_every_variant_the_trained_weights_and_optimizer_state():
+    """``--pretrain-steps``: the variants start from the dense model after N steps (its
+    weights and AdamW state, which a variant's own steps then leave alone), and ours still
+    trains bit for bit like dense from there."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_gpt as tg
+
+    args = tg.parse_args(["--small", "--device", "cpu", "--sparsity-every", "0"])
+    shape, device = tg.shape_and_device(args, tg.SMALL)
+    initial = tg.initial_state(shape, args.seed)
+    bench = tg.Bench(args, shape, tg.stdlib_bytes(limit=1 << 20), initial, device)
+    record = tg.pretrain(bench, 3)
+    assert record["steps"] == 3 and len(record["mlp_zeros"]) == shape.layers
+    assert any(not torch.equal(bench.init_state[k], v) for k, v in initial.items())
+    kept = {k: v.clone() for k, v in bench.init_opt_state["state"][0].items()}
+    batches = tg.make_batches(bench.data, 2, shape.batch, shape.seq, args.seed)
+    losses = {}
+    for name in ("dense", "ours-nosign"):
+        model, call, opt = tg.build(bench, name)
+        assert int(opt.state_dict()["state"][0]["step"]) == 3
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, bench.init_state[k].to(v.dtype)), k
+        losses[name] = [float(tg.train_step(call, opt, x, y)) for x, y in batches]
+    assert losses["dense"] == losses["ours-nosign"]
+    for k, v in kept.items():       # the shared state is copied into each optimizer
+        assert torch.equal(bench.init_opt_state["state"][0][k], v), k
