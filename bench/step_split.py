@@ -148,6 +148,7 @@ def run(args) -> dict:
     shape, device = tg.shape_and_device(args, tg.PRESETS[args.preset])
     bench = tg.Bench(args, shape, tg.stdlib_bytes(limit=64 << 20),
                      tg.initial_state(shape, args.seed), device)
+    pretrained = tg.pretrain(bench, args.pretrain_steps) if args.pretrain_steps else None
     names = args.variants.split(",")
     batches = [(x.to(device), y.to(device)) for x, y in
                tg.make_batches(bench.data, 8, shape.batch, shape.seq, args.seed)]
@@ -191,8 +192,15 @@ def run(args) -> dict:
         res[n] = row
     return {"device": torch.cuda.get_device_name(device), "shape": vars(shape),
             "sleep_ms": args.sleep_ms, "turns": len(samples[names[0]]["step"]),
-            "warmup": args.warmup,
+            "warmup": args.warmup, "pretrain": pretrained,
             "torch": torch.__version__, "variants": res}
+
+
+def pretrained_text(pre: dict | None) -> str:
+    if not pre:
+        return ""
+    return (f" Every variant starts from the dense model trained {pre['steps']} steps (MLP "
+            f"activations {statistics.mean(pre['mlp_zeros']):.0%} zeros, mean over layers).")
 
 
 def markdown(summary: dict) -> str:
@@ -203,7 +211,7 @@ def markdown(summary: dict) -> str:
              f"rotated order each turn). Each phase is issued while a {summary['sleep_ms']:.0f} ms "
              "sleep kernel holds the GPU: host = the time to issue it (no waiting for the GPU), "
              "GPU = the time the GPU then takes to run it. Step = a normal step, synced "
-             "around.", "",
+             "around." + pretrained_text(summary.get("pretrain")), "",
              "| variant | step (ms) | host (ms) | GPU (ms) | host fwd / bwd / opt | "
              "GPU fwd / bwd / opt | paced by |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -268,6 +276,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attn", choices=("auto", "math"), default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--pretrain-steps", type=int, default=0,
+                    help="start from the dense model trained this many steps (train_gpt.pretrain)")
     ap.add_argument("--compile-fullgraph", action="store_true")
     ap.add_argument("--ours-kwargs", type=json.loads, default={})
     ap.add_argument("--device", default="cuda")
