@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -302,6 +303,22 @@ def gpt12_turns_row(tg: dict, stem: str, run: str = "another run") -> str:
             f"| `bench/results/{stem}.md` |")
 
 
+def gpt12_pretrained_row(tg: dict, stem: str) -> str:
+    """The GPT run from the dense model trained first (``--pretrain-steps``), in turns."""
+    tiv, tgv, pre = tg["interleaved"]["variants"], tg["variants"], tg["pretrain"]
+    zeros = statistics.mean(pre["mlp_zeros"])
+    return (f"| same GPT trained {pre['steps']} steps first ({100 * zeros:.0f} % zeros in the MLP "
+            f"activations), steps in turn ({tg['interleaved']['turns']} turns; dense's step "
+            f"{tiv['dense']['median_step_ms']:.0f} ms) | step "
+            f"{pct(tiv['ours-nosign']['median_ratio'])} ({ci(tiv['ours-nosign'])}) vs dense, "
+            f"checkpointing {pct(tiv['checkpoint']['median_ratio'])}, torch.compile'd "
+            f"{pct(tiv['ours-compiled']['median_ratio_vs_own'])} "
+            f"({ci(tiv['ours-compiled'], 'median_ratio_vs_own_ci95')}) vs compiled dense; kept "
+            f"after the forward {mib(tgv['ours-nosign']['after_forward_mib'])} MiB vs "
+            f"{mib(tgv['dense']['after_forward_mib'])} dense, "
+            f"{mib(tgv['checkpoint']['after_forward_mib'])} checkpointed | `bench/results/{stem}.md` |")
+
+
 def readme_h100() -> list:
     """The rows of the README's second table: the H100 runs (``*_h100.json``)."""
     hf = result("bench_hf_h100.json")
@@ -341,6 +358,7 @@ def readme_h100() -> list:
                           f"train_gpt_h100_60turns_{host}_host", run)
           for host, run in (("fast", "a fast host: dense's step 26 ms"),
                             ("slow", "a slow host: dense's step 37 ms"))),
+        gpt12_pretrained_row(result("train_gpt_h100_pretrained.json"), "train_gpt_h100_pretrained"),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
