@@ -192,7 +192,7 @@ def run(args) -> dict:
         res[n] = row
     return {"device": torch.cuda.get_device_name(device), "shape": vars(shape),
             "sleep_ms": args.sleep_ms, "turns": len(samples[names[0]]["step"]),
-            "warmup": args.warmup, "pretrain": pretrained,
+            "warmup": args.warmup, "pretrain": pretrained, "torch_defaults": args.torch_defaults,
             "torch": torch.__version__, "variants": res}
 
 
@@ -211,7 +211,9 @@ def markdown(summary: dict) -> str:
              f"rotated order each turn). Each phase is issued while a {summary['sleep_ms']:.0f} ms "
              "sleep kernel holds the GPU: host = the time to issue it (no waiting for the GPU), "
              "GPU = the time the GPU then takes to run it. Step = a normal step, synced "
-             "around." + pretrained_text(summary.get("pretrain")), "",
+             "around." + pretrained_text(summary.get("pretrain"))
+             + (" PyTorch's default GEMM and determinism settings." if summary.get("torch_defaults")
+                else ""), "",
              "| variant | step (ms) | host (ms) | GPU (ms) | host fwd / bwd / opt | "
              "GPU fwd / bwd / opt | paced by |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -279,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pretrain-steps", type=int, default=0,
                     help="start from the dense model trained this many steps (train_gpt.pretrain)")
     ap.add_argument("--compile-fullgraph", action="store_true")
+    ap.add_argument("--torch-defaults", action="store_true",
+                    help="PyTorch's default GEMM and determinism settings (train_gpt's flag)")
     ap.add_argument("--ours-kwargs", type=json.loads, default={})
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-limit", type=float, default=300.0)

@@ -768,7 +768,9 @@ def describe(summary: dict) -> str:
                  f"(weights and optimizer state; loss {_f(pre['final_loss'], '.3f')}, MLP "
                  f"activations {min(zeros):.0%}-{max(zeros):.0%} zeros by layer, mean "
                  f"{statistics.mean(zeros):.0%})" if zeros else "")
-    if "fill_uninitialized_memory" in summary:
+    if c.get("torch_defaults"):
+        text += "; PyTorch's default GEMM and determinism settings"
+    elif "fill_uninitialized_memory" in summary:
         text += ("; deterministic algorithms, new tensors NaN-filled" if summary["fill_uninitialized_memory"]
                  else "; deterministic algorithms, no NaN fill of new tensors")
     if summary.get("ffn_host_path"):
@@ -1025,6 +1027,9 @@ def parse_args(argv):
                                                    if v not in OFFLOAD_VARIANTS))
     ap.add_argument("--attn", choices=("auto", "math"), default="auto")
     ap.add_argument("--compile-fullgraph", action="store_true")
+    ap.add_argument("--torch-defaults", action="store_true",
+                    help="timing as users train: no deterministic algorithms, bf16 GEMMs with "
+                         "PyTorch's default reductions (losses then need not match dense's)")
     ap.add_argument("--ours-kwargs", type=json.loads, default={},
                     help="JSON dict passed to the PackedReLU2FFN constructor")
     mode = ap.add_mutually_exclusive_group()
@@ -1045,6 +1050,8 @@ def parse_args(argv):
         ap.error("--budget needs a CUDA device")
     if args.bitident_steps:
         args.attn, args.variants = "math", ",".join(BITIDENT_VARIANTS)
+        if args.torch_defaults:
+            ap.error("--bitident-steps needs the deterministic settings (no --torch-defaults)")
     return args
 
 
@@ -1056,13 +1063,15 @@ def shape_and_device(args, base: Shape, fill_uninitialized: bool = False):
     a debugging aid (one fill kernel per allocation: 1.7 ms of GPU time per gpt12 step)
     that no training run pays; it changes no result of code that reads only what it
     wrote, and stays on only where ``fill_uninitialized`` (the bit-identity runs, where a
-    read of unwritten memory then shows as a NaN)."""
+    read of unwritten memory then shows as a NaN). ``args.torch_defaults`` leaves all of
+    this at PyTorch's defaults (a timing run as users train: no bit-for-bit claim)."""
     shape = dataclasses.replace(base, **{k: v for k in ("layers", "d", "heads", "d_ff", "seq", "batch")
                                          if (v := getattr(args, k)) is not None})
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = bool(fill_uninitialized)
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    if not getattr(args, "torch_defaults", False):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = bool(fill_uninitialized)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # memory calls want an index
