@@ -4,6 +4,7 @@ overflow, torch.compile and (GPU) CUDA graphs, each bit-identical to dense PyTor
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 
@@ -433,3 +434,32 @@ def test_a_function_mode_takes_the_dispatcher_path(monkeypatch):
     assert "relu_linear" not in direct     # (backward runs outside function modes)
     for a, b in zip(plain[1] + [plain[0]], moded[1] + [moded[0]]):
         assert torch.equal(a, b)
+
+
+def test_initial_density_sizes_the_first_packs_and_an_overflow_there_is_exact():
+    """``initial_density``: the packs before any count has come back take that ladder
+    density rather than the full capacity; a first batch denser than it overflows and is
+    recomputed (bit-identical to dense), and the bucket then follows the counts."""
+    pol = C.CapacityPolicy(initial_density=0.1)
+    assert C.LADDER[pol.bucket] == min(d for d in C.LADDER if d >= 0.1)
+    assert pol.capacity(1000) == math.ceil(C.LADDER[pol.bucket] * 1000) < 1000
+    assert C.CapacityPolicy().capacity(1000) == 1000
+    for bad in ({"initial_density": 0.0}, {"initial_density": 1.5},
+                {"initial_density": 0.2, "density": 0.3}):
+        with pytest.raises(ValueError, match="initial_density"):
+            C.CapacityPolicy(**bad)
+    m = bst.PackedReLU2FFN(32, 128, initial_density=0.05).to(torch.bfloat16)
+    first = m.capacity_policy.bucket
+    x = torch.randn(3, 40, 32, dtype=torch.bfloat16, requires_grad=True)
+    out, grads = _grads(m, m, x, steps=1)        # a fresh layer: ~half its activations kept
+    ref, ref_grads = _grads(lambda t: _dense(m, t), m, x, steps=1)
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    st = m.stats()
+    assert st["overflows"] == 1 and st["recomputes"] == 1
+    assert m.capacity_policy.bucket > first      # sized from the count the backward polled
+    conv = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    wrapper = torch.nn.Sequential(conv)
+    bst.convert(wrapper, initial_density=0.25)
+    from bitsparse_core.torch.convert import packed_modules
+    (packed,) = packed_modules(wrapper).values()
+    assert C.LADDER[packed.capacity_policy.bucket] == min(d for d in C.LADDER if d >= 0.25)

@@ -236,6 +236,10 @@ class CapacityPolicy:
     to adapt: the first packs use the full capacity (they cannot overflow) while
     their counts come back; later ones the smallest ladder density at or above
     ``(1 + margin)`` times the largest density of the last ``window`` packs.
+    ``initial_density`` (adaptive only): what the first packs use instead of the full
+    capacity, rounded up the ladder. The first steps then hold less (their blocks set a
+    run's peak, since a trained model's activations are far sparser than full), and a pack
+    it overflows is recomputed exactly like any other.
     Under ``torch.compile`` the capacity is :meth:`traced_capacity`, a symbolic size the
     graph takes as an input, so a move of the bucket reuses the compiled graph instead
     of recompiling (one recompile per bucket and layer, with torch.compile's limit of a
@@ -253,11 +257,17 @@ class CapacityPolicy:
     """
 
     def __init__(self, density: float | None = None, margin: float = 0.1, window: int = 64,
-                 pending: str = "wait"):
-        self.id = next(_IDS)
-        POLICIES[self.id] = self
+                 pending: str = "wait", initial_density: float | None = None):
         if density is not None and not 0.0 <= float(density) <= 1.0:
             raise ValueError(f"density={density!r} must lie in [0, 1]")
+        if initial_density is not None:
+            if density is not None:
+                raise ValueError("initial_density applies to an adaptive capacity "
+                                 f"(density=None), not to density={density!r}")
+            if not 0.0 < float(initial_density) <= 1.0:
+                raise ValueError(f"initial_density={initial_density!r} must lie in (0, 1]")
+        self.id = next(_IDS)
+        POLICIES[self.id] = self
         if margin < 0:
             raise ValueError(f"margin={margin!r} must be >= 0")
         if pending not in PENDING:
@@ -265,7 +275,7 @@ class CapacityPolicy:
         self.pending = pending
         self.density = None if density is None else float(density)
         self.margin = float(margin)
-        self.bucket = len(LADDER) - 1
+        self.bucket = len(LADDER) - 1 if initial_density is None else bucket_of(float(initial_density))
         self._recent = collections.deque(maxlen=window)
         self._pending = collections.deque(maxlen=4 * window)
         # recomputes: backwards that recomputed, for an overflow or because the count

@@ -41,8 +41,9 @@ from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN, linear_param
 __all__ = ["convert", "register_rule", "unregister_rule", "Rule", "Skip", "ConvertReport", "PackedBlock",
            "RULES", "packed_modules"]
 
-_PACKED_KW = ("encoding", "density", "margin", "pending", "backend", "offload")
-_GATED_KW = ("encoding", "u_encoding", "density", "margin", "pending", "backend", "offload")
+_PACKED_KW = ("encoding", "density", "margin", "pending", "backend", "offload", "initial_density")
+_GATED_KW = ("encoding", "u_encoding", "density", "margin", "pending", "backend", "offload",
+             "initial_density")
 
 
 class Skip(Exception):
@@ -344,7 +345,7 @@ _USER_RULES: list[Rule] = []
 def register_rule(name: str, predicate, builder) -> Rule:
     """Add a rule, tried before the built-in ones. ``builder(module, **kwargs)`` gets the
     keyword arguments of :func:`convert` (``encoding=``, ``density=``, ``margin=``,
-    ``pending=``, ``backend=``, ``offload=``); a typical builder checks the activation and dropout, then returns
+    ``pending=``, ``backend=``, ``offload=``, ``initial_density=``); a typical builder checks the activation and dropout, then returns
     ``PackedBlock(module, "fc1_name", "fc2_name", "relu" | "relu2", **kwargs)``."""
     rule = Rule(name, predicate, builder)
     _USER_RULES.insert(0, rule)
@@ -380,8 +381,8 @@ def convert(model: nn.Module, *, rules=None, **kwargs) -> ConvertReport:
     """Convert, in place, every FFN of ``model`` a rule recognises to the packed path.
 
     ``kwargs`` (``encoding=``, ``density=``, ``margin=``, ``pending=``, ``backend=``,
-    ``offload=``: True or one :class:`~.offload.Offloader` all of them share) go to
-    the packed modules. ``rules`` replaces the rule list (default: registered rules, then
+    ``initial_density=``, ``offload=``: True or one :class:`~.offload.Offloader` all of them
+    share) go to the packed modules. ``rules`` replaces the rule list (default: registered rules, then
     :data:`RULES`). Returns a :class:`ConvertReport`; calling it again converts nothing
     new. A module that replaced its parent's child is not searched further."""
     unknown = sorted(set(kwargs) - set(_PACKED_KW) - set(_GATED_KW))

@@ -33,11 +33,12 @@ def linear_params(lin: nn.Module):
 
 class _PackedFFN(nn.Module):
     def __init__(self, encoding, backend, density=None, margin=0.1, pending="wait",
-                 offload=None):
+                 offload=None, initial_density=None):
         super().__init__()
         self.encoding = _check_encoding(encoding)
         self.backend = backend
-        self.capacity_policy = CapacityPolicy(density, margin, pending=pending)
+        self.capacity_policy = CapacityPolicy(density, margin, pending=pending,
+                                              initial_density=initial_density)
         # None, or the Offloader every layer of a model shares (True: the process's)
         self.offload = resolve_offload(offload)
 
@@ -57,8 +58,9 @@ class PackedReLUFFN(_PackedFFN):
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, *, encoding: str = "nosign",
                  density: float | None = None, margin: float = 0.1, pending: str = "wait",
-                 backend: str = "auto", offload=None, device=None, dtype=None):
-        super().__init__(encoding, backend, density, margin, pending, offload)
+                 backend: str = "auto", offload=None, initial_density: float | None = None,
+                 device=None, dtype=None):
+        super().__init__(encoding, backend, density, margin, pending, offload, initial_density)
         self.fc1 = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
 
@@ -71,10 +73,11 @@ class PackedReLUFFN(_PackedFFN):
     @classmethod
     def from_dense(cls, fc1: nn.Linear, fc2: nn.Linear, *, encoding: str = "nosign",
                    density: float | None = None, margin: float = 0.1, pending: str = "wait",
-                   backend: str = "auto", offload=None):
+                   backend: str = "auto", offload=None, initial_density: float | None = None):
         """A packed FFN sharing the parameters of two existing ``nn.Linear``s."""
         m = cls.__new__(cls)
-        _PackedFFN.__init__(m, encoding, backend, density, margin, pending, offload)
+        _PackedFFN.__init__(m, encoding, backend, density, margin, pending, offload,
+                            initial_density)
         m.fc1, m.fc2 = fc1, fc2
         return m
 
@@ -93,8 +96,8 @@ class PackedReGLUFFN(_PackedFFN):
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, *, encoding: str = "nosign",
                  u_encoding: str | None = None, density: float | None = None,
                  margin: float = 0.1, pending: str = "wait", backend: str = "auto",
-                 offload=None, device=None, dtype=None):
-        super().__init__(encoding, backend, density, margin, pending, offload)
+                 offload=None, initial_density: float | None = None, device=None, dtype=None):
+        super().__init__(encoding, backend, density, margin, pending, offload, initial_density)
         self.u_encoding = u_encoding
         self.gate_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
@@ -112,9 +115,10 @@ class PackedReGLUFFN(_PackedFFN):
     def from_dense(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, *,
                    encoding: str = "nosign", u_encoding: str | None = None,
                    density: float | None = None, margin: float = 0.1, pending: str = "wait",
-                   backend: str = "auto", offload=None):
+                   backend: str = "auto", offload=None, initial_density: float | None = None):
         m = cls.__new__(cls)
-        _PackedFFN.__init__(m, encoding, backend, density, margin, pending, offload)
+        _PackedFFN.__init__(m, encoding, backend, density, margin, pending, offload,
+                            initial_density)
         m.u_encoding = u_encoding
         m.gate_proj, m.up_proj, m.down_proj = gate_proj, up_proj, down_proj
         return m
