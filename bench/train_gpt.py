@@ -384,11 +384,14 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
     def step(x, y, marks=None, held=None):
         return train_step(call, opt, x, y, marks, held)
 
-    compiles, compiled_before = {}, None
+    compiles, compiled_before, warmup_peak = {}, None, None
     with attention_backend(args.attn):
         for i, (x, y) in enumerate(batches[:plan.warmup + plan.timed]):
             if i == plan.warmup:
                 compiled_before = graphs_compiled()
+                warmup_peak = peak_mib(device)
+                if device.type == "cuda":   # the timed steps' own peak, apart from the first steps'
+                    torch.cuda.reset_peak_memory_stats(device)
             bench.check_time(f"{name} at step {i}")
             x, y = x.to(device), y.to(device)
             sync(device)
@@ -407,6 +410,7 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
                 sparsity.append((i, probe_sparsity(model, x, y)))
         if compiled_before is not None:
             compiles["timed"] = graphs_compiled() - compiled_before
+        timed_peak = peak_mib(device)
         syncs = None
         if plan.profiled:
             compiles["profiled"] = -graphs_compiled()
@@ -429,7 +433,10 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
         "median_host_phase_ms": [1e3 * statistics.median(p) for p in zip(*phases)] if phases
         else None,
         "first_step_s": first_step_s,
-        "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        # the whole run's peak, and the timed steps' alone (a packed module's first steps,
+        # before any count has come back, take the full capacity unless initial_density=)
+        "peak_mib": max(warmup_peak or 0, timed_peak or 0) or None,
+        "timed_peak_mib": timed_peak,
         # what the forward keeps for the backward (allocated after it less before it)
         "after_forward_mib": statistics.median(held) / 2**20 if held else None,
         "losses": torch.stack(losses).float().cpu().tolist(),
@@ -480,6 +487,11 @@ def _to_cpu(obj):
     if isinstance(obj, list):
         return [_to_cpu(v) for v in obj]
     return obj
+
+
+def peak_mib(device: torch.device) -> float | None:
+    """The allocator's peak since its last reset, MiB (None off CUDA)."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
 def graphs_compiled() -> int:
@@ -795,9 +807,9 @@ def markdown_variants(summary: dict) -> str:
     out = [f"# GPT with ReLU² MLP on Python stdlib bytes ({summary['device']}, {summary['mode']})",
            "", describe(summary), "",
            "| variant | median step (ms) | host (ms) | × dense | × reference | peak (MiB) | "
-           "kept after forward (MiB) | first step (s) | final loss | losses = ref | "
-           "params = ref | max loss diff |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "peak, timed steps (MiB) | kept after forward (MiB) | first step (s) | final loss | "
+           "losses = ref | params = ref | max loss diff |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     failed = []
     for name, v in summary["variants"].items():
         if v["status"] != "ok":
@@ -807,14 +819,17 @@ def markdown_variants(summary: dict) -> str:
         out.append(f"| {name} | {_f(v['median_step_ms'])} | {_f(v['median_host_ms'])} | "
                    f"{_f(v.get('step_ratio_vs_dense'), '.2f')} | "
                    f"{_f(v.get('step_ratio_vs_reference'), '.2f') if ref != 'dense' else '-'} | "
-                   f"{_f(v['peak_mib'], '.0f')} | {_f(v.get('after_forward_mib'), '.0f')} | "
+                   f"{_f(v['peak_mib'], '.0f')} | {_f(v.get('timed_peak_mib'), '.0f')} | "
+                   f"{_f(v.get('after_forward_mib'), '.0f')} | "
                    f"{_f(v['first_step_s'], '.2f')} | "
                    f"{v['losses'][-1]:.4f} | {_yes(v.get('losses_bit_identical'))} | "
                    f"{_yes(v.get('params_bit_identical'))} | {_f(v.get('max_abs_loss_diff'), '.2e')} |")
     out += ["", "Reference: dense, and dense-compiled for ours-compiled. Host = CPU time to "
             "issue a step (from its start to before the closing synchronize). Kept after "
             "forward: memory allocated after the forward less at the step's start (median of "
-            "the timed steps), the activations the backward will read."]
+            "the timed steps), the activations the backward will read. Peak: the whole run's; "
+            "timed steps: theirs alone (a packed module's first packs, before any count is "
+            "back, take the full capacity unless initial_density= is given)."]
     rounds = [(n, v) for n, v in summary["variants"].items() if v.get("round_step_ms")]
     if rounds:
         out += ["", "Rounds (the variant sequence run again for timing; median step ms per "
