@@ -316,7 +316,8 @@ def gpt12_pretrained_row(tg: dict, stem: str) -> str:
             f"({ci(tiv['ours-compiled'], 'median_ratio_vs_own_ci95')}) vs compiled dense; kept "
             f"after the forward {mib(tgv['ours-nosign']['after_forward_mib'])} MiB vs "
             f"{mib(tgv['dense']['after_forward_mib'])} dense, "
-            f"{mib(tgv['checkpoint']['after_forward_mib'])} checkpointed | `bench/results/{stem}.md` |")
+            f"{mib(tgv['checkpoint']['after_forward_mib'])} checkpointed "
+            f"| `bench/results/{stem}.md` |")
 
 
 def readme_h100() -> list:
@@ -358,7 +359,8 @@ def readme_h100() -> list:
                           f"train_gpt_h100_60turns_{host}_host", run)
           for host, run in (("fast", "a fast host: dense's step 26 ms"),
                             ("slow", "a slow host: dense's step 37 ms"))),
-        gpt12_pretrained_row(result("train_gpt_h100_pretrained.json"), "train_gpt_h100_pretrained"),
+        gpt12_pretrained_row(result("train_gpt_h100_pretrained.json"),
+                             "train_gpt_h100_pretrained"),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",

@@ -448,6 +448,7 @@ def test_initial_density_sizes_the_first_packs_and_an_overflow_there_is_exact():
                 {"initial_density": 0.2, "density": 0.3}):
         with pytest.raises(ValueError, match="initial_density"):
             C.CapacityPolicy(**bad)
+    torch.manual_seed(0)
     m = bst.PackedReLU2FFN(32, 128, initial_density=0.05).to(torch.bfloat16)
     first = m.capacity_policy.bucket
     x = torch.randn(3, 40, 32, dtype=torch.bfloat16, requires_grad=True)

@@ -266,16 +266,17 @@ class CapacityPolicy:
                                  f"(density=None), not to density={density!r}")
             if not 0.0 < float(initial_density) <= 1.0:
                 raise ValueError(f"initial_density={initial_density!r} must lie in (0, 1]")
-        self.id = next(_IDS)
-        POLICIES[self.id] = self
         if margin < 0:
             raise ValueError(f"margin={margin!r} must be >= 0")
         if pending not in PENDING:
             raise ValueError(f"pending={pending!r}; use one of {', '.join(PENDING)}")
+        self.id = next(_IDS)
+        POLICIES[self.id] = self
         self.pending = pending
         self.density = None if density is None else float(density)
         self.margin = float(margin)
-        self.bucket = len(LADDER) - 1 if initial_density is None else bucket_of(float(initial_density))
+        self.bucket = (len(LADDER) - 1 if initial_density is None
+                       else bucket_of(float(initial_density)))
         self._recent = collections.deque(maxlen=window)
         self._pending = collections.deque(maxlen=4 * window)
         # recomputes: backwards that recomputed, for an overflow or because the count

@@ -345,7 +345,8 @@ _USER_RULES: list[Rule] = []
 def register_rule(name: str, predicate, builder) -> Rule:
     """Add a rule, tried before the built-in ones. ``builder(module, **kwargs)`` gets the
     keyword arguments of :func:`convert` (``encoding=``, ``density=``, ``margin=``,
-    ``pending=``, ``backend=``, ``offload=``, ``initial_density=``); a typical builder checks the activation and dropout, then returns
+    ``pending=``, ``backend=``, ``offload=``, ``initial_density=``); a typical builder
+    checks the activation and dropout, then returns
     ``PackedBlock(module, "fc1_name", "fc2_name", "relu" | "relu2", **kwargs)``."""
     rule = Rule(name, predicate, builder)
     _USER_RULES.insert(0, rule)
@@ -382,8 +383,8 @@ def convert(model: nn.Module, *, rules=None, **kwargs) -> ConvertReport:
 
     ``kwargs`` (``encoding=``, ``density=``, ``margin=``, ``pending=``, ``backend=``,
     ``initial_density=``, ``offload=``: True or one :class:`~.offload.Offloader` all of them
-    share) go to the packed modules. ``rules`` replaces the rule list (default: registered rules, then
-    :data:`RULES`). Returns a :class:`ConvertReport`; calling it again converts nothing
+    share) go to the packed modules. ``rules`` replaces the rule list (default: registered
+    rules, then :data:`RULES`). Returns a :class:`ConvertReport`; calling it again converts nothing
     new. A module that replaced its parent's child is not searched further."""
     unknown = sorted(set(kwargs) - set(_PACKED_KW) - set(_GATED_KW))
     if unknown:
