@@ -15,7 +15,10 @@
 #   hf: issue 16's OPT step, plain / converted / hooks, in interleaved turns;
 #   hfprof: the hooks' host time on the device's host, under cProfile;
 #   pace: step_pace.py, the OPT step's GPU busy time beside its wall time;
-#   byop: host_by_op.py, the OPT step's host time op by op, hooks and converted vs plain)
+#   byop: host_by_op.py, the OPT step's host time op by op, hooks and converted vs plain;
+#   trained: issue 15 from a gpt12 trained 1000 steps, under PyTorch's default settings:
+#   gemm_host.py, step_split.py of the compiled pair, train_gpt.py in 60 turns with
+#   checkpointing, then ours at initial_density=0.1 for the peak)
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
@@ -181,6 +184,26 @@ if has byop; then
       --time-limit 170 --out "$OUT/byop" >/tmp/gpu_ab/byop.log 2>&1 || tail -5 /tmp/gpu_ab/byop.log
   grep -A5 "^| variant" "$OUT"/byop/host_by_op.md
   say "byop"
+fi
+if has trained; then
+  timeout 120 python3 bench/gemm_host.py --out "$OUT/gemm_host" >/tmp/gpu_ab/gemm_host.log 2>&1 \
+      || tail -5 /tmp/gpu_ab/gemm_host.log
+  grep -E "^\|" "$OUT"/gemm_host/gemm_host.md
+  timeout 200 python3 bench/step_split.py --preset gpt12 --pretrain-steps 1000 --torch-defaults \
+      --turns 8 --warmup 3 --variants dense-compiled,ours-compiled --time-limit 180 \
+      --out "$OUT/trained_split" >/tmp/gpu_ab/trained_split.log 2>&1 \
+      || tail -5 /tmp/gpu_ab/trained_split.log
+  grep -E "^\| (dense|ours)" "$OUT"/trained_split/step_split.md | head -2
+  for run in "defaults|{}" "initial|{\"initial_density\": 0.1}"; do
+    timeout $(( ${TRAIN_LIMIT:-280} + 20 )) python3 bench/train_gpt.py --preset gpt12 --steps 5 \
+        --pretrain-steps 1000 --torch-defaults --interleave 60 --time-limit "${TRAIN_LIMIT:-280}" \
+        --ours-kwargs "${run#*|}" --variants dense,checkpoint,ours-nosign,dense-compiled,ours-compiled \
+        --out "$OUT/trained_${run%%|*}" >/tmp/gpu_ab/trained_${run%%|*}.log 2>&1 \
+        || tail -5 /tmp/gpu_ab/trained_${run%%|*}.log
+    grep -A10 "^## Interleaved" "$OUT/trained_${run%%|*}/train_gpt.md" | grep -E "^\| (dense|ours|check)"
+    grep -E "^\| (dense|ours|check)" "$OUT/trained_${run%%|*}/train_gpt.md" | head -5 | cut -d"|" -f2,7,8
+  done
+  say "trained"
 fi
 # one archive comes back whole however many files the parts wrote
 cp -r /tmp/gpu_ab "$OUT/raw_logs"
