@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -33,21 +32,21 @@ SETTINGS = {
 }
 
 
-def apply_settings(name: str, torch) -> None:
-    """Set ``name``'s process-wide flags (before any cuBLAS handle exists)."""
+def apply_settings(name: str) -> None:
+    """Set ``name``'s process-wide flags (before any cuBLAS handle exists), with
+    ``train_gpt.py``'s own functions."""
     if name not in SETTINGS:
         raise ValueError(f"unknown setting {name!r}; choose from {', '.join(SETTINGS)}")
+    import train_gpt as tg
     if name in ("bench", "deterministic"):
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = False
+        tg.deterministic_algorithms()
     if name in ("bench", "no-bf16-reduction"):
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        tg.exact_bf16_reductions()
 
 
 def measure(name: str, calls: int = 50, loops: int = 3) -> dict:
     import torch
-    apply_settings(name, torch)
+    apply_settings(name)
     dev = torch.device("cuda")
     x = torch.randn(8192, 1024, device=dev, dtype=torch.bfloat16)
     w = torch.randn(4096, 1024, device=dev, dtype=torch.bfloat16)

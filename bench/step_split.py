@@ -196,13 +196,6 @@ def run(args) -> dict:
             "torch": torch.__version__, "variants": res}
 
 
-def pretrained_text(pre: dict | None) -> str:
-    if not pre:
-        return ""
-    return (f" Every variant starts from the dense model trained {pre['steps']} steps (MLP "
-            f"activations {statistics.mean(pre['mlp_zeros']):.0%} zeros, mean over layers).")
-
-
 def markdown(summary: dict) -> str:
     s = summary["shape"]
     lines = [f"# Host time and GPU time of a training step apart ({summary['device']})", "",
@@ -211,7 +204,9 @@ def markdown(summary: dict) -> str:
              f"rotated order each turn). Each phase is issued while a {summary['sleep_ms']:.0f} ms "
              "sleep kernel holds the GPU: host = the time to issue it (no waiting for the GPU), "
              "GPU = the time the GPU then takes to run it. Step = a normal step, synced "
-             "around." + pretrained_text(summary.get("pretrain"))
+             "around."
+             + (f" In this run {tg.pretrained_text(summary['pretrain'])}."
+                if summary.get("pretrain") else "")
              + (" PyTorch's default GEMM and determinism settings." if summary.get("torch_defaults")
                 else ""), "",
              "| variant | step (ms) | host (ms) | GPU (ms) | host fwd / bwd / opt | "

@@ -774,12 +774,7 @@ def describe(summary: dict) -> str:
     if c["ours_kwargs"]:
         text += f"; ours kwargs {json.dumps(c['ours_kwargs'])}"
     if summary.get("pretrain"):
-        pre = summary["pretrain"]
-        zeros = pre["mlp_zeros"]
-        text += (f"; every variant starts from the dense model trained {pre['steps']} steps "
-                 f"(weights and optimizer state; loss {_f(pre['final_loss'], '.3f')}, MLP "
-                 f"activations {min(zeros):.0%}-{max(zeros):.0%} zeros by layer, mean "
-                 f"{statistics.mean(zeros):.0%})" if zeros else "")
+        text += "; " + pretrained_text(summary["pretrain"])
     if c.get("torch_defaults"):
         text += "; PyTorch's default GEMM and determinism settings"
     elif "fill_uninitialized_memory" in summary:
@@ -792,6 +787,14 @@ def describe(summary: dict) -> str:
         text += (f"; pinned host link {link['d2h']:.1f} GB/s device-to-host, "
                  f"{link['h2d']:.1f} GB/s host-to-device")
     return text + "."
+
+
+def pretrained_text(pre: dict) -> str:
+    """What :func:`pretrain` recorded, in words."""
+    zeros = pre["mlp_zeros"]
+    return (f"every variant starts from the dense model trained {pre['steps']} steps (weights "
+            f"and optimizer state; loss {_f(pre['final_loss'], '.3f')}, MLP activations "
+            f"{min(zeros):.0%}-{max(zeros):.0%} zeros by layer, mean {statistics.mean(zeros):.0%})")
 
 
 def _f(v, fmt=".1f") -> str:
@@ -1070,6 +1073,19 @@ def parse_args(argv):
     return args
 
 
+def deterministic_algorithms(fill_uninitialized: bool = False) -> None:
+    """Deterministic algorithms and the fixed cuBLAS workspace they need (set before the
+    first cuBLAS call); new tensors NaN-filled only where ``fill_uninitialized``."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = bool(fill_uninitialized)
+
+
+def exact_bf16_reductions() -> None:
+    """bf16 GEMMs without reduced-precision reductions."""
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+
 def shape_and_device(args, base: Shape, fill_uninitialized: bool = False):
     """``base`` with the command line's shape overrides, and the device; sets the
     determinism every bit-for-bit comparison here relies on (bench_hf.py shares it).
@@ -1083,10 +1099,8 @@ def shape_and_device(args, base: Shape, fill_uninitialized: bool = False):
     shape = dataclasses.replace(base, **{k: v for k in ("layers", "d", "heads", "d_ff", "seq", "batch")
                                          if (v := getattr(args, k)) is not None})
     if not getattr(args, "torch_defaults", False):
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = bool(fill_uninitialized)
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        deterministic_algorithms(fill_uninitialized)
+        exact_bf16_reductions()
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # memory calls want an index

@@ -17,7 +17,7 @@ PROBE = """
 import json, os, sys
 sys.path.insert(0, {bench!r})
 import torch, gemm_host
-gemm_host.apply_settings({name!r}, torch)
+gemm_host.apply_settings({name!r})
 print(json.dumps([torch.are_deterministic_algorithms_enabled(),
                   torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
                   os.environ.get("CUBLAS_WORKSPACE_CONFIG")]))
@@ -45,4 +45,4 @@ def test_markdown_has_a_row_per_setting():
     text = gemm_host.markdown(rows)
     assert "| bench | 1.0 | 2.0 | 3.0 |" in text and "| defaults |" in text
     with pytest.raises(ValueError, match="unknown setting"):
-        gemm_host.apply_settings("fast", None)
+        gemm_host.apply_settings("fast")
