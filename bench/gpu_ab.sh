@@ -19,6 +19,8 @@
 #   trained: issue 15 from a gpt12 trained 1000 steps, under PyTorch's default settings:
 #   gemm_host.py, step_split.py of the compiled pair, train_gpt.py in 60 turns with
 #   checkpointing, then ours at initial_density=0.1 for the peak)
+#   TRAINED   which of part trained's steps run (default all: "gemm split defaults initial"),
+#             so its ~15 minutes can be spread over calls
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
 #   NUMBA_AB  numba_pack_variants.py arguments, one process each (default: "" and session
 #             41's variants); every run also times the committed kernels for the same check
@@ -185,16 +187,23 @@ if has byop; then
   grep -A5 "^| variant" "$OUT"/byop/host_by_op.md
   say "byop"
 fi
-if has trained; then
+TRAINED=${TRAINED:-gemm split defaults initial}
+step() { case " $TRAINED " in *" $1 "*) return 0;; esac; return 1; }
+if has trained && step gemm; then
   timeout 120 python3 bench/gemm_host.py --out "$OUT/gemm_host" >/tmp/gpu_ab/gemm_host.log 2>&1 \
       || tail -5 /tmp/gpu_ab/gemm_host.log
   grep -E "^\|" "$OUT"/gemm_host/gemm_host.md
+fi
+if has trained && step split; then
   timeout 200 python3 bench/step_split.py --preset gpt12 --pretrain-steps 1000 --torch-defaults \
       --turns 8 --warmup 3 --variants dense-compiled,ours-compiled --time-limit 180 \
       --out "$OUT/trained_split" >/tmp/gpu_ab/trained_split.log 2>&1 \
       || tail -5 /tmp/gpu_ab/trained_split.log
   grep -E "^\| (dense|ours)" "$OUT"/trained_split/step_split.md | head -2
+fi
+if has trained; then
   for run in "defaults|{}" "initial|{\"initial_density\": 0.1}"; do
+    step "${run%%|*}" || continue
     timeout $(( ${TRAIN_LIMIT:-280} + 20 )) python3 bench/train_gpt.py --preset gpt12 --steps 5 \
         --pretrain-steps 1000 --torch-defaults --interleave 60 --time-limit "${TRAIN_LIMIT:-280}" \
         --ours-kwargs "${run#*|}" --variants dense,checkpoint,ours-nosign,dense-compiled,ours-compiled \
