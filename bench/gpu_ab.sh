@@ -19,6 +19,7 @@
 #   trained: issue 15 from a gpt12 trained 1000 steps, under PyTorch's default settings:
 #   gemm_host.py, step_split.py of the compiled pair, train_gpt.py in 60 turns with
 #   checkpointing, then ours at initial_density=0.1 for the peak)
+#   FUSED_VARIANTS  bench_fused.py --variants (default: its own)
 #   TRAINED   which of part trained's steps run (default all: "gemm split defaults initial"),
 #             so its ~15 minutes can be spread over calls
 #   CUPY_AB   "label|options|kernel_variants flags;..." (default: the default build alone)
@@ -128,7 +129,8 @@ if has exact; then
   say "exact"
 fi
 if has fused; then
-  timeout 150 python3 bench/bench_fused.py --reps 20 --out "$OUT/fused" >/tmp/gpu_ab/fused.log 2>&1 \
+  timeout 200 python3 bench/bench_fused.py --reps 20 ${FUSED_VARIANTS:+--variants "$FUSED_VARIANTS"} \
+      --out "$OUT/fused" >/tmp/gpu_ab/fused.log 2>&1 \
       || tail -5 /tmp/gpu_ab/fused.log
   grep -E "^\|" "$OUT"/fused/*.md | head -20
   say "fused"
