@@ -320,6 +320,22 @@ def gpt12_pretrained_row(tg: dict, stem: str) -> str:
             f"| `bench/results/{stem}.md` |")
 
 
+def gpt12_settings_row(tg: dict, stem: str, what: str) -> str:
+    """A trained-model GPT run in turns under other settings (``what``): the ratios and the
+    whole run's peak beside the timed steps' own."""
+    tiv, tgv = tg["interleaved"]["variants"], tg["variants"]
+    ours = tgv["ours-nosign"]
+    return (f"| same, {what} ({tg['interleaved']['turns']} turns; dense's step "
+            f"{tiv['dense']['median_step_ms']:.0f} ms) | step "
+            f"{pct(tiv['ours-nosign']['median_ratio'])} ({ci(tiv['ours-nosign'])}) vs dense, "
+            f"checkpointing {pct(tiv['checkpoint']['median_ratio'])}, torch.compile'd "
+            f"{pct(tiv['ours-compiled']['median_ratio_vs_own'])} "
+            f"({ci(tiv['ours-compiled'], 'median_ratio_vs_own_ci95')}) vs compiled dense; peak "
+            f"{mib(ours['peak_mib'])} MiB ({mib(ours['timed_peak_mib'])} in the timed steps) vs "
+            f"{mib(tgv['dense']['peak_mib'])} dense, {mib(tgv['checkpoint']['peak_mib'])} "
+            f"checkpointed | `bench/results/{stem}.md` |")
+
+
 def readme_h100() -> list:
     """The rows of the README's second table: the H100 runs (``*_h100.json``)."""
     hf = result("bench_hf_h100.json")
@@ -361,6 +377,12 @@ def readme_h100() -> list:
                             ("slow", "a slow host: dense's step 37 ms"))),
         gpt12_pretrained_row(result("train_gpt_h100_pretrained.json"),
                              "train_gpt_h100_pretrained"),
+        gpt12_settings_row(result("train_gpt_h100_pretrained_defaults.json"),
+                           "train_gpt_h100_pretrained_defaults",
+                           "under PyTorch's default GEMM and determinism settings"),
+        gpt12_settings_row(result("train_gpt_h100_pretrained_initial.json"),
+                           "train_gpt_h100_pretrained_initial",
+                           "PyTorch's defaults and the packed modules' `initial_density=0.1`"),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
