@@ -21,8 +21,7 @@ process of their own (CuPy caches a kernel per option set), e.g. the kernels' A/
 switches ``BS_FUSED_PER_ELEMENT``, ``BS_FUSED_BLOCKS`` and ``BS_PACK_FUSED_BLOCKS``;
 ``PACK_ROUNDS=n`` and ``FUSED_ROUNDS=n`` tokens (no ``-D``) set the
 packs' and the fused unpack ops' rounds per warp in that process (``abi.PACK_ROUNDS``,
-``abi.FUSED_ROUNDS``: host-side choices), ``PACK_STAGES=n`` the packs' stage buffers
-(``abi.PACK_STAGES``; the kernels' header follows). Every process hashes the
+``abi.FUSED_ROUNDS``: host-side choices). Every process hashes the
 ops' outputs; the table says whether a variant's bytes equal the default build's.
 
 Writes ``fused.json``, ``fused.md`` and ``fused.png`` under ``--out``.
@@ -50,7 +49,7 @@ CASES = (((8192, 4096), 0.5), ((8192, 4096), 0.1), ((8192, 14336), 0.1))
 OPS = ("relu_pack", "relu2_pack", "relu2_backward", "relu2_backward+square", "gated_backward")
 # relu_pack at 2 rounds and 4 blocks per SM (session 20's geometry)
 DEFAULT_VARIANTS = "before=PACK_ROUNDS=2 -DBS_PACK_FUSED_BLOCKS=4"
-ROUND_TOKENS = ("PACK_ROUNDS", "PACK_STAGES", "FUSED_ROUNDS")   # abi constants a variant may set
+ROUND_TOKENS = ("PACK_ROUNDS", "FUSED_ROUNDS")   # abi constants a variant may set
 ROUNDS_ENV = "BITSPARSE_BENCH_ROUNDS"             # how they reach the variant's processes
 
 

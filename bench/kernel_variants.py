@@ -1,7 +1,7 @@
 """Fixed-capacity pack and unpack timings of the CuPy kernels under extra NVRTC options.
 
     BITSPARSE_CUDA_OPTIONS="-DSOME_SWITCH" python3 bench/kernel_variants.py [--unpack-only]
-        [--pack-rounds R] [--pack-stages S] [--encoding nosign|signplane|raw]
+        [--pack-rounds R] [--encoding nosign|signplane|raw]
 
 For A/B tests of compile-time kernel variants within one device call (each
 option set is compiled separately; CuPy's cache keys include the options).
@@ -10,11 +10,9 @@ CUDA-event timings as in bench_codecs.py. No correctness check: a variant that
 drops work on purpose (e.g. a fake offset) still times; bench_codecs.py and
 the GPU tests check the committed kernels. ``--pack-rounds`` sets the pack
 tile's rounds per warp for this process (``abi.PACK_ROUNDS``; the plans, the
-grid and the shared-memory size follow it); ``--pack-stages`` the pack's stage buffers
-(``abi.PACK_STAGES``, the look-back's lag plus one; the kernels' header follows it). Each
-pack row ends with a digest of the packed planes, to compare across variants' processes.
-``--encoding`` (default nosign) picks
-the encoding packed and unpacked; the input is ReLU-like either way, so a
+grid and the shared-memory size follow it). Each pack row ends with a digest of the
+packed planes, to compare variants across their processes. ``--encoding`` (default
+nosign) picks the encoding packed and unpacked; the input is ReLU-like either way, so a
 signplane run times its kernels with an all-zero sign plane.
 """
 
@@ -46,10 +44,6 @@ def main() -> None:
         from bitsparse_core.backends.cuda import abi
         abi.PACK_ROUNDS = int(sys.argv[sys.argv.index("--pack-rounds") + 1])
         tag += f" R={abi.PACK_ROUNDS}"
-    if "--pack-stages" in sys.argv:
-        from bitsparse_core.backends.cuda import abi
-        abi.PACK_STAGES = int(sys.argv[sys.argv.index("--pack-stages") + 1])
-        tag += f" S={abi.PACK_STAGES}"
     for dname, tdtype in (("bfloat16", torch.bfloat16), ("float8_e4m3fn", torch.float8_e4m3fn)):
         for sp in (0.5, 0.9, 0.99):
             x = relu_like(torch, 1 << 27, sp, tdtype, seed=int(sp * 1000))

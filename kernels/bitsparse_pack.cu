@@ -330,8 +330,8 @@ __device__ __noinline__ void bs_pack_epilogue(u64 scratch_ptr, u64 n_tiles, u64 
 }
 
 // Shared memory of bitsparse_pack (dynamic, sized by the host with the same
-// formula, abi.pack_smem_bytes): BS_PACK_STAGES buffers, so that a tile's values
-// stay while the next tiles are staged; each holds the staged values (the value
+// formula, abi.pack_smem_bytes): two buffers, so that a tile's values
+// stay while the next tile is staged; each holds the staged values (the value
 // stream's words are built from them as they are written out), the sign plane and
 // the tile's count, nosign flag and round offsets (rel: warp-relative rank of each
 // warp's round starts).
@@ -355,7 +355,7 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 //   A(t)  mask bits and nosign check per 16-byte vector (loaded during the
 //         previous iteration), relu_pack's output, packed warp scans; B1;
 //         publish t's count.
-//   B(t)  stage t's values in shared memory buffer k % BS_PACK_STAGES and write its mask
+//   B(t)  stage t's values in shared memory buffer k % 2 and write its mask
 //         bytes, none of which needs its offset; load the next tile's
 //         vectors; (signplane: B2, t's sign plane from the staged values).
 //   C(t)  warps 0 and 1 fold the look-back (loaded at the start of the
@@ -363,11 +363,11 @@ template <int FMT, int ENC, int R> struct __align__(16) BsPackBuf {
 //         inclusive count; chunk offsets, the stream words inside t's range
 //         built from the staged values (bs_copy_inner), the edge record for
 //         bs_stitch_word.
-// Iteration k issues the look-back loads of t_{k-L}, runs B(t_k), C(t_{k-L})
-// and A(t_{k+1}), L = BS_PACK_STAGES - 1 (abi.PACK_STAGES): a count is published
-// about L iterations before its successors load it (fewer spins on unpublished
-// counts: issuing the loads one stage earlier measured 5 % slower, bench/NOTES.md),
-// and B's work hides the loads' round trip.
+// Iteration k issues the look-back loads of t_{k-1}, runs B(t_k), C(t_{k-1})
+// and A(t_{k+1}): a count is published about an iteration before its
+// successors load it (fewer spins on unpublished counts: issuing the loads one
+// stage earlier measured 5 % slower, bench/NOTES.md), and B's work hides the
+// loads' round trip.
 #ifndef BS_PACK_BLOCKS
 #define BS_PACK_BLOCKS 4         // a plain or masked pack's blocks per SM (64 registers)
 #endif
@@ -413,7 +413,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     {
         u32 dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)BS_PACK_STAGES * (u32)sizeof(Buf)) __trap();   // the host's size formula disagrees
+        if (dyn < 2u * (u32)sizeof(Buf)) __trap();   // the host's size formula disagrees
     }
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -636,11 +636,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     auto take = [&]() -> u64 { return atomicAdd(reinterpret_cast<unsigned long long*>(ticket), 1ull); };
     if (tid == 0) s_first = take();
     __syncthreads();
-    // C runs LAG iterations after B: on prev (staged in the last iteration) or on older
-    // (the one before); ~0: none.
-    const int LAG = BS_PACK_STAGES - 1;
-    static_assert(LAG == 1 || LAG == 2, "abi.PACK_STAGES is 2 or 3");
-    u64 tile = s_first, prev = ~0ull, older = ~0ull;
+    u64 tile = s_first, prev = ~0ull;
     if (tile < n_tiles) {
         load(tile);
         classify(tile, tid == 0 ? take() : 0ull);
@@ -648,25 +644,21 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
         // The first iteration has no C (whose B3 otherwise parts an iteration's A from
         // the last one's reads of s_warp_tot and s_next).
         __syncthreads();
-        // Iteration k: look-back loads of done, B(tile), C(done), A(next).
-        for (int k = 0; tile < n_tiles || prev != ~0ull || (LAG == 2 && older != ~0ull); ++k) {
-            const u64 done = LAG == 1 ? prev : older;
+        // Iteration k: look-back loads of prev, B(tile), C(prev), A(next).
+        for (int k = 0; tile < n_tiles || prev != ~0ull; ++k) {
             const bool have = tile < n_tiles, more = have && next < n_tiles;
             const u64 claim = tid == 0 && more ? take() : 0ull;   // its round trip hides behind B and C
-            if (done != ~0ull && done > 0)
-                bs_lookback_load(cdesc, gdesc, done, (i64)(done >> BS_GROUP_LOG2) - 1, warp, lane, lb);
-            if (have) stage_tile(tile, bufs[(u32)k % BS_PACK_STAGES], more ? next : n_tiles);
+            if (prev != ~0ull && prev > 0)
+                bs_lookback_load(cdesc, gdesc, prev, (i64)(prev >> BS_GROUP_LOG2) - 1, warp, lane, lb);
+            if (have) stage_tile(tile, bufs[k & 1], more ? next : n_tiles);
             // The tile just taken, which the next iteration's B loads (the ticket's round
             // trip is over by here).
             if (BS_PACK_PREFETCH && BS_BULK_PREFETCH && BITS >= 16 && tid == 0 && more
                 && claim < n_tiles)
                 bs_l2_prefetch(x_ptr, numel * sizeof(T), claim * (u64)TILE * sizeof(T),
                                (claim + 1) * (u64)TILE * sizeof(T));
-            // done's buffer: (k - LAG) mod BS_PACK_STAGES
-            if (done != ~0ull) finish_tile(done, bufs[(u32)(k + 1) % BS_PACK_STAGES], (k - 1) & 1);
-            else if (LAG == 2 && more && k > 0) __syncthreads();   // B3's part, with no C
+            if (prev != ~0ull) finish_tile(prev, bufs[(k - 1) & 1], (k - 1) & 1);
             if (more) classify(next, claim);
-            older = prev;
             prev = have ? tile : ~0ull;
             tile = more ? next : n_tiles;
             next = more ? s_next : n_tiles;

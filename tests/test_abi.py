@@ -238,17 +238,3 @@ def test_slot_never_written_raises_and_is_not_reused(monkeypatch):
     with pytest.raises(CudaDriverError, match="without writing its count"):
         slots.wait(slot, 0)
     assert slots.take() != slot                    # its kernel may still write it
-
-
-def test_pack_stages_size_the_shared_memory_and_reach_the_header(monkeypatch):
-    """abi.PACK_STAGES (the pack's stage buffers) sizes the host's shared-memory formula
-    and is the kernels' BS_PACK_STAGES, so the two never disagree."""
-    from bitsparse_core import dtypes as D
-    from bitsparse_core.spec.format import Encoding
-    bf16 = D.resolve("bfloat16")
-    two = abi.pack_smem_bytes(bf16, Encoding.NOSIGN, abi.PACK_ROUNDS)
-    assert abi.PACK_STAGES == 2 and "#define BS_PACK_STAGES 2\n" in abi.header()
-    monkeypatch.setattr(abi, "PACK_STAGES", 3)
-    assert abi.pack_smem_bytes(bf16, Encoding.NOSIGN, abi.PACK_ROUNDS) * 2 == two * 3
-    assert "#define BS_PACK_STAGES 3\n" in abi.header()
-    assert "BS_PACK_STAGES" in read_source("bitsparse_pack.cu")

@@ -54,10 +54,6 @@ WARPS = THREADS // 32
 # 16-byte vector. Every pack mode (relu_pack's too) takes PACK_ROUNDS; FUSED_ROUNDS is
 # the fused unpack-family ops'. Unpack tiles are whole default-size chunks (4096 elements).
 PACK_ROUNDS = 4
-# Shared-memory stage buffers of a pack block: a tile's offset is taken (its stage C)
-# PACK_STAGES - 1 iterations after its values are staged (stage B), so that the tiles
-# before it have published their counts by then.
-PACK_STAGES = 2
 FUSED_ROUNDS = 2
 UNPACK_ROUNDS = 4
 STATUS_BYTES = 64             # u32 status, u32 pad, u64 nnz, padding
@@ -92,13 +88,13 @@ def pack_scratch_bytes(n_tiles: int) -> int:
 
 
 def pack_smem_bytes(dtype: _dt.DType, encoding: Encoding, rounds: int) -> int:
-    """Dynamic shared memory of a pack kernel: PACK_STAGES ``BsPackBuf`` (bitsparse_pack.cu)."""
+    """Dynamic shared memory of a pack kernel: two ``BsPackBuf`` (bitsparse_pack.cu)."""
     bits = 8 * dtype.itemsize
     tile = tile_elems(dtype, rounds)
     words = (tile * bits // 32 + 4                                           # stage
              + (tile // 32 + 4 if encoding == Encoding.SIGNPLANE else 1)    # signs
              + 2 + 8 * rounds)                                             # n, neg, rel
-    return PACK_STAGES * (-(-4 * words // 16) * 16)
+    return 2 * (-(-4 * words // 16) * 16)
 
 
 def header() -> str:
@@ -109,7 +105,6 @@ def header() -> str:
                         + [(f"BS_MODE_{m.name}", int(m)) for m in Mode]
                         + [(f"BS_OP_{o.name}", int(o)) for o in Op]
                         + [("BS_THREADS", THREADS), ("BS_WARPS", WARPS),
-                           ("BS_PACK_STAGES", PACK_STAGES),
                            ("BS_STATUS_NOSIGN_VIOLATION", STATUS_NOSIGN_VIOLATION),
                            ("BS_STATUS_OVERFLOW", STATUS_OVERFLOW)]):
         lines.append(f"#define {name} {value}")
