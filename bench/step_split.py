@@ -207,8 +207,7 @@ def markdown(summary: dict) -> str:
              "around."
              + (f" In this run {tg.pretrained_text(summary['pretrain'])}."
                 if summary.get("pretrain") else "")
-             + (" PyTorch's default GEMM and determinism settings." if summary.get("torch_defaults")
-                else ""), "",
+             + (f" {tg.TORCH_DEFAULTS_TEXT}." if summary.get("torch_defaults") else ""), "",
              "| variant | step (ms) | host (ms) | GPU (ms) | host fwd / bwd / opt | "
              "GPU fwd / bwd / opt | paced by |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

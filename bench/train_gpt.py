@@ -776,7 +776,7 @@ def describe(summary: dict) -> str:
     if summary.get("pretrain"):
         text += "; " + pretrained_text(summary["pretrain"])
     if c.get("torch_defaults"):
-        text += "; PyTorch's default GEMM and determinism settings"
+        text += "; " + TORCH_DEFAULTS_TEXT
     elif "fill_uninitialized_memory" in summary:
         text += ("; deterministic algorithms, new tensors NaN-filled" if summary["fill_uninitialized_memory"]
                  else "; deterministic algorithms, no NaN fill of new tensors")
@@ -787,6 +787,10 @@ def describe(summary: dict) -> str:
         text += (f"; pinned host link {link['d2h']:.1f} GB/s device-to-host, "
                  f"{link['h2d']:.1f} GB/s host-to-device")
     return text + "."
+
+
+# How a --torch-defaults run's record names its settings (step_split.py's too).
+TORCH_DEFAULTS_TEXT = "PyTorch's default GEMM and determinism settings"
 
 
 def pretrained_text(pre: dict) -> str:
