@@ -187,6 +187,11 @@ def readme() -> list:
         f"dense, {mib(tgv['ours-offload']['peak_mib'])} offloaded, "
         f"{mib(tgv['checkpoint']['peak_mib'])} checkpointed | `bench/results/train_gpt.md` |",
 
+        gpt12_settings_row(result("train_gpt_h200_pretrained_defaults.json"),
+                           "train_gpt_h200_pretrained_defaults",
+                           "trained 1000 steps first, under PyTorch's default GEMM and "
+                           "determinism settings"),
+
         f"| transformers OPT (ReLU FFN) from a config, {hs['layers']} layers, d={hs['d']}, bf16, "
         f"{hs['seq'] * hs['batch']} tokens/step, steps in turn | `convert(model)` "
         f"{pct(hiv['converted']['median_ratio'], 0)}, `compress_saved_tensors` "
