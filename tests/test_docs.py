@@ -150,6 +150,7 @@ def readme() -> list:
     mh = result("module_host.json")
     mhr = {row["variant"]: row for row in mh["rows"]}
     fzv = result("fused.json")["variants"]
+    h200_defaults = result("train_gpt_h200_pretrained_defaults.json")
     first = fzv["default"]["rows"][0]
     fz_shape, fz_density = "x".join(map(str, first["shape"])), first["density"]
     pick = lambda rows: {r["op"]: r for r in rows   # noqa: E731
@@ -187,10 +188,9 @@ def readme() -> list:
         f"dense, {mib(tgv['ours-offload']['peak_mib'])} offloaded, "
         f"{mib(tgv['checkpoint']['peak_mib'])} checkpointed | `bench/results/train_gpt.md` |",
 
-        gpt12_settings_row(result("train_gpt_h200_pretrained_defaults.json"),
-                           "train_gpt_h200_pretrained_defaults",
-                           "trained 1000 steps first, under PyTorch's default GEMM and "
-                           "determinism settings"),
+        gpt12_settings_row(h200_defaults, "train_gpt_h200_pretrained_defaults",
+                           f"trained {h200_defaults['pretrain']['steps']} steps first, under "
+                           "PyTorch's default GEMM and determinism settings"),
 
         f"| transformers OPT (ReLU FFN) from a config, {hs['layers']} layers, d={hs['d']}, bf16, "
         f"{hs['seq'] * hs['batch']} tokens/step, steps in turn | `convert(model)` "
@@ -308,17 +308,24 @@ def gpt12_turns_row(tg: dict, stem: str, run: str = "another run") -> str:
             f"| `bench/results/{stem}.md` |")
 
 
-def gpt12_pretrained_row(tg: dict, stem: str) -> str:
-    """The GPT run from the dense model trained first (``--pretrain-steps``), in turns."""
-    tiv, tgv, pre = tg["interleaved"]["variants"], tg["variants"], tg["pretrain"]
-    zeros = statistics.mean(pre["mlp_zeros"])
-    return (f"| same GPT trained {pre['steps']} steps first ({100 * zeros:.0f} % zeros in the MLP "
-            f"activations), steps in turn ({tg['interleaved']['turns']} turns; dense's step "
+def gpt12_ratios(tg: dict) -> str:
+    """A GPT run in turns with checkpointing: its turns, dense's step and the three ratios,
+    as the trained-model rows write them."""
+    tiv = tg["interleaved"]["variants"]
+    return (f"({tg['interleaved']['turns']} turns; dense's step "
             f"{tiv['dense']['median_step_ms']:.0f} ms) | step "
             f"{pct(tiv['ours-nosign']['median_ratio'])} ({ci(tiv['ours-nosign'])}) vs dense, "
             f"checkpointing {pct(tiv['checkpoint']['median_ratio'])}, torch.compile'd "
             f"{pct(tiv['ours-compiled']['median_ratio_vs_own'])} "
-            f"({ci(tiv['ours-compiled'], 'median_ratio_vs_own_ci95')}) vs compiled dense; kept "
+            f"({ci(tiv['ours-compiled'], 'median_ratio_vs_own_ci95')}) vs compiled dense")
+
+
+def gpt12_pretrained_row(tg: dict, stem: str) -> str:
+    """The GPT run from the dense model trained first (``--pretrain-steps``), in turns."""
+    tgv, pre = tg["variants"], tg["pretrain"]
+    zeros = statistics.mean(pre["mlp_zeros"])
+    return (f"| same GPT trained {pre['steps']} steps first ({100 * zeros:.0f} % zeros in the MLP "
+            f"activations), steps in turn {gpt12_ratios(tg)}; kept "
             f"after the forward {mib(tgv['ours-nosign']['after_forward_mib'])} MiB vs "
             f"{mib(tgv['dense']['after_forward_mib'])} dense, "
             f"{mib(tgv['checkpoint']['after_forward_mib'])} checkpointed "
@@ -328,14 +335,9 @@ def gpt12_pretrained_row(tg: dict, stem: str) -> str:
 def gpt12_settings_row(tg: dict, stem: str, what: str) -> str:
     """A trained-model GPT run in turns under other settings (``what``): the ratios and the
     whole run's peak beside the timed steps' own."""
-    tiv, tgv = tg["interleaved"]["variants"], tg["variants"]
+    tgv = tg["variants"]
     ours = tgv["ours-nosign"]
-    return (f"| same, {what} ({tg['interleaved']['turns']} turns; dense's step "
-            f"{tiv['dense']['median_step_ms']:.0f} ms) | step "
-            f"{pct(tiv['ours-nosign']['median_ratio'])} ({ci(tiv['ours-nosign'])}) vs dense, "
-            f"checkpointing {pct(tiv['checkpoint']['median_ratio'])}, torch.compile'd "
-            f"{pct(tiv['ours-compiled']['median_ratio_vs_own'])} "
-            f"({ci(tiv['ours-compiled'], 'median_ratio_vs_own_ci95')}) vs compiled dense; peak "
+    return (f"| same, {what} {gpt12_ratios(tg)}; peak "
             f"{mib(ours['peak_mib'])} MiB ({mib(ours['timed_peak_mib'])} in the timed steps) vs "
             f"{mib(tgv['dense']['peak_mib'])} dense, {mib(tgv['checkpoint']['peak_mib'])} "
             f"checkpointed | `bench/results/{stem}.md` |")
