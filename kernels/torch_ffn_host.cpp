@@ -4,8 +4,8 @@
 // CUDA headers or nvcc needed: the kernels are CuPy's, launched through the
 // driver entry points Python hands over) and uses it for CUDA tensors. The op's
 // semantics are those of bitsparse::relu_linear and
-// bitsparse::relu_linear_backward (bitsparse_core/torch/ops.py): the same ATen
-// calls in the same order, so the two paths give the same bits. What moves here
+// bitsparse::relu_linear_backward (bitsparse_core/torch/ops.py): the same GEMMs and
+// kernels in the same order, so the two paths give the same bits. What moves here
 // is only the host work: the forward's pack launch and the whole backward run
 // as a C++ autograd node in eager mode, and as the dispatcher's CUDA kernels of the two
 // ops (registered from here: compiled graphs, CUDA graph captures, torch.ops calls)
@@ -46,16 +46,54 @@ using torch::autograd::variable_list;
 
 namespace {
 
+// The views the op's GEMMs take, each made with one as_strided: reshape's and t()'s views
+// cost two and three dispatcher round trips, host time every layer pays. Only where both
+// sizes exceed 1, so that the strides are the ones those views would have (a size-1
+// dimension's stride is free, and cuBLAS's choice of call may read it).
+Tensor as_matrix(const Tensor& t, int64_t cols) {
+  const int64_t rows = cols > 0 ? t.numel() / cols : 0;
+  if (rows < 2 || cols < 2 || !t.is_contiguous()) return t.reshape({-1, cols});
+  return t.as_strided({rows, cols}, {cols, 1});
+}
+
+Tensor transposed(const Tensor& m) {
+  const int64_t rows = m.size(0), cols = m.size(1);
+  if (rows < 2 || cols < 2 || m.stride(0) != cols || m.stride(1) != 1) return m.t();
+  return m.as_strided({cols, rows}, {1, cols});
+}
+
 // PyTorch's linear backward on the 2-D views (ops.py: _linear_weight_grad / _input_grad).
 Tensor weight_grad(const Tensor& g2, const Tensor& h, int64_t mm_dtype) {
   const Tensor hm = mm_dtype >= 0 ? h.to(static_cast<at::ScalarType>(mm_dtype)) : h;
-  return g2.t().mm(hm.reshape({-1, hm.size(-1)}));
+  return transposed(g2).mm(as_matrix(hm, hm.size(-1)));
 }
 
 Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shape,
                   at::ScalarType a_dtype) {
   Tensor grad_h = g2.mm(weight).view(a_shape);
   return grad_h.scalar_type() == a_dtype ? grad_h : grad_h.to(a_dtype);
+}
+
+// at::linear(y, weight, bias) for the forward's y, the first elements of ``ystore`` laid
+// out as ``a`` (contiguous). Where linear takes addmm on the 2-D views (a bias, y of 2 or
+// 3 dims) this makes that call with the views made directly (as_matrix, transposed): the
+// same GEMM on the same strides, with fewer dispatcher round trips a layer.
+Tensor forward_linear(const Tensor& ystore, const Tensor& a, const Tensor& weight,
+                      const std::optional<Tensor>& bias, int64_t mm_dtype) {
+  const at::IntArrayRef shape = a.sizes();
+  const int64_t in = shape.empty() ? 0 : shape.back();
+  const int64_t rows = in > 0 ? a.numel() / in : 0;
+  const bool direct = mm_dtype < 0 && bias.has_value() && bias->defined() &&
+                      (shape.size() == 2 || shape.size() == 3) && rows >= 2 && in >= 2 &&
+                      weight.dim() == 2 && ystore.scalar_type() == weight.scalar_type();
+  if (!direct) {
+    const Tensor y = ystore.as_strided(shape, a.strides());
+    return at::linear(mm_dtype >= 0 ? y.to(static_cast<at::ScalarType>(mm_dtype)) : y,
+                      weight, bias);
+  }
+  const Tensor out = at::addmm(*bias, ystore.as_strided({rows, in}, {in, 1}, 0),
+                               transposed(weight));
+  return shape.size() == 2 ? out : out.view({shape[0], shape[1], weight.size(0)});
 }
 
 // ---------------------------------------------------------------------------
@@ -105,9 +143,7 @@ Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<
     stash = offloader->stash(block);
     block = Tensor();
   }
-  const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
-  Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
-                          weight, bias);
+  Tensor out = forward_linear(ystore, a, weight, bias, mm_dtype);
   return {out, block, ticket, std::move(stash)};
 }
 
@@ -135,7 +171,7 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
                     at::IntArrayRef a_shape, at::ScalarType a_dtype, const Plan& P, bool clean,
                     bool square, int64_t mm_dtype, bool need_a, bool need_w, bool need_b) {
   Grads g;
-  const Tensor g2 = grad_out.contiguous().reshape({-1, grad_out.size(-1)});
+  const Tensor g2 = as_matrix(grad_out.contiguous(), grad_out.size(-1));
   if (need_b) g.bias = g2.sum({0}, true).view({g2.size(-1)});
   if (!need_a && !need_w) return g;
   c10::DeviceGuard device_guard(block.device());
