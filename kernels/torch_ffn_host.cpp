@@ -4,8 +4,8 @@
 // CUDA headers or nvcc needed: the kernels are CuPy's, launched through the
 // driver entry points Python hands over) and uses it for CUDA tensors. The op's
 // semantics are those of bitsparse::relu_linear and
-// bitsparse::relu_linear_backward (bitsparse_core/torch/ops.py): the same ATen
-// calls in the same order, so the two paths give the same bits. What moves here
+// bitsparse::relu_linear_backward (bitsparse_core/torch/ops.py): the same GEMMs and
+// kernels in the same order, so the two paths give the same bits. What moves here
 // is only the host work: the forward's pack launch and the whole backward run
 // as a C++ autograd node in eager mode, and as the dispatcher's CUDA kernels of the two
 // ops (registered from here: compiled graphs, CUDA graph captures, torch.ops calls)
@@ -46,16 +46,54 @@ using torch::autograd::variable_list;
 
 namespace {
 
+// The views the op's GEMMs take, each made with one as_strided: reshape's and t()'s views
+// cost two and three dispatcher round trips, host time every layer pays. Only where both
+// sizes exceed 1, so that the strides are the ones those views would have (a size-1
+// dimension's stride is free, and cuBLAS's choice of call may read it).
+Tensor as_matrix(const Tensor& t, int64_t cols) {
+  const int64_t rows = cols > 0 ? t.numel() / cols : 0;
+  if (rows < 2 || cols < 2 || !t.is_contiguous()) return t.reshape({-1, cols});
+  return t.as_strided({rows, cols}, {cols, 1});
+}
+
+Tensor transposed(const Tensor& m) {
+  const int64_t rows = m.size(0), cols = m.size(1);
+  if (rows < 2 || cols < 2 || m.stride(0) != cols || m.stride(1) != 1) return m.t();
+  return m.as_strided({cols, rows}, {1, cols});
+}
+
 // PyTorch's linear backward on the 2-D views (ops.py: _linear_weight_grad / _input_grad).
 Tensor weight_grad(const Tensor& g2, const Tensor& h, int64_t mm_dtype) {
   const Tensor hm = mm_dtype >= 0 ? h.to(static_cast<at::ScalarType>(mm_dtype)) : h;
-  return g2.t().mm(hm.reshape({-1, hm.size(-1)}));
+  return transposed(g2).mm(as_matrix(hm, hm.size(-1)));
 }
 
 Tensor input_grad(const Tensor& g2, const Tensor& weight, at::IntArrayRef a_shape,
                   at::ScalarType a_dtype) {
   Tensor grad_h = g2.mm(weight).view(a_shape);
   return grad_h.scalar_type() == a_dtype ? grad_h : grad_h.to(a_dtype);
+}
+
+// at::linear(y, weight, bias) for the forward's y, the first elements of ``ystore`` laid
+// out as ``a`` (contiguous). Where linear takes addmm on the 2-D views (a bias, y of 2 or
+// 3 dims) this makes that call with the views made directly (as_matrix, transposed): the
+// same GEMM on the same strides, with fewer dispatcher round trips a layer.
+Tensor forward_linear(const Tensor& ystore, const Tensor& a, const Tensor& weight,
+                      const std::optional<Tensor>& bias, int64_t mm_dtype) {
+  const at::IntArrayRef shape = a.sizes();
+  const int64_t in = shape.empty() ? 0 : shape.back();
+  const int64_t rows = in > 0 ? a.numel() / in : 0;
+  const bool direct = mm_dtype < 0 && bias.has_value() && bias->defined() &&
+                      (shape.size() == 2 || shape.size() == 3) && rows >= 2 && in >= 2 &&
+                      weight.dim() == 2 && ystore.scalar_type() == weight.scalar_type();
+  if (!direct) {
+    const Tensor y = ystore.as_strided(shape, a.strides());
+    return at::linear(mm_dtype >= 0 ? y.to(static_cast<at::ScalarType>(mm_dtype)) : y,
+                      weight, bias);
+  }
+  const Tensor out = at::addmm(*bias, ystore.as_strided({rows, in}, {in, 1}, 0),
+                               transposed(weight));
+  return shape.size() == 2 ? out : out.view({shape[0], shape[1], weight.size(0)});
 }
 
 // ---------------------------------------------------------------------------
@@ -105,9 +143,7 @@ Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<
     stash = offloader->stash(block);
     block = Tensor();
   }
-  const Tensor yv = ystore.as_strided(a.sizes(), a.strides());
-  Tensor out = at::linear(mm_dtype >= 0 ? yv.to(static_cast<at::ScalarType>(mm_dtype)) : yv,
-                          weight, bias);
+  Tensor out = forward_linear(ystore, a, weight, bias, mm_dtype);
   return {out, block, ticket, std::move(stash)};
 }
 
@@ -135,7 +171,7 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
                     at::IntArrayRef a_shape, at::ScalarType a_dtype, const Plan& P, bool clean,
                     bool square, int64_t mm_dtype, bool need_a, bool need_w, bool need_b) {
   Grads g;
-  const Tensor g2 = grad_out.contiguous().reshape({-1, grad_out.size(-1)});
+  const Tensor g2 = as_matrix(grad_out.contiguous(), grad_out.size(-1));
   if (need_b) g.bias = g2.sum({0}, true).view({g2.size(-1)});
   if (!need_a && !need_w) return g;
   c10::DeviceGuard device_guard(block.device());
@@ -371,6 +407,42 @@ int64_t handle_of(bool square, at::IntArrayRef shape, at::ScalarType dtype, int6
 
 using Result3 = std::tuple<Tensor, Tensor, Tensor>;
 
+std::vector<at::ScalarType> stored_dtypes;   // set_stored_dtypes: _bridge.TORCH_TO_BS's
+
+// The ops' static arguments, one integer (ops.op_config; its CONFIG_FIELDS, from bit 0:
+// square 1, encoding 2, chunk_log2 5, mm_dtype 3 (a stored dtype's index + 1, 0: none),
+// a_dtype 3 (an index), has_bias 1, needs 3). tests/test_torch_native.py compares this
+// decoding with Python's.
+struct Config {
+  bool square = false, has_bias = false;
+  int64_t encoding = 0, chunk_log2 = 0, mm_dtype = -1, needs = 0;   // mm_dtype: -1 none
+  at::ScalarType a_dtype = at::kFloat;
+};
+
+Config decode_config(int64_t c) {
+  auto field = [&c](int bits) {
+    const int64_t v = c & ((int64_t{1} << bits) - 1);
+    c >>= bits;
+    return v;
+  };
+  auto dtype = [](int64_t i) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(stored_dtypes.size()),
+                "bitsparse: op config names dtype ", i, " of ", stored_dtypes.size());
+    return stored_dtypes[i];
+  };
+  Config k;
+  k.square = field(1);
+  k.encoding = field(2);
+  k.chunk_log2 = field(5);
+  const int64_t mm = field(3);
+  k.mm_dtype = mm == 0 ? -1 : static_cast<int64_t>(dtype(mm - 1));
+  k.a_dtype = dtype(field(3));
+  k.has_bias = field(1);
+  k.needs = field(3);
+  TORCH_CHECK(c == 0, "bitsparse: op config has bits past its fields");
+  return k;
+}
+
 Result3 call_python(py::object* fn, const char* what, py::args args) {
   TORCH_CHECK(fn != nullptr, "bitsparse: native module used before set_dispatch (", what, ")");
   return (*fn)(*args).cast<Result3>();
@@ -379,22 +451,20 @@ Result3 call_python(py::object* fn, const char* what, py::args args) {
 Result3 relu_linear_kernel(const Tensor& a_in, const Tensor& weight,
                            const std::optional<Tensor>& bias, const std::optional<Tensor>& x,
                            const std::optional<Tensor>& w1, const std::optional<Tensor>& b1,
-                           int64_t capacity, bool square, int64_t encoding, int64_t chunk_log2,
-                           std::optional<at::ScalarType> mm_dtype, int64_t policy) {
+                           int64_t capacity, int64_t config, int64_t policy) {
+  const Config k = decode_config(config);
   int64_t handle = -1;
   Tensor a = a_in;
-  if (takes(a, chunk_log2)) {
+  if (takes(a, k.chunk_log2)) {
     a = a.contiguous();
-    handle = handle_of(square, a.sizes(), a.scalar_type(), capacity, encoding, a.device());
+    handle = handle_of(k.square, a.sizes(), a.scalar_type(), capacity, k.encoding, a.device());
   }
   if (handle < 0) {
     py::gil_scoped_acquire gil;
     return call_python(python_forward, "relu_linear",
-                       py::make_tuple(a_in, weight, bias, x, w1, b1, capacity, square, encoding,
-                                      chunk_log2, mm_dtype, policy));
+                       py::make_tuple(a_in, weight, bias, x, w1, b1, capacity, config, policy));
   }
-  Forward f = forward_impl(a, weight, bias, plan_at(handle), policy, capacity,
-                           mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1);
+  Forward f = forward_impl(a, weight, bias, plan_at(handle), policy, capacity, k.mm_dtype);
   return {f.out, f.block, ticket_tensor(f.ticket)};
 }
 
@@ -402,28 +472,30 @@ Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
                                     const Tensor& ticket, const Tensor& weight,
                                     const std::optional<Tensor>& x,
                                     const std::optional<Tensor>& w1,
-                                    const std::optional<Tensor>& b1, at::IntArrayRef a_shape,
-                                    at::ScalarType a_dtype, bool has_bias, int64_t capacity,
-                                    bool square, int64_t encoding, int64_t chunk_log2,
-                                    std::optional<at::ScalarType> mm_dtype, int64_t policy,
-                                    int64_t needs) {
-  const int64_t handle = takes(block, chunk_log2)
-      ? handle_of(square, a_shape, a_dtype, capacity, encoding, block.device()) : -1;
+                                    const std::optional<Tensor>& b1, int64_t capacity,
+                                    int64_t config, int64_t policy) {
+  const Config k = decode_config(config);
+  // the activation's shape: grad_out's leading dims and the weight's input features
+  // (ops.backward_a_shape)
+  TORCH_CHECK(grad_out.dim() >= 1 && weight.dim() == 2,
+              "bitsparse: relu_linear_backward takes grad_out of 1+ dims and a 2-D weight");
+  std::vector<int64_t> a_shape(grad_out.sizes().begin(), grad_out.sizes().end());
+  a_shape.back() = weight.size(1);
+  const int64_t handle = takes(block, k.chunk_log2)
+      ? handle_of(k.square, a_shape, k.a_dtype, capacity, k.encoding, block.device()) : -1;
   if (handle < 0) {
     py::gil_scoped_acquire gil;
     return call_python(python_backward, "relu_linear_backward",
-                       py::make_tuple(grad_out, block, ticket, weight, x, w1, b1, a_shape.vec(),
-                                      a_dtype, has_bias, capacity, square, encoding, chunk_log2,
-                                      mm_dtype, policy, needs));
+                       py::make_tuple(grad_out, block, ticket, weight, x, w1, b1, capacity,
+                                      config, policy));
   }
-  const bool need_a = needs & 1, need_w = needs & 2, need_b = has_bias && (needs & 4);
+  const bool need_a = k.needs & 1, need_w = k.needs & 2, need_b = k.has_bias && (k.needs & 4);
   const Tensor xs = x.value_or(Tensor()), w1s = w1.value_or(Tensor()), b1s = b1.value_or(Tensor());
   const bool clean = decide_clean(ticket_of(ticket), policy, handle, block, xs.defined());
-  Grads g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, a_dtype,
-                          plan_at(handle), clean, square,
-                          mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1, need_a, need_w, need_b);
+  Grads g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, k.a_dtype,
+                          plan_at(handle), clean, k.square, k.mm_dtype, need_a, need_w, need_b);
   // what the op's fake kernel says of a gradient not asked for: an empty tensor
-  if (!g.a.defined()) g.a = at::empty({0}, grad_out.options().dtype(a_dtype));
+  if (!g.a.defined()) g.a = at::empty({0}, grad_out.options().dtype(k.a_dtype));
   if (!g.weight.defined()) g.weight = at::empty({0}, weight.options());
   if (!g.bias.defined()) g.bias = at::empty({0}, weight.options());
   return {g.a, g.weight, g.bias};
@@ -445,7 +517,6 @@ void register_kernels(const std::string& key) {
 // ---------------------------------------------------------------------------
 // A module's eager call: the first GEMM and the op in one call from Python
 // ---------------------------------------------------------------------------
-std::vector<at::ScalarType> stored_dtypes;   // set_stored_dtypes: _bridge.TORCH_TO_BS's
 
 // What functional._no_modes asks of Python, from the thread-local state it reads: no
 // dispatch or function mode, no JIT trace, no functorch transform.
@@ -635,6 +706,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            });
   m.def("relu_linear", &relu_linear);
   m.def("relu_ffn_call", &relu_ffn_call);
+  m.def("decode_config", [](int64_t config) {   // for the tests: ops.decode_config's
+    const Config k = decode_config(config);
+    auto dtype = [](at::ScalarType t) {
+      return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(t)));
+    };
+    return py::make_tuple(k.square, k.encoding, k.chunk_log2,
+                          k.mm_dtype < 0 ? py::none()
+                                         : dtype(static_cast<at::ScalarType>(k.mm_dtype)),
+                          dtype(k.a_dtype), k.has_bias, k.needs);
+  });
   m.def("set_stored_dtypes", [](const std::vector<py::handle>& dtypes) {
     stored_dtypes.clear();
     for (const py::handle& d : dtypes) stored_dtypes.push_back(

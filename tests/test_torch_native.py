@@ -9,6 +9,7 @@ the Python path and with dense, no syncs, graph capture) is in tests/test_torch_
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import re
 import shutil
@@ -974,15 +975,13 @@ def test_op_kernels_match_the_python_kernels(op_kernels, needs):
     a = torch.randn(24, 64, generator=g).to(torch.bfloat16)
     w, b = torch.randn(16, 64, generator=g).to(torch.bfloat16), torch.randn(16).to(torch.bfloat16)
     pol = C.CapacityPolicy(density=0.75)
-    args = (a, w, b, None, None, None, pol.capacity(a.numel()), True, int(Encoding.NOSIGN),
-            DEFAULT_CHUNK_LOG2, None, pol.id)
+    args = _op_args(pol, a, w, b)
     out, block, ticket = native.relu_linear_kernel(*args)
     out_py, block_py, ticket_py = ops.relu_linear(*args)
     assert torch.equal(out, out_py) and torch.equal(block, block_py)
     assert ticket[0] >= 0 and ticket_py[0] == C.HOST_FINAL     # a slot, and a host pack's
     grad_out = torch.randn(24, 16, generator=g).to(torch.bfloat16)
-    rest = ([24, 64], torch.bfloat16, True, args[6], True, int(Encoding.NOSIGN),
-            DEFAULT_CHUNK_LOG2, None, pol.id, needs)
+    rest = _backward_args(pol, args, needs=needs)
     got = native.relu_linear_backward_kernel(grad_out, block, ticket, w, None, None, None, *rest)
     want = ops.relu_linear_backward(grad_out, block_py, ticket_py, w, None, None, None, *rest)
     for x, y in zip(got, want):
@@ -997,14 +996,12 @@ def test_op_kernel_overflow_without_a_recompute_source_raises(op_kernels):
     a = torch.randn(24, 64).to(torch.bfloat16)
     w = torch.randn(16, 64).to(torch.bfloat16)
     pol = C.CapacityPolicy(density=0.05)
-    args = (a, w, None, None, None, None, pol.capacity(a.numel()), False, int(Encoding.NOSIGN),
-            DEFAULT_CHUNK_LOG2, None, pol.id)
+    args = _op_args(pol, a, w, None, square=False)
     out, block, ticket = native.relu_linear_kernel(*args)
     with pytest.raises(CapacityOverflowError, match="no recompute source"):
         native.relu_linear_backward_kernel(torch.ones_like(out), block, ticket, w, None, None,
-                                           None, [24, 64], torch.bfloat16, False, args[6],
-                                           False, int(Encoding.NOSIGN), DEFAULT_CHUNK_LOG2,
-                                           None, pol.id, 1)
+                                           None, *_backward_args(pol, args, square=False,
+                                                                 has_bias=False, needs=1))
 
 
 def test_op_kernels_leave_long_chunks_and_python_path_to_python(op_kernels, monkeypatch):
@@ -1015,8 +1012,8 @@ def test_op_kernels_leave_long_chunks_and_python_path_to_python(op_kernels, monk
     pol = C.CapacityPolicy(density=1.0)
     for chunk_log2, off in ((DEFAULT_CHUNK_LOG2 + 2, False), (DEFAULT_CHUNK_LOG2, True)):
         op_kernels.launches.clear()
-        args = (a, w, None, None, None, None, a.numel(), False, int(Encoding.RAW), chunk_log2,
-                None, pol.id)
+        args = (a, w, None, None, None, None, a.numel(),
+                ops.op_config(False, int(Encoding.RAW), chunk_log2, None), pol.id)
         if off:
             with native.python_path():
                 out, block, ticket = native.relu_linear_kernel(*args)
@@ -1027,8 +1024,38 @@ def test_op_kernels_leave_long_chunks_and_python_path_to_python(op_kernels, monk
 
 
 def _op_args(pol, a, w, b, square=True, encoding=Encoding.NOSIGN):
-    return (a, w, b, None, None, None, pol.capacity(a.numel()), square, int(encoding),
-            DEFAULT_CHUNK_LOG2, None, pol.id)
+    from bitsparse_core.torch import ops
+    return (a, w, b, None, None, None, pol.capacity(a.numel()),
+            ops.op_config(square, int(encoding), DEFAULT_CHUNK_LOG2, None), pol.id)
+
+
+def _backward_args(pol, args, square=True, encoding=Encoding.NOSIGN, has_bias=True, needs=7):
+    """The backward op's arguments after its tensors, for a forward called with ``args``."""
+    from bitsparse_core.torch import ops
+    return (args[6], ops.op_config(square, int(encoding), DEFAULT_CHUNK_LOG2, None,
+                                   args[0].dtype, has_bias, needs), pol.id)
+
+
+def test_op_config_decodes_the_same_in_cpp(ext):
+    """The ops' one-integer static arguments: C++ reads every field as Python wrote it,
+    and a value that does not fit its field is refused."""
+    from bitsparse_core.torch import _bridge
+    from bitsparse_core.torch import ops
+    ext = native.module()     # loaded: it holds the dtypes the fields index
+    dtypes = list(_bridge.TORCH_TO_BS)
+    for square, enc, chunk, mm, a_dtype, has_bias, needs in itertools.product(
+            (False, True), (0, 1, 2), (5, DEFAULT_CHUNK_LOG2, 31), (None, *dtypes),
+            dtypes, (False, True), (0, 3, 7)):
+        config = ops.op_config(square, enc, chunk, mm, a_dtype, has_bias, needs)
+        want = (square, enc, chunk, mm, a_dtype, has_bias, needs)
+        assert tuple(ops.decode_config(config)) == want
+        assert ext.decode_config(config) == want
+    with pytest.raises(ValueError, match="does not fit"):
+        ops.op_config(True, 4, DEFAULT_CHUNK_LOG2, None)
+    with pytest.raises(ValueError, match="bits past"):
+        ops.decode_config(1 << 40)
+    with pytest.raises(RuntimeError, match="bits past"):
+        ext.decode_config(1 << 40)
 
 
 def test_the_dispatcher_runs_the_extension_kernels(emulated):
@@ -1054,8 +1081,7 @@ def test_the_dispatcher_runs_the_extension_kernels(emulated):
     pol.poll()
     assert not pol._pending and pol.max_density == int((a > 0).sum()) / a.numel()
     grad_out = torch.randn(24, 16, generator=g).to(torch.bfloat16)
-    rest = ([24, 64], torch.bfloat16, True, args[6], True, int(Encoding.NOSIGN),
-            DEFAULT_CHUNK_LOG2, None, pol.id, 7)
+    rest = _backward_args(pol, args)
     got = torch.ops.bitsparse.relu_linear_backward(grad_out, block, ticket, w, None, None, None,
                                                    *rest)
     want = ops.relu_linear_backward(grad_out, block_py, ticket_py, w, None, None, None, *rest)

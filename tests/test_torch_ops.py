@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 import bitsparse_core.torch as bst  # noqa: E402
 from bitsparse_core.errors import CapacityOverflowError  # noqa: E402
 from bitsparse_core.torch import capacity as C  # noqa: E402
+from bitsparse_core.torch import ops  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -193,7 +194,7 @@ def test_opcheck(device):
     x = torch.randn(4, 48, device=device, dtype=torch.bfloat16)
     w = torch.randn(24, 96, device=device, dtype=torch.bfloat16)
     w1 = torch.randn(96, 48, device=device, dtype=torch.bfloat16)
-    args = (a, w, None, x, w1, None, 200, True, 1, 12, None, 0)
+    args = (a, w, None, x, w1, None, 200, ops.op_config(True, 1, 12, None), 0)
     # On CUDA the ticket output is a fresh slot handle per call, so the AOT check's
     # eager-vs-traced output comparison cannot hold; the compile tests cover tracing.
     utils = ("test_schema", "test_faketensor") + (("test_aot_dispatch_static",)

@@ -251,8 +251,8 @@ class ReLULinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype,
                 policy, offload=None):
-        return _call("relu_linear", (a, weight, bias, x, w1, b1, capacity, square, encoding,
-                                     chunk_log2, mm_dtype, policy), 6)
+        config = _ops.op_config(square, encoding, chunk_log2, mm_dtype)
+        return _call("relu_linear", (a, weight, bias, x, w1, b1, capacity, config, policy), 6)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -267,8 +267,8 @@ class ReLULinearFunction(torch.autograd.Function):
         else:
             ctx.stashed = None
             ctx.save_for_backward(block, ticket, weight, x, w1, b1)
-        ctx.meta = (list(a.shape), a.dtype, bias is not None, capacity, square, encoding,
-                    chunk_log2, mm_dtype, policy)
+        ctx.meta = (a.dtype, bias is not None, capacity, square, encoding, chunk_log2,
+                    mm_dtype, policy)
 
     @staticmethod
     @once_differentiable
@@ -280,14 +280,13 @@ class ReLULinearFunction(torch.autograd.Function):
             block = ctx.stashed.take()   # a second backward through it raises
         else:
             block, ticket, weight, x, w1, b1 = ctx.saved_tensors
-        a_shape, a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = \
-            ctx.meta
+        a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = ctx.meta
         need = ctx.needs_input_grad
         needs = (_ops.NEED_A if need[0] else 0) | (_ops.NEED_W if need[1] else 0)
         grad_out = grad_out.contiguous()
+        config = _ops.op_config(square, encoding, chunk_log2, mm_dtype, a_dtype, has_bias, needs)
         grad_a, grad_w, _ = _call("relu_linear_backward", (
-            grad_out, block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias,
-            capacity, square, encoding, chunk_log2, mm_dtype, policy, needs), 7)
+            grad_out, block, ticket, weight, x, w1, b1, capacity, config, policy), 7)
         # The bias gradient outside the op, PyTorch's linear's own: under torch.compile
         # it is then the compiler's reduction, as in the dense model's graph.
         _, grad_b = _ops._linear_bias_grad(grad_out, weight, has_bias,

@@ -33,8 +33,9 @@ CuPy-compiled kernels through the driver entry points of
 :mod:`..backends.cuda.driver`, with argument records Python builds once per plan
 (:func:`launch_template`). Where it cannot be built, the Python path runs and a
 warning says why. ``BITSPARSE_NATIVE=0`` turns it off, ``=1`` makes a failed build
-an error, and :func:`python_path` turns it off within a block. Both paths make the
-same ATen calls in the same order, so their bits agree (``tests/test_torch_gpu.py``
+an error, and :func:`python_path` turns it off within a block. Both paths run the
+same GEMMs and kernels in the same order (C++ makes the GEMMs' 2-D views with fewer
+calls), so their bits agree (``tests/test_torch_gpu.py``
 checks it on the GPU, ``tests/test_torch_native.py`` on the CPU through
 :func:`emulate_on_host`).
 """

@@ -22,7 +22,7 @@ reference codec.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -255,14 +255,70 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
 # autograd formula lives in ReLULinearFunction (functional.py) instead.
 _LIB = torch.library.Library("bitsparse", "DEF")
 _LIB.define("relu_linear(Tensor a, Tensor weight, Tensor? bias, Tensor? x, Tensor? w1, "
-            "Tensor? b1, SymInt capacity, bool square, int encoding, int chunk_log2, "
-            "ScalarType? mm_dtype, int policy) -> (Tensor, Tensor, Tensor)")
+            "Tensor? b1, SymInt capacity, int config, int policy) -> (Tensor, Tensor, Tensor)")
 _LIB.define("relu_linear_backward(Tensor grad_out, Tensor block, Tensor ticket, Tensor weight, "
-            "Tensor? x, Tensor? w1, Tensor? b1, int[] a_shape, ScalarType a_dtype, "
-            "bool has_bias, SymInt capacity, bool square, int encoding, int chunk_log2, "
-            "ScalarType? mm_dtype, int policy, int needs) -> (Tensor, Tensor, Tensor)")
+            "Tensor? x, Tensor? w1, Tensor? b1, SymInt capacity, int config, int policy) "
+            "-> (Tensor, Tensor, Tensor)")
 # ``needs`` of relu_linear_backward: which gradients autograd asks for.
 NEED_A, NEED_W, NEED_B = 1, 2, 4
+
+
+class OpConfig(NamedTuple):
+    """The static arguments of ``relu_linear`` (the first four) and of
+    ``relu_linear_backward`` (all), which the ops take as one integer (:func:`op_config`):
+    a compiled graph's wrapper calls each op from Python every layer, and parsing an
+    argument costs host time there (a ``ScalarType`` more than an ``int``).
+    ``kernels/torch_ffn_host.cpp``'s ``decode_config`` reads the same bits."""
+    square: bool
+    encoding: int
+    chunk_log2: int
+    mm_dtype: Optional[torch.dtype]
+    a_dtype: Optional[torch.dtype] = None
+    has_bias: bool = False
+    needs: int = 0
+
+
+# (field, bits), from bit 0 up; a dtype is its index in _bridge.TORCH_TO_BS, mm_dtype's
+# plus one (0: None)
+CONFIG_FIELDS = (("square", 1), ("encoding", 2), ("chunk_log2", 5), ("mm_dtype", 3),
+                 ("a_dtype", 3), ("has_bias", 1), ("needs", 3))
+_DTYPES = tuple(B.TORCH_TO_BS)
+_CONFIGS: dict = {}     # config integer -> OpConfig
+
+
+def op_config(square: bool, encoding: int, chunk_log2: int, mm_dtype: Optional[torch.dtype],
+              a_dtype: Optional[torch.dtype] = None, has_bias: bool = False,
+              needs: int = 0) -> int:
+    """The integer the ops take for these arguments (:class:`OpConfig`)."""
+    values = {"square": int(bool(square)), "encoding": int(encoding),
+              "chunk_log2": int(chunk_log2),
+              "mm_dtype": 0 if mm_dtype is None else _DTYPES.index(mm_dtype) + 1,
+              "a_dtype": 0 if a_dtype is None else _DTYPES.index(a_dtype),
+              "has_bias": int(bool(has_bias)), "needs": int(needs)}
+    config, shift = 0, 0
+    for name, bits in CONFIG_FIELDS:
+        if not 0 <= values[name] < 1 << bits:
+            raise ValueError(f"bitsparse: {name}={values[name]} does not fit the op config")
+        config |= values[name] << shift
+        shift += bits
+    return config
+
+
+def decode_config(config: int) -> OpConfig:
+    """:func:`op_config`'s arguments back (a dtype field of 0 reads as None / the first)."""
+    cfg = _CONFIGS.get(config)
+    if cfg is None:
+        fields, shift = {}, 0
+        for name, bits in CONFIG_FIELDS:
+            fields[name] = (config >> shift) & ((1 << bits) - 1)
+            shift += bits
+        if config >> shift:
+            raise ValueError(f"bitsparse: op config {config} has bits past its fields")
+        cfg = _CONFIGS[config] = OpConfig(
+            bool(fields["square"]), fields["encoding"], fields["chunk_log2"],
+            None if fields["mm_dtype"] == 0 else _DTYPES[fields["mm_dtype"] - 1],
+            _DTYPES[fields["a_dtype"]], bool(fields["has_bias"]), fields["needs"])
+    return cfg
 
 
 IMPLS: dict = {}   # op name -> its Python kernel (functional.py calls them directly in eager)
@@ -293,11 +349,12 @@ def _register(name: str):
 @_register("relu_linear")
 def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 x: Optional[torch.Tensor], w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
-                capacity: int, square: bool, encoding: int, chunk_log2: int,
-                mm_dtype: Optional[torch.dtype], policy: int
+                capacity: int, config: int, policy: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(F.linear(relu(a)[**2], W, b), packed block, ticket)``; ``x, w1, b1`` (what made
-    ``a = F.linear(x, w1, b1)``) are kept only for an exact recompute in backward."""
+    ``a = F.linear(x, w1, b1)``) are kept only for an exact recompute in backward;
+    ``config``: :func:`op_config`'s square, encoding, chunk size and GEMM dtype."""
+    square, encoding, chunk_log2, mm_dtype = decode_config(config)[:4]
     plan = _plan(a.shape, a.dtype, capacity, square, encoding, chunk_log2)
     pol = C.POLICIES.get(policy)
     if a.device.type == "cuda":
@@ -314,7 +371,8 @@ def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 
 @torch.library.register_fake("bitsparse::relu_linear")
-def _(a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype, policy):
+def _(a, weight, bias, x, w1, b1, capacity, config, policy):
+    square, encoding, chunk_log2, mm_dtype = decode_config(config)[:4]
     mode = abi.Mode.RELU2 if square else abi.Mode.RELU
     nbytes = _block_nbytes(mode, a.shape, a.dtype, capacity, encoding, chunk_log2)
     out = a.new_empty((*a.shape[:-1], weight.shape[0]), dtype=mm_dtype or a.dtype)
@@ -350,17 +408,24 @@ def _linear_input_grad(g2, weight, a_shape, a_dtype) -> torch.Tensor:
     return grad_h if grad_h.dtype == a_dtype else grad_h.to(a_dtype)
 
 
+def backward_a_shape(grad_out: torch.Tensor, weight: torch.Tensor) -> list:
+    """The activation's shape, from the backward's inputs: ``grad_out``'s leading dims and
+    the weight's input features."""
+    return [*grad_out.shape[:-1], weight.shape[1]]
+
+
 @_register("relu_linear_backward")
 def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: torch.Tensor,
                          weight: torch.Tensor, x: Optional[torch.Tensor],
                          w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
-                         a_shape: List[int], a_dtype: torch.dtype, has_bias: bool,
-                         capacity: int, square: bool, encoding: int, chunk_log2: int,
-                         mm_dtype: Optional[torch.dtype], policy: int, needs: int
+                         capacity: int, config: int, policy: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_a, grad_W, grad_b)`` of :func:`relu_linear`, repeating PyTorch's own
     ``linear`` backward on the 2-D views; a gradient not in ``needs`` (or grad_b
-    without a bias) comes back empty and is not computed."""
+    without a bias) comes back empty and is not computed. ``config``: :func:`op_config`'s
+    every field (the activation's dtype, the bias, the gradients asked for)."""
+    square, encoding, chunk_log2, mm_dtype, a_dtype, has_bias, needs = decode_config(config)
+    a_shape = backward_a_shape(grad_out, weight)
     plan = _plan(a_shape, a_dtype, capacity, square, encoding, chunk_log2)
     clean = _clean_state(block, ticket, plan, C.POLICIES.get(policy), x is not None,
                          "relu_linear")
@@ -397,8 +462,9 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
 
 
 @torch.library.register_fake("bitsparse::relu_linear_backward")
-def _(grad_out, block, ticket, weight, x, w1, b1, a_shape, a_dtype, has_bias, capacity, square,
-      encoding, chunk_log2, mm_dtype, policy, needs):
+def _(grad_out, block, ticket, weight, x, w1, b1, capacity, config, policy):
+    _, _, _, _, a_dtype, has_bias, needs = decode_config(config)
+    a_shape = backward_a_shape(grad_out, weight)
     grad_a = grad_out.new_empty(a_shape if needs & NEED_A else (0,), dtype=a_dtype)
     grad_w = weight.new_empty(weight.shape if needs & NEED_W else (0,))
     grad_b = weight.new_empty((weight.shape[0],) if has_bias and needs & NEED_B else (0,))
@@ -672,7 +738,8 @@ def BENCH_CASES(shape, dtype, device):
     cap = int(0.15 * a.numel())
     enc = int(Encoding.NOSIGN)
     op, op_backward = torch.ops.bitsparse.relu_linear, torch.ops.bitsparse.relu_linear_backward
-    out, block, ticket = op(a, w, None, None, None, None, cap, True, enc, 12, None, 0)
+    config = op_config(True, enc, 12, None)
+    out, block, ticket = op(a, w, None, None, None, None, cap, config, 0)
     g = torch.randn_like(out)
     plan = _plan(a.shape, a.dtype, cap, True, enc, 12)
     y = torch.empty_like(a)
@@ -680,8 +747,8 @@ def BENCH_CASES(shape, dtype, device):
         "relu_pack": lambda: _pack_cuda(a, plan),
         "unpack": lambda: _unpack_cuda(block, plan, abi.Op.UNPACK, y),
         "relu2_backward": lambda: _unpack_cuda(block, plan, abi.Op.RELU2, y, grad=a),
-        "relu_linear": lambda: op(a, w, None, None, None, None, cap, True, enc, 12, None, 0),
+        "relu_linear": lambda: op(a, w, None, None, None, None, cap, config, 0),
         "relu_linear_backward": lambda: op_backward(
-            g, block, ticket, w, None, None, None, list(a.shape), a.dtype, False, cap, True,
-            enc, 12, None, 0, NEED_A | NEED_W),
+            g, block, ticket, w, None, None, None, cap,
+            op_config(True, enc, 12, None, a.dtype, False, NEED_A | NEED_W), 0),
     }
