@@ -486,7 +486,7 @@ def _tottime_by_function(fn, calls: int) -> dict:
 
 
 def compiled_rows(torch, fake, repeats: int, calls: int, layers: int = 12,
-                  dims=(4, 16, 64), top: int = 25) -> dict:
+                  dims=(4, 16, 64), top: int = 25, fixed_density: float | None = None) -> dict:
     """Issue 15's compiled gap on the host: a ``layers``-block residual stack of the GPT
     bench's ReLU² MLP, dense and with ``PackedReLU2FFN`` (nosign), each under
     ``torch.compile`` (inductor, which on the CPU needs a C++ compiler), on the C++ path
@@ -495,7 +495,8 @@ def compiled_rows(torch, fake, repeats: int, calls: int, layers: int = 12,
     more than dense's, by function (cProfile's own time, the ``top`` largest differences):
     the ops' C++ halves, dynamo's guards (booked to the module call that enters the frame),
     the size reads of the capacities' stand-ins, inductor's size asserts and the capacity
-    polls."""
+    polls. ``fixed_density``: a third variant, packed at that fixed density (no capacity
+    symbol in its graphs), to read the adaptive capacity's share of the gap."""
     import bitsparse_core.torch as bst
     from module_host import DenseReLU2FFN
     tokens, d, ff = dims
@@ -511,7 +512,15 @@ def compiled_rows(torch, fake, repeats: int, calls: int, layers: int = 12,
             p.mlps = torch.nn.ModuleList(
                 bst.PackedReLU2FFN.from_dense(b.fc1, b.fc2, encoding="nosign") for b in p.mlps)
             packed.append(p)
-            for name, mod in (("dense", m), ("packed-nosign", p)):
+            variants = [("dense", m), ("packed-nosign", p)]
+            if fixed_density is not None:
+                f = copy.deepcopy(dense)
+                f.mlps = torch.nn.ModuleList(
+                    bst.PackedReLU2FFN.from_dense(b.fc1, b.fc2, encoding="nosign",
+                                                  density=fixed_density) for b in f.mlps)
+                packed.append(f)
+                variants.append(("packed-fixed", f))
+            for name, mod in variants:
                 call = torch.compile(mod, fullgraph=True)
                 fns[(name, use)] = ((lambda c=call: c(x)) if use == "forward" else
                                     (lambda c=call: c(x).backward(g)))
@@ -520,7 +529,10 @@ def compiled_rows(torch, fake, repeats: int, calls: int, layers: int = 12,
         if any(b.stats()["recomputes"] for p in packed for b in p.mlps):
             raise RuntimeError("the packed backward recomputed: the stand-in's slot did not land")
     out = {"layers": layers, "dims": list(dims),
-           "rows": _forward_backward_rows(fastest, ("dense", "packed-nosign"))}
+           "fixed_density": fixed_density,
+           "rows": _forward_backward_rows(fastest, ("dense", "packed-nosign")
+                                          + (("packed-fixed",) if fixed_density is not None
+                                             else ()))}
     # the forward alone too: where the backward is GPU-paced, only the forward's host time
     # (and what runs before the first kernel) shows in the step
     for use, name in (("train", "by_function"), ("forward", "by_function_forward")):
@@ -624,6 +636,8 @@ def main(argv=None) -> int:
                     help="also the packed ReLU² FFN module against dense on the C++ path")
     ap.add_argument("--hf", action="store_true",
                     help="also a tiny transformers OPT, plain and converted, on the C++ path")
+    ap.add_argument("--compiled-density", type=float, default=None, metavar="D",
+                    help="with --compiled: a third variant packed at the fixed density D")
     ap.add_argument("--compiled", type=int, default=0, metavar="LAYERS",
                     help="also a LAYERS-block MLP stack under torch.compile, dense and packed, "
                          "on the C++ path, with the packed step's extra host time by function")
@@ -711,7 +725,8 @@ def main(argv=None) -> int:
             "converted, on the torch adapter's C++ path", res["hf"])
     if args.compiled:
         res["compiled"] = compiled_rows(torch, fake, args.repeats, max(args.calls // 10, 1),
-                                        layers=args.compiled)
+                                        layers=args.compiled,
+                                        fixed_density=args.compiled_density)
         lines += _compiled_tables(res["compiled"])
     print("\n".join(lines))
     if args.out:

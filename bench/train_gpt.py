@@ -13,7 +13,10 @@ same batches, it trains
   ``ours-python`` is ours-nosign on the op's Python host path instead of its C++ one
   (``bitsparse_core.torch.native``),
 * ``dense-compiled``, ``ours-compiled`` -- ``torch.compile`` of the dense and the
-  ``ours-nosign`` model (compared with each other),
+  ``ours-nosign`` model (compared with each other); ``ours-compiled-frozen`` is
+  ours-compiled with its capacities frozen after its first ``FREEZE_AFTER`` steps
+  (``bitsparse_core.torch.freeze_capacity``: one recompile, then no capacity symbols),
+  not in the default run,
 * ``dense-hooks`` -- the dense model under ``compress_saved_tensors`` (every saved
   tensor, not just the MLP's; packed without a host sync),
 * ``ours-offload`` -- ours-nosign with the packed blocks in pinned host memory until
@@ -105,7 +108,11 @@ class Variant:
     save_on_cpu: bool = False  # every MLP under torch.autograd.graph.save_on_cpu (pinned)
     python_host: bool = False  # the FFN op's Python host path (native.python_path)
     offload_hold: int | None = None   # an Offloader(hold=...) of the model's own
+    freeze_after: int | None = None   # freeze_capacity after this many steps (FrozenAfter)
 
+
+# Steps ours-compiled-frozen runs adaptive before it freezes (within every mode's warm-up).
+FREEZE_AFTER = 2
 
 VARIANTS = {
     "dense": Variant("dense", "dense"),
@@ -118,6 +125,9 @@ VARIANTS = {
     "ours-recompute": Variant("nosign", "dense", options=(("pending", "recompute"),)),
     "dense-compiled": Variant("dense", "dense-compiled", compiled=True),
     "ours-compiled": Variant("nosign", "dense-compiled", compiled=True),
+    # the same with the capacities frozen once the densities are known (opt-in)
+    "ours-compiled-frozen": Variant("nosign", "dense-compiled", compiled=True,
+                                    freeze_after=FREEZE_AFTER),
     "dense-hooks": Variant("dense", "dense", hooks=True),
     # the packed blocks in pinned host memory between forward and backward (issue 17),
     # against PyTorch's own offload of the dense MLP's saved tensors
@@ -128,6 +138,7 @@ VARIANTS = {
 }
 # opt-in variants (issue 17): host memory and the host link
 OFFLOAD_VARIANTS = ("ours-offload", "ours-offload-hold0", "save-on-cpu")
+OPT_IN_VARIANTS = OFFLOAD_VARIANTS + ("ours-compiled-frozen",)
 BITIDENT_VARIANTS = ("dense", "ours-raw", "ours-nosign", "ours-offload", "ours-offload-hold0")
 BUDGET_VARIANTS = ("dense", "checkpoint", "ours-nosign")
 # Profile rows of the library's own ops (CPU self time per op).
@@ -332,7 +343,25 @@ def build(bench: Bench, name: str):
     call = model
     if variant.compiled:
         call = torch.compile(model, fullgraph=bench.args.compile_fullgraph)
+    if variant.freeze_after is not None:
+        call = FrozenAfter(call, model, variant.freeze_after)
     return model, call, opt
+
+
+class FrozenAfter:
+    """A model's call that freezes the model's packed capacities
+    (``bitsparse_core.torch.freeze_capacity``) before its call number ``steps`` + 1: the
+    first ``steps`` steps adapt them, as a user would let a run settle before freezing."""
+
+    def __init__(self, call, model, steps: int):
+        self.call, self.model, self.steps, self.calls = call, model, steps, 0
+
+    def __call__(self, *args):
+        if self.calls == self.steps:
+            from bitsparse_core.torch import freeze_capacity
+            freeze_capacity(self.model)
+        self.calls += 1
+        return self.call(*args)
 
 
 def train_step(model, opt, x, y, marks: list | None = None,
@@ -524,7 +553,8 @@ def cprofile_steps(step, batches, device: torch.device, top: int = 45) -> str:
 
 def capacity_stats(model: nn.Module, steps: int) -> dict | None:
     """The packed modules' counters summed over layers, per step: backwards that
-    recomputed (``unknown``: the count had not come back yet) and overflows."""
+    recomputed (``unknown``: the count had not come back yet) and overflows; and where
+    their capacities stand at the end."""
     stats = [m.stats() for m in model.modules() if isinstance(m, bst.PackedReLUFFN)]
     if not stats:
         return None
@@ -532,6 +562,9 @@ def capacity_stats(model: nn.Module, steps: int) -> dict | None:
              for k in ("recomputes", "unknown", "overflows", "waits", "wait_s")}
     out = {f"{k}_per_step": v / steps for k, v in total.items()}
     out["max_density"] = max(st["max_density"] for st in stats)
+    # where the capacities stand at the end: the largest layer's, and whether frozen
+    out["capacity_density"] = max(st["capacity_density"] for st in stats)
+    out["frozen"] = all(st["frozen"] for st in stats)
     return out
 
 
@@ -831,9 +864,9 @@ def markdown_variants(summary: dict) -> str:
                    f"{_f(v['first_step_s'], '.2f')} | "
                    f"{v['losses'][-1]:.4f} | {_yes(v.get('losses_bit_identical'))} | "
                    f"{_yes(v.get('params_bit_identical'))} | {_f(v.get('max_abs_loss_diff'), '.2e')} |")
-    out += ["", "Reference: dense, and dense-compiled for ours-compiled. Host = CPU time to "
-            "issue a step (from its start to before the closing synchronize). Kept after "
-            "forward: memory allocated after the forward less at the step's start (median of "
+    out += ["", "Reference: dense, and dense-compiled for the ours-compiled variants. Host = "
+            "CPU time to issue a step (from its start to before the closing synchronize). Kept "
+            "after forward: memory allocated after the forward less at the step's start (median of "
             "the timed steps), the activations the backward will read. Peak: the whole run's; "
             "timed steps: theirs alone (a packed module's first packs, before any count is "
             "back, take the full capacity unless initial_density= is given)."]
@@ -917,7 +950,7 @@ def markdown_interleaved(result: dict | None) -> list:
     if "graphs_compiled" in result:
         out += ["", f"torch.compile compiled {result['graphs_compiled']} graphs in this run "
                 "(the variants' builds and warm-up turns included: one per compiled variant "
-                "when nothing recompiled)."]
+                "when nothing recompiled, two for one whose capacities were frozen)."]
     return out
 
 
@@ -1046,7 +1079,7 @@ def parse_args(argv):
     ap.add_argument("--sparsity-every", type=int, default=10, help="0: no sparsity probe")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default=",".join(v for v in VARIANTS
-                                                   if v not in OFFLOAD_VARIANTS))
+                                                   if v not in OPT_IN_VARIANTS))
     ap.add_argument("--attn", choices=("auto", "math"), default="auto")
     ap.add_argument("--compile-fullgraph", action="store_true")
     ap.add_argument("--torch-defaults", action="store_true",

@@ -45,17 +45,22 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
 
 def test_interleaved_compiled_variants_compile_once_each_on_cpu(tmp_path):
     """The packed model compiled, trained in turns while its capacity settles from the
-    full one to the densities it sees: one graph per compiled variant, no recompile."""
+    full one to the densities it sees: one graph per compiled variant, no recompile; the
+    frozen variant recompiles once, when it freezes."""
     out = run_bench("train_gpt.py", "--small", "--device", "cpu", "--variants",
-                    "dense,dense-compiled,ours-compiled", "--steps", "1", "--warmup", "1",
+                    "dense,dense-compiled,ours-compiled,ours-compiled-frozen", "--steps", "2",
+                    "--warmup", "1",   # the frozen variant freezes before its third step
                     "--profile-steps", "0", "--sparsity-every", "0", "--interleave", "4",
                     "--out", str(tmp_path), timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((tmp_path / "train_gpt.json").read_text())
     inter = summary["interleaved"]
     assert inter["status"] == "ok" and not inter["failed"]
-    assert inter["graphs_compiled"] == 2
+    assert inter["graphs_compiled"] == 4
     assert summary["variants"]["ours-compiled"]["capacity"]["max_density"] > 0   # counts came back
+    frozen = summary["variants"]["ours-compiled-frozen"]["capacity"]
+    assert frozen["frozen"] and frozen["capacity_density"] < 1
+    assert not summary["variants"]["ours-compiled"]["capacity"]["frozen"]
 
 
 def test_copy_overlap_counts_copy_time_under_kernels():

@@ -258,6 +258,79 @@ def test_compiled_graph_is_reused_when_the_capacity_moves(device, backend, cls):
     assert counters["stats"]["unique_graphs"] == 2   # the model's graph and dense's
 
 
+def test_freeze_holds_the_bucket_and_thaw_adapts_again():
+    pol = C.CapacityPolicy(initial_density=0.1)
+    bucket = pol.bucket
+    pol.freeze()
+    assert pol.frozen and pol.density == C.LADDER[bucket] and pol.stats()["frozen"]
+    assert pol.traced_capacity(12345) == pol.capacity(12345) == math.ceil(
+        C.LADDER[bucket] * 12345)
+    pol._observe(9000, 10000, 12345)          # a dense batch: counted, the bucket held
+    pol.poll()
+    assert pol.bucket == bucket and pol.density == C.LADDER[bucket]
+    pol.thaw()
+    assert not pol.frozen and pol.density is None
+    pol.poll()                                # adapts to the dense batch it saw
+    assert pol.bucket == C.sized_bucket(0.9, pol.margin) > bucket
+    fixed = C.CapacityPolicy(density=0.3)
+    fixed.freeze()
+    fixed.thaw()
+    assert fixed.density == 0.3 and not fixed.frozen    # a given density is not the policy's to drop
+
+
+def test_freeze_capacity_walks_the_model():
+    model = torch.nn.Sequential(bst.PackedReLU2FFN(8, 32), bst.PackedReGLUFFN(8, 32),
+                                bst.PackedReLUFFN(8, 32, density=0.2), torch.nn.Linear(8, 8))
+    assert bst.freeze_capacity(model) == 2 and bst.freeze_capacity(model) == 0
+    assert [m.capacity_policy.frozen for m in model[:3]] == [True, True, False]
+    assert bst.thaw_capacity(model) == 2
+    assert model[0].capacity_policy.density is None and model[2].capacity_policy.density == 0.2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_frozen_capacity_compiles_once_more_and_stays_exact(device, backend):
+    """Freezing a compiled model's capacity recompiles it once, to a graph without the
+    capacity symbol; it stays bit-identical to compiled dense, a batch that overflows the
+    frozen capacity included (recomputed exactly and counted), and thawing goes back to
+    the first graph."""
+    if backend == "inductor" and device == "cpu" and shutil.which("g++") is None:
+        pytest.skip("inductor on CPU compiles C++ and no g++ is on PATH")
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    m = _model(bst.PackedReLU2FFN, device)
+    pol = m.capacity_policy
+    compiled = torch.compile(m, backend=backend, fullgraph=True)
+    dense = torch.compile(lambda t: _dense(m, t), backend=backend, fullgraph=True)
+
+    def step(seed):
+        torch.manual_seed(seed)
+        x = torch.randn(3, 40, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+        out, grads = _grads(compiled, m, x, steps=1)
+        ref, ref_grads = _grads(dense, m, x, steps=1)
+        assert torch.equal(out, ref)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+    bias = m.fc1.bias.detach().clone()
+    with torch.no_grad():
+        m.fc1.bias.fill_(-100.0)      # a batch of (almost) no nonzeros
+    step(0)
+    with torch.no_grad():
+        m.fc1.bias.copy_(bias)
+    assert bst.freeze_capacity(m) == 1    # at the bucket step 0's count gave
+    held = pol.density
+    assert held == C.LADDER[pol.bucket] < 0.1
+    overflows, recomputes = pol.overflows, pol.recomputes
+    step(1)                           # about half dense: overflows the frozen capacity
+    step(2)
+    pol.poll()
+    assert pol.overflows > overflows and pol.recomputes > recomputes and pol.density == held
+    bst.thaw_capacity(m)
+    step(3)
+    assert counters["stats"]["unique_graphs"] == 3   # adaptive, frozen, and dense's
+
+
 def test_density_stand_in_stays_on_the_cpu_under_a_default_device():
     """The stand-in's device is part of dynamo's guards: one made under a ``torch.device``
     context (a model built on the GPU) and its successors after a bucket move must agree,

@@ -254,6 +254,13 @@ class CapacityPolicy:
     recomputes the activation from the FFN input at once (never waits, costs the
     first GEMM again). Inside a CUDA graph capture the count cannot be known, and
     both recompute.
+
+    :meth:`freeze` stops an adaptive policy at its current bucket: from then on its
+    capacity is a fixed density, a constant under ``torch.compile``. The graph then has no
+    capacity symbol, so each call skips the symbol's guards and size reads (a host-paced
+    compiled step's cost; ``bench/NOTES.md``, session 55), at the price of one recompile
+    and of no longer following the densities (a later denser batch overflows and is
+    recomputed, exactly, and counted). :meth:`thaw` adapts again.
     """
 
     def __init__(self, density: float | None = None, margin: float = 0.1, window: int = 64,
@@ -274,6 +281,7 @@ class CapacityPolicy:
         POLICIES[self.id] = self
         self.pending = pending
         self.density = None if density is None else float(density)
+        self.frozen = False
         self.margin = float(margin)
         self.bucket = (len(LADDER) - 1 if initial_density is None
                        else bucket_of(float(initial_density)))
@@ -299,6 +307,7 @@ class CapacityPolicy:
         # A copy gets its own id: the ops find their policy by id, and an id taken over
         # from the original would feed the copy's packs to the original (or, loaded in
         # another process, to whichever policy has that number there).
+        state.setdefault("frozen", False)   # pickled before freeze() existed
         self.__dict__.update(state)
         self.bucket = bucket
         self.id = next(_IDS)
@@ -313,6 +322,19 @@ class CapacityPolicy:
         if bucket != getattr(self, "_bucket", None):
             self._bucket = bucket
             self._units = _density_units(LADDER[bucket])
+
+    def freeze(self) -> None:
+        """Hold an adaptive capacity where it is: take in the counts that have landed, then
+        keep the bucket's density as a fixed one (see the class docstring). A no-op for a
+        policy given a ``density`` or already frozen."""
+        if self.density is None:
+            self.poll()
+            self.density, self.frozen = LADDER[self.bucket], True
+
+    def thaw(self) -> None:
+        """Adapt again after :meth:`freeze`, from the bucket it held."""
+        if self.frozen:
+            self.density, self.frozen = None, False
 
     def capacity(self, numel: int) -> int:
         d = self.density if self.density is not None else LADDER[self.bucket]
@@ -376,6 +398,30 @@ class CapacityPolicy:
         drain_native_tracks()
         return {"packs": self.packs, "overflows": self.overflows, "recomputes": self.recomputes,
                 "unknown": self.unknown, "waits": self.waits, "wait_s": self.wait_s,
-                "max_density": self.max_density,
+                "max_density": self.max_density, "frozen": self.frozen,
                 "capacity_density": self.density if self.density is not None
                 else LADDER[self.bucket]}
+
+
+def _policies_of(model: torch.nn.Module) -> list:
+    return [m.capacity_policy for m in model.modules()
+            if isinstance(getattr(m, "capacity_policy", None), CapacityPolicy)]
+
+
+def freeze_capacity(model: torch.nn.Module) -> int:
+    """:meth:`CapacityPolicy.freeze` the policy of every packed module in ``model``; the
+    number of adaptive policies it froze. Call it once the densities have settled (after
+    a few hundred steps, say): a compiled model recompiles once, then runs without the
+    capacity symbols."""
+    policies = [p for p in _policies_of(model) if p.density is None]
+    for p in policies:
+        p.freeze()
+    return len(policies)
+
+
+def thaw_capacity(model: torch.nn.Module) -> int:
+    """:meth:`CapacityPolicy.thaw` every frozen policy in ``model``; the number thawed."""
+    policies = [p for p in _policies_of(model) if p.frozen]
+    for p in policies:
+        p.thaw()
+    return len(policies)
