@@ -28,6 +28,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+# the steps ours-compiled-frozen adapts before it freezes (train_gpt.py, read without torch)
+FREEZE_AFTER = int(re.search(r"^FREEZE_AFTER = (\d+)$",
+                             (ROOT / "bench" / "train_gpt.py").read_text(), re.M).group(1))
 DOCS = ("README.md", "docs/guide.md", "docs/torch.md", "docs/jax.md")
 MINUS = "\u2212"
 REGION = re.compile(r"<!-- figures: (?P<sources>[^>]*?) \(checked by tests/test_docs\.py\) -->"
@@ -343,6 +346,15 @@ def gpt12_settings_row(tg: dict, stem: str, what: str) -> str:
             f"checkpointed | `bench/results/{stem}.md` |")
 
 
+def gpt12_frozen_row(tg: dict, stem: str, what: str) -> str:
+    """A trained-model GPT run in turns with ``ours-compiled-frozen`` beside ours-compiled:
+    the ratios, and the frozen variant's against compiled dense."""
+    frozen = tg["interleaved"]["variants"]["ours-compiled-frozen"]
+    return (f"| same, {what} {gpt12_ratios(tg)}; with the capacities frozen after "
+            f"{FREEZE_AFTER} steps (`freeze_capacity`) {pct(frozen['median_ratio_vs_own'])} "
+            f"({ci(frozen, 'median_ratio_vs_own_ci95')}) | `bench/results/{stem}.md` |")
+
+
 def readme_h100() -> list:
     """The rows of the README's second table: the H100 runs (``*_h100.json``)."""
     hf = result("bench_hf_h100.json")
@@ -390,6 +402,8 @@ def readme_h100() -> list:
         gpt12_settings_row(result("train_gpt_h100_pretrained_initial.json"),
                            "train_gpt_h100_pretrained_initial",
                            "PyTorch's defaults and the packed modules' `initial_density=0.1`"),
+        gpt12_frozen_row(result("train_gpt_h100_frozen_slow_host.json"),
+                         "train_gpt_h100_frozen_slow_host", "PyTorch's defaults, a slow host"),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
