@@ -277,6 +277,24 @@ def _saved_and_loaded(model, tmp_path, monkeypatch):
     return torch.load(path, weights_only=False)
 
 
+@pytest.mark.parametrize("make", ["opt", "sequential"])
+def test_freeze_capacity_finds_the_converted_ffns(make):
+    """A converted model's packed FFNs are not registered submodules (a converted OPT
+    layer's, a PackedBlock's): ``freeze_capacity`` finds each one's policy all the same."""
+    from bitsparse_core.torch import freeze_capacity, thaw_capacity
+    if make == "opt":
+        model = _opt()
+    else:
+        model = nn.Sequential(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)),
+                              nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)))
+    convert(model)
+    packed = _packed_of(model)
+    assert len(packed) == 2
+    assert freeze_capacity(model) == 2
+    assert all(p.capacity_policy.frozen for p in packed)
+    assert thaw_capacity(model) == 2 and not any(p.capacity_policy.frozen for p in packed)
+
+
 @pytest.mark.parametrize("make", ["opt", "t5", "sequential"])
 def test_converted_model_copies(make, tmp_path, monkeypatch):
     """deepcopy and torch.save/torch.load of a converted model: same state_dict, still

@@ -404,8 +404,15 @@ class CapacityPolicy:
 
 
 def _policies_of(model: torch.nn.Module) -> list:
-    return [m.capacity_policy for m in model.modules()
-            if isinstance(getattr(m, "capacity_policy", None), CapacityPolicy)]
+    """The capacity policies of ``model``'s packed modules, those it holds as plain
+    attributes included (a converted model's packed FFNs are not registered submodules)."""
+    found = {}
+    for m in model.modules():
+        for owner in (m, *(v for v in vars(m).values() if isinstance(v, torch.nn.Module))):
+            pol = getattr(owner, "capacity_policy", None)
+            if isinstance(pol, CapacityPolicy):
+                found[id(pol)] = pol
+    return list(found.values())
 
 
 def freeze_capacity(model: torch.nn.Module) -> int:
