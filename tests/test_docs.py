@@ -402,8 +402,9 @@ def readme_h100() -> list:
         gpt12_settings_row(result("train_gpt_h100_pretrained_initial.json"),
                            "train_gpt_h100_pretrained_initial",
                            "PyTorch's defaults and the packed modules' `initial_density=0.1`"),
-        gpt12_frozen_row(result("train_gpt_h100_frozen_slow_host.json"),
-                         "train_gpt_h100_frozen_slow_host", "PyTorch's defaults, a slow host"),
+        *(gpt12_frozen_row(result(f"train_gpt_h100_frozen_{host}_host.json"),
+                           f"train_gpt_h100_frozen_{host}_host", f"PyTorch's defaults, {what}")
+          for host, what in (("slow", "a slow host"), ("mid", "another host"))),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
