@@ -866,10 +866,10 @@ def markdown_variants(summary: dict) -> str:
                    f"{_yes(v.get('params_bit_identical'))} | {_f(v.get('max_abs_loss_diff'), '.2e')} |")
     out += ["", "Reference: dense, and dense-compiled for the ours-compiled variants. Host = "
             "CPU time to issue a step (from its start to before the closing synchronize). Kept "
-            "after forward: memory allocated after the forward less at the step's start (median of "
-            "the timed steps), the activations the backward will read. Peak: the whole run's; "
-            "timed steps: theirs alone (a packed module's first packs, before any count is "
-            "back, take the full capacity unless initial_density= is given)."]
+            "after forward: memory allocated after the forward less at the step's start "
+            "(median of the timed steps), the activations the backward will read. Peak: the "
+            "whole run's; timed steps: theirs alone (a packed module's first packs, before "
+            "any count is back, take the full capacity unless initial_density= is given)."]
     rounds = [(n, v) for n, v in summary["variants"].items() if v.get("round_step_ms")]
     if rounds:
         out += ["", "Rounds (the variant sequence run again for timing; median step ms per "

@@ -275,7 +275,7 @@ def test_freeze_holds_the_bucket_and_thaw_adapts_again():
     fixed = C.CapacityPolicy(density=0.3)
     fixed.freeze()
     fixed.thaw()
-    assert fixed.density == 0.3 and not fixed.frozen    # a given density is not the policy's to drop
+    assert fixed.density == 0.3 and not fixed.frozen    # a given density stays
 
 
 def test_freeze_capacity_walks_the_model():

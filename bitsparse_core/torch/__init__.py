@@ -20,7 +20,8 @@ from .hooks import SavedStats, compress_saved_tensors
 from .modules import PackedReGLUFFN, PackedReLU2FFN, PackedReLUFFN
 from .offload import Offloader
 
-__all__ = ["CapacityPolicy", "freeze_capacity", "thaw_capacity", "relu_linear", "gated_relu_linear", "relu_ffn", "gated_relu_ffn",
-           "ReLULinearFunction", "GatedReLULinearFunction", "PackedReLUFFN", "PackedReLU2FFN",
-           "PackedReGLUFFN", "compress_saved_tensors", "SavedStats", "ENCODINGS",
-           "convert", "ConvertReport", "Offloader"]
+__all__ = ["CapacityPolicy", "freeze_capacity", "thaw_capacity", "relu_linear",
+           "gated_relu_linear", "relu_ffn", "gated_relu_ffn", "ReLULinearFunction",
+           "GatedReLULinearFunction", "PackedReLUFFN", "PackedReLU2FFN", "PackedReGLUFFN",
+           "compress_saved_tensors", "SavedStats", "ENCODINGS", "convert", "ConvertReport",
+           "Offloader"]

@@ -168,11 +168,6 @@ class PackedBlock(nn.Module):
     def stats(self) -> dict:
         return self.packed.stats()
 
-    @property
-    def capacity_policy(self):
-        """The packed FFN's capacity policy (what ``freeze_capacity`` finds on a module)."""
-        return self.packed.capacity_policy
-
     def extra_repr(self) -> str:
         return f"{self.original_class.__name__} -> {type(self.packed).__name__}, {self.packed.extra_repr()}"
 
