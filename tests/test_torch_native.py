@@ -1056,6 +1056,11 @@ def test_op_config_decodes_the_same_in_cpp(ext):
         ops.decode_config(1 << 40)
     with pytest.raises(RuntimeError, match="bits past"):
         ext.decode_config(1 << 40)
+    past = len(dtypes) << 11            # the a_dtype field (bits 11-13) past the known dtypes
+    with pytest.raises(ValueError, match="names dtype"):
+        ops.decode_config(past)
+    with pytest.raises(RuntimeError, match="names dtype"):
+        ext.decode_config(past)
 
 
 def test_the_dispatcher_runs_the_extension_kernels(emulated):

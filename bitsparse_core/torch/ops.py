@@ -314,6 +314,10 @@ def decode_config(config: int) -> OpConfig:
             shift += bits
         if config >> shift:
             raise ValueError(f"bitsparse: op config {config} has bits past its fields")
+        for name, index in (("mm_dtype", fields["mm_dtype"] - 1), ("a_dtype", fields["a_dtype"])):
+            if index >= len(_DTYPES):
+                raise ValueError(f"bitsparse: op config {config} names dtype {index} of "
+                                 f"{len(_DTYPES)} ({name})")
         cfg = _CONFIGS[config] = OpConfig(
             bool(fields["square"]), fields["encoding"], fields["chunk_log2"],
             None if fields["mm_dtype"] == 0 else _DTYPES[fields["mm_dtype"] - 1],
