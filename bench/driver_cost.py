@@ -17,7 +17,11 @@ kept, garbage collection off), median of ``--repeats`` loops, per call:
   costs); CuPy's own launch of the empty kernel; ``cuMemsetD8Async`` (a pack's
   scratch); ``cuStreamQuery`` and ``cuCtxGetCurrent`` (a call's floor through ctypes);
   the relu² pack's fill and cooperative launch with its record, at 1x4096 and at the
-  gpt12 layer's 8192x4096;
+  gpt12 layer's 8192x4096; empty kernels of 16, 128 and 256 u64 parameters launched
+  with a pointer per parameter and with one parameter buffer (``extra``, as the Numba
+  backend launches); with ``numba`` among ``--backends``, the Numba backend's own
+  recorded launches (the ones its unpack and gated ops made) by either route (a Numba
+  kernel's parameter list runs to 600-1100 bytes, CuPy's records to 56-184);
   torch's ``x + x`` and ``empty_like`` as the host's speed;
 * every public op (each backend of ``--backends``, torch data, bench/host_overhead.py's
   cases) as it is, and again with the driver's queueing calls (launch, cooperative launch, memset,
@@ -93,6 +97,7 @@ def driver_calls(torch, cupy, stream: int) -> dict:
         except Exception as exc:  # noqa: BLE001 -- the other rows still measure
             print(f"relu² pack {shape}: left out: {exc!r}", file=sys.stderr)
     return {
+        **_param_size_launches(cupy, lib, stream, keep),
         "torch x + x": lambda: x + x,
         "torch.empty_like": lambda: torch.empty_like(x),
         "cuLaunchKernel, empty kernel": lambda: launch(f0, 1, 1, 1, 32, 1, 1, 0, stream,
@@ -116,6 +121,60 @@ def driver_calls(torch, cupy, stream: int) -> dict:
         **{f"cuMemsetD8Async + cuLaunchCooperativeKernel, relu² pack {s[0]}x{s[1]}": fn
            for s, fn in packs.items()},
     }, keep
+
+
+PARAM_U64S = (16, 128, 256)
+
+
+def _param_size_launches(cupy, lib, stream: int, keep: list) -> dict:
+    """Empty kernels of ``PARAM_U64S`` u64 parameters, each launched with a pointer per
+    parameter and with one parameter buffer: what a parameter list's length costs the
+    driver by either route."""
+    from bitsparse_core.backends.cuda import driver
+    calls = {}
+    for n in PARAM_U64S:
+        k = cupy.RawKernel(f'extern "C" __global__ void k{n}('
+                           + ", ".join(f"unsigned long long a{i}" for i in range(n)) + ") {}",
+                           f"k{n}")
+        k.compile()
+        vals = (ctypes.c_uint64 * n)()
+        ptrs = (ctypes.c_void_p * n)(*[ctypes.addressof(vals) + 8 * i for i in range(n)])
+        extra, size = driver.param_buffer(vals, 8 * n)
+        f = int(k.kernel.ptr)
+        keep += [k, vals, ptrs, extra, size]
+        calls[f"cuLaunchKernel, {n} u64 parameters, a pointer each"] = (
+            lambda f=f, p=ptrs: lib.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, p, None))
+        calls[f"cuLaunchKernel, {n} u64 parameters, one buffer"] = (
+            lambda f=f, e=extra: lib.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, None, e))
+    return calls
+
+
+def numba_launches(torch, stream: int, keep: list) -> dict:
+    """The Numba backend's recorded launches of its unpack and gated ops (1x4096 bf16),
+    each by its parameter buffer and by a pointer per parameter, with no Python around
+    them: whether a Numba kernel's long parameter list is what its ops' driver share
+    pays for."""
+    import bitsparse_core as bc
+    from bitsparse_core.backends.cuda import driver
+    from bitsparse_core.backends.numba import backend as nb
+    from bitsparse_core.backends.numba.launch import BoundLaunch
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    x[x < 1.2] = 0
+    u, g = torch.randn_like(x), torch.randn_like(x)
+    p = bc.pack(x, backend="numba", encoding="nosign")
+    pu = bc.masked_pack(u, p)
+    for _ in range(3):              # the second call of a key binds its record
+        keep += [bc.unpack(p), bc.gated_backward(g, p, pu)]
+    keep += [x, u, g, p, pu]
+    calls = {}
+    for b in (v for _, v in nb._OP_LAUNCHES._entries().values() if type(v) is BoundLaunch):
+        rec = b.record
+        what = f"Numba launch, {len(rec.fields)} parameters ({rec._extra_size.value} bytes)"
+        calls[f"{what}, one buffer"] = (
+            lambda r=rec, b=b: r.launch(b.grid, b.block, stream))
+        calls[f"{what}, a pointer each"] = (
+            lambda r=rec, b=b: driver.launch(r.func, b.grid, b.block, 0, stream, r))
+    return calls
 
 
 # relu_pack's shapes: host_overhead.py's small tensor and the gpt12 layer's activation
@@ -245,6 +304,8 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize
     stream = torch.cuda.current_stream().cuda_stream
     calls, keep = driver_calls(torch, cupy, stream)
+    if "numba" in args.backends.split(","):
+        calls.update(numba_launches(torch, stream, keep))
     driver = {name: per_call_us(fn, args.calls, args.repeats, sync) for name, fn in calls.items()}
     dev = ho.Device(torch, cpu_smoke=False, sleep_cycles=0)
     ops = {b: public_ops(torch, dev, args, sync, b) for b in args.backends.split(",")}

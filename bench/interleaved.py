@@ -10,6 +10,12 @@ another 1.67, for the same code. Here every variant's model lives at once, and e
 device sync around each step. A variant's ratio to the reference is taken within each
 turn (steps a fraction of a second apart) and the median over turns is reported.
 
+A turn may run each variant for a *block* of consecutive steps instead of one: the
+block's first step is left untimed and the turn's time is the mean of the rest. A single
+step follows another variant's, whose code and data have just filled the host's caches;
+a user's loop runs one model step after step. Blocks measure that steady state and keep
+the turns' protection from drift (session 56 in bench/NOTES.md).
+
 Peaks are not measured here (every model is resident at once); the benches take them,
 and bit identity, from their ordinary sequential runs.
 """
@@ -38,15 +44,28 @@ def median_interval(values, level: float = 0.95):
     return best
 
 
+def timed_steps(turn: int, warmup: int, block: int) -> range:
+    """The step indices of ``turn`` that are timed: none in a warm-up turn; in a block of
+    more than one step, all but its first."""
+    if turn < warmup:
+        return range(0)
+    first = turn * block + (1 if block > 1 else 0)
+    return range(first, (turn + 1) * block)
+
+
 def run_turns(steps: dict, reference: str, turns: int, warmup: int,
               sync: Callable[[], None], check_time: Callable[[str], None] | None = None,
-              own_references: dict | None = None) -> dict:
+              own_references: dict | None = None, block: int = 1) -> dict:
     """Time ``turns`` turns of ``steps`` (``{name: step(i)}``, each running training step
-    ``i`` of its variant) after ``warmup`` untimed turns. Returns per variant its step
-    and host times in ms, and for the others the per-turn ratios to ``reference`` and
-    their median; ``own_references`` (``{name: its reference}``, e.g. a compiled variant's
-    compiled baseline) adds the same against that variant's own. ``check_time(where)``
-    may raise to cut the run short (the turns timed so far are kept)."""
+    ``i`` of its variant) after ``warmup`` untimed turns, each variant ``block``
+    consecutive steps a turn (:func:`timed_steps` says which are timed; a turn's time is
+    their mean). Returns per variant its step and host times in ms, and for the others the
+    per-turn ratios to ``reference`` and their median; ``own_references`` (``{name: its
+    reference}``, e.g. a compiled variant's compiled baseline) adds the same against that
+    variant's own. ``check_time(where)`` may raise to cut the run short (the turns timed
+    so far are kept)."""
+    if block < 1:
+        raise ValueError(f"block={block} must be at least 1")
     own_references = {n: r for n, r in (own_references or {}).items()
                       if r != reference and r in steps and n in steps}
     if reference not in steps:
@@ -63,19 +82,26 @@ def run_turns(steps: dict, reference: str, turns: int, warmup: int,
                 break
         k = i % len(names)
         turn = {}
+        timed = timed_steps(i, warmup, block)
         for name in names[k:] + names[:k]:
-            sync()
-            t0 = time.perf_counter()
-            steps[name](i)
-            t1 = time.perf_counter()
-            sync()
-            turn[name] = (time.perf_counter() - t0, t1 - t0)
+            spent = []
+            for j in range(i * block, (i + 1) * block):
+                sync()
+                t0 = time.perf_counter()
+                steps[name](j)
+                t1 = time.perf_counter()
+                sync()
+                if j in timed:
+                    spent.append((time.perf_counter() - t0, t1 - t0))
+            turn[name] = (statistics.fmean(t for t, _ in spent) if spent else 0.0,
+                          statistics.fmean(h for _, h in spent) if spent else 0.0)
         if i >= warmup:
             done += 1
             for name, (t, h) in turn.items():
                 times[name].append(1e3 * t)
                 host[name].append(1e3 * h)
-    out = {"turns": done, "warmup": warmup, "reference": reference, "variants": {}}
+    out = {"turns": done, "warmup": warmup, "block": block, "reference": reference,
+           "variants": {}}
     for name in names:
         rec = {"step_ms": times[name], "host_ms": host[name],
                "median_step_ms": statistics.median(times[name]) if times[name] else None,
@@ -97,7 +123,7 @@ def run_turns(steps: dict, reference: str, turns: int, warmup: int,
 
 def run_variants(names, make_step: Callable, reference: str, turns: int, warmup: int,
                  sync: Callable[[], None], check_time=None, own_references=None,
-                 cleanup: Callable[[], None] | None = None) -> dict:
+                 cleanup: Callable[[], None] | None = None, block: int = 1) -> dict:
     """:func:`run_turns` over the variants ``make_step(name)`` builds (each ``step(i)``), all
     resident at once. A variant that fails to build is reported under ``failed`` and left
     out; a failure while stepping (an OOM with every model resident, say) is the result's
@@ -112,7 +138,8 @@ def run_variants(names, make_step: Callable, reference: str, turns: int, warmup:
         if reference not in steps:
             return {"status": f"skipped: no {reference} variant to compare with",
                     "failed": failed}
-        result = run_turns(steps, reference, turns, warmup, sync, check_time, own_references)
+        result = run_turns(steps, reference, turns, warmup, sync, check_time, own_references,
+                           block)
     except Exception as exc:  # noqa: BLE001 - the phase's result, not the run's end
         return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}", "failed": failed}
     finally:
@@ -132,8 +159,12 @@ def run_variants(names, make_step: Callable, reference: str, turns: int, warmup:
 def markdown(result: dict, title: str = "Interleaved steps") -> list:
     """Lines of a Markdown section for :func:`run_turns`' result."""
     ref = result["reference"]
+    block = result.get("block", 1)
+    each = ("one step of every variant" if block == 1 else
+            f"{block} consecutive steps of every variant, the first untimed and the turn's "
+            "time the mean of the rest")
     lines = [f"## {title}", "",
-             f"Every variant resident at once; each turn runs one step of every variant (the "
+             f"Every variant resident at once; each turn runs {each} (the "
              f"order rotated each turn, a device sync around each step); {result['turns']} "
              f"timed turns after {result['warmup']} warm-up turns. × {ref}: the median over "
              f"turns of the ratio within a turn; its 95 % interval is distribution-free (order "

@@ -128,6 +128,9 @@ VARIANTS = {
     # the same with the capacities frozen once the densities are known (opt-in)
     "ours-compiled-frozen": Variant("nosign", "dense-compiled", compiled=True,
                                     freeze_after=FREEZE_AFTER),
+    # compiled, a pending count recomputed rather than waited for (opt-in)
+    "ours-compiled-recompute": Variant("nosign", "dense-compiled", compiled=True,
+                                       options=(("pending", "recompute"),)),
     "dense-hooks": Variant("dense", "dense", hooks=True),
     # the packed blocks in pinned host memory between forward and backward (issue 17),
     # against PyTorch's own offload of the dense MLP's saved tensors
@@ -138,7 +141,7 @@ VARIANTS = {
 }
 # opt-in variants (issue 17): host memory and the host link
 OFFLOAD_VARIANTS = ("ours-offload", "ours-offload-hold0", "save-on-cpu")
-OPT_IN_VARIANTS = OFFLOAD_VARIANTS + ("ours-compiled-frozen",)
+OPT_IN_VARIANTS = OFFLOAD_VARIANTS + ("ours-compiled-frozen", "ours-compiled-recompute")
 BITIDENT_VARIANTS = ("dense", "ours-raw", "ours-nosign", "ours-offload", "ours-offload-hold0")
 BUDGET_VARIANTS = ("dense", "checkpoint", "ours-nosign")
 # Profile rows of the library's own ops (CPU self time per op).
@@ -659,26 +662,65 @@ def run_variants(bench: Bench, names: list, plan: Plan, report, rounds: int = 1)
     return results
 
 
-def run_interleaved(bench: Bench, names: list, turns: int, warmup: int) -> dict:
+def run_interleaved(bench: Bench, names: list, turns: int, warmup: int, block: int = 1) -> dict:
     """Every variant built at once from the same initial weights, then ``turns`` turns of
-    one step each (:func:`interleaved.run_variants`); ratios to dense, and each variant's
-    to its own reference."""
+    ``block`` steps each (:func:`interleaved.run_variants`); ratios to dense, and each
+    variant's to its own reference; the timed steps' host time per phase and the packed
+    modules' counters over the steps after the warm-up turns."""
     device, s = bench.device, bench.shape
     batches = [(x.to(device), y.to(device)) for x, y in
-               make_batches(bench.data, min(turns + warmup, 16), s.batch, s.seq, bench.args.seed)]
+               make_batches(bench.data, min((turns + warmup) * block, 16), s.batch, s.seq,
+                            bench.args.seed)]
+    phases, policies, at_warmup = {}, {}, {}
 
     def make_step(name):
-        _, call, opt = build(bench, name)
-        return lambda i: train_step(call, opt, *batches[i % len(batches)])
-    before = graphs_compiled()
+        model, call, opt = build(bench, name)
+        clocks = phases[name] = []
+        pols = policies[name] = bst.capacity_policies(model)
+
+        def step(i):
+            t0, marks = time.perf_counter(), []
+            loss = train_step(call, opt, *batches[i % len(batches)], marks=marks)
+            clocks.append((t0, *marks, time.perf_counter()))
+            if len(clocks) == warmup * block and pols:   # the last warm-up step: not timed
+                at_warmup[name] = policy_counters(pols)
+            return loss
+        return step
+    compiled_before = graphs_compiled()
     with attention_backend(bench.args.attn):
         result = interleaved.run_variants(names, make_step, "dense", turns, warmup,
                                           lambda: sync(device), bench.check_time,
                                           {n: VARIANTS[n].reference for n in names},
-                                          cleanup=lambda: free_memory(device))
+                                          cleanup=lambda: free_memory(device), block=block)
     # one graph per compiled variant where nothing recompiled (a capacity move must not)
-    result["graphs_compiled"] = graphs_compiled() - before
+    result["graphs_compiled"] = graphs_compiled() - compiled_before
+    timed = [j for t in range(warmup, warmup + result.get("turns", 0))
+             for j in interleaved.timed_steps(t, warmup, block)]
+    for name, rec in result.get("variants", {}).items():
+        clocks = phases.get(name, [])
+        rec["host_phases_ms"] = host_phases_ms([clocks[j] for j in timed if j < len(clocks)])
+        if policies.get(name) and name in at_warmup:
+            after, start = policy_counters(policies[name]), at_warmup[name]
+            steps = len(clocks) - warmup * block
+            rec["capacity"] = {f"{k}_per_step": (after[k] - start[k]) / steps for k in after}
     return result
+
+
+def host_phases_ms(clocks: list) -> dict | None:
+    """Median host ms of a step's forward, backward and the rest (optimizer step) from
+    ``(start, after forward, after backward, end)`` clocks of the steps."""
+    if not clocks:
+        return None
+    return {phase: 1e3 * statistics.median(c[k + 1] - c[k] for c in clocks)
+            for k, phase in enumerate(("forward", "backward", "optimizer"))}
+
+
+def policy_counters(policies: list) -> dict:
+    """The capacity policies' counters summed: packs, backwards that recomputed (``unknown``:
+    the count had not come back yet), overflows, waits for a count and their seconds."""
+    stats = [p.stats() for p in policies]
+    return {k: sum(st[k] for st in stats)
+            for k in ("packs", "recomputes", "unknown", "overflows", "waits", "wait_s")}
 
 
 def print_variant(name: str, res: dict) -> None:
@@ -951,6 +993,21 @@ def markdown_interleaved(result: dict | None) -> list:
         out += ["", f"torch.compile compiled {result['graphs_compiled']} graphs in this run "
                 "(the variants' builds and warm-up turns included: one per compiled variant "
                 "when nothing recompiled, two for one whose capacities were frozen)."]
+    rows = [(n, rec) for n, rec in result["variants"].items() if rec.get("host_phases_ms")]
+    if rows:
+        out += ["", "Host per phase in the timed turns (median ms; a backward's waits for a "
+                "pack's count are in its host time) and the packed modules' counters per timed "
+                "step:", "",
+                "| variant | forward | backward | optimizer | waits | ms waiting | recomputes "
+                "| of which the count was not back | overflows |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, rec in rows:
+            ph, c = rec["host_phases_ms"], rec.get("capacity")
+            counts = (f"{c['waits_per_step']:.2f} | {1e3 * c['wait_s_per_step']:.2f} | "
+                      f"{c['recomputes_per_step']:.2f} | {c['unknown_per_step']:.2f} | "
+                      f"{c['overflows_per_step']:.2f}" if c else "- | - | - | - | -")
+            out.append(f"| {name} | {ph['forward']:.2f} | {ph['backward']:.2f} | "
+                       f"{ph['optimizer']:.2f} | {counts} |")
     return out
 
 
@@ -1068,6 +1125,9 @@ def parse_args(argv):
                     help="then this many turns of one step of every variant each, all models "
                          "resident (bench/interleaved.py): ratios to dense the host's drift "
                          "does not decide")
+    ap.add_argument("--interleave-block", type=int, default=1, metavar="STEPS",
+                    help="steps of a variant in a row in each turn, the first untimed (a "
+                         "model's steady state, as a training loop runs it)")
     ap.add_argument("--cprofile-steps", type=int, default=0,
                     help="CUDA: also run this many steps under cProfile (train_gpt_cprofile.txt)")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -1176,7 +1236,8 @@ def main(argv=None) -> int:
                            rounds=1 if args.bitident_steps else args.rounds)
     summary["variants"] = results
     if args.interleave and not args.bitident_steps:
-        summary["interleaved"] = run_interleaved(bench, names, args.interleave, args.warmup)
+        summary["interleaved"] = run_interleaved(bench, names, args.interleave, args.warmup,
+                                                 args.interleave_block)
     write_reports(summary, out, stem)
     print(f"wrote {out / stem}.{{json,md,png}} in {time.monotonic() - START:.0f} s")
     if mode == "bitident":

@@ -55,6 +55,42 @@ def test_ratios_within_turns_cancel_the_drift(monkeypatch):
     assert lines[0] == "## Interleaved steps" and any(line.startswith("| ours |") for line in lines)
 
 
+def test_blocks_time_a_variants_later_steps(monkeypatch):
+    """block=3: each turn runs 3 consecutive steps of a variant (step indices go on from
+    turn to turn), the first untimed; the turn's time is the mean of the other two. A
+    variant's first step after another's costs more (its caches cold), which the ratio
+    of blocks leaves out and single steps do not."""
+    clock = Clock()
+    monkeypatch.setattr(interleaved.time, "perf_counter", clock)
+    order, last = [], [None]
+
+    def step(name, cost, cold):
+        def run(i):
+            order.append((i, name))
+            clock.now += cost + (cold if last[0] != name else 0.0) + 0.001 * (i % 3)
+            last[0] = name
+        return run
+    steps = {"dense": step("dense", 0.010, 0.001), "ours": step("ours", 0.010, 0.004),
+             "ckpt": step("ckpt", 0.010, 0.001)}
+    res = interleaved.run_turns(steps, "dense", turns=4, warmup=1, sync=lambda: None, block=3)
+    assert res["block"] == 3 and res["turns"] == 4
+    assert [i for i, n in order if n == "ours"] == list(range(15))
+    assert [n for i, n in order[:6]] == ["dense"] * 3 + ["ours"] * 3
+    # steps 3j+1 and 3j+2 are timed: 10 + 1 and 10 + 2 ms, mean 11.5, in every variant
+    assert res["variants"]["dense"]["step_ms"] == pytest.approx([11.5] * 4)
+    assert res["variants"]["ours"]["ratios"] == pytest.approx([1.0] * 4)
+    # one step a turn: with three variants in rotation every step follows another
+    # variant's, and ours pays its 4 ms against dense's 1
+    single = interleaved.run_turns(steps, "dense", turns=4, warmup=1, sync=lambda: None)
+    assert single["block"] == 1 and min(single["variants"]["ours"]["ratios"]) > 1.2
+    assert [list(interleaved.timed_steps(t, 1, 3)) for t in range(3)] == [[], [4, 5], [7, 8]]
+    assert list(interleaved.timed_steps(2, 1, 1)) == [2]
+    assert any("3 consecutive steps of every variant" in line
+               for line in interleaved.markdown(res))
+    with pytest.raises(ValueError, match="block"):
+        interleaved.run_turns(steps, "dense", 1, 0, sync=lambda: None, block=0)
+
+
 def test_time_limit_keeps_the_turns_timed(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(interleaved.time, "perf_counter", clock)

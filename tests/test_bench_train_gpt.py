@@ -22,7 +22,8 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "train_gpt.py"), "--small",
                           "--device", "cpu", "--variants", "dense,ours-nosign", "--steps", "2",
                           "--warmup", "1", "--profile-steps", "0", "--sparsity-every", "0",
-                          "--rounds", "2", "--interleave", "2", "--out", str(tmp_path)],
+                          "--rounds", "2", "--interleave", "2", "--interleave-block", "2",
+                          "--out", str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     variants = json.loads((tmp_path / "train_gpt.json").read_text())["variants"]
@@ -36,11 +37,19 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
     assert "Rounds (the variant sequence run again" in md
     inter = json.loads((tmp_path / "train_gpt.json").read_text())["interleaved"]
     assert inter["status"] == "ok" and inter["turns"] == 2 and not inter["failed"]
+    assert inter["block"] == 2 and "2 consecutive steps of every variant" in md
     rec = inter["variants"]["ours-nosign"]
     assert rec["ratios"] == pytest.approx([o / d for o, d in zip(
         rec["step_ms"], inter["variants"]["dense"]["step_ms"])])
     assert "## Interleaved steps" in md
     assert inter["graphs_compiled"] == 0 and "torch.compile compiled 0 graphs" in md
+    # host per phase of the timed turns, and the packed modules' counters over them (2
+    # turns of a 2-layer model: a pack a layer and step; the CPU path never waits)
+    phases = rec["host_phases_ms"]
+    assert set(phases) == {"forward", "backward", "optimizer"} and min(phases.values()) > 0
+    assert rec["capacity"]["packs_per_step"] == 2 and rec["capacity"]["waits_per_step"] == 0
+    assert "capacity" not in inter["variants"]["dense"]
+    assert "| ours-nosign | " in md.split("Host per phase in the timed turns")[1]
 
 
 def test_interleaved_compiled_variants_compile_once_each_on_cpu(tmp_path):

@@ -280,8 +280,9 @@ def _saved_and_loaded(model, tmp_path, monkeypatch):
 @pytest.mark.parametrize("make", ["opt", "sequential"])
 def test_freeze_capacity_finds_the_converted_ffns(make):
     """A converted model's packed FFNs are not registered submodules (a converted OPT
-    layer's, a PackedBlock's): ``freeze_capacity`` finds each one's policy all the same."""
-    from bitsparse_core.torch import freeze_capacity, thaw_capacity
+    layer's, a PackedBlock's): ``capacity_policies`` lists each one's policy once, and
+    ``freeze_capacity`` finds them all the same."""
+    from bitsparse_core.torch import capacity_policies, freeze_capacity, thaw_capacity
     if make == "opt":
         model = _opt()
     else:
@@ -290,6 +291,8 @@ def test_freeze_capacity_finds_the_converted_ffns(make):
     convert(model)
     packed = _packed_of(model)
     assert len(packed) == 2
+    pols = capacity_policies(model)
+    assert len(pols) == 2 and {id(p) for p in pols} == {id(p.capacity_policy) for p in packed}
     assert freeze_capacity(model) == 2
     assert all(p.capacity_policy.frozen for p in packed)
     assert thaw_capacity(model) == 2 and not any(p.capacity_policy.frozen for p in packed)

@@ -403,9 +403,10 @@ class CapacityPolicy:
                 else LADDER[self.bucket]}
 
 
-def _policies_of(model: torch.nn.Module) -> list:
-    """The capacity policies of ``model``'s packed modules, those it holds as plain
-    attributes included (a converted model's packed FFNs are not registered submodules)."""
+def capacity_policies(model: torch.nn.Module) -> list:
+    """The capacity policies of ``model``'s packed modules, each once, those it holds as
+    plain attributes included (a converted model's packed FFNs are not registered
+    submodules): their ``stats()`` are the model's overflows, recomputes and waits."""
     found = {}
     for m in model.modules():
         for owner in (m, *(v for v in vars(m).values() if isinstance(v, torch.nn.Module))):
@@ -420,7 +421,7 @@ def freeze_capacity(model: torch.nn.Module) -> int:
     number of adaptive policies it froze. Call it once the densities have settled (after
     a few hundred steps, say): a compiled model recompiles once, then runs without the
     capacity symbols."""
-    policies = [p for p in _policies_of(model) if p.density is None]
+    policies = [p for p in capacity_policies(model) if p.density is None]
     for p in policies:
         p.freeze()
     return len(policies)
@@ -428,7 +429,7 @@ def freeze_capacity(model: torch.nn.Module) -> int:
 
 def thaw_capacity(model: torch.nn.Module) -> int:
     """:meth:`CapacityPolicy.thaw` every frozen policy in ``model``; the number thawed."""
-    policies = [p for p in _policies_of(model) if p.frozen]
+    policies = [p for p in capacity_policies(model) if p.frozen]
     for p in policies:
         p.thaw()
     return len(policies)
