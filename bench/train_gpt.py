@@ -996,8 +996,8 @@ def markdown_interleaved(result: dict | None) -> list:
     rows = [(n, rec) for n, rec in result["variants"].items() if rec.get("host_phases_ms")]
     if rows:
         out += ["", "Host per phase in the timed turns (median ms; a backward's waits for a "
-                "pack's count are in its host time) and the packed modules' counters per timed "
-                "step:", "",
+                "pack's count are in its host time) and the packed modules' counters per step "
+                "after the warm-up turns:", "",
                 "| variant | forward | backward | optimizer | waits | ms waiting | recomputes "
                 "| of which the count was not back | overflows |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
