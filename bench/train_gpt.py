@@ -15,8 +15,9 @@ same batches, it trains
 * ``dense-compiled``, ``ours-compiled`` -- ``torch.compile`` of the dense and the
   ``ours-nosign`` model (compared with each other); ``ours-compiled-frozen`` is
   ours-compiled with its capacities frozen after its first ``FREEZE_AFTER`` steps
-  (``bitsparse_core.torch.freeze_capacity``: one recompile, then no capacity symbols),
-  not in the default run,
+  (``bitsparse_core.torch.freeze_capacity``: one recompile, then no capacity symbols)
+  and ``ours-compiled-recompute`` ours-compiled recomputing a count not back yet, neither
+  in the default run,
 * ``dense-hooks`` -- the dense model under ``compress_saved_tensors`` (every saved
   tensor, not just the MLP's; packed without a host sync),
 * ``ours-offload`` -- ours-nosign with the packed blocks in pinned host memory until
@@ -36,6 +37,10 @@ Three modes, each writing JSON + Markdown + PNG under ``--out``:
 * ``--budget``: under a memory cap that dense does not fit at the preset batch,
   the largest batch each of dense / checkpoint / ours-nosign fits, and tokens/s
   of checkpoint and ours at the largest batch both fit (``train_gpt_budget.*``).
+
+``--interleave N`` then runs N turns with every model resident (``interleaved.py``; one
+step of each variant a turn, or ``--interleave-block`` steps in a row), and reports the
+ratios within turns, each step's host time by phase and the packed modules' counters.
 
     python bench/train_gpt.py --preset gpt12 --out OUT          # on the GPU
     python bench/train_gpt.py --preset gpt12 --bitident-steps 200 --out OUT
