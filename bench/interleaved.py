@@ -14,7 +14,11 @@ A turn may run each variant for a *block* of consecutive steps instead of one: t
 block's first step is left untimed and the turn's time is the mean of the rest. A single
 step follows another variant's, whose code and data have just filled the host's caches;
 a user's loop runs one model step after step. Blocks measure that steady state and keep
-the turns' protection from drift (session 56 in bench/NOTES.md).
+the turns' protection from drift (session 56 in bench/NOTES.md). With ``step_sync``
+off, a block's timed steps run without the device sync between them, as a loop that
+does not read its loss every step runs them: the host may then run ahead of the GPU,
+and a step's time is the block's span over its steps (the GPU's pace where the GPU is
+the slower side, where a sync around every step adds the host's lead-in to each).
 
 Peaks are not measured here (every model is resident at once); the benches take them,
 and bit identity, from their ordinary sequential runs.
@@ -55,17 +59,21 @@ def timed_steps(turn: int, warmup: int, block: int) -> range:
 
 def run_turns(steps: dict, reference: str, turns: int, warmup: int,
               sync: Callable[[], None], check_time: Callable[[str], None] | None = None,
-              own_references: dict | None = None, block: int = 1) -> dict:
+              own_references: dict | None = None, block: int = 1,
+              step_sync: bool = True) -> dict:
     """Time ``turns`` turns of ``steps`` (``{name: step(i)}``, each running training step
     ``i`` of its variant) after ``warmup`` untimed turns, each variant ``block``
     consecutive steps a turn (:func:`timed_steps` says which are timed; a turn's time is
-    their mean). Returns per variant its step and host times in ms, and for the others the
-    per-turn ratios to ``reference`` and their median; ``own_references`` (``{name: its
-    reference}``, e.g. a compiled variant's compiled baseline) adds the same against that
-    variant's own. ``check_time(where)`` may raise to cut the run short (the turns timed
-    so far are kept)."""
+    their mean; without ``step_sync``, their span from the sync after the block's first
+    step to the one after its last, over their number). Returns per variant its step and
+    host times in ms, and for the others the per-turn ratios to ``reference`` and their
+    median; ``own_references`` (``{name: its reference}``, e.g. a compiled variant's
+    compiled baseline) adds the same against that variant's own. ``check_time(where)``
+    may raise to cut the run short (the turns timed so far are kept)."""
     if block < 1:
         raise ValueError(f"block={block} must be at least 1")
+    if not step_sync and block < 2:
+        raise ValueError("step_sync=False needs a block of at least 2 steps (one untimed)")
     own_references = {n: r for n, r in (own_references or {}).items()
                       if r != reference and r in steps and n in steps}
     if reference not in steps:
@@ -84,24 +92,15 @@ def run_turns(steps: dict, reference: str, turns: int, warmup: int,
         turn = {}
         timed = timed_steps(i, warmup, block)
         for name in names[k:] + names[:k]:
-            spent = []
-            for j in range(i * block, (i + 1) * block):
-                sync()
-                t0 = time.perf_counter()
-                steps[name](j)
-                t1 = time.perf_counter()
-                sync()
-                if j in timed:
-                    spent.append((time.perf_counter() - t0, t1 - t0))
-            turn[name] = (statistics.fmean(t for t, _ in spent) if spent else 0.0,
-                          statistics.fmean(h for _, h in spent) if spent else 0.0)
+            turn[name] = (_block_synced(steps[name], i, block, timed, sync) if step_sync
+                          else _block_streamed(steps[name], i, block, timed, sync))
         if i >= warmup:
             done += 1
             for name, (t, h) in turn.items():
                 times[name].append(1e3 * t)
                 host[name].append(1e3 * h)
-    out = {"turns": done, "warmup": warmup, "block": block, "reference": reference,
-           "variants": {}}
+    out = {"turns": done, "warmup": warmup, "block": block, "step_sync": step_sync,
+           "reference": reference, "variants": {}}
     for name in names:
         rec = {"step_ms": times[name], "host_ms": host[name],
                "median_step_ms": statistics.median(times[name]) if times[name] else None,
@@ -121,9 +120,47 @@ def run_turns(steps: dict, reference: str, turns: int, warmup: int,
     return out
 
 
+def _block_synced(step, turn: int, block: int, timed: range, sync) -> tuple:
+    """(step s, host s) of a turn's block, a device sync around every step: the mean over
+    its timed steps (0, 0 where none is)."""
+    spent = []
+    for j in range(turn * block, (turn + 1) * block):
+        sync()
+        t0 = time.perf_counter()
+        step(j)
+        t1 = time.perf_counter()
+        sync()
+        if j in timed:
+            spent.append((time.perf_counter() - t0, t1 - t0))
+    if not spent:
+        return 0.0, 0.0
+    return statistics.fmean(t for t, _ in spent), statistics.fmean(h for _, h in spent)
+
+
+def _block_streamed(step, turn: int, block: int, timed: range, sync) -> tuple:
+    """(step s, host s) of a turn's block whose timed steps run with no sync between them:
+    the span from the sync after the untimed steps to the one after the last, and the
+    host's time to issue them, each over their number."""
+    first = turn * block
+    sync()
+    for j in range(first, timed.start if timed else first + block):
+        step(j)
+    sync()
+    if not timed:
+        return 0.0, 0.0
+    t0 = time.perf_counter()
+    for j in timed:
+        step(j)
+    t1 = time.perf_counter()
+    sync()
+    n = len(timed)
+    return (time.perf_counter() - t0) / n, (t1 - t0) / n
+
+
 def run_variants(names, make_step: Callable, reference: str, turns: int, warmup: int,
                  sync: Callable[[], None], check_time=None, own_references=None,
-                 cleanup: Callable[[], None] | None = None, block: int = 1) -> dict:
+                 cleanup: Callable[[], None] | None = None, block: int = 1,
+                 step_sync: bool = True) -> dict:
     """:func:`run_turns` over the variants ``make_step(name)`` builds (each ``step(i)``), all
     resident at once. A variant that fails to build is reported under ``failed`` and left
     out; a failure while stepping (an OOM with every model resident, say) is the result's
@@ -139,7 +176,7 @@ def run_variants(names, make_step: Callable, reference: str, turns: int, warmup:
             return {"status": f"skipped: no {reference} variant to compare with",
                     "failed": failed}
         result = run_turns(steps, reference, turns, warmup, sync, check_time, own_references,
-                           block)
+                           block, step_sync)
     except Exception as exc:  # noqa: BLE001 - the phase's result, not the run's end
         return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}", "failed": failed}
     finally:
@@ -160,12 +197,16 @@ def markdown(result: dict, title: str = "Interleaved steps") -> list:
     """Lines of a Markdown section for :func:`run_turns`' result."""
     ref = result["reference"]
     block = result.get("block", 1)
+    streamed = not result.get("step_sync", True)
     each = ("one step of every variant" if block == 1 else
             f"{block} consecutive steps of every variant, the first untimed and the turn's "
-            "time the mean of the rest")
+            + ("time the span of the rest over their number" if streamed
+               else "time the mean of the rest"))
+    syncs = ("a device sync around each block and after its first step, none between the "
+             "timed steps" if streamed else "a device sync around each step")
     lines = [f"## {title}", "",
              f"Every variant resident at once; each turn runs {each} (the "
-             f"order rotated each turn, a device sync around each step); {result['turns']} "
+             f"order rotated each turn, {syncs}); {result['turns']} "
              f"timed turns after {result['warmup']} warm-up turns. × {ref}: the median over "
              f"turns of the ratio within a turn; its 95 % interval is distribution-free (order "
              f"statistics of the turns' ratios, `median_interval`).", "",

@@ -39,8 +39,9 @@ Three modes, each writing JSON + Markdown + PNG under ``--out``:
   of checkpoint and ours at the largest batch both fit (``train_gpt_budget.*``).
 
 ``--interleave N`` then runs N turns with every model resident (``interleaved.py``; one
-step of each variant a turn, or ``--interleave-block`` steps in a row), and reports the
-ratios within turns, each step's host time by phase and the packed modules' counters.
+step of each variant a turn, or ``--interleave-block`` steps in a row, with
+``--interleave-streamed`` no device sync between them), and reports the ratios within
+turns, each step's host time by phase and the packed modules' counters.
 
     python bench/train_gpt.py --preset gpt12 --out OUT          # on the GPU
     python bench/train_gpt.py --preset gpt12 --bitident-steps 200 --out OUT
@@ -667,11 +668,13 @@ def run_variants(bench: Bench, names: list, plan: Plan, report, rounds: int = 1)
     return results
 
 
-def run_interleaved(bench: Bench, names: list, turns: int, warmup: int, block: int = 1) -> dict:
+def run_interleaved(bench: Bench, names: list, turns: int, warmup: int, block: int = 1,
+                    step_sync: bool = True) -> dict:
     """Every variant built at once from the same initial weights, then ``turns`` turns of
-    ``block`` steps each (:func:`interleaved.run_variants`); ratios to dense, and each
-    variant's to its own reference; the timed steps' host time per phase and the packed
-    modules' counters over the steps after the warm-up turns."""
+    ``block`` steps each, with or without a device sync between them (``step_sync``;
+    :func:`interleaved.run_variants`); ratios to dense, and each variant's to its own
+    reference; the timed steps' host time per phase and the packed modules' counters over
+    the steps after the warm-up turns."""
     device, s = bench.device, bench.shape
     batches = [(x.to(device), y.to(device)) for x, y in
                make_batches(bench.data, min((turns + warmup) * block, 16), s.batch, s.seq,
@@ -696,7 +699,8 @@ def run_interleaved(bench: Bench, names: list, turns: int, warmup: int, block: i
         result = interleaved.run_variants(names, make_step, "dense", turns, warmup,
                                           lambda: sync(device), bench.check_time,
                                           {n: VARIANTS[n].reference for n in names},
-                                          cleanup=lambda: free_memory(device), block=block)
+                                          cleanup=lambda: free_memory(device), block=block,
+                                          step_sync=step_sync)
     # one graph per compiled variant where nothing recompiled (a capacity move must not)
     result["graphs_compiled"] = graphs_compiled() - compiled_before
     timed = [j for t in range(warmup, warmup + result.get("turns", 0))
@@ -1133,6 +1137,9 @@ def parse_args(argv):
     ap.add_argument("--interleave-block", type=int, default=1, metavar="STEPS",
                     help="steps of a variant in a row in each turn, the first untimed (a "
                          "model's steady state, as a training loop runs it)")
+    ap.add_argument("--interleave-streamed", action="store_true",
+                    help="no device sync between a block's timed steps (a loop that does not "
+                         "read its loss every step); needs --interleave-block 2 or more")
     ap.add_argument("--cprofile-steps", type=int, default=0,
                     help="CUDA: also run this many steps under cProfile (train_gpt_cprofile.txt)")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -1168,6 +1175,8 @@ def parse_args(argv):
         ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     if args.budget and not args.device.startswith("cuda"):
         ap.error("--budget needs a CUDA device")
+    if args.interleave_block < 1 or (args.interleave_streamed and args.interleave_block < 2):
+        ap.error("--interleave-block takes 1 or more steps, 2 or more with --interleave-streamed")
     if args.bitident_steps:
         args.attn, args.variants = "math", ",".join(BITIDENT_VARIANTS)
         if args.torch_defaults:
@@ -1242,7 +1251,8 @@ def main(argv=None) -> int:
     summary["variants"] = results
     if args.interleave and not args.bitident_steps:
         summary["interleaved"] = run_interleaved(bench, names, args.interleave, args.warmup,
-                                                 args.interleave_block)
+                                                 args.interleave_block,
+                                                 not args.interleave_streamed)
     write_reports(summary, out, stem)
     print(f"wrote {out / stem}.{{json,md,png}} in {time.monotonic() - START:.0f} s")
     if mode == "bitident":

@@ -91,6 +91,37 @@ def test_blocks_time_a_variants_later_steps(monkeypatch):
         interleaved.run_turns(steps, "dense", 1, 0, sync=lambda: None, block=0)
 
 
+def test_streamed_blocks_let_the_host_run_ahead(monkeypatch):
+    """A fake GPU: a step costs the host h and queues g of GPU work, which starts once
+    issued and after the work before it; a sync waits for it. With a sync around every
+    step a step costs h + g, so a larger host cost shows even where the GPU is the slower
+    side; in a streamed block (no sync between the timed steps) the host's lead-in is paid
+    once a block, and the step time tends to g."""
+    clock = Clock()
+    monkeypatch.setattr(interleaved.time, "perf_counter", clock)
+    gpu = [0.0]
+
+    def step(h, g):
+        def run(i):
+            clock.now += h
+            gpu[0] = max(gpu[0], clock.now) + g
+        return run
+
+    def sync():
+        clock.now = max(clock.now, gpu[0])
+    steps = {"dense": step(0.005, 0.010), "ours": step(0.008, 0.010)}
+    synced = interleaved.run_turns(steps, "dense", 3, 1, sync, block=5)
+    streamed = interleaved.run_turns(steps, "dense", 3, 1, sync, block=5, step_sync=False)
+    assert synced["variants"]["ours"]["ratios"] == pytest.approx([18 / 15] * 3)
+    # four timed steps: the GPU ends at 8 + 4 * 10 ms (ours) and 5 + 4 * 10 (dense)
+    assert streamed["variants"]["ours"]["ratios"] == pytest.approx([48 / 45] * 3)
+    assert streamed["variants"]["ours"]["host_ms"] == pytest.approx([8.0] * 3)
+    assert streamed["step_sync"] is False and synced["step_sync"] is True
+    assert any("none between the timed steps" in line for line in interleaved.markdown(streamed))
+    with pytest.raises(ValueError, match="step_sync"):
+        interleaved.run_turns(steps, "dense", 1, 0, sync, step_sync=False)
+
+
 def test_time_limit_keeps_the_turns_timed(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(interleaved.time, "perf_counter", clock)

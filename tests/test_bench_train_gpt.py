@@ -23,7 +23,7 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
                           "--device", "cpu", "--variants", "dense,ours-nosign", "--steps", "2",
                           "--warmup", "1", "--profile-steps", "0", "--sparsity-every", "0",
                           "--rounds", "2", "--interleave", "2", "--interleave-block", "2",
-                          "--out", str(tmp_path)],
+                          "--interleave-streamed", "--out", str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     variants = json.loads((tmp_path / "train_gpt.json").read_text())["variants"]
@@ -38,6 +38,7 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
     inter = json.loads((tmp_path / "train_gpt.json").read_text())["interleaved"]
     assert inter["status"] == "ok" and inter["turns"] == 2 and not inter["failed"]
     assert inter["block"] == 2 and "2 consecutive steps of every variant" in md
+    assert inter["step_sync"] is False and "none between the timed steps" in md
     rec = inter["variants"]["ours-nosign"]
     assert rec["ratios"] == pytest.approx([o / d for o, d in zip(
         rec["step_ms"], inter["variants"]["dense"]["step_ms"])])
