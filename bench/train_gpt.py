@@ -564,12 +564,10 @@ def capacity_stats(model: nn.Module, steps: int) -> dict | None:
     """The packed modules' counters summed over layers, per step: backwards that
     recomputed (``unknown``: the count had not come back yet) and overflows; and where
     their capacities stand at the end."""
-    stats = [m.stats() for m in model.modules() if isinstance(m, bst.PackedReLUFFN)]
+    stats = [p.stats() for p in bst.capacity_policies(model)]
     if not stats:
         return None
-    total = {k: sum(st[k] for st in stats)
-             for k in ("recomputes", "unknown", "overflows", "waits", "wait_s")}
-    out = {f"{k}_per_step": v / steps for k, v in total.items()}
+    out = {f"{k}_per_step": v / steps for k, v in policy_counters(stats).items() if k != "packs"}
     out["max_density"] = max(st["max_density"] for st in stats)
     # where the capacities stand at the end: the largest layer's, and whether frozen
     out["capacity_density"] = max(st["capacity_density"] for st in stats)
@@ -691,7 +689,7 @@ def run_interleaved(bench: Bench, names: list, turns: int, warmup: int, block: i
             loss = train_step(call, opt, *batches[i % len(batches)], marks=marks)
             clocks.append((t0, *marks, time.perf_counter()))
             if len(clocks) == warmup * block and pols:   # the last warm-up step: not timed
-                at_warmup[name] = policy_counters(pols)
+                at_warmup[name] = policy_counters([p.stats() for p in pols])
             return loss
         return step
     compiled_before = graphs_compiled()
@@ -709,7 +707,8 @@ def run_interleaved(bench: Bench, names: list, turns: int, warmup: int, block: i
         clocks = phases.get(name, [])
         rec["host_phases_ms"] = host_phases_ms([clocks[j] for j in timed if j < len(clocks)])
         if policies.get(name) and name in at_warmup:
-            after, start = policy_counters(policies[name]), at_warmup[name]
+            after = policy_counters([p.stats() for p in policies[name]])
+            start = at_warmup[name]
             steps = len(clocks) - warmup * block
             rec["capacity"] = {f"{k}_per_step": (after[k] - start[k]) / steps for k in after}
     return result
@@ -724,10 +723,10 @@ def host_phases_ms(clocks: list) -> dict | None:
             for k, phase in enumerate(("forward", "backward", "optimizer"))}
 
 
-def policy_counters(policies: list) -> dict:
-    """The capacity policies' counters summed: packs, backwards that recomputed (``unknown``:
-    the count had not come back yet), overflows, waits for a count and their seconds."""
-    stats = [p.stats() for p in policies]
+def policy_counters(stats: list) -> dict:
+    """The counters of capacity policies' ``stats()`` summed: packs, backwards that
+    recomputed (``unknown``: the count had not come back yet), overflows, waits for a
+    count and their seconds."""
     return {k: sum(st[k] for st in stats)
             for k in ("packs", "recomputes", "unknown", "overflows", "waits", "wait_s")}
 
