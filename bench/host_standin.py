@@ -31,7 +31,9 @@ bf16, 90 % zeros, ``p`` an exact nosign pack, here made at capacity nnz with its
 count set, since no kernel writes it).
 
 Per op and backend: the fastest of ``--repeats`` loops of ``--calls`` calls (µs per
-call), driver calls per op by kind, and the parameter bytes the op's launches pass.
+call), driver calls per op by kind, and the parameter bytes the op's launches pass. The
+backend ``c++`` is the public ops' C++ path for torch tensors (``torch/native_codec.py``)
+on the CuPy backend's kernels, run as :func:`cxx_path` runs the FFN op's.
 ``--profile OP`` prints a cProfile of that op's loop per backend instead; ``--micro`` adds
 what the path's building blocks cost here (a ctypes write, a launch, a Python call: a
 slow host slows all of them, a slow path only its own); ``--module`` adds
@@ -294,6 +296,33 @@ def cases(bc, inp: dict, backend: str) -> dict:
         "relu2_backward": lambda: bc.relu2_backward(g, p),
         "gated_backward": lambda: bc.gated_backward(g, p, p_u),
     }
+
+
+NATIVE = "c++"     # the --backends name of the public ops' C++ path (torch/native_codec.py)
+
+
+def native_cases(bc, torch, inp: dict) -> dict:
+    """:func:`cases` through the public ops' C++ path: plain CPU tensors, which the path
+    takes under :func:`cxx_path` (its allocations the CPU allocator's, its launches the
+    stand-in driver's); ``bitsparse_core`` sends them there while :func:`native_calls`."""
+    plain = {k: v.as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else v
+             for k, v in inp.items()}
+    with native_calls(bc, NATIVE):
+        return cases(bc, plain, "cupy")
+
+
+@contextlib.contextmanager
+def native_calls(bc, backend: str):
+    """Within this block the public ops send calls to their C++ path if ``backend`` is
+    :data:`NATIVE`, else to none (the backends' Python paths)."""
+    from bitsparse_core.torch import native_codec
+    bc._native_tried = True          # no attaching behind the bench's back
+    prev, bc._native_codec = bc._native_codec, (native_codec._NativeCodec if backend == NATIVE
+                                                 else None)
+    try:
+        yield
+    finally:
+        bc._native_codec = prev
 
 
 def loop_us(fn, calls: int) -> float:
@@ -662,17 +691,26 @@ def main(argv=None) -> int:
     shape = tuple(int(v) for v in args.shape.split("x"))
     inp = make_inputs(torch, shape)
     backends = [b for b in args.backends.split(",") if b]
-    by_backend = {b: cases(bc, inp, b) for b in backends}
+    scope = contextlib.ExitStack()
+    if NATIVE in backends:      # the C++ path on the stand-in driver, for the whole run
+        from bitsparse_core.torch import native_codec
+        scope.enter_context(cxx_path(torch, fake))
+        native_codec._cupy = bc.get_backend("cupy")
+    by_backend = {}
+    for b in backends:
+        with native_calls(bc, b):
+            by_backend[b] = native_cases(bc, torch, inp) if b == NATIVE else cases(bc, inp, b)
     if args.profile:
         import cProfile
         import pstats
         for b in backends:
             fn = by_backend[b][args.profile]
-            loop_us(fn, 200)
-            pr = cProfile.Profile()
-            pr.enable()
-            loop_us(fn, args.calls)
-            pr.disable()
+            with native_calls(bc, b):
+                loop_us(fn, 200)
+                pr = cProfile.Profile()
+                pr.enable()
+                loop_us(fn, args.calls)
+                pr.disable()
             print(f"== {b} {args.profile}")
             pstats.Stats(pr).sort_stats("tottime").print_stats(60)
         return 0
@@ -680,15 +718,19 @@ def main(argv=None) -> int:
     for op in OPS:
         for b in backends:
             fn = by_backend[b][op]
-            loop_us(fn, 200)                   # warm: records, plans, launch caches
-            before = counts(fake)
-            fn()
-            calls = [n - m for n, m in zip(counts(fake), before)]
-            rows.append({"op": op, "backend": b, "calls": dict(zip(COUNTERS, calls)),
-                         "param_bytes": param_bytes(fn), "loops_us": []})
+            with native_calls(bc, b):
+                loop_us(fn, 200)               # warm: records, plans, launch caches
+                before = counts(fake)
+                fn()
+                calls = [n - m for n, m in zip(counts(fake), before)]
+                rows.append({"op": op, "backend": b, "calls": dict(zip(COUNTERS, calls)),
+                             # the C++ path fills its records out of Python's sight
+                             "param_bytes": None if b == NATIVE else param_bytes(fn),
+                             "loops_us": []})
     for _ in range(args.repeats):              # every op once per round, in turn
         for r in rows:
-            r["loops_us"].append(loop_us(by_backend[r["backend"]][r["op"]], args.calls))
+            with native_calls(bc, r["backend"]):
+                r["loops_us"].append(loop_us(by_backend[r["backend"]][r["op"]], args.calls))
     add = [loop_us(lambda: inp["x"] + inp["x"], args.calls) for _ in range(args.repeats)]
     for r in rows:
         r["us"] = min(r["loops_us"])
@@ -708,7 +750,7 @@ def main(argv=None) -> int:
         calls = [", ".join(f"{k} {v}" for k, v in rs[b]["calls"].items() if v) for b in backends]
         lines.append(f"| {op} | " + " | ".join(f"{rs[b]['us']:.2f}" for b in backends) + " | "
                      + " | ".join(calls) + " | "
-                     + " | ".join(str(rs[b]["param_bytes"]) for b in backends) + " |")
+                     + " | ".join(str(rs[b]["param_bytes"] or "-") for b in backends) + " |")
     if args.micro:
         res["micro"] = micro_rows(torch, 20 * args.calls)
         lines += ["", "Building blocks, µs per call:", "", "| block | µs |", "|---|---|"]
@@ -728,6 +770,7 @@ def main(argv=None) -> int:
                                         layers=args.compiled,
                                         fixed_density=args.compiled_density)
         lines += _compiled_tables(res["compiled"])
+    scope.close()
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)

@@ -19,7 +19,10 @@ The codec contract, for every backend:
   behave as torch's own ops: ``stream=None`` is torch's current stream and
   memory comes from torch's caching allocator, unless ``stream=`` /
   ``allocator=`` say otherwise. Anything else defaults to CuPy's current stream
-  and memory pool.
+  and memory pool. Such calls under torch's defaults (and, for packs, a fixed
+  capacity and an explicit encoding) take the torch adapter's C++ host path
+  (``torch/native_codec.py``): the CuPy backend's kernels, records and results,
+  with a few microseconds of host time per call instead of tens.
 """
 
 from __future__ import annotations
@@ -54,34 +57,39 @@ def _torch_device(x) -> int:
 
 
 _interop = None     # backends.cuda.interop, imported on the first torch CUDA call
+# The torch adapter's C++ host path of these ops for torch CUDA data under torch's defaults
+# (bitsparse_core/torch/native_codec.py), attached on the first torch CUDA call: each op
+# sends it the calls it takes and runs the backend's Python path for the rest.
+_native_codec = None
+_native_tried = False
+
+
+def _attach_native() -> None:
+    """Import the torch adapter's C++ host path (once): it attaches ``_native_codec`` and
+    has an exact pack of torch CUDA data wait for its count and shrink natively
+    (``backends/cuda/shrink.py``); the extension itself is built or loaded on first use."""
+    global _native_tried
+    _native_tried = True
+    try:
+        from .torch import native_codec
+    except ImportError:     # a torch the adapter cannot use: the Python path runs
+        return
+    native_codec.attach()
 
 
 def _context(x, stream, allocator):
     """``(stream, allocator, torch device or -1)`` of a GPU call on ``x``: torch's
     current stream and caching allocator for torch data where the caller named none."""
     dev = _torch_device(x)
-    if dev >= 0 and (stream is None or allocator is None):
-        global _interop
-        if _interop is None:
-            from .backends.cuda import interop as _interop
-        stream, allocator = _interop.torch_defaults(dev, stream, allocator)
+    if dev >= 0:
+        if not _native_tried:
+            _attach_native()
+        if stream is None or allocator is None:
+            global _interop
+            if _interop is None:
+                from .backends.cuda import interop as _interop
+            stream, allocator = _interop.torch_defaults(dev, stream, allocator)
     return stream, allocator, dev
-
-
-_exact_steps_ready = False
-
-
-def _native_exact_steps() -> None:
-    """An exact pack of torch CUDA data waits for its count and shrinks in the torch
-    adapter's C++ extension (``backends/cuda/shrink.py``); importing the adapter
-    registers that (once; the extension itself is built or loaded on first use)."""
-    global _exact_steps_ready
-    if not _exact_steps_ready:
-        _exact_steps_ready = True
-        try:
-            from .torch import native  # noqa: F401
-        except ImportError:     # a torch the adapter cannot use: the Python steps run
-            pass
 
 
 def _mark(p: PackedTensor, torch_dev: int) -> PackedTensor:
@@ -110,17 +118,26 @@ def pack(x, *, encoding="auto", backend: str = "auto", chunk_log2: int = DEFAULT
     allocator:  where device memory comes from (GPU backends; None: torch's
                 caching allocator for a torch tensor, else CuPy's pool).
     """
+    fast = _native_codec
+    if (fast is not None and type(capacity) is int and stream is None and allocator is None
+            and dtype is None and chunk_log2 == DEFAULT_CHUNK_LOG2 and backend in fast.backends):
+        p = fast.pack(x, encoding, capacity)
+        if p is not None:
+            return p
     device, _ = device_of(x)
     be = select_backend(backend, device)
     stream, allocator, tdev = _context(x, stream, allocator)
-    if capacity is None and tdev >= 0:
-        _native_exact_steps()
     return _mark(be.pack(x, dtype=dtype, encoding=encoding, chunk_log2=chunk_log2,
                          capacity=capacity, stream=stream, allocator=allocator), tdev)
 
 
 def unpack(p: PackedTensor, out=None, *, stream=None, allocator=None):
     """The dense tensor of ``p``, bit-exact; on ``p``'s device, DLPack-exportable."""
+    fast = _native_codec
+    if fast is not None and stream is None and allocator is None:
+        y = fast.unpack(p, out)
+        if y is not None:
+            return y
     if not isinstance(p, PackedTensor):
         raise TypeError(f"unpack takes a PackedTensor, not {type(p).__name__}; "
                         "use PackedTensor.from_bytes for serialized buffers")
@@ -137,10 +154,14 @@ def relu_pack(a, *, square: bool = False, encoding="nosign", backend: str = "aut
               allocator=None):
     """One pass over the pre-activation ``a``: ``(y, p)`` with ``y = relu(a)`` (or
     ``relu(a)**2`` when ``square``) dense for the next matmul and ``p = pack(relu(a))``."""
+    fast = _native_codec
+    if (fast is not None and type(capacity) is int and stream is None and allocator is None
+            and dtype is None and chunk_log2 == DEFAULT_CHUNK_LOG2 and backend in fast.backends):
+        yp = fast.relu_pack(a, square, encoding, capacity)
+        if yp is not None:
+            return yp
     be = _backend_for(a, backend)
     stream, allocator, tdev = _context(a, stream, allocator)
-    if capacity is None and tdev >= 0:
-        _native_exact_steps()
     y, p = be.relu_pack(a, square=square, dtype=dtype, encoding=encoding, chunk_log2=chunk_log2,
                         capacity=capacity, stream=stream, allocator=allocator)
     return y, _mark(p, tdev)
@@ -148,12 +169,22 @@ def relu_pack(a, *, square: bool = False, encoding="nosign", backend: str = "aut
 
 def relu_backward(grad, p: PackedTensor, *, stream=None, allocator=None):
     """ReLU's input gradient from the mask alone: ``grad`` where ``p``'s bit is set, else 0."""
+    fast = _native_codec
+    if fast is not None and stream is None and allocator is None:
+        out = fast.relu_backward(grad, p)
+        if out is not None:
+            return out
     stream, allocator, _ = _context(grad, stream, allocator)
     return p.backend.relu_backward(grad, p, stream=stream, allocator=allocator)
 
 
 def relu2_backward(grad, p: PackedTensor, *, stream=None, allocator=None):
     """ReLU²'s input gradient ``2·r·grad`` (0 where r <= 0), reading r from ``p``."""
+    fast = _native_codec
+    if fast is not None and stream is None and allocator is None:
+        out = fast.relu2_backward(grad, p)
+        if out is not None:
+            return out
     stream, allocator, _ = _context(grad, stream, allocator)
     return p.backend.relu2_backward(grad, p, stream=stream, allocator=allocator)
 
@@ -161,6 +192,11 @@ def relu2_backward(grad, p: PackedTensor, *, stream=None, allocator=None):
 def masked_pack(u, p_mask: PackedTensor, *, encoding="signplane", dtype=None, stream=None,
                 allocator=None) -> PackedTensor:
     """``u`` at the positions set in ``p_mask`` (gated ReLU's up projection), sharing its mask."""
+    fast = _native_codec
+    if fast is not None and dtype is None and stream is None and allocator is None:
+        p = fast.masked_pack(u, p_mask, encoding)
+        if p is not None:
+            return p
     stream, allocator, tdev = _context(u, stream, allocator)
     return _mark(p_mask.backend.masked_pack(u, p_mask, dtype=dtype, encoding=encoding,
                                             stream=stream, allocator=allocator), tdev)
@@ -168,6 +204,11 @@ def masked_pack(u, p_mask: PackedTensor, *, encoding="signplane", dtype=None, st
 
 def gated_backward(grad, p_r: PackedTensor, p_u: PackedTensor, *, stream=None, allocator=None):
     """For ``h = relu(g) * u``: ``(grad_g, grad_u)`` from the two packed tensors."""
+    fast = _native_codec
+    if fast is not None and stream is None and allocator is None:
+        grads = fast.gated_backward(grad, p_r, p_u)
+        if grads is not None:
+            return grads
     stream, allocator, _ = _context(grad, stream, allocator)
     return p_r.backend.gated_backward(grad, p_r, p_u, stream=stream, allocator=allocator)
 

@@ -24,7 +24,8 @@
 // (launch templates, plans), torch_host_slots.h (counts on the host),
 // torch_host_offload.h (the offload engine), torch_host_hooks.h (the saved-tensor hooks'
 // first look at each save, their packs and unpacks), torch_host_exact.h (an exact pack's
-// wait and shrink); this file: the op, its autograd node, its dispatcher kernels and the
+// wait and shrink), torch_host_public.h (the public codec ops' allocations and launches,
+// for bitsparse_core/torch/native_codec.py); this file: the op, its autograd node, its dispatcher kernels and the
 // module.
 
 #include "torch_host_common.h"
@@ -32,6 +33,7 @@
 #include "torch_host_hooks.h"
 #include "torch_host_launch.h"
 #include "torch_host_offload.h"
+#include "torch_host_public.h"
 #include "torch_host_slots.h"
 
 #include <torch/csrc/autograd/functions/basic_ops.h>
@@ -726,4 +728,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("launch_params", &launch_params);
   def_hooks_front(m);
+  def_public_ops(m);
 }

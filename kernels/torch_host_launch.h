@@ -10,8 +10,14 @@ namespace {
 // ---------------------------------------------------------------------------
 // Launch templates
 // ---------------------------------------------------------------------------
-// The pointers a call supplies (ROLE_NAMES in native.py lists them in this order).
-enum Role { R_X, R_Y, R_SCRATCH, R_G, R_OUT, R_OUT2, R_SLOT, N_ROLES };
+// The pointers a call supplies (ROLE_NAMES in native.py lists them in this order): the
+// FFN op's, then the planes (address, byte length) of packed tensors that live outside
+// the call's block (the public ops' inputs, torch_host_public.h).
+enum Role {
+  R_X, R_Y, R_SCRATCH, R_G, R_OUT, R_OUT2, R_SLOT,
+  R_MASK, R_MASK_LEN, R_OFFSETS, R_VALUES, R_VALUES_LEN, R_SIGNS, R_SIGNS_LEN,
+  R_UVALUES, R_UVALUES_LEN, R_USIGNS, R_USIGNS_LEN, N_ROLES
+};
 using Roles = std::array<uint64_t, N_ROLES>;
 
 struct Patch {
@@ -56,6 +62,8 @@ struct Launch {
 
   void run(void* stream, uint64_t block, const Roles& roles) const {
     if (grid == 0) return;
+    TORCH_CHECK(driver.launch != nullptr && driver.launch_cooperative != nullptr,
+                "bitsparse: a launch before set_driver");
     alignas(16) uint8_t buf[kMaxParamBytes];
     fill(buf, block, roles);
     void* args[kMaxParams];

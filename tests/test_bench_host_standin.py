@@ -44,6 +44,27 @@ def test_every_op_runs_with_the_driver_calls_it_makes(tmp_path):
 
 @pytest.mark.skipif(shutil.which("cc") is None or shutil.which("c++") is None,
                     reason="no C / C++ compiler for the stand-in driver and the extension")
+def test_cpp_rows_take_the_public_ops_native_path(tmp_path):
+    """--backends cupy,c++: the public ops through their C++ path (torch/native_codec.py)
+    make the CuPy backend's driver calls, from C++ (no record Python sees)."""
+    cmd = [sys.executable, str(ROOT / "bench" / "host_standin.py"), "--calls", "20",
+           "--repeats", "1", "--backends", "cupy,c++", "--out", str(tmp_path)]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {(r["backend"], r["op"]): r
+            for r in json.loads((tmp_path / "host_standin.json").read_text())["rows"]}
+    assert len(rows) == 16
+    for op in PACKS + ("unpack", "unpack_out", "relu_backward", "relu2_backward",
+                       "gated_backward"):
+        cupy, native = rows[("cupy", op)], rows[("c++", op)]
+        assert {k: v for k, v in native["calls"].items() if v} == \
+            {k: v for k, v in cupy["calls"].items() if v}, op
+        assert native["param_bytes"] is None and cupy["param_bytes"] > 0 and native["us"] > 0
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("c++") is None,
+                    reason="no C / C++ compiler for the stand-in driver and the extension")
 def test_module_rows_run_the_packed_ffn_through_the_cpp_path(tmp_path):
     """--module: the packed FFN's forward and backward on the C++ path with the stand-in's
     entry points (its packs' slots written clean, so no recompute), beside dense; --hf

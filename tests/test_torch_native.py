@@ -144,8 +144,10 @@ def test_bad_templates_are_refused(ext):
     outside = good[:7] + ([10_000],) + good[8:]
     with pytest.raises(RuntimeError, match="outside the record"):
         ext.add_plan(10, 64, 0, 0, {"mask_select": outside})
+    assert ext.N_ROLES == len(native.ROLE_NAMES)     # Python names every C++ role, in order
+    unknown = len(native.ROLE_NAMES)
     with pytest.raises(RuntimeError, match="unknown role"):
-        ext.add_plan(10, 64, 0, 0, {"mask_select": good[:8] + ([(9, 0, -1, False)],)})
+        ext.add_plan(10, 64, 0, 0, {"mask_select": good[:8] + ([(unknown, 0, -1, False)],)})
     with pytest.raises(RuntimeError, match="unknown plan handle"):
         ext.launch_params(1 << 20, "pack", 0, _roles())
 
@@ -442,9 +444,15 @@ class HostDriver:
             ctypes.memmove(r["y"], y.data_ptr(), y.numel() * y.element_size())
         self.blocks[block] = plan
 
-    def _view(self, mask):
+    def _view(self, mask, fmt=None):
+        """The packed tensor at ``mask``; ``fmt``: the kernel's element format, where the
+        pack's was only a bit width (a plain pack's kernels move bits)."""
         from bitsparse_core.torch import ops
         plan = self.blocks[mask]
+        if fmt is not None and self._dtype(fmt) != plan.lay.dtype:
+            lay = plan.lay
+            plan = host.pack_plan(lay.shape, self._dtype(fmt), lay.encoding, lay.capacity,
+                                  lay.chunk_log2, plan.mode)
         raw = torch.from_numpy(self._host(mask, plan.nbytes).copy())
         return plan, ops.block_view(raw, plan)
 
@@ -459,7 +467,7 @@ class HostDriver:
     def _unpack(self, key, r):
         from bitsparse_core.backends import get_backend
         from bitsparse_core.spec import ops as reference_ops
-        plan, p = self._view(r["mask"])
+        plan, p = self._view(r["mask"], key[1])
         op = abi.Op(key[2])
         if op == abi.Op.UNPACK:
             self._out(r["out"], np.asarray(get_backend("numpy").unpack(p)))

@@ -64,7 +64,9 @@ ENV = "BITSPARSE_NATIVE"
 SOURCE = "torch_ffn_host.cpp"
 HEADERS = "torch_host_*.h"     # its parts, included by SOURCE
 # The pointers a call supplies, in the order of the C++ ``Role`` enum.
-ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2", "slot")
+ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2", "slot",
+              "mask", "mask_len", "offsets", "values", "values_len", "signs", "signs_len",
+              "uvalues", "uvalues_len", "usigns", "usigns_len")
 
 _lock = threading.Lock()
 _off = 0                   # depth of python_path() blocks
@@ -110,6 +112,7 @@ def emulate_on_host(entry_points):
         _emulation = None
         mod.unregister_kernels("CPU")
         mod.set_host_emulation(False)
+        mod.set_driver(0, 0, 0, 0, 0, 0)    # the stand-ins' entry points may not outlive this
         _forget_handles(mod)
 
 
