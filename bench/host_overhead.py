@@ -1,7 +1,7 @@
 """Host (CPU wall) time per call of every public bitsparse_core op, beside its GPU time.
 
     python3 bench/host_overhead.py [--backends cupy,numba] [--out bench/results]
-                                   [--time-limit 240] [--modes torch,callable]
+                                   [--time-limit 240] [--modes torch,stream,callable]
 
 Inputs are torch CUDA bf16 tensors handed to the ops directly (DLPack
 producers), at sparsity 0.9: ``x = relu(a)`` with ``a = randn - 1.2816`` (so
@@ -24,7 +24,11 @@ counted once before timing. The ops, with their host-time targets:
 
 Argument modes (``--modes``): ``torch`` passes no ``stream=`` / ``allocator=``
 (on torch tensors the library then runs on torch's current stream with memory
-from torch's caching allocator, as a torch user calls it); ``callable`` passes
+from torch's caching allocator, as a torch user calls it: with the CuPy backend such
+calls take the torch adapter's C++ host path, ``torch/native_codec.py``); ``stream``
+passes ``stream=torch.cuda.current_stream().cuda_stream`` (read once) and no
+allocator, the same stream and allocator on the backend's Python host path (what the
+C++ path leaves to Python: the two, side by side in one run); ``callable`` passes
 ``stream=torch.cuda.current_stream().cuda_stream`` (read once, before timing)
 and ``allocator=`` a Python function returning ``torch.empty(nbytes,
 dtype=uint8)`` (what a caller wiring its own allocator pays). ``pack`` /
@@ -156,9 +160,10 @@ def parse_args(argv=None):
                                         "BENCH_CASES hook contract.")
     ap.add_argument("--backends", default="cupy,numba",
                     help="comma-separated (default: cupy,numba)")
-    ap.add_argument("--modes", default="torch,callable",
-                    help="torch: no stream= / allocator= (torch's own, by default); callable: "
-                         "an int stream and a Python allocator function (default: both)")
+    ap.add_argument("--modes", default="torch,stream,callable",
+                    help="torch: no stream= / allocator= (torch's own, by default); stream: "
+                         "torch's current stream named (the Python host path); callable: an "
+                         "int stream and a Python allocator function (default: all three)")
     ap.add_argument("--small", default="1x4096", help="shape where GPU time is negligible")
     ap.add_argument("--large", default=None,
                     help="comma-separated shapes, '' for none (default: 8192x16384,8192x14336; "
@@ -182,9 +187,9 @@ def parse_args(argv=None):
     args.warmup = max(args.warmup, 20)
     args.backends = [b for b in args.backends.split(",") if b]
     args.modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in args.modes if m not in ("torch", "callable")]
+    bad = [m for m in args.modes if m not in MODES]
     if bad:
-        ap.error(f"unknown mode(s) {bad}; use torch and/or callable")
+        ap.error(f"unknown mode(s) {bad}; use {', '.join(MODES)}")
     args.small = parse_shape(args.small)
     if args.large is None:
         args.large = "16x4096" if args.cpu_smoke else "8192x16384,8192x14336"
@@ -316,11 +321,17 @@ def make_inputs(torch, dev: Device, shape, sparsity: float, seed: int) -> dict:
             "measured_sparsity": 1.0 - nnz / x.numel()}
 
 
+MODES = ("torch", "stream", "callable")
+
+
 def call_kwargs(torch, dev: Device, mode: str) -> dict:
-    """``stream=`` and an ``allocator=`` function (mode ``callable``), or nothing."""
+    """``stream=`` (modes ``stream`` and ``callable``) and an ``allocator=`` function (mode
+    ``callable``), or nothing."""
     if mode == "torch" or not dev.cuda:
         return {}
     stream = int(torch.cuda.current_stream().cuda_stream)
+    if mode == "stream":
+        return {"stream": stream}
 
     def allocator(nbytes, device=None, stream=None):
         d = dev.device if device is None else torch.device("cuda", int(device))
@@ -759,7 +770,9 @@ def write_markdown(res, path: Path):
              f"commit {(meta.get('git_commit') or '?')[:12]}.", "",
              f"bf16 inputs at sparsity {cfg['sparsity']}; K = nnz(x); p = exact nosign pack. "
              f"Mode `torch`: no stream / allocator arguments (torch's current stream and caching "
-             f"allocator, the library's defaults for torch data); `callable`: an int stream and "
+             f"allocator, the library's defaults for torch data; on CuPy the torch adapter's C++ "
+             f"host path); `stream`: torch's current stream named (the same stream and "
+             f"allocator on the backend's Python host path); `callable`: an int stream and "
              f"a Python allocator function returning torch uint8 tensors.", "",
              f"* small [{shape_name(small)}]: host = wall of a {cfg['iters']}-call loop / "
              f"{cfg['iters']} (no sync inside, outputs kept), median of {cfg['repeats']} loops "
