@@ -111,14 +111,14 @@ def mask_select_template(lay: _fmt.Layout, device: int) -> tuple:
 # What one kind of call needs, made on its first use                          #
 # --------------------------------------------------------------------------- #
 class _Pack(NamedTuple):
-    """A pack call's plan, its template's id and what its PackedTensor is made of."""
+    """A pack call's template id and plan, and what its PackedTensor is made of."""
     launch: int
     plan: host.PackPlan
-    shape: tuple
-    dtype: object          # the format's DType
     dense_bytes: int       # relu_pack's activation (with the scratch behind it), else 0
-    status: bool           # nosign: a status word stays on the device for check()
-    offsets: tuple         # (dtype, count) of the offsets plane
+    meta: tuple            # the PackedTensor's shape, dtype, encoding, chunk_log2, capacity
+    # the planes in the block: mask, offsets (offset, count, dtype), values, signs
+    # (offset, bytes), the status word's offset (-1: none, the encoding is not nosign)
+    spans: tuple
 
 
 _MISSING = object()
@@ -166,28 +166,28 @@ def _pack_entry(mod, shape, tdtype, encoding, capacity, mode, device):
         return None
     dense = _fmt.align(lay.numel * bs_dtype.itemsize, 16) if mode in (Mode.RELU, Mode.RELU2) else 0
     odt = _OFFSET_DTYPES[lay.offset_width]
-    return _Pack(launch, plan, tuple(shape), bs_dtype, dense, lay.encoding == Encoding.NOSIGN,
-                 (odt, plan.spans[1][1] // odt.itemsize))
+    (mo, ml), (oo, ol), (vo, vl), (so, sl) = plan.spans
+    status = plan.status_offset if lay.encoding == Encoding.NOSIGN else -1
+    return _Pack(launch, plan, dense, (tuple(shape), bs_dtype, lay.encoding, lay.chunk_log2,
+                                       lay.capacity),
+                 (mo, ml, oo, ol // odt.itemsize, odt, vo, vl, so, sl, status))
 
 
-def _packed(e: _Pack, block: torch.Tensor, s: int, dev: int, *, mask=None, offsets=None,
+def _packed(e: _Pack, block: torch.Tensor, s: int, dev: int, mask=None, offsets=None,
             nnz=None, extra=None) -> PackedTensor:
-    """The CuPy backend's PackedTensor of a block (its ``_packed``, for a torch block)."""
-    plan, lay, at, Plane = e.plan, e.plan.lay, block.data_ptr(), ci.DevicePlane
-    (mo, ml), (oo, _), (vo, vl), (so, sl) = plan.spans
+    """The CuPy backend's PackedTensor of a block (what its ``_packed`` makes of a block of
+    its own); ``mask`` and ``offsets``: a masked pack's, the mask tensor's planes."""
+    at, Plane = block.data_ptr(), ci.DevicePlane
+    mo, ml, oo, on, odt, vo, vl, so, sl, st = e.spans
     if mask is None:
-        mask, offsets = Plane(at + mo, ml, _U8, dev, block, s), Plane(at + oo, e.offsets[1],
-                                                                      e.offsets[0], dev, block, s)
+        mask, offsets = Plane(at + mo, ml, _U8, dev, block, s), Plane(at + oo, on, odt, dev,
+                                                                      block, s)
     ex = {"stream": s, "torch": True}
     if extra:
         ex.update(extra)
-    return PackedTensor(e.shape, e.dtype, lay.encoding, lay.chunk_log2, lay.capacity, mask,
-                        offsets, Plane(at + vo, vl, _U8, dev, block, s),
-                        Plane(at + so, sl, _U8, dev, block, s), backend=_cupy, device=("cuda", dev),
-                        _nnz=nnz,
-                        status=(Plane(at + plan.status_offset, 1, _I32, dev, block, s)
-                                if e.status else None),
-                        extra=ex)
+    return PackedTensor(*e.meta, mask, offsets, Plane(at + vo, vl, _U8, dev, block, s),
+                        Plane(at + so, sl, _U8, dev, block, s), _cupy, ("cuda", dev), nnz,
+                        Plane(at + st, 1, _I32, dev, block, s) if st >= 0 else None, ex)
 
 
 _PACKS: dict = {}
@@ -233,7 +233,7 @@ def pack(x, encoding, capacity: int, mode: Mode = Mode.PACK):
     p = _packed(e, block, s, dev)
     if dense is None:
         return p
-    return ci.CudaArray(dense.data_ptr(), e.shape, e.dtype, dev, dense, s), p
+    return ci.CudaArray(dense.data_ptr(), e.meta[0], e.meta[1], dev, dense, s), p
 
 
 def relu_pack(a, square: bool, encoding, capacity: int):
@@ -244,11 +244,16 @@ def relu_pack(a, square: bool, encoding, capacity: int):
 def _packed_input(p, dev: int, s: int, values: bool):
     """``p``'s planes when this path takes it (a CuPy-made packed tensor of torch data on
     ``dev``), ordered after its producer and checked as ``CupyBackend._ready`` does."""
-    if type(p) is not PackedTensor or p.backend is not _cupy or p.device[1] != dev \
-            or not p.extra.get("torch"):
+    if type(p) is not PackedTensor or p.backend is not _cupy or p.device[1] != dev:
         return None
-    ci.stream_wait(s, protocol.producer_stream(p, s), dev)
-    if values:
+    extra = p.extra
+    if not extra.get("torch"):
+        return None
+    producer = extra.get("stream", s)
+    if producer != s:
+        ci.stream_wait(s, producer, dev)
+    # check() reads nothing where the count is known and no status word is pending
+    if values and (p.status is not None or p._nnz is None or p._nnz > p.capacity):
         p.check()
     return _planes_of(p)
 
@@ -262,15 +267,14 @@ def _dense_like(t, p) -> bool:
 def masked_pack(u, p_mask, encoding):
     """``bitsparse_core.masked_pack(u, p_mask, encoding=)``."""
     path = _path(u)
-    if path is None or not _dense_like(u, p_mask) or isinstance(encoding, str) \
-            and encoding.lower() == "auto":
+    if path is None or not _dense_like(u, p_mask):
         return None
     mod, dev, s = path
     planes = _packed_input(p_mask, dev, s, values=False)
     if planes is None:
         return None
     nnz = p_mask.nnz                    # known after an exact pack; else one sync (as in Python)
-    enc = masked_encoding(encoding)
+    enc = masked_encoding(encoding)     # "auto" is signplane here: no wait
     e = _remember(_PACKS, (Mode.MASKED, u.shape, u.dtype, enc, nnz, dev),
                   lambda: _pack_entry(mod, u.shape, u.dtype, enc, nnz, Mode.MASKED, dev))
     if e is None:
@@ -280,17 +284,24 @@ def masked_pack(u, p_mask, encoding):
                    extra={"shares_mask": True})
 
 
+class _Unpack(NamedTuple):
+    """An unpack-family call's template id and the bytes of its dense result."""
+    launch: int
+    out_bytes: int
+
+
+def _unpack_entry(mod, p, op: Optional[Op], u_enc, dev: int):
+    template = (mask_select_template(p.layout, dev) if op is None
+                else unpack_template(p.layout, op, u_enc, dev))
+    launch = _add(mod, template)
+    return None if launch is None else _Unpack(launch, p.numel * p.dtype.itemsize)
+
+
 def _unpack_launch(mod, p, op: Optional[Op], dev: int, p_u=None):
-    """The template id of ``op`` (None: ReLU's mask-only gradient) over ``p``, or None."""
+    """The :class:`_Unpack` of ``op`` (None: ReLU's mask-only gradient) over ``p``, or None."""
     u_enc = p_u.encoding if p_u is not None else None
-    key = (p.shape, p.dtype, p.encoding, p.chunk_log2, op, u_enc, dev)
-    return _remember(_UNPACKS, key, lambda: _add(
-        mod, mask_select_template(p.layout, dev) if op is None
-        else unpack_template(p.layout, op, u_enc, dev)))
-
-
-def _dense(made: torch.Tensor, p, dev: int, s: int, offset: int = 0):
-    return ci.CudaArray(made.data_ptr() + offset, p.shape, p.dtype, dev, made, s)
+    return _remember(_UNPACKS, (p.shape, p.dtype, p.encoding, p.chunk_log2, op, u_enc, dev),
+                     lambda: _unpack_entry(mod, p, op, u_enc, dev))
 
 
 def _unpack_op(path, p, op: Optional[Op], g, out):
@@ -303,13 +314,14 @@ def _unpack_op(path, p, op: Optional[Op], g, out):
     planes = _packed_input(p, dev, s, values=op is not None)
     if planes is None:
         return None
-    launch = _unpack_launch(mod, p, op, dev)
-    if launch is None:
+    e = _unpack_launch(mod, p, op, dev)
+    if e is None:
         return None
-    made = mod.public_unpack(launch, dev, planes, None, g.data_ptr() if g is not None else 0,
-                             out.data_ptr() if out is not None else 0,
-                             p.numel * p.dtype.itemsize, 0, s)
-    return out if made is None else _dense(made, p, dev, s)
+    made = mod.public_unpack(e.launch, dev, planes, None, g.data_ptr() if g is not None else 0,
+                             out.data_ptr() if out is not None else 0, e.out_bytes, 0, s)
+    if made is None:
+        return out
+    return ci.CudaArray(made.data_ptr(), p.shape, p.dtype, dev, made, s)
 
 
 def _packed_path(p):
@@ -360,12 +372,14 @@ def gated_backward(grad, p_r, p_u):
     pr = _packed_input(p_r, dev, s, values=True) if pu is not None else None
     if pr is None or (pu.mask, pu.offsets) != (pr.mask, pr.offsets):
         return None
-    launch = _unpack_launch(mod, p_r, Op.GATED, dev, p_u)
-    if launch is None:
+    e = _unpack_launch(mod, p_r, Op.GATED, dev, p_u)
+    if e is None:
         return None
-    half = _fmt.align(p_r.numel * p_r.dtype.itemsize, 16)
-    made = mod.public_unpack(launch, dev, pr, pu, grad.data_ptr(), 0, 2 * half, half, s)
-    return _dense(made, p_r, dev, s), _dense(made, p_r, dev, s, half)
+    half = _fmt.align(e.out_bytes, 16)     # both results in one allocation
+    made = mod.public_unpack(e.launch, dev, pr, pu, grad.data_ptr(), 0, 2 * half, half, s)
+    at, shape, dtype = made.data_ptr(), p_r.shape, p_r.dtype
+    return (ci.CudaArray(at, shape, dtype, dev, made, s),
+            ci.CudaArray(at + half, shape, dtype, dev, made, s))
 
 
 def _planes_of(p):
