@@ -121,16 +121,46 @@ struct Plan {
   Launch pack, unpack, relu2, relu2_and_square, mask_select;
 };
 
-// Handles index a fixed table, so a backward reads its plan without a lock while
-// another thread registers one; plans live as long as the process.
-constexpr int64_t kMaxPlans = 1 << 16;
-std::unique_ptr<std::atomic<Plan*>[]> plans(new std::atomic<Plan*>[kMaxPlans]());
-std::atomic<int64_t> n_plans{0};
-std::mutex register_mutex;
+// Handles index a fixed table, so a backward reads its entry without a lock while another
+// thread adds one; entries live until the table is cleared (plans: as long as the process).
+template <typename T>
+class HandleTable {
+ public:
+  static constexpr int64_t kMax = 1 << 16;
+
+  // The new entry's handle, or -1 where the table is full (the caller takes the Python path).
+  int64_t add(std::unique_ptr<T> entry) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t h = size_.load();
+    if (h >= kMax) return -1;
+    slots_[h].store(entry.release());
+    size_.store(h + 1);
+    return h;
+  }
+
+  const T* find(int64_t handle) const {
+    return handle >= 0 && handle < size_.load() ? slots_[handle].load() : nullptr;
+  }
+
+  // Only where no reader can hold an entry (the public ops' callers, under the GIL).
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t n = size_.exchange(0);
+    for (int64_t i = 0; i < n; ++i) delete slots_[i].exchange(nullptr);
+  }
+
+ private:
+  std::unique_ptr<std::atomic<T*>[]> slots_{new std::atomic<T*>[kMax]()};
+  std::atomic<int64_t> size_{0};
+  std::mutex mutex_;
+};
+
+HandleTable<Plan> plans;
 
 const Plan& plan_at(int64_t handle) {
-  TORCH_CHECK(handle >= 0 && handle < n_plans.load(), "bitsparse: unknown plan handle ", handle);
-  return *plans[handle].load();
+  const Plan* plan = plans.find(handle);
+  TORCH_CHECK(plan != nullptr, "bitsparse: unknown plan handle ", handle);
+  return *plan;
 }
 
 int64_t add_plan(int64_t numel, int64_t nbytes, int64_t scratch_bytes, int64_t status_offset,
@@ -154,12 +184,7 @@ int64_t add_plan(int64_t numel, int64_t nbytes, int64_t scratch_bytes, int64_t s
     }
     TORCH_CHECK(known, "bitsparse: unknown launch '", name, "'");
   }
-  std::lock_guard<std::mutex> lock(register_mutex);
-  const int64_t h = n_plans.load();
-  if (h >= kMaxPlans) return -1;   // full: the caller takes the Python path
-  plans[h].store(plan.release());
-  n_plans.store(h + 1);
-  return h;
+  return plans.add(std::move(plan));
 }
 
 }  // namespace

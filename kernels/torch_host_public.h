@@ -12,33 +12,24 @@
 
 namespace {
 
-// Templates index a fixed table, as plans do (a lookup takes no lock).
-std::unique_ptr<std::atomic<Launch*>[]> public_launches(new std::atomic<Launch*>[kMaxPlans]());
-std::atomic<int64_t> n_public_launches{0};
+// The templates, by the ids Python holds (torch_host_launch.h's table).
+HandleTable<Launch> public_launches;
 
 int64_t add_public_launch(const py::tuple& launch) {
   auto L = std::make_unique<Launch>(make_launch(launch));
   TORCH_CHECK(L->present(), "bitsparse: a public launch template without a kernel");
-  std::lock_guard<std::mutex> lock(register_mutex);
-  const int64_t id = n_public_launches.load();
-  if (id >= kMaxPlans) return -1;   // full: the caller takes the Python path
-  public_launches[id].store(L.release());
-  n_public_launches.store(id + 1);
-  return id;
+  return public_launches.add(std::move(L));
 }
 
-// Python forgets its ids when its caches fill (shapes or counts that never repeat); the
-// templates go with them. Every public_* call holds the GIL, as this does, so none is
+// Python forgets its ids when its caches fill (shapes or counts that never repeat), and the
+// templates go with them: every public_* call holds the GIL, as this does, so none is
 // reading the table meanwhile.
-void forget_public_launches() {
-  std::lock_guard<std::mutex> lock(register_mutex);
-  const int64_t n = n_public_launches.exchange(0);
-  for (int64_t i = 0; i < n; ++i) delete public_launches[i].exchange(nullptr);
-}
+void forget_public_launches() { public_launches.clear(); }
 
 const Launch& public_launch_at(int64_t id) {
-  TORCH_CHECK(id >= 0 && id < n_public_launches.load(), "bitsparse: unknown public launch ", id);
-  return *public_launches[id].load();
+  const Launch* L = public_launches.find(id);
+  TORCH_CHECK(L != nullptr, "bitsparse: unknown public launch ", id);
+  return *L;
 }
 
 // Where a call's memory goes: cuda:device, or the host under emulation.

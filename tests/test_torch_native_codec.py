@@ -29,6 +29,7 @@ from bitsparse_core.torch import native, native_codec as nc  # noqa: E402
 from gpu_util import fresh_rng, random_bits  # noqa: E402
 from test_torch_native import (BLOCK, G, OUT, OUT2, SCRATCH, X, Y, HostDriver,  # noqa: E402,F401
                                emulated, ext, python_launches)
+from test_torch_native import _roles as named_roles  # noqa: E402
 
 Mode, Op = abi.Mode, abi.Op
 STREAM = 0x5EED
@@ -37,7 +38,8 @@ TORCH_DTYPES = {D.BFLOAT16: torch.bfloat16, D.FLOAT16: torch.float16, D.FLOAT32:
 
 
 def _roles(planes=None, u=None, **given):
-    """A call's roles: the planes' addresses and lengths, then the named pointers."""
+    """A call's roles: the planes' addresses and lengths (``u``: gated's u), then the
+    named pointers."""
     if planes is not None:
         given.update(mask=planes.mask, mask_len=planes.mask_len, offsets=planes.offsets,
                      values=planes.values, values_len=planes.values_len, signs=planes.signs,
@@ -45,7 +47,7 @@ def _roles(planes=None, u=None, **given):
     if u is not None:
         given.update(uvalues=u.values, uvalues_len=u.values_len, usigns=u.signs,
                      usigns_len=u.signs_len)
-    return [given.get(name, 0) for name in native.ROLE_NAMES]
+    return named_roles(**given)
 
 
 CASES = [((8, 1024), D.BFLOAT16, Encoding.NOSIGN, 0.25),
