@@ -355,6 +355,26 @@ def gpt12_frozen_row(tg: dict, stem: str, what: str) -> str:
             f"({ci(frozen, 'median_ratio_vs_own_ci95')}) | `bench/results/{stem}.md` |")
 
 
+def host_overhead_paths_row(name: str) -> str:
+    """A host_overhead run with modes ``torch`` (the C++ path of the public ops) and
+    ``stream`` (the Python path, same stream and allocator): the 4096-element host times."""
+    res = result(f"{name}.json")
+    small = next(i for i in res["inputs"] if i["size"] == "small")
+    ops = [s for s in res["summary"] if s["target_us"] is not None]
+
+    def host(backend, mode):
+        return [s["host_us"] for s in ops if s["backend"] == backend and s["mode"] == mode]
+    adds = [s["host_us"] for s in res["summary"] if s["op"] == "torch_add"]
+    met = [s for s in ops if s["backend"] == "cupy" and s["mode"] == "torch"]
+    return (f"| host time per call, {small['numel']}-element bf16 tensor, public `bc.*` API on "
+            f"torch tensors | CuPy through the C++ host path (the default) "
+            f"{span(host('cupy', 'torch'), '{:.1f}')} µs ({sum(s['state'] == 'met' for s in met)} "
+            f"of {len(met)} targets met), the same calls on the Python host path "
+            f"{span(host('cupy', 'stream'), '{:.1f}')} µs, Numba "
+            f"{span(host('numba', 'torch'), '{:.1f}')} µs (torch's `x + x`: "
+            f"{span(adds, '{:.1f}')} µs) | `bench/results/{name}.md` |")
+
+
 def readme_h100() -> list:
     """The rows of the README's second table: the H100 runs (``*_h100.json``)."""
     hf = result("bench_hf_h100.json")
@@ -410,6 +430,7 @@ def readme_h100() -> list:
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
 
         codecs_8192x14336_row("codecs_8192x14336_h100"),
+        host_overhead_paths_row("host_overhead_h100_s57_fast_host"),
     ]
 
 
