@@ -123,28 +123,34 @@ struct Plan {
 
 // Handles index a fixed table, so a backward reads its entry without a lock while another
 // thread adds one; entries live until the table is cleared (plans: as long as the process).
+// A handle carries the table's generation above its index: one made before a clear finds
+// nothing after it, even once its index holds a new entry.
 template <typename T>
 class HandleTable {
  public:
-  static constexpr int64_t kMax = 1 << 16;
+  static constexpr int kIndexBits = 16;
+  static constexpr int64_t kMax = int64_t{1} << kIndexBits;
 
   // The new entry's handle, or -1 where the table is full (the caller takes the Python path).
   int64_t add(std::unique_ptr<T> entry) {
     std::lock_guard<std::mutex> lock(mutex_);
-    const int64_t h = size_.load();
-    if (h >= kMax) return -1;
-    slots_[h].store(entry.release());
-    size_.store(h + 1);
-    return h;
+    const int64_t i = size_.load();
+    if (i >= kMax) return -1;
+    slots_[i].store(entry.release());
+    size_.store(i + 1);
+    return (generation_.load() << kIndexBits) | i;
   }
 
   const T* find(int64_t handle) const {
-    return handle >= 0 && handle < size_.load() ? slots_[handle].load() : nullptr;
+    if (handle < 0 || (handle >> kIndexBits) != generation_.load()) return nullptr;
+    const int64_t i = handle & (kMax - 1);
+    return i < size_.load() ? slots_[i].load() : nullptr;
   }
 
   // Only where no reader can hold an entry (the public ops' callers, under the GIL).
   void clear() {
     std::lock_guard<std::mutex> lock(mutex_);
+    generation_.fetch_add(1);
     const int64_t n = size_.exchange(0);
     for (int64_t i = 0; i < n; ++i) delete slots_[i].exchange(nullptr);
   }
@@ -152,6 +158,7 @@ class HandleTable {
  private:
   std::unique_ptr<std::atomic<T*>[]> slots_{new std::atomic<T*>[kMax]()};
   std::atomic<int64_t> size_{0};
+  std::atomic<int64_t> generation_{0};
   std::mutex mutex_;
 };
 

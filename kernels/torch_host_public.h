@@ -23,14 +23,9 @@ int64_t add_public_launch(const py::tuple& launch) {
 
 // Python forgets its ids when its caches fill (shapes or counts that never repeat), and the
 // templates go with them: every public_* call holds the GIL, as this does, so none is
-// reading the table meanwhile.
+// reading the table meanwhile, and an id another thread took before the clear finds
+// nothing after it (that call returns None: Python's path runs it).
 void forget_public_launches() { public_launches.clear(); }
-
-const Launch& public_launch_at(int64_t id) {
-  const Launch* L = public_launches.find(id);
-  TORCH_CHECK(L != nullptr, "bitsparse: unknown public launch ", id);
-  return *L;
-}
 
 // Where a call's memory goes: cuda:device, or the host under emulation.
 at::TensorOptions bytes_on(int64_t device) {
@@ -59,10 +54,12 @@ void put_planes(Roles& roles, const py::handle& planes, bool u = false) {
 // A pack of ``x`` (any mode) into a new block of ``block_bytes``: ``(block, dense)``.
 // ``dense_bytes`` > 0 (relu_pack): the activation goes to a new allocation of that many
 // bytes, which carries the pack's scratch behind it; else the scratch rides behind the
-// block. ``mask_planes``: a masked pack's mask tensor's planes (None otherwise).
-py::tuple public_pack(int64_t id, const Tensor& x, int64_t block_bytes, int64_t scratch_bytes,
-                      int64_t dense_bytes, const py::handle& mask_planes, uint64_t stream) {
-  const Launch& L = public_launch_at(id);
+// block. ``mask_planes``: a masked pack's mask tensor's planes (None otherwise). None
+// where ``id`` was forgotten meanwhile (nothing queued).
+py::object public_pack(int64_t id, const Tensor& x, int64_t block_bytes, int64_t scratch_bytes,
+                       int64_t dense_bytes, const py::handle& mask_planes, uint64_t stream) {
+  const Launch* L = public_launches.find(id);
+  if (L == nullptr) return py::none();    // forgotten meanwhile
   c10::DeviceGuard device_guard(x.device());
   const auto opts = x.options().dtype(at::kByte);
   Tensor block, dense;
@@ -80,18 +77,20 @@ py::tuple public_pack(int64_t id, const Tensor& x, int64_t block_bytes, int64_t 
   put_planes(roles, mask_planes);
   void* s = reinterpret_cast<void*>(stream);
   memset0(roles[R_SCRATCH], scratch_bytes, s);
-  L.run(s, address(block), roles);
+  L->run(s, address(block), roles);
   return py::make_tuple(block, dense.defined() ? py::cast(dense) : py::none());
 }
 
 // An unpack-family launch over ``planes`` (and ``uplanes``: gated's u, sharing the mask)
 // on cuda:device. ``out``: the address to write, or 0 for a new allocation of
 // ``out_bytes`` (gated: both results in it, the second at ``out2_offset``); ``g``: the
-// gradient's address. Returns the new allocation, or None.
+// gradient's address. Returns the new allocation, True where ``out`` was given, or None
+// where ``id`` was forgotten meanwhile (nothing queued).
 py::object public_unpack(int64_t id, int64_t device, const py::handle& planes,
                          const py::handle& uplanes, uint64_t g, uint64_t out, int64_t out_bytes,
                          int64_t out2_offset, uint64_t stream) {
-  const Launch& L = public_launch_at(id);
+  const Launch* L = public_launches.find(id);
+  if (L == nullptr) return py::none();    // forgotten meanwhile
   Roles roles{};
   put_planes(roles, planes);
   put_planes(roles, uplanes, true);
@@ -105,16 +104,17 @@ py::object public_unpack(int64_t id, int64_t device, const py::handle& planes,
     if (out2_offset > 0) roles[R_OUT2] = out + static_cast<uint64_t>(out2_offset);
   }
   roles[R_OUT] = out;
-  L.run(reinterpret_cast<void*>(stream), 0, roles);
-  return made.defined() ? py::cast(made) : py::none();
+  L->run(reinterpret_cast<void*>(stream), 0, roles);
+  return made.defined() ? py::cast(made) : py::cast(true);
 }
 
 // The parameter bytes a public launch passes for ``roles`` (the CPU tests compare them
 // with the record the Python host protocol fills).
 py::bytes public_launch_params(int64_t id, uint64_t block, const Roles& roles) {
-  const Launch& L = public_launch_at(id);
-  std::vector<uint8_t> buf(L.params.size());
-  L.fill(buf.data(), block, roles);
+  const Launch* L = public_launches.find(id);
+  TORCH_CHECK(L != nullptr, "bitsparse: unknown public launch ", id);
+  std::vector<uint8_t> buf(L->params.size());
+  L->fill(buf.data(), block, roles);
   return py::bytes(reinterpret_cast<const char*>(buf.data()), buf.size());
 }
 

@@ -261,6 +261,28 @@ def test_emulated_caches_start_afresh_when_full(codec, monkeypatch):
         assert len(nc._PACKS) <= 2 and len(nc._UNPACKS) <= 2
 
 
+def test_emulated_ids_from_before_a_reset_queue_nothing(codec):
+    """An id another thread took before the extension forgot its templates finds nothing
+    after (even where its index holds a new template): the call goes to Python."""
+    rng = np.random.default_rng(4)
+    xb = random_bits(rng, (2, 512), D.BFLOAT16, 0.8, signs=False)
+    x = _tensor(xb, D.BFLOAT16)
+    p = nc.pack(x, "nosign", 1024)
+    p._nnz, p.status = int(np.count_nonzero(xb.view(np.uint16))), None
+    stale = dict(nc._PACKS), dict(nc._UNPACKS)
+    assert nc.unpack(p, None) is not None
+    native._emulation.forget_public_launches()          # the extension's side of a reset
+    launches = len(codec.launches)
+    assert nc.pack(x, "nosign", 1024) is None and nc.unpack(p, None) is None
+    assert len(codec.launches) == launches               # nothing queued
+    nc._forget()
+    assert nc.pack(x, "nosign", 1024) is not None                   # made again
+    (key, old), = stale[0].items()
+    assert nc._PACKS[key].launch != old.launch                      # same index, new generation
+    with pytest.raises(RuntimeError, match="unknown public launch"):
+        native._emulation.public_launch_params(old.launch, 0, _roles())
+
+
 # --------------------------------------------------------------------------- #
 # Which calls the public ops send (no extension needed)                        #
 # --------------------------------------------------------------------------- #

@@ -228,8 +228,10 @@ def pack(x, encoding, capacity: int, mode: Mode = Mode.PACK):
     if e is None:
         return None
     plan = e.plan
-    block, dense = mod.public_pack(e.launch, x, plan.nbytes, plan.scratch_bytes, e.dense_bytes,
-                                   None, s)
+    made = mod.public_pack(e.launch, x, plan.nbytes, plan.scratch_bytes, e.dense_bytes, None, s)
+    if made is None:        # its template forgotten meanwhile (another thread's reset)
+        return None
+    block, dense = made
     p = _packed(e, block, s, dev)
     if dense is None:
         return p
@@ -279,8 +281,10 @@ def masked_pack(u, p_mask, encoding):
                   lambda: _pack_entry(mod, u.shape, u.dtype, enc, nnz, Mode.MASKED, dev))
     if e is None:
         return None
-    block, _ = mod.public_pack(e.launch, u, e.plan.nbytes, e.plan.scratch_bytes, 0, planes, s)
-    return _packed(e, block, s, dev, mask=p_mask.mask, offsets=p_mask.offsets, nnz=nnz,
+    made = mod.public_pack(e.launch, u, e.plan.nbytes, e.plan.scratch_bytes, 0, planes, s)
+    if made is None:
+        return None
+    return _packed(e, made[0], s, dev, mask=p_mask.mask, offsets=p_mask.offsets, nnz=nnz,
                    extra={"shares_mask": True})
 
 
@@ -319,8 +323,8 @@ def _unpack_op(path, p, op: Optional[Op], g, out):
         return None
     made = mod.public_unpack(e.launch, dev, planes, None, g.data_ptr() if g is not None else 0,
                              out.data_ptr() if out is not None else 0, e.out_bytes, 0, s)
-    if made is None:
-        return out
+    if made is None or made is True:    # forgotten meanwhile (nothing queued) / out= written
+        return None if made is None else out
     return ci.CudaArray(made.data_ptr(), p.shape, p.dtype, dev, made, s)
 
 
@@ -377,6 +381,8 @@ def gated_backward(grad, p_r, p_u):
         return None
     half = _fmt.align(e.out_bytes, 16)     # both results in one allocation
     made = mod.public_unpack(e.launch, dev, pr, pu, grad.data_ptr(), 0, 2 * half, half, s)
+    if made is None:
+        return None
     at, shape, dtype = made.data_ptr(), p_r.shape, p_r.dtype
     return (ci.CudaArray(at, shape, dtype, dev, made, s),
             ci.CudaArray(at + half, shape, dtype, dev, made, s))
