@@ -713,6 +713,7 @@ def main(argv=None) -> int:
                 pr.disable()
             print(f"== {b} {args.profile}")
             pstats.Stats(pr).sort_stats("tottime").print_stats(60)
+        scope.close()
         return 0
     rows = []
     for op in OPS:
@@ -731,6 +732,7 @@ def main(argv=None) -> int:
         for r in rows:
             with native_calls(bc, r["backend"]):
                 r["loops_us"].append(loop_us(by_backend[r["backend"]][r["op"]], args.calls))
+    scope.close()       # before the module rows, which enter cxx_path themselves
     add = [loop_us(lambda: inp["x"] + inp["x"], args.calls) for _ in range(args.repeats)]
     for r in rows:
         r["us"] = min(r["loops_us"])
@@ -770,7 +772,6 @@ def main(argv=None) -> int:
                                         layers=args.compiled,
                                         fixed_density=args.compiled_density)
         lines += _compiled_tables(res["compiled"])
-    scope.close()
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)
