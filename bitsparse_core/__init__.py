@@ -74,6 +74,12 @@ def _attach_native() -> None:
         from .torch import native_codec
     except ImportError:     # a torch the adapter cannot use: the Python path runs
         return
+    except Exception as exc:  # noqa: BLE001 - the adapter broken: say so, keep the Python path
+        import logging
+        logging.getLogger("bitsparse_core").warning(
+            "bitsparse: the torch adapter could not be imported (%s: %s); the public ops run "
+            "their Python host path", type(exc).__name__, exc)
+        return
     native_codec.attach()
 
 
