@@ -73,7 +73,7 @@ def test_pack_templates_match_the_python_records(ext, python_launches, shape, dt
     aligned and an unaligned input, with and without relu_pack's dense output."""
     plan = host.pack_plan(shape, dtype, enc, int(density * _numel(shape)), DEFAULT_CHUNK_LOG2,
                           mode)
-    template = nc.pack_template(plan, 0)
+    template = native.pack_template(plan, 0, zero_tail=True)
     launch = ext.add_public_launch(template)
     y = 0 if mode == Mode.PACK else Y
     for x in (X, X + 2):
@@ -90,7 +90,7 @@ def test_masked_pack_template_reads_the_mask_tensors_planes(ext, python_launches
     mask_planes = host.pack_plan(shape, dtype, Encoding.NOSIGN, 4000, DEFAULT_CHUNK_LOG2,
                                  Mode.RELU).planes(BLOCK + (1 << 24))
     plan = host.pack_plan(shape, dtype, u_enc, 3777, DEFAULT_CHUNK_LOG2, Mode.MASKED)
-    launch = ext.add_public_launch(nc.pack_template(plan, 0))
+    launch = ext.add_public_launch(native.pack_template(plan, 0, zero_tail=True))
     host.enqueue_pack(plan, 0, STREAM, X, BLOCK, SCRATCH, in_planes=mask_planes, zero_tail=True)
     want = python_launches.pop()[-1]
     assert ext.public_launch_params(launch, BLOCK, _roles(mask_planes, x=X, scratch=SCRATCH)) == want
@@ -366,6 +366,12 @@ def _cuda(bits: np.ndarray, dtype: D.DType) -> torch.Tensor:
     return _tensor(bits, dtype).cuda()
 
 
+def _relu_like_cuda(seed: int, shape, sparsity: float):
+    """``(bits, CUDA tensor)``: bf16 with no sign bit set (nosign-legal), specials included."""
+    xb = random_bits(np.random.default_rng(seed), shape, D.BFLOAT16, sparsity, signs=False)
+    return xb, _cuda(xb, D.BFLOAT16)
+
+
 def _bits(arr) -> bytes:
     t = torch.from_dlpack(arr) if not isinstance(arr, torch.Tensor) else arr
     return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
@@ -431,9 +437,7 @@ def test_native_public_ops_match_python_and_reference_cuda(request, monkeypatch,
 @gpu
 def test_native_public_ops_use_torchs_stream_and_allocator_without_syncs_cuda(monkeypatch):
     taken = _taken(monkeypatch)
-    rng = np.random.default_rng(1)
-    xb = random_bits(rng, (512, 1024), D.BFLOAT16, 0.9, signs=False)
-    x = _cuda(xb, D.BFLOAT16)
+    xb, x = _relu_like_cuda(1, (512, 1024), 0.9)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     torch.cuda.synchronize()
@@ -458,9 +462,7 @@ def test_native_public_ops_use_torchs_stream_and_allocator_without_syncs_cuda(mo
 @gpu
 def test_native_public_ops_report_overflow_and_sign_violations_cuda(monkeypatch):
     taken = _taken(monkeypatch)
-    rng = np.random.default_rng(2)
-    xb = random_bits(rng, (4, 4096), D.BFLOAT16, 0.5, signs=False)
-    x = _cuda(xb, D.BFLOAT16)
+    xb, x = _relu_like_cuda(2, (4, 4096), 0.5)
     nnz = int(np.count_nonzero(xb.view(np.uint16)))
     p = bc.pack(x, capacity=nnz - 7, encoding="nosign")
     with pytest.raises(CapacityOverflowError):

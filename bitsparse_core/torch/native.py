@@ -304,17 +304,26 @@ _UNPACK_PATCHES = (("g", "g", "g_aligned", False), ("out", "out", "out_aligned",
                    ("out2", "out2", "out2_aligned", False))
 
 
-def pack_template(plan: host.PackPlan, device: int) -> tuple:
-    """The fused pack (``host.enqueue_pack`` with ``zero_tail=False``)."""
+def pack_template(plan: host.PackPlan, device: int, zero_tail: bool = False) -> tuple:
+    """The fused pack (``host.enqueue_pack``): ``zero_tail`` as there (the public pack's
+    fixed capacity; the FFN op's blocks are never read past their count); a masked pack
+    reads the mask tensor's mask (a role), not the block's."""
     L = host._pack_launch(plan, device)
     r = _copy(L.args)
     (mo, _), (oo, _), (vo, _), (so, _) = plan.spans
-    r.mask, r.offsets, r.values, r.signs, r.status = mo, oo, vo, so, plan.status_offset
-    r.x = r.y = r.scratch = r.zero_values_words = r.zero_signs_words = r.slot = 0
-    return launch_template(L.pack, L.grid, plan.smem, True, r,
-                           ("mask", "offsets", "values", "signs", "status"),
-                           (("x", "x", "x_aligned", False), ("y", "y", "y_aligned", True),
-                            ("scratch", "scratch", None, False), ("slot", "slot", None, False)))
+    r.values, r.signs, r.status = vo, so, plan.status_offset
+    r.zero_values_words, r.zero_signs_words = L.tail_words if zero_tail else (0, 0)
+    r.x = r.y = r.scratch = r.slot = 0
+    block_fields = ["values", "signs", "status"]
+    patches = [("x", "x", "x_aligned", False), ("y", "y", "y_aligned", True),
+               ("scratch", "scratch", None, False), ("slot", "slot", None, False)]
+    if plan.mode == abi.Mode.MASKED:
+        r.mask = r.offsets = 0
+        patches.append(("mask", "mask", None, False))
+    else:
+        r.mask, r.offsets = mo, oo
+        block_fields += ["mask", "offsets"]
+    return launch_template(L.pack, L.grid, plan.smem, True, r, block_fields, patches)
 
 
 def unpack_template(plan: host.PackPlan, op: abi.Op, device: int):

@@ -47,29 +47,8 @@ _lock = threading.Lock()
 
 
 # --------------------------------------------------------------------------- #
-# Launch templates: host.py's records with the per-call pointers left to C++  #
+# Unpack templates: host.py's records, planes and pointers left to the call  #
 # --------------------------------------------------------------------------- #
-def pack_template(plan: host.PackPlan, device: int) -> tuple:
-    """The pack of ``plan`` as the CuPy backend queues it at a fixed capacity (the value
-    slots past the count zeroed); a masked pack reads the mask tensor's mask (a role)."""
-    L = host._pack_launch(plan, device)
-    r = native._copy(L.args)
-    (mo, _), (oo, _), (vo, _), (so, _) = plan.spans
-    r.values, r.signs, r.status = vo, so, plan.status_offset
-    r.zero_values_words, r.zero_signs_words = L.tail_words
-    r.x = r.y = r.scratch = r.slot = 0
-    block_fields = ["values", "signs", "status"]
-    patches = [("x", "x", "x_aligned", False), ("y", "y", "y_aligned", True),
-               ("scratch", "scratch", None, False)]
-    if plan.mode == Mode.MASKED:
-        r.mask = r.offsets = 0
-        patches.append(("mask", "mask", None, False))
-    else:
-        r.mask, r.offsets = mo, oo
-        block_fields += ["mask", "offsets"]
-    return native.launch_template(L.pack, L.grid, plan.smem, True, r, block_fields, patches)
-
-
 _PLANE_PATCHES = tuple((name, name, None, False) for name in
                        ("mask", "mask_len", "offsets", "values", "values_len", "signs",
                         "signs_len"))
@@ -161,7 +140,8 @@ def _pack_entry(mod, shape, tdtype, encoding, capacity, mode, device):
     lay = plan.lay
     if lay.numel == 0:
         return None
-    launch = _add(mod, pack_template(plan, device))
+    # the pack as the CuPy backend queues it at a fixed capacity: the tail zeroed
+    launch = _add(mod, native.pack_template(plan, device, zero_tail=True))
     if launch is None:
         return None
     dense = _fmt.align(lay.numel * bs_dtype.itemsize, 16) if mode in (Mode.RELU, Mode.RELU2) else 0
