@@ -422,6 +422,62 @@ def test_cuda_graph_training_step_replays_bit_identically(density, cls):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters()))
 
 
+BITSPARSE_OPS = ("relu_linear", "relu_linear_backward", "gated_relu_linear",
+                 "gated_relu_linear_backward")
+
+
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"),
+                    reason="this torch has no cudagraph_unsafe tag")
+def test_ops_are_kept_out_of_inductors_cuda_graphs():
+    """Inductor (``mode="reduce-overhead"``) partitions its CUDA graphs around ops with
+    this tag: ours must run outside them, so that their counts come back to the host."""
+    for name in BITSPARSE_OPS:
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.bitsparse, name).default.tags
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("density", [None, 0.01])
+@pytest.mark.parametrize("cls", [bst.PackedReLU2FFN, bst.PackedReGLUFFN])
+def test_reduce_overhead_training_matches_dense_reduce_overhead(density, cls):
+    """``torch.compile(mode="reduce-overhead")``: training steps with an optimizer are
+    bit-identical to the dense model compiled the same way, overflowing packs included
+    (density 0.01); inductor's CUDA graphs are partitioned around the ops rather than
+    skipped, and with an adaptive capacity no backward recomputes (the counts come back
+    from the ops, which run outside the graphs)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    m = _model(cls, "cuda", density, d=64, f=256)
+    ref_m = _model(cls, "cuda", density, d=64, f=256)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
+    call = torch.compile(m, mode="reduce-overhead", fullgraph=True)
+    ref_call = torch.compile(lambda t: _dense(ref_m, t), mode="reduce-overhead",
+                             fullgraph=True)
+
+    def step(fn, optim, x):
+        torch.compiler.cudagraph_mark_step_begin()
+        optim.zero_grad(set_to_none=True)
+        loss = fn(x).float().square().mean()
+        loss.backward()
+        optim.step()
+        return loss.detach().clone()
+
+    recomputes = None
+    for i in range(6):
+        torch.manual_seed(i)
+        x = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)
+        if i == 3:
+            recomputes = m.capacity_policy.stats()["recomputes"]
+        assert torch.equal(step(call, opt, x), step(ref_call, ref_opt, x)), i
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters()))
+    if torch._inductor.config.graph_partition:
+        assert counters["inductor"]["cudagraph_skips"] == 0
+        assert counters["inductor"]["cudagraph_partitions"] > 0
+    if density is None:      # steps 3-5 replay graphs; their counts came back
+        assert m.capacity_policy.stats()["recomputes"] == recomputes
+
+
 def test_torch_func_grad_matches_dense_and_vmap_raises_named_error():
     from bitsparse_core.errors import UnsupportedTransformError
     torch.manual_seed(0)

@@ -254,11 +254,18 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
 # dynamo-disable layers, ~100 us per call on the development CPU (bench/NOTES.md); the
 # autograd formula lives in ReLULinearFunction (functional.py) instead.
 _LIB = torch.library.Library("bitsparse", "DEF")
+# Every op runs outside inductor's CUDA graphs (``mode="reduce-overhead"`` captures the
+# graph's other kernels in partitions around them): a pack's count comes back to the host
+# through its slot and the backward reads it there, so that replays neither recompute
+# nor freeze the capacity. Without the tag inductor would capture the op's CUDA part and
+# hand its CPU ticket out of the partition (torch 2.11 then fails on the first replay).
+CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t)
 _LIB.define("relu_linear(Tensor a, Tensor weight, Tensor? bias, Tensor? x, Tensor? w1, "
-            "Tensor? b1, SymInt capacity, int config, int policy) -> (Tensor, Tensor, Tensor)")
+            "Tensor? b1, SymInt capacity, int config, int policy) -> (Tensor, Tensor, Tensor)",
+            tags=CUDAGRAPH_UNSAFE)
 _LIB.define("relu_linear_backward(Tensor grad_out, Tensor block, Tensor ticket, Tensor weight, "
             "Tensor? x, Tensor? w1, Tensor? b1, SymInt capacity, int config, int policy) "
-            "-> (Tensor, Tensor, Tensor)")
+            "-> (Tensor, Tensor, Tensor)", tags=CUDAGRAPH_UNSAFE)
 # ``needs`` of relu_linear_backward: which gradients autograd asks for.
 NEED_A, NEED_W, NEED_B = 1, 2, 4
 
@@ -537,12 +544,12 @@ def _relu2_grad_and_square_(grad_h, block, plan):
 _LIB.define("gated_relu_linear(Tensor g, Tensor u, Tensor weight, Tensor? bias, Tensor? x, "
             "Tensor? wg, Tensor? bg, Tensor? wu, Tensor? bu, SymInt capacity, int encoding, "
             "int u_encoding, int chunk_log2, ScalarType? mm_dtype, int policy) "
-            "-> (Tensor, Tensor, Tensor, Tensor)")
+            "-> (Tensor, Tensor, Tensor, Tensor)", tags=CUDAGRAPH_UNSAFE)
 _LIB.define("gated_relu_linear_backward(Tensor grad_out, Tensor block_r, Tensor block_u, "
             "Tensor ticket, Tensor weight, Tensor? x, Tensor? wg, Tensor? bg, Tensor? wu, "
             "Tensor? bu, int[] a_shape, ScalarType a_dtype, bool has_bias, SymInt capacity, "
             "int encoding, int u_encoding, int chunk_log2, ScalarType? mm_dtype, int policy, "
-            "int needs) -> (Tensor, Tensor, Tensor, Tensor)")
+            "int needs) -> (Tensor, Tensor, Tensor, Tensor)", tags=CUDAGRAPH_UNSAFE)
 # ``needs`` of gated_relu_linear_backward: NEED_A covers both grad_g and grad_u.
 
 
