@@ -478,6 +478,46 @@ def test_reduce_overhead_training_matches_dense_reduce_overhead(density, cls):
         assert m.capacity_policy.stats()["recomputes"] == recomputes
 
 
+@pytest.mark.gpu
+def test_reduce_overhead_records_no_graph_when_the_capacity_moves(monkeypatch):
+    """Under ``mode="reduce-overhead"`` an adaptive capacity moving (set before each step:
+    sparse enough to overflow, sized, full) records no new CUDA graph: the capacity is an
+    argument of the ops, which run outside the graphs, and no partition takes it. The
+    steps stay those of dense compiled the same way, the overflowing one's included."""
+    from torch._inductor import cudagraph_trees
+    recorded = []
+    record = cudagraph_trees.CUDAGraphNode.__init__
+
+    def counting(self, *args, **kwargs):
+        recorded.append(1)
+        record(self, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphNode, "__init__", counting)
+    torch._dynamo.reset()
+    m = _model(bst.PackedReLU2FFN, "cuda")
+    pol = m.capacity_policy
+    call = torch.compile(m, mode="reduce-overhead", fullgraph=True)
+    dense = torch.compile(lambda t: _dense(m, t), mode="reduce-overhead", fullgraph=True)
+
+    def step(fn, x):
+        torch.compiler.cudagraph_mark_step_begin()
+        return _grads(fn, m, x, steps=1)
+
+    overflows, before = pol.overflows, None
+    for i, bucket in enumerate((12, 12, 12, 0, 15, len(C.LADDER) - 1, 12)):
+        if i == 3:
+            before = len(recorded)
+        torch.manual_seed(i)
+        x = torch.randn(3, 40, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        pol.bucket = bucket
+        out, grads = step(call, x)
+        ref, ref_grads = step(dense, x)
+        assert torch.equal(out, ref)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert before > 0 and len(recorded) == before
+    assert pol.overflows > overflows
+
+
 def test_torch_func_grad_matches_dense_and_vmap_raises_named_error():
     from bitsparse_core.errors import UnsupportedTransformError
     torch.manual_seed(0)
