@@ -258,7 +258,7 @@ _LIB = torch.library.Library("bitsparse", "DEF")
 # graph's other kernels in partitions around them): a pack's count comes back to the host
 # through its slot and the backward reads it there, so that replays neither recompute
 # nor freeze the capacity. Without the tag inductor would capture the op's CUDA part and
-# hand its CPU ticket out of the partition (torch 2.11 then fails on the first replay).
+# hand its whole output tuple out of the partition (torch 2.11 fails recording that graph).
 CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t)
 _LIB.define("relu_linear(Tensor a, Tensor weight, Tensor? bias, Tensor? x, Tensor? w1, "
             "Tensor? b1, SymInt capacity, int config, int policy) -> (Tensor, Tensor, Tensor)",
