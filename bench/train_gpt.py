@@ -18,6 +18,9 @@ same batches, it trains
   (``bitsparse_core.torch.freeze_capacity``: one recompile, then no capacity symbols)
   and ``ours-compiled-recompute`` ours-compiled recomputing a count not back yet, neither
   in the default run,
+* ``dense-graphed``, ``ours-graphed`` -- the same under ``torch.compile(mode=
+  "reduce-overhead")`` (inductor's CUDA graphs; ours' ops run between them), compared with
+  each other; not in the default run,
 * ``dense-hooks`` -- the dense model under ``compress_saved_tensors`` (every saved
   tensor, not just the MLP's; packed without a host sync),
 * ``ours-offload`` -- ours-nosign with the packed blocks in pinned host memory until
