@@ -54,8 +54,7 @@ _PLANE_PATCHES = tuple((name, name, None, False) for name in
                         "signs_len"))
 _U_PATCHES = tuple((name, name, None, False) for name in
                    ("uvalues", "uvalues_len", "usigns", "usigns_len"))
-_OUT_PATCHES = (("g", "g", "g_aligned", False), ("out", "out", "out_aligned", False),
-                ("out2", "out2", "out2_aligned", False))
+_OUT_PATCHES = native._UNPACK_PATCHES     # g, out, out2: as the FFN op's unpacks
 
 
 def unpack_template(lay: _fmt.Layout, op: Op, u_encoding: Optional[Encoding], device: int):
@@ -68,11 +67,9 @@ def unpack_template(lay: _fmt.Layout, op: Op, u_encoding: Optional[Encoding], de
     if L.prefix_bytes:
         return None
     r = native._copy(L.args)
-    r.off64, r.prefix = int(lay.offset_width == 8), 0
-    for name in ("mask", "mask_len", "offsets", "values", "values_len", "signs", "signs_len",
-                 "uvalues", "uvalues_len", "usigns", "usigns_len", "g", "out", "out2", "ud"):
+    r.off64, r.prefix, r.ud, r.ud_aligned = int(lay.offset_width == 8), 0, 0, True
+    for name, *_ in _PLANE_PATCHES + _U_PATCHES + _OUT_PATCHES:   # each call's own
         setattr(r, name, 0)
-    r.ud_aligned = True
     patches = _PLANE_PATCHES + _OUT_PATCHES + (_U_PATCHES if gated else ())
     return native.launch_template(L.func, L.n_tiles, 0, False, r, (), patches)
 
@@ -182,13 +179,15 @@ def _path(t):
     if native._off or not isinstance(t, torch.Tensor):
         return None
     if t.is_cuda:
-        mod = native._cuda or native.cuda_module()
-        if mod is None:
-            return None
-        dev = t.get_device()
-        return mod, dev, ci.torch_stream(dev)
+        return _cuda_path(t.get_device())
     mod = native._emulation
     return None if mod is None else (mod, 0, 0)
+
+
+def _cuda_path(dev: int):
+    """:func:`_path` on cuda:``dev`` (None without the built extension)."""
+    mod = native._cuda or native.cuda_module()
+    return None if mod is None else (mod, dev, ci.torch_stream(dev))
 
 
 # --------------------------------------------------------------------------- #
@@ -315,13 +314,7 @@ def _packed_path(p):
             or not p.extra.get("torch"):
         return None
     mod = native._emulation
-    if mod is not None:
-        return mod, 0, 0
-    mod = native._cuda or native.cuda_module()
-    if mod is None:
-        return None
-    dev = p.device[1]
-    return mod, dev, ci.torch_stream(dev)
+    return (mod, 0, 0) if mod is not None else _cuda_path(p.device[1])
 
 
 def unpack(p, out):
