@@ -119,6 +119,10 @@ class Variant:
     offload_hold: int | None = None   # an Offloader(hold=...) of the model's own
     freeze_after: int | None = None   # freeze_capacity after this many steps (FrozenAfter)
     compile_mode: str | None = None   # torch.compile's mode ("reduce-overhead": CUDA graphs)
+    # the whole step (forward, backward, a capturable AdamW) captured once with
+    # torch.cuda.graph and replayed: "on", or "recompute" (captured without conditional
+    # nodes, so that every backward recomputes, as before session 59)
+    step_graph: str | None = None
 
 
 # Steps ours-compiled-frozen runs adaptive before it freezes (within every mode's warm-up).
@@ -146,6 +150,10 @@ VARIANTS = {
                              compile_mode="reduce-overhead"),
     "ours-graphed": Variant("nosign", "dense-graphed", compiled=True,
                             compile_mode="reduce-overhead"),
+    # the whole step in one CUDA graph of the user's own (StepGraph)
+    "dense-stepgraph": Variant("dense", "dense-stepgraph", step_graph="on"),
+    "ours-stepgraph": Variant("nosign", "dense-stepgraph", step_graph="on"),
+    "ours-stepgraph-recompute": Variant("nosign", "dense-stepgraph", step_graph="recompute"),
     "dense-hooks": Variant("dense", "dense", hooks=True),
     # the packed blocks in pinned host memory between forward and backward (issue 17),
     # against PyTorch's own offload of the dense MLP's saved tensors
@@ -157,7 +165,11 @@ VARIANTS = {
 # opt-in variants (issue 17): host memory and the host link
 OFFLOAD_VARIANTS = ("ours-offload", "ours-offload-hold0", "save-on-cpu")
 OPT_IN_VARIANTS = OFFLOAD_VARIANTS + ("ours-compiled-frozen", "ours-compiled-recompute",
-                                      "dense-graphed", "ours-graphed")
+                                      "dense-graphed", "ours-graphed", "dense-stepgraph",
+                                      "ours-stepgraph", "ours-stepgraph-recompute")
+# Eager steps a StepGraph runs before its capture: enough backwards for an adaptive
+# capacity to have polled its counts and settled (the capture keeps the capacity it finds).
+STEP_GRAPH_SETTLE = 16
 BITIDENT_VARIANTS = ("dense", "ours-raw", "ours-nosign", "ours-offload", "ours-offload-hold0")
 BUDGET_VARIANTS = ("dense", "checkpoint", "ours-nosign")
 # Profile rows of the library's own ops (CPU self time per op).
@@ -356,7 +368,7 @@ def build(bench: Bench, name: str):
     model.to(dtype=torch.bfloat16)
     # AdamW's default implementation on CUDA (foreach), as users run it
     opt = torch.optim.AdamW(model.parameters(), lr=bench.args.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0)
+                            weight_decay=0.0, capturable=variant.step_graph is not None)
     if bench.init_opt_state is not None:     # a copy: on the CPU the optimizer would keep
         opt.load_state_dict(_to_cpu(bench.init_opt_state))   # these tensors and step them
     call = model
@@ -368,6 +380,43 @@ def build(bench: Bench, name: str):
     if variant.freeze_after is not None:
         call = FrozenAfter(call, model, variant.freeze_after)
     return model, call, opt
+
+
+class StepGraph:
+    """A whole training step captured once with ``torch.cuda.graph`` and replayed, as a user
+    who graphs the step does: the first call runs ``settle`` eager steps on a side stream
+    (torch.cuda.graph's warm-up; an adaptive capacity settles meanwhile, and the capture
+    keeps the one it finds), then captures the step on static inputs; every call after
+    copies its batch in and replays. ``recompute``: capture without conditional nodes (every
+    packed backward in the graph recomputes). Each call returns the step's loss."""
+
+    def __init__(self, model, opt, settle: int, recompute: bool = False):
+        self.model, self.opt, self.settle, self.recompute = model, opt, settle, recompute
+        self.graph = self.static = None
+
+    def __call__(self, x, y, marks=None):
+        if self.graph is None:
+            self._capture(x, y)
+        sx, sy, loss = self.static
+        sx.copy_(x)
+        sy.copy_(y)
+        self.graph.replay()
+        return loss.clone()
+
+    def _capture(self, x, y) -> None:
+        from bitsparse_core.torch import native
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.settle):
+                train_step(self.model, self.opt, x, y)
+        torch.cuda.current_stream().wait_stream(side)
+        sx, sy = x.clone(), y.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        scope = native.no_conditional_nodes() if self.recompute else contextlib.nullcontext()
+        with scope, torch.cuda.graph(self.graph):
+            loss = train_step(self.model, self.opt, sx, sy)
+        self.static = (sx, sy, loss)
 
 
 class GraphedCall:
@@ -445,8 +494,17 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
     losses, times, host, phases, sparsity, first_step_s = [], [], [], [], [], None
     held = [] if device.type == "cuda" else None
 
+    stepper = (StepGraph(model, opt, STEP_GRAPH_SETTLE,
+                         VARIANTS[name].step_graph == "recompute")
+               if VARIANTS[name].step_graph else None)
+
     def step(x, y, marks=None, held=None):
-        return train_step(call, opt, x, y, marks, held)
+        if stepper is None:
+            return train_step(call, opt, x, y, marks, held)
+        loss = stepper(x, y)   # one replay: no phases, no forward's own allocation
+        if marks is not None:
+            marks += [time.perf_counter()] * 2
+        return loss
 
     compiles, compiled_before, warmup_peak = {}, None, None
     with attention_backend(args.attn):
@@ -710,9 +768,17 @@ def run_interleaved(bench: Bench, names: list, turns: int, warmup: int, block: i
         clocks = phases[name] = []
         pols = policies[name] = bst.capacity_policies(model)
 
+        stepper = (StepGraph(model, opt, STEP_GRAPH_SETTLE,
+                             VARIANTS[name].step_graph == "recompute")
+                   if VARIANTS[name].step_graph else None)
+
         def step(i):
             t0, marks = time.perf_counter(), []
-            loss = train_step(call, opt, *batches[i % len(batches)], marks=marks)
+            if stepper is not None:     # no phases inside a replay: the whole step as one
+                loss = stepper(*batches[i % len(batches)])
+                marks = [time.perf_counter()] * 2
+            else:
+                loss = train_step(call, opt, *batches[i % len(batches)], marks=marks)
             clocks.append((t0, *marks, time.perf_counter()))
             if len(clocks) == warmup * block and pols:   # the last warm-up step: not timed
                 at_warmup[name] = policy_counters([p.stats() for p in pols])

@@ -30,6 +30,7 @@
 
 #include "torch_host_common.h"
 #include "torch_host_exact.h"
+#include "torch_host_graphs.h"
 #include "torch_host_hooks.h"
 #include "torch_host_launch.h"
 #include "torch_host_offload.h"
@@ -220,6 +221,107 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
   return g;
 }
 
+// Backward within a CUDA graph capture: the clean way and the recompute as the two bodies
+// of one conditional node (torch_host_graphs.h), so a replay recomputes only where its own
+// pack overflowed. Both bodies write the same outputs, made before the node with every
+// buffer either needs; each repeats backward_impl's calls in its out= / in-place forms
+// (the same kernels on the same sizes and strides, so the same bits). Returns false, having
+// queued nothing, where this does not apply (the caller then recomputes as before): no
+// conditional-node support, the side stream not warmed by an eager backward yet, GEMM
+// dtypes that differ from the activation's, or a recompute input linear() would not take
+// straight to one GEMM.
+bool backward_conditional(Grads& g, const Tensor& grad_out, const Tensor& block,
+                          const Tensor& weight, const Tensor& x, const Tensor& w1,
+                          const Tensor& b1, at::IntArrayRef a_shape, at::ScalarType a_dtype,
+                          const Plan& P, bool square, int64_t mm_dtype, bool need_a,
+                          bool need_w, bool need_b, void* stream) {
+  const c10::Device device = block.device();
+  if (!device.is_cuda() || !graph_driver_ready(device.index()) || !x.defined() ||
+      mm_dtype >= 0 || weight.scalar_type() != a_dtype || grad_out.scalar_type() != a_dtype ||
+      w1.scalar_type() != x.scalar_type() || !x.is_contiguous() || x.dim() < 2 ||
+      x.dim() > 3 || w1.dim() != 2 || x.scalar_type() != a_dtype) {
+    return false;
+  }
+  const std::optional<c10::Stream> side = side_stream(device, a_dtype, stream);
+  if (!side) return false;
+  const Tensor g2 = as_matrix(grad_out.contiguous(), grad_out.size(-1));
+  if (need_b) g.bias = g2.sum({0}, true).view({g2.size(-1)});
+  if (!need_a && !need_w) return true;
+  const auto opts = grad_out.options().dtype(a_dtype);
+  const int64_t f = weight.size(1);
+  if (need_a) g.a = at::empty(a_shape, opts);
+  if (need_w) g.weight = at::empty(weight.sizes(), weight.options());
+  Tensor r = at::empty(a_shape, opts);                          // relu(a), or h
+  Tensor tmp = square ? at::empty(a_shape, opts) : Tensor();    // relu² products
+  Tensor ga2 = need_a ? as_matrix(g.a, f) : Tensor();
+  const Tensor g2t = transposed(g2);
+  const uint64_t b = address(block);
+  void* body = side->native_handle();
+
+  ConditionalCapture node(stream, b + static_cast<uint64_t>(P.status_offset), *side, device);
+  // the pack was clean: the packed block
+  if (square && need_a && need_w) {
+    at::mm_out(ga2, g2, weight);
+    P.relu2_and_square.run(body, b, {0, 0, 0, address(g.a), address(g.a), address(r)});
+    at::mm_out(g.weight, g2t, as_matrix(r, f));
+  } else {
+    if (need_w) {
+      P.unpack.run(body, b, {0, 0, 0, 0, address(r), 0});
+      if (square) r.mul_(r);
+      at::mm_out(g.weight, g2t, as_matrix(r, f));
+    }
+    if (need_a) {
+      at::mm_out(ga2, g2, weight);
+      const Launch& grad_of_mask = square ? P.relu2 : P.mask_select;
+      grad_of_mask.run(body, b, {0, 0, 0, address(g.a), address(g.a), 0});
+    }
+  }
+  node.otherwise();
+  // it overflowed: the forward's first GEMM again (linear's own addmm / mm on the 2-D views)
+  {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const Tensor x2 = as_matrix(x, x.size(-1));
+    Tensor r2 = as_matrix(r, f);
+    if (b1.defined()) {
+      at::addmm_out(r2, b1, x2, transposed(w1));
+    } else {
+      at::mm_out(r2, x2, transposed(w1));
+    }
+    r.relu_();
+    if (need_w) {
+      if (square) at::mul_out(tmp, r, r);
+      at::mm_out(g.weight, g2t, as_matrix(square ? tmp : r, f));
+    }
+    if (need_a) {
+      at::mm_out(ga2, g2, weight);
+      if (square) {   // threshold_backward(grad_h * (2 * r), r, 0)
+        tmp.copy_(r).mul_(2).mul_(g.a);
+        at::threshold_backward_out(g.a, tmp, r, 0);
+      } else {
+        at::threshold_backward_out(g.a, g.a, r, 0);
+      }
+    }
+  }
+  node.finish();
+  return true;
+}
+
+// Where the backward is being captured into a CUDA graph, queue it as one conditional node
+// and return true; else (and where the node does not apply) return false having queued
+// nothing. An eager backward prepares the side stream instead, so that later captures can.
+bool backward_captured(Grads& g, const Tensor& grad_out, const Tensor& block,
+                       const Tensor& weight, const Tensor& x, const Tensor& w1, const Tensor& b1,
+                       at::IntArrayRef a_shape, at::ScalarType a_dtype, const Plan& P,
+                       bool square, int64_t mm_dtype, bool need_a, bool need_w, bool need_b) {
+  void* stream = current_stream(block.device());
+  if (!capturing(stream)) {
+    warm_side_stream(block.device(), a_dtype);
+    return false;
+  }
+  return backward_conditional(g, grad_out, block, weight, x, w1, b1, a_shape, a_dtype, P, square,
+                              mm_dtype, need_a, need_w, need_b, stream);
+}
+
 // ---------------------------------------------------------------------------
 // The autograd node (eager mode)
 // ---------------------------------------------------------------------------
@@ -271,14 +373,17 @@ struct ReLULinearBackward : public Node {
     const Tensor w = weight.unpack();
     const Tensor xs = x.unpack(), w1s = w1.unpack(), b1s = b1.unpack();
     const Tensor packed = stash ? stash->engine->take(stash) : block.unpack();
-    const bool clean = decide_clean(ticket, policy, handle, packed, true);
     Grads g;
     {
       // once differentiable: the gradients are computed outside autograd (a kernel writes
       // over grad_h in place) and, under create_graph, carry an error node below
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      g = backward_impl(grad_out, packed, w, xs, w1s, b1s, a_shape, a_dtype, plan_at(handle),
-                        clean, square, mm_dtype, need_a, need_w, need_b);
+      if (!backward_captured(g, grad_out, packed, w, xs, w1s, b1s, a_shape, a_dtype,
+                             plan_at(handle), square, mm_dtype, need_a, need_w, need_b)) {
+        const bool clean = decide_clean(ticket, policy, handle, packed, true);
+        g = backward_impl(grad_out, packed, w, xs, w1s, b1s, a_shape, a_dtype, plan_at(handle),
+                          clean, square, mm_dtype, need_a, need_w, need_b);
+      }
     }
     result[0] = std::move(g.a);
     result[1] = std::move(g.weight);
@@ -493,9 +598,13 @@ Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
   }
   const bool need_a = k.needs & 1, need_w = k.needs & 2, need_b = k.has_bias && (k.needs & 4);
   const Tensor xs = x.value_or(Tensor()), w1s = w1.value_or(Tensor()), b1s = b1.value_or(Tensor());
-  const bool clean = decide_clean(ticket_of(ticket), policy, handle, block, xs.defined());
-  Grads g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, k.a_dtype,
-                          plan_at(handle), clean, k.square, k.mm_dtype, need_a, need_w, need_b);
+  Grads g;
+  if (!backward_captured(g, grad_out, block, weight, xs, w1s, b1s, a_shape, k.a_dtype,
+                         plan_at(handle), k.square, k.mm_dtype, need_a, need_w, need_b)) {
+    const bool clean = decide_clean(ticket_of(ticket), policy, handle, block, xs.defined());
+    g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, k.a_dtype,
+                      plan_at(handle), clean, k.square, k.mm_dtype, need_a, need_w, need_b);
+  }
   // what the op's fake kernel says of a gradient not asked for: an empty tensor
   if (!g.a.defined()) g.a = at::empty({0}, grad_out.options().dtype(k.a_dtype));
   if (!g.weight.defined()) g.weight = at::empty({0}, weight.options());
@@ -614,6 +723,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     driver.event_query = reinterpret_cast<EventQueryFn>(query);
     driver.copy_to_device = reinterpret_cast<CopyToDeviceFn>(copy_to_device);
   });
+  m.def("set_graph_driver", [](uint64_t capture_info, uint64_t handle_create, uint64_t add_node,
+                               uint64_t update_deps, uint64_t begin_to_graph,
+                               uint64_t end_capture, uint64_t ctx_current) {
+    graph_driver.capture_info = reinterpret_cast<CaptureInfoFn>(capture_info);
+    graph_driver.handle_create = reinterpret_cast<CondHandleCreateFn>(handle_create);
+    graph_driver.add_node = reinterpret_cast<GraphAddNodeFn>(add_node);
+    graph_driver.update_deps = reinterpret_cast<UpdateCaptureDepsFn>(update_deps);
+    graph_driver.begin_to_graph = reinterpret_cast<BeginCaptureToGraphFn>(begin_to_graph);
+    graph_driver.end_capture = reinterpret_cast<EndCaptureFn>(end_capture);
+    graph_driver.ctx_current = reinterpret_cast<CtxGetCurrentFn>(ctx_current);
+  });
+  m.def("set_condition_kernel", [](int64_t device, uint64_t func) {
+    if (func) {
+      graph_driver.set_condition[device] = func;
+    } else {
+      graph_driver.set_condition.erase(device);
+    }
+  });
+  m.def("graph_conditionals", [](int64_t device) { return graph_driver_ready(device); });
   m.def("set_exact_driver", [](uint64_t copy_device, uint64_t stream_query, uint64_t stream_sync) {
     exact_driver.copy_device = reinterpret_cast<CopyDeviceFn>(copy_device);
     exact_driver.stream_query = reinterpret_cast<StreamQueryFn>(stream_query);

@@ -422,6 +422,90 @@ def test_cuda_graph_training_step_replays_bit_identically(density, cls):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters()))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("square", [True, False])
+@pytest.mark.parametrize("needs", [7, 2, 1])
+def test_captured_backward_reads_the_block_where_clean_and_recomputes_where_not(square, needs):
+    """A ``relu_linear_backward`` captured into a CUDA graph holds both ways as one
+    conditional node: a replay whose pack was clean reads the packed block, one whose
+    status word says overflow recomputes from the FFN input. The recompute source here
+    differs from what made ``a``, so the two ways give different gradients and each
+    replay shows which one ran; each is bit-identical to its eager counterpart. Without
+    conditional nodes the captured backward recomputes on a clean pack too."""
+    from bitsparse_core.backends.cuda import abi
+    from bitsparse_core.spec.format import DEFAULT_CHUNK_LOG2, Encoding
+    from bitsparse_core.torch import native
+    if native.cuda_module() is None:
+        pytest.skip("the C++ host path is not built")
+    torch.manual_seed(0)
+    dt, T, d, f = torch.bfloat16, 256, 64, 256
+    x = torch.randn(T, d, device="cuda", dtype=dt)
+    x_other = torch.randn(T, d, device="cuda", dtype=dt)
+    w1 = torch.randn(f, d, device="cuda", dtype=dt) / 8
+    b1 = torch.randn(f, device="cuda", dtype=dt) / 8
+    w2 = torch.randn(d, f, device="cuda", dtype=dt) / 16
+    b2 = torch.randn(d, device="cuda", dtype=dt) / 16
+    g_out = torch.randn(T, d, device="cuda", dtype=dt)
+    enc, cap = int(Encoding.NOSIGN), T * f
+    fwd = ops.op_config(square, enc, DEFAULT_CHUNK_LOG2, None)
+    bwd = ops.op_config(square, enc, DEFAULT_CHUNK_LOG2, None, dt, True, needs)
+
+    def forward(source, capacity):
+        a = torch.nn.functional.linear(source, w1, b1)
+        return torch.ops.bitsparse.relu_linear(a, w2, b2, source, w1, b1, capacity, fwd, 0)[1:]
+
+    def backward(block, ticket, source, capacity):
+        return torch.ops.bitsparse.relu_linear_backward(g_out, block, ticket, w2, source, w1,
+                                                        b1, capacity, bwd, 0)
+
+    def eager(source, capacity):   # the count back first: the backward reads it
+        block, ticket = forward(source, capacity)
+        torch.cuda.synchronize()
+        return [t.clone() for t in backward(block, ticket, source, capacity)]
+
+    clean = eager(x, cap)                  # reads the block (and warms the side stream)
+    recomputed = eager(x_other, 1)         # overflows: recomputes from x_other
+    block, ticket = forward(x, cap)
+    status = ops._plan([T, f], dt, cap, square, enc, DEFAULT_CHUNK_LOG2).status_offset
+    torch.cuda.synchronize()
+    assert native.conditional_nodes(0), "this GPU's driver takes conditional nodes (12.8+)"
+
+    def capture(with_forward=False):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            blk, tkt = forward(x, cap) if with_forward else (block, ticket)
+            outs = backward(blk, tkt, x_other, cap)
+        return graph, outs
+
+    def replay(graph, outs, overflow=None):
+        if overflow is not None:
+            block[status:status + 4].copy_(torch.tensor(
+                [abi.STATUS_OVERFLOW if overflow else 0], dtype=torch.int32).view(torch.uint8))
+        graph.replay()
+        torch.cuda.synchronize()
+        return [t.clone() for t in outs]
+
+    graph, outs = capture()
+    for overflow in (False, True, False):
+        got = replay(graph, outs, overflow)
+        want = recomputed if overflow else clean
+        for i, (g_, w_) in enumerate(zip(got, want)):
+            assert torch.equal(g_, w_), (overflow, i)
+            assert (g_.numel() > 0) == bool(needs & (1 << i)), i
+    # the pack captured too: the status word its kernel writes picks the way
+    i = 0 if needs & 1 else 1
+    got = replay(*capture(with_forward=True))
+    assert torch.equal(got[i], clean[i])
+    with native.no_conditional_nodes():
+        assert not native.conditional_nodes(0)
+        graph, outs = capture(with_forward=True)
+    assert native.conditional_nodes(0)
+    got = replay(graph, outs)
+    assert torch.equal(got[i], recomputed[i]) and not torch.equal(got[i], clean[i])
+
+
 BITSPARSE_OPS = ("relu_linear", "relu_linear_backward", "gated_relu_linear",
                  "gated_relu_linear_backward")
 

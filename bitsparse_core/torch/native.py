@@ -221,6 +221,7 @@ def cuda_module():
                                    addr(lib.cuEventQuery), addr(lib.cuMemcpyHtoDAsync_v2))
             mod.set_exact_driver(addr(lib.cuMemcpyDtoDAsync_v2), addr(lib.cuStreamQuery),
                                  addr(lib.cuStreamSynchronize))
+            _hand_graph_driver(mod, lib, addr)
             _hand_slab(mod)
             # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
             mod.register_kernels("CUDA")
@@ -371,6 +372,73 @@ def plan_templates(plan: host.PackPlan, device: int):
     return launches
 
 
+# IF nodes with an ELSE body came with the CUDA 12.8 driver (kernels/torch_host_graphs.h).
+CONDITIONAL_DRIVER = 12080
+_CONDITIONAL_ENTRY_POINTS = ("cuStreamGetCaptureInfo_v3", "cuGraphConditionalHandleCreate",
+                             "cuGraphAddNode_v2", "cuStreamUpdateCaptureDependencies_v2",
+                             "cuStreamBeginCaptureToGraph", "cuStreamEndCapture",
+                             "cuCtxGetCurrent")
+_conditional_devices: dict = {}   # device -> its condition kernel's CUfunction (0: none)
+_conditionals_off = 0             # depth of no_conditional_nodes() blocks
+
+
+def _hand_graph_driver(mod, lib, addr) -> None:
+    """The entry points of conditional graph nodes, where the driver has them (else a
+    captured backward recomputes, as it did before they were used)."""
+    version = ctypes.c_int(0)
+    if lib.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value < CONDITIONAL_DRIVER:
+        return
+    try:
+        mod.set_graph_driver(*(addr(getattr(lib, name)) for name in _CONDITIONAL_ENTRY_POINTS))
+    except AttributeError:   # a driver without one of them
+        return
+
+
+def _hand_condition_kernel(mod, device: int) -> None:
+    """Compile the conditional node's condition kernel for ``device`` once; a failure
+    leaves captured backwards recomputing, and says why once."""
+    if device in _conditional_devices:
+        return
+    func = 0
+    try:
+        from ..backends.cupy import kernels
+        func = kernels.function(device, "set_condition")
+    except Exception as exc:   # noqa: BLE001 (any compile or load failure: recompute instead)
+        log.warning("bitsparse: captured backwards will recompute (the conditional node's "
+                    "kernel did not build: %s)", exc)
+    _conditional_devices[device] = func
+    if not _conditionals_off:
+        mod.set_condition_kernel(device, func)
+
+
+def conditional_nodes(device: int) -> bool:
+    """Whether a relu_linear backward captured into a CUDA graph on ``device`` reads its
+    packed block where the pack was clean (a conditional node) rather than recomputing."""
+    mod = _cuda
+    return bool(mod is not None and mod.graph_conditionals(device))
+
+
+@contextlib.contextmanager
+def no_conditional_nodes():
+    """Within this block, backwards captured into CUDA graphs recompute every time (as
+    without conditional nodes): for comparisons and tests."""
+    global _conditionals_off
+    mod = cuda_module()
+    with _lock:
+        _conditionals_off += 1
+        if mod is not None:
+            for device in _conditional_devices:
+                mod.set_condition_kernel(device, 0)
+    try:
+        yield
+    finally:
+        with _lock:
+            _conditionals_off -= 1
+            if mod is not None and not _conditionals_off:
+                for device, func in _conditional_devices.items():
+                    mod.set_condition_kernel(device, func)
+
+
 def register(mod, plan: host.PackPlan, device: int):
     """A new C++ handle of ``plan`` on ``device``, or None where the C++ path does not
     take it (chunks longer than the unpack tile; the table full, after 65536 plans of
@@ -380,6 +448,8 @@ def register(mod, plan: host.PackPlan, device: int):
     launches = plan_templates(plan, device)
     if launches is None:
         return None
+    if mod is _cuda:
+        _hand_condition_kernel(mod, device)
     with _lock:
         handle = mod.add_plan(plan.lay.numel, plan.nbytes, plan.scratch_bytes,
                               plan.status_offset, launches)

@@ -42,6 +42,8 @@ def kernel_spec(kind: str, *args) -> tuple:
         return "bitsparse_unpack.cu", "bitsparse_mask_select<%d>" % args
     if kind == "tile_counts":
         return "bitsparse_unpack.cu", "bitsparse_tile_counts<%d,%d>" % args
+    if kind == "set_condition":
+        return "bitsparse_graph.cu", "bitsparse_set_condition"
     raise KeyError(kind)
 
 

@@ -1,0 +1,10 @@
+// The condition of a captured backward's conditional graph node (kernels/torch_host_graphs.h):
+// one thread sets it to 1 where the pack's status word is zero (the block is clean: the
+// node's first body reads it), else to 0 (the second body recomputes). The handle type is
+// the driver's cudaGraphConditionalHandle, an unsigned 64-bit integer.
+extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);
+
+extern "C" __global__ void bitsparse_set_condition(unsigned long long handle,
+                                                   const unsigned int* status) {
+  cudaGraphSetConditional(handle, *status == 0u ? 1u : 0u);
+}
