@@ -371,6 +371,8 @@ def build(bench: Bench, name: str):
                             weight_decay=0.0, capturable=variant.step_graph is not None)
     if bench.init_opt_state is not None:     # a copy: on the CPU the optimizer would keep
         opt.load_state_dict(_to_cpu(bench.init_opt_state))   # these tensors and step them
+        if variant.step_graph is not None:   # the loaded groups say not capturable
+            make_capturable(opt)
     call = model
     if variant.compiled:
         call = torch.compile(model, fullgraph=bench.args.compile_fullgraph,
@@ -380,6 +382,19 @@ def build(bench: Bench, name: str):
     if variant.freeze_after is not None:
         call = FrozenAfter(call, model, variant.freeze_after)
     return model, call, opt
+
+
+def make_capturable(opt: torch.optim.Optimizer) -> None:
+    """An optimizer whose state was loaded from a non-capturable one, made capturable: the
+    flag set on every group and each ``step`` count moved to its parameter's device as
+    float32 (as a capturable optimizer keeps it)."""
+    for group in opt.param_groups:
+        group["capturable"] = True
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if state and "step" in state:
+                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32,
+                                                device=p.device)
 
 
 class StepGraph:

@@ -369,6 +369,21 @@ def gpt12_graphed_row(tg: dict, stem: str, what: str) -> str:
             f"| `bench/results/{stem}.md` |")
 
 
+def gpt12_stepgraph_row(tg: dict, stem: str, what: str) -> str:
+    """A trained-model GPT run in turns with whole steps captured with ``torch.cuda.graph``
+    (``dense-stepgraph``, ``ours-stepgraph``, ``ours-stepgraph-recompute``) beside the rest:
+    ours' captured step against dense's, with conditional nodes in its backwards and with
+    every backward recomputing."""
+    tiv = tg["interleaved"]["variants"]
+    ours, rec = tiv["ours-stepgraph"], tiv["ours-stepgraph-recompute"]
+    return (f"| same, {what} {gpt12_ratios(tg)}; the whole step captured with "
+            f"`torch.cuda.graph` {pct(ours['median_ratio_vs_own'])} "
+            f"({ci(ours, 'median_ratio_vs_own_ci95')}) vs dense captured the same way "
+            f"({pct(rec['median_ratio_vs_own'])} where every captured backward recomputes), "
+            f"{pct(ours['median_ratio'])} vs dense eager where compiled dense took "
+            f"{pct(tiv['dense-compiled']['median_ratio'])} | `bench/results/{stem}.md` |")
+
+
 def host_overhead_paths_row(name: str) -> str:
     """A host_overhead run with modes ``torch`` (the C++ path of the public ops) and
     ``stream`` (the Python path, same stream and allocator): the 4096-element host times."""
@@ -443,6 +458,9 @@ def readme_h100() -> list:
                             f"train_gpt_h100_s58_trained_graphed{suffix}",
                             f"PyTorch's defaults, {what}")
           for suffix, what in (("", "a host the GPU paces"), ("_slow_host", "a slow host"))),
+
+        gpt12_stepgraph_row(result("train_gpt_h100_s59_stepgraph.json"),
+                            "train_gpt_h100_s59_stepgraph", "PyTorch's defaults, a slow host"),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
