@@ -409,7 +409,13 @@ class StepGraph:
         self.model, self.opt, self.settle, self.recompute = model, opt, settle, recompute
         self.graph = self.static = None
 
-    def __call__(self, x, y, marks=None):
+    @classmethod
+    def of(cls, name: str, model, opt):
+        """The variant's StepGraph, or None for a variant that is not captured whole."""
+        mode = VARIANTS[name].step_graph
+        return None if mode is None else cls(model, opt, STEP_GRAPH_SETTLE, mode == "recompute")
+
+    def __call__(self, x, y):
         if self.graph is None:
             self._capture(x, y)
         sx, sy, loss = self.static
@@ -509,9 +515,7 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
     losses, times, host, phases, sparsity, first_step_s = [], [], [], [], [], None
     held = [] if device.type == "cuda" else None
 
-    stepper = (StepGraph(model, opt, STEP_GRAPH_SETTLE,
-                         VARIANTS[name].step_graph == "recompute")
-               if VARIANTS[name].step_graph else None)
+    stepper = StepGraph.of(name, model, opt)
 
     def step(x, y, marks=None, held=None):
         if stepper is None:
@@ -783,9 +787,7 @@ def run_interleaved(bench: Bench, names: list, turns: int, warmup: int, block: i
         clocks = phases[name] = []
         pols = policies[name] = bst.capacity_policies(model)
 
-        stepper = (StepGraph(model, opt, STEP_GRAPH_SETTLE,
-                             VARIANTS[name].step_graph == "recompute")
-                   if VARIANTS[name].step_graph else None)
+        stepper = StepGraph.of(name, model, opt)
 
         def step(i):
             t0, marks = time.perf_counter(), []

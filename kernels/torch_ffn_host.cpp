@@ -735,11 +735,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     graph_driver.ctx_current = reinterpret_cast<CtxGetCurrentFn>(ctx_current);
   });
   m.def("set_condition_kernel", [](int64_t device, uint64_t func) {
-    if (func) {
-      graph_driver.set_condition[device] = func;
-    } else {
-      graph_driver.set_condition.erase(device);
-    }
+    TORCH_CHECK(device >= 0 && device < GraphDriver::kMaxDevices,
+                "bitsparse: device ", device, " past the conditional nodes' table");
+    graph_driver.set_condition[device].store(func);
   });
   m.def("graph_conditionals", [](int64_t device) { return graph_driver_ready(device); });
   m.def("set_exact_driver", [](uint64_t copy_device, uint64_t stream_query, uint64_t stream_sync) {

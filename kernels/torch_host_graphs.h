@@ -40,8 +40,14 @@ struct GraphDriver {
   BeginCaptureToGraphFn begin_to_graph = nullptr;    // cuStreamBeginCaptureToGraph
   EndCaptureFn end_capture = nullptr;                // cuStreamEndCapture
   CtxGetCurrentFn ctx_current = nullptr;             // cuCtxGetCurrent
-  // per device: the CUfunction of kernels/bitsparse_graph.cu's condition kernel
-  std::map<int64_t, uint64_t> set_condition;
+  // per device: the CUfunction of kernels/bitsparse_graph.cu's condition kernel (0: none;
+  // Python sets it while backwards on other threads read it)
+  static constexpr int64_t kMaxDevices = 64;
+  std::array<std::atomic<uint64_t>, kMaxDevices> set_condition{};
+
+  uint64_t condition_kernel(int64_t device) const {
+    return device >= 0 && device < kMaxDevices ? set_condition[device].load() : 0;
+  }
 };
 GraphDriver graph_driver;
 
@@ -73,7 +79,7 @@ std::map<std::pair<int64_t, int>, bool> side_warm;
 bool graph_driver_ready(int64_t device) {
   const GraphDriver& d = graph_driver;
   return d.capture_info && d.handle_create && d.add_node && d.update_deps &&
-         d.begin_to_graph && d.end_capture && d.ctx_current && d.set_condition.count(device);
+         d.begin_to_graph && d.end_capture && d.ctx_current && d.condition_kernel(device) != 0;
 }
 
 // A warmed side stream of ``device`` other than ``stream``, for GEMMs of ``dtype``.
@@ -145,8 +151,8 @@ class ConditionalCapture {
     uint64_t handle = 0;
     check(d.handle_create(&handle, graph, ctx, 0, 0), "cuGraphConditionalHandleCreate");
     void* args[] = {&handle, &status};
-    check(driver.launch(reinterpret_cast<void*>(d.set_condition.at(device.index())), 1, 1, 1, 1,
-                        1, 1, 0, stream, args, nullptr),
+    check(driver.launch(reinterpret_cast<void*>(d.condition_kernel(device.index())), 1, 1, 1,
+                        1, 1, 1, 0, stream, args, nullptr),
           "cuLaunchKernel (condition)");
     check(d.capture_info(stream, &st, &id, &graph, &deps, &edges, &n), "cuStreamGetCaptureInfo");
     ConditionalNodeParams p;
