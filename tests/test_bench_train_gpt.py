@@ -159,3 +159,29 @@ def test_step_graph_variants_train_bit_identically_cuda(tmp_path):
         assert rec["losses_bit_identical"] and rec["params_bit_identical"], name
     inter = summary["interleaved"]
     assert inter["status"] == "ok" and not inter["failed"]
+
+
+def test_make_capturable_turns_a_loaded_adamw_state_capturable():
+    """A state dict from a non-capturable AdamW, loaded into the step-graph variants'
+    optimizer, says capturable=False (the saved groups win) and keeps integer-valued CPU
+    step counts; ``make_capturable`` sets the flag and keeps each count as a float32 tensor
+    on its parameter's device, as a capturable AdamW holds it. Only the step-graph
+    variants ask for it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_gpt as tg
+
+    model = torch.nn.Linear(4, 3)
+    plain = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    plain.step()
+    opt = torch.optim.AdamW(model.parameters(), capturable=True)
+    opt.load_state_dict(plain.state_dict())
+    assert not opt.param_groups[0]["capturable"]
+    tg.make_capturable(opt)
+    assert all(g["capturable"] for g in opt.param_groups)
+    for p in model.parameters():
+        step = opt.state[p]["step"]
+        assert step.dtype == torch.float32 and step.device == p.device and float(step) == 1.0
+    assert tg.StepGraph.of("dense", model, opt) is None
+    assert tg.StepGraph.of("ours-stepgraph", model, opt).recompute is False
+    assert tg.StepGraph.of("ours-stepgraph-recompute", model, opt).recompute is True
