@@ -512,6 +512,7 @@ int64_t handle_of(bool square, at::IntArrayRef shape, at::ScalarType dtype, int6
   return handle;
 }
 
+using Result2 = std::tuple<Tensor, Tensor>;
 using Result3 = std::tuple<Tensor, Tensor, Tensor>;
 
 std::vector<at::ScalarType> stored_dtypes;   // set_stored_dtypes: _bridge.TORCH_TO_BS's
@@ -550,12 +551,13 @@ Config decode_config(int64_t c) {
   return k;
 }
 
-Result3 call_python(py::object* fn, const char* what, py::args args) {
+template <class Result>
+Result call_python(py::object* fn, const char* what, py::args args) {
   TORCH_CHECK(fn != nullptr, "bitsparse: native module used before set_dispatch (", what, ")");
-  return (*fn)(*args).cast<Result3>();
+  return (*fn)(*args).cast<Result>();
 }
 
-Result3 relu_linear_kernel(const Tensor& a_in, const Tensor& weight,
+Result2 relu_linear_kernel(const Tensor& a_in, const Tensor& weight,
                            const std::optional<Tensor>& bias, const std::optional<Tensor>& x,
                            const std::optional<Tensor>& w1, const std::optional<Tensor>& b1,
                            int64_t capacity, int64_t config, int64_t policy) {
@@ -568,15 +570,16 @@ Result3 relu_linear_kernel(const Tensor& a_in, const Tensor& weight,
   }
   if (handle < 0) {
     py::gil_scoped_acquire gil;
-    return call_python(python_forward, "relu_linear",
+    return call_python<Result2>(python_forward, "relu_linear",
                        py::make_tuple(a_in, weight, bias, x, w1, b1, capacity, config, policy));
   }
   Forward f = forward_impl(a, weight, bias, plan_at(handle), policy, capacity, k.mm_dtype);
-  return {f.out, f.block, ticket_tensor(f.ticket)};
+  remember_ticket(f.block, f.ticket);
+  return {f.out, f.block};
 }
 
 Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
-                                    const Tensor& ticket, const Tensor& weight,
+                                    const Tensor& weight,
                                     const std::optional<Tensor>& x,
                                     const std::optional<Tensor>& w1,
                                     const std::optional<Tensor>& b1, int64_t capacity,
@@ -592,16 +595,16 @@ Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
       ? handle_of(k.square, a_shape, k.a_dtype, capacity, k.encoding, block.device()) : -1;
   if (handle < 0) {
     py::gil_scoped_acquire gil;
-    return call_python(python_backward, "relu_linear_backward",
-                       py::make_tuple(grad_out, block, ticket, weight, x, w1, b1, capacity,
-                                      config, policy));
+    return call_python<Result3>(python_backward, "relu_linear_backward",
+                       py::make_tuple(grad_out, block, weight, x, w1, b1, capacity, config,
+                                      policy));
   }
   const bool need_a = k.needs & 1, need_w = k.needs & 2, need_b = k.has_bias && (k.needs & 4);
   const Tensor xs = x.value_or(Tensor()), w1s = w1.value_or(Tensor()), b1s = b1.value_or(Tensor());
   Grads g;
   if (!backward_captured(g, grad_out, block, weight, xs, w1s, b1s, a_shape, k.a_dtype,
                          plan_at(handle), k.square, k.mm_dtype, need_a, need_w, need_b)) {
-    const bool clean = decide_clean(ticket_of(ticket), policy, handle, block, xs.defined());
+    const bool clean = decide_clean(ticket_of_block(block), policy, handle, block, xs.defined());
     g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, k.a_dtype,
                       plan_at(handle), clean, k.square, k.mm_dtype, need_a, need_w, need_b);
   }
@@ -760,6 +763,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     slab.ring_begin = slab.next = ring_begin;
   });
   m.def("drain_tracks", &drain_tracks);
+  m.def("block_ticket", [](const Tensor& block) {   // ops' Python backward: (slot, generation)
+    const Ticket t = ticket_of_block(block);
+    return std::make_pair(t.slot, t.generation);
+  });
   m.def("set_dispatch", [](py::object handle, py::object forward, py::object backward,
                            int64_t chunk_log2) {
     // never freed: a kernel may be running one (an earlier one stays alive too)

@@ -50,8 +50,8 @@ volatile int64_t* slot_generation(int64_t i) {
 }
 
 // A pack's ticket: its slot of the ring and the generation it took there (slot NO_SLOT:
-// none). The eager op keeps it as two ints; the ops' dispatcher kernels and Python see it as
-// a tensor (ticket_tensor).
+// none). The eager op's node keeps it; the ops' dispatcher kernels keep it beside the block
+// (remember_ticket); Python's policy sees it as a tensor (ticket_tensor).
 struct Ticket {
   int64_t slot = kNoSlot, generation = 0;
 };
@@ -64,11 +64,6 @@ Tensor ticket_tensor(const Ticket& ticket) {
   p[0] = ticket.slot;
   p[1] = ticket.generation;
   return t;
-}
-
-Ticket ticket_of(const Tensor& t) {
-  const int64_t* p = t.data_ptr<int64_t>();
-  return {p[0], p[1]};
 }
 
 bool capturing(void* stream) {
@@ -116,6 +111,52 @@ bool slot_shows_clean(const Ticket& ticket) {
   const uint64_t n = *slot_count(ticket.slot);
   // status 0: landed (the sentinel is all ones) and clean
   return *slot_generation(ticket.slot) == ticket.generation && s == 0 && n != kSentinel64;
+}
+
+// The ticket of each block the dispatcher's forward kernel made, found again by its backward
+// kernel from the block alone: the ops carry no ticket (a CPU output would keep them out of
+// inductor's CUDA graphs). Keyed by the block's storage, checked against a weak reference to
+// it: the weak reference keeps that StorageImpl's memory from being reused, so a live entry
+// names that storage and no other; a copy of the block, or a block freed and another
+// allocated at the same address, finds nothing (its count reads unknown: waited for or
+// recomputed, never wrong). Entries of freed blocks go in a sweep once the table doubles.
+struct BlockTicket {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  uint64_t data;   // the block's address (a view at another offset is not the block)
+  Ticket ticket;
+};
+std::mutex block_tickets_mutex;
+std::unordered_map<const c10::StorageImpl*, BlockTicket> block_tickets;
+size_t block_tickets_sweep_at = 1024;
+
+void remember_ticket(const Tensor& block, const Ticket& ticket) {
+  if (ticket.slot < 0 || !block.defined() || !block.has_storage()) return;
+  const c10::Storage& storage = block.storage();
+  std::lock_guard<std::mutex> lock(block_tickets_mutex);
+  if (block_tickets.size() >= block_tickets_sweep_at) {
+    for (auto it = block_tickets.begin(); it != block_tickets.end();) {
+      it = it->second.storage.expired() ? block_tickets.erase(it) : std::next(it);
+    }
+    block_tickets_sweep_at = std::max<size_t>(1024, 2 * block_tickets.size());
+  }
+  block_tickets.insert_or_assign(
+      storage.unsafeGetStorageImpl(),
+      BlockTicket{storage.getWeakStorageImpl(), reinterpret_cast<uint64_t>(block.data_ptr()),
+                  ticket});
+}
+
+// The ticket remember_ticket kept for ``block``; a NO_SLOT one where there is none.
+Ticket ticket_of_block(const Tensor& block) {
+  if (!block.defined() || !block.has_storage()) return {};
+  std::lock_guard<std::mutex> lock(block_tickets_mutex);
+  const auto it = block_tickets.find(block.storage().unsafeGetStorageImpl());
+  if (it == block_tickets.end()) return {};
+  if (it->second.storage.expired()) {
+    block_tickets.erase(it);
+    return {};
+  }
+  if (it->second.data != reinterpret_cast<uint64_t>(block.data_ptr())) return {};
+  return it->second.ticket;
 }
 
 // Packs tracked for their capacity policy (CapacityPolicy.track's records, made here

@@ -984,14 +984,14 @@ def test_op_kernels_match_the_python_kernels(op_kernels, needs):
     w, b = torch.randn(16, 64, generator=g).to(torch.bfloat16), torch.randn(16).to(torch.bfloat16)
     pol = C.CapacityPolicy(density=0.75)
     args = _op_args(pol, a, w, b)
-    out, block, ticket = native.relu_linear_kernel(*args)
-    out_py, block_py, ticket_py = ops.relu_linear(*args)
+    out, block = native.relu_linear_kernel(*args)
+    out_py, block_py = ops.relu_linear(*args)
     assert torch.equal(out, out_py) and torch.equal(block, block_py)
-    assert ticket[0] >= 0 and ticket_py[0] == C.HOST_FINAL     # a slot, and a host pack's
+    assert _extension_slot(block) >= 0 and _extension_slot(block_py) == C.NO_SLOT
     grad_out = torch.randn(24, 16, generator=g).to(torch.bfloat16)
     rest = _backward_args(pol, args, needs=needs)
-    got = native.relu_linear_backward_kernel(grad_out, block, ticket, w, None, None, None, *rest)
-    want = ops.relu_linear_backward(grad_out, block_py, ticket_py, w, None, None, None, *rest)
+    got = native.relu_linear_backward_kernel(grad_out, block, w, None, None, None, *rest)
+    want = ops.relu_linear_backward(grad_out, block_py, w, None, None, None, *rest)
     for x, y in zip(got, want):
         assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
 
@@ -1005,9 +1005,9 @@ def test_op_kernel_overflow_without_a_recompute_source_raises(op_kernels):
     w = torch.randn(16, 64).to(torch.bfloat16)
     pol = C.CapacityPolicy(density=0.05)
     args = _op_args(pol, a, w, None, square=False)
-    out, block, ticket = native.relu_linear_kernel(*args)
+    out, block = native.relu_linear_kernel(*args)
     with pytest.raises(CapacityOverflowError, match="no recompute source"):
-        native.relu_linear_backward_kernel(torch.ones_like(out), block, ticket, w, None, None,
+        native.relu_linear_backward_kernel(torch.ones_like(out), block, w, None, None,
                                            None, *_backward_args(pol, args, square=False,
                                                                  has_bias=False, needs=1))
 
@@ -1024,11 +1024,17 @@ def test_op_kernels_leave_long_chunks_and_python_path_to_python(op_kernels, monk
                 ops.op_config(False, int(Encoding.RAW), chunk_log2, None), pol.id)
         if off:
             with native.python_path():
-                out, block, ticket = native.relu_linear_kernel(*args)
+                out, block = native.relu_linear_kernel(*args)
         else:
-            out, block, ticket = native.relu_linear_kernel(*args)
-        assert ticket[0] == C.HOST_FINAL and not op_kernels.launches   # the Python kernel ran
+            out, block = native.relu_linear_kernel(*args)
+        assert _extension_slot(block) == C.NO_SLOT and not op_kernels.launches  # Python ran
         assert torch.equal(out, ops.relu_linear(*args)[0])
+
+
+def _extension_slot(block) -> int:
+    """The slot of the extension's ring that the dispatcher kernel's pack of ``block``
+    took (kept beside the block), NO_SLOT where the Python kernel made it."""
+    return native.module().block_ticket(block)[0]
 
 
 def _op_args(pol, a, w, b, square=True, encoding=Encoding.NOSIGN):
@@ -1074,9 +1080,10 @@ def test_op_config_decodes_the_same_in_cpp(ext):
 def test_the_dispatcher_runs_the_extension_kernels(emulated):
     """The extension registers its kernels with the dispatcher (CPU here, under the
     emulation; CUDA on a GPU): ``torch.ops`` calls reach them with no Python kernel on
-    the way. The ticket comes from the extension's own ring of the slab, the pack is
-    queued for its policy (drained when the policy reports or polls), and the results
-    equal the Python kernels'. python_path() and an unregistered key go to Python."""
+    the way. The pack's slot comes from the extension's own ring of the slab and is kept
+    beside the block, the pack is queued for its policy (drained when the policy reports
+    or polls), and the results equal the Python kernels'. python_path() and an
+    unregistered key go to Python."""
     from bitsparse_core.torch import capacity as C
     from bitsparse_core.torch import ops
     g = torch.Generator().manual_seed(3)
@@ -1084,31 +1091,32 @@ def test_the_dispatcher_runs_the_extension_kernels(emulated):
     w, b = torch.randn(16, 64, generator=g).to(torch.bfloat16), torch.randn(16).to(torch.bfloat16)
     pol = C.CapacityPolicy(density=0.75)
     args = _op_args(pol, a, w, b)
-    out, block, ticket = torch.ops.bitsparse.relu_linear(*args)
+    out, block = torch.ops.bitsparse.relu_linear(*args)
     assert [k[0] for k, _ in emulated.launches] == ["pack"]
-    assert C.SLAB.slots <= ticket[0] < C.SLAB.total             # the extension's ring
-    assert C.SLAB.read(ticket) == (0, int((a > 0).sum()))       # its count landed there
-    out_py, block_py, ticket_py = ops.relu_linear(*args)
+    slot, gen = native.module().block_ticket(block)
+    assert C.SLAB.slots <= slot < C.SLAB.total                  # the extension's ring
+    assert C.SLAB.read_slot(slot, gen) == (0, int((a > 0).sum()))   # its count landed there
+    assert native.module().block_ticket(block.clone())[0] == C.NO_SLOT   # not a copy's
+    out_py, block_py = ops.relu_linear(*args)
     assert torch.equal(out, out_py) and torch.equal(block, block_py)
     assert pol.stats()["packs"] == 2                            # one each way
     pol.poll()
     assert not pol._pending and pol.max_density == int((a > 0).sum()) / a.numel()
     grad_out = torch.randn(24, 16, generator=g).to(torch.bfloat16)
     rest = _backward_args(pol, args)
-    got = torch.ops.bitsparse.relu_linear_backward(grad_out, block, ticket, w, None, None, None,
-                                                   *rest)
-    want = ops.relu_linear_backward(grad_out, block_py, ticket_py, w, None, None, None, *rest)
+    got = torch.ops.bitsparse.relu_linear_backward(grad_out, block, w, None, None, None, *rest)
+    want = ops.relu_linear_backward(grad_out, block_py, w, None, None, None, *rest)
     assert all(torch.equal(x, y) for x, y in zip(got, want))
     assert [k[0] for k, _ in emulated.launches][-1] == "unpack"  # the fused decode ran
     with native.python_path():
-        assert torch.ops.bitsparse.relu_linear(*args)[2][0] == C.HOST_FINAL
+        assert _extension_slot(torch.ops.bitsparse.relu_linear(*args)[1]) == C.NO_SLOT
     mod = native.module()
     mod.unregister_kernels("CPU")
     try:
-        assert torch.ops.bitsparse.relu_linear(*args)[2][0] == C.HOST_FINAL
+        assert _extension_slot(torch.ops.bitsparse.relu_linear(*args)[1]) == C.NO_SLOT
     finally:
         mod.register_kernels("CPU")
-    assert torch.ops.bitsparse.relu_linear(*args)[2][0] >= C.SLAB.slots
+    assert _extension_slot(torch.ops.bitsparse.relu_linear(*args)[1]) >= C.SLAB.slots
 
 
 def test_the_extension_ring_skips_slots_in_flight(emulated):
@@ -1119,17 +1127,18 @@ def test_the_extension_ring_skips_slots_in_flight(emulated):
     w = torch.randn(4, 32).to(torch.bfloat16)
     pol = C.CapacityPolicy(density=1.0)
     args = _op_args(pol, a, w, None)
-    first = torch.ops.bitsparse.relu_linear(*args)[2]
-    slot = int(first[0])
+    first = native.module().block_ticket(torch.ops.bitsparse.relu_linear(*args)[1])
+    slot = first[0]
     C.SLAB.status[4 * slot] = C.SENTINEL             # as if its copy were still on its way
     ring = range(C.SLAB.slots, C.SLAB.total)
     in_flight = {i for i in ring if C.SLAB.status[4 * i] == C.SENTINEL}   # slot among them
     free = set(ring) - in_flight
-    seen = {int(torch.ops.bitsparse.relu_linear(*args)[2][0]) for _ in range(len(free))}
+    seen = {_extension_slot(torch.ops.bitsparse.relu_linear(*args)[1])
+            for _ in range(len(free))}
     assert seen == free
     C.SLAB.status[4 * slot] = 0
-    again = torch.ops.bitsparse.relu_linear(*args)[2]
-    assert int(again[0]) == slot and C.SLAB.lost(first) and not C.SLAB.lost(again)
+    again = native.module().block_ticket(torch.ops.bitsparse.relu_linear(*args)[1])
+    assert again[0] == slot and C.SLAB.lost_slot(*first) and not C.SLAB.lost_slot(*again)
 
 
 def test_emulated_compiled_training_runs_the_extension_kernels(emulated):
@@ -1206,8 +1215,8 @@ def test_a_plan_the_extension_does_not_take_runs_the_python_kernel(emulated, mon
     args = _op_args(pol, a, w, None)
     for _ in range(2):
         emulated.launches.clear()
-        out, block, ticket = torch.ops.bitsparse.relu_linear(*args)
-        assert ticket[0] == C.HOST_FINAL and not emulated.launches
+        out, block = torch.ops.bitsparse.relu_linear(*args)
+        assert _extension_slot(block) == C.NO_SLOT and not emulated.launches
     assert asked == [a.numel()]
 
 

@@ -26,6 +26,7 @@ import weakref
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..backends.cuda import abi
 
@@ -42,8 +43,7 @@ class FlagSlab:
     """A ring of pinned 16-byte slots {u32 status, u32 pad, u64 nnz}.
 
     A pack takes the next slot and gets a *ticket*: a CPU int64 tensor
-    ``[index, generation]`` (an op output, so it travels through autograd and
-    compiled graphs like any tensor). Reading a slot with a stale generation (the
+    ``[index, generation]``, kept beside the pack's block (:class:`BlockTickets`). Reading a slot with a stale generation (the
     ring came round; only for a pack thousands of packs old) answers "unknown",
     which every caller treats as "not known to be clean": correct, only slower. A
     slot whose count has not landed yet is skipped when the ring comes round.
@@ -157,6 +157,54 @@ def fixed_ticket(kind: int) -> torch.Tensor:
     ``HOST_FINAL`` (a host pack, whose block's status area is final)."""
     return FlagSlab._new_ticket(kind, 0)
 
+
+class BlockTickets:
+    """The ticket of each CUDA block the ops' Python kernels packed, found again from the
+    block: the ops carry no ticket output (a CPU output would keep them out of inductor's
+    CUDA graphs). Keyed by the block's storage and checked against a weak reference to it,
+    which keeps that storage's address from being reused while the entry lives: a copy of
+    the block, or a new block at a freed one's address, finds nothing (its count reads
+    unknown: waited for or recomputed, never wrong). Entries of freed blocks go in a sweep
+    once the table doubles. The C++ host path keeps its own table
+    (``kernels/torch_host_slots.h``), which :data:`NATIVE_BLOCK_TICKET` reads."""
+
+    def __init__(self):
+        self._entries: dict = {}   # storage's StorageImpl address -> (weak ref, data_ptr, ticket)
+        self._sweep_at = 1024
+        self._lock = threading.Lock()
+
+    def remember(self, block: torch.Tensor, ticket: torch.Tensor) -> None:
+        if ticket.tolist()[0] < 0:
+            return
+        storage = block.untyped_storage()
+        ref = StorageWeakRef(storage)
+        with self._lock:
+            if len(self._entries) >= self._sweep_at:
+                self._entries = {k: e for k, e in self._entries.items() if not e[0].expired()}
+                self._sweep_at = max(1024, 2 * len(self._entries))
+            self._entries[ref.cdata] = (ref, block.data_ptr(), ticket)
+
+    def ticket(self, block: torch.Tensor) -> torch.Tensor:
+        """The block's ticket: this table's, else the C++ path's, else a NO_SLOT one."""
+        key = block.untyped_storage()._cdata
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0].expired():
+                del self._entries[key]
+                entry = None
+        if entry is not None and entry[1] == block.data_ptr():
+            return entry[2]
+        if NATIVE_BLOCK_TICKET is not None:
+            i, gen = NATIVE_BLOCK_TICKET(block)
+            if i >= 0:
+                return FlagSlab._new_ticket(i, gen)
+        return fixed_ticket(NO_SLOT)
+
+
+BLOCK_TICKETS = BlockTickets()
+# The C++ host path's lookup of the blocks its forward kernel made (:mod:`.native` sets it):
+# ``block -> (slot, generation)``, slot NO_SLOT where it has none.
+NATIVE_BLOCK_TICKET = None
 
 # The C++ host path's queue of tracked packs (:mod:`.native` sets it): a function that
 # returns ``([(policy id, slot, generation, numel, capacity), ...], {policy id: packs})``

@@ -39,6 +39,7 @@ from ..spec.format import DEFAULT_CHUNK_LOG2, Encoding
 from ..errors import UnsupportedTransformError
 from . import native as _native
 from . import offload as _offload
+from . import capacity as _capacity
 from .capacity import CapacityPolicy
 
 ENCODINGS = ("raw", "nosign", "signplane", "auto")
@@ -157,12 +158,12 @@ def relu_linear(a, weight, bias=None, *, square: bool = False, encoding: str = "
         if out is not None:
             return out
     if traced:
-        out, _, _ = ReLULinearFunction.apply(*args)
+        out, _ = ReLULinearFunction.apply(*args)
     else:
         # Function.apply binds the arguments to forward's signature (inspect.signature,
         # tens of microseconds per call) before the C++ apply; all thirteen are passed
         # positionally, so binding changes nothing and is skipped in eager.
-        out, _, _ = _RELU_LINEAR_APPLY(*args)
+        out, _ = _RELU_LINEAR_APPLY(*args)
     return out
 
 
@@ -222,6 +223,15 @@ def _no_modes(args: tuple, n_tensors: int) -> bool:
             and _PLAIN.issuperset(map(type, args[:n_tensors])))
 
 
+def _taken_back(stash, ticket):
+    """An offloaded block back on the device (a second backward through it raises), its
+    pack's ticket kept beside it again: the copy is a new block."""
+    block = stash.take()
+    if block.device.type == "cuda":
+        _capacity.BLOCK_TICKETS.remember(block, ticket)
+    return block
+
+
 def _no_zero_grads(ctx) -> None:
     """Eager autograd would hand backward a zero tensor for every non-differentiable output
     (a fill of the block-sized buffer per layer); None instead. A trace keeps its own
@@ -244,8 +254,8 @@ def _offloader(offload, traced: bool, device_type: str):
 
 
 class ReLULinearFunction(torch.autograd.Function):
-    """Autograd of ``bitsparse::relu_linear``: saves the packed block, its ticket, the
-    weight and the recompute source; the backward is ``bitsparse::relu_linear_backward``.
+    """Autograd of ``bitsparse::relu_linear``: saves the packed block, the weight and the
+    recompute source; the backward is ``bitsparse::relu_linear_backward``.
     Forward and ``setup_context`` are separate, so torch.func and torch.compile take it."""
 
     @staticmethod
@@ -258,35 +268,35 @@ class ReLULinearFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         (a, weight, bias, x, w1, b1, capacity, square, encoding, chunk_log2, mm_dtype, policy,
          offload) = inputs
-        _, block, ticket = output
-        ctx.mark_non_differentiable(block, ticket)
+        _, block = output
+        ctx.mark_non_differentiable(block)
         _no_zero_grads(ctx)
         if offload is not None:      # the block goes to the host; backward takes it back
-            ctx.stashed = offload.stash(block)
-            ctx.save_for_backward(ticket, weight, x, w1, b1)
+            ctx.stashed = (offload.stash(block), _ops.block_ticket(block))
+            ctx.save_for_backward(weight, x, w1, b1)
         else:
             ctx.stashed = None
-            ctx.save_for_backward(block, ticket, weight, x, w1, b1)
+            ctx.save_for_backward(block, weight, x, w1, b1)
         ctx.meta = (a.dtype, bias is not None, capacity, square, encoding, chunk_log2,
                     mm_dtype, policy)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, _grad_block, _grad_ticket):
+    def backward(ctx, grad_out, _grad_block):
         if grad_out is None:             # the output was not used: nothing flows back
             return (None,) * 13
         if ctx.stashed is not None:
-            ticket, weight, x, w1, b1 = ctx.saved_tensors
-            block = ctx.stashed.take()   # a second backward through it raises
+            weight, x, w1, b1 = ctx.saved_tensors
+            block = _taken_back(*ctx.stashed)
         else:
-            block, ticket, weight, x, w1, b1 = ctx.saved_tensors
+            block, weight, x, w1, b1 = ctx.saved_tensors
         a_dtype, has_bias, capacity, square, encoding, chunk_log2, mm_dtype, policy = ctx.meta
         need = ctx.needs_input_grad
         needs = (_ops.NEED_A if need[0] else 0) | (_ops.NEED_W if need[1] else 0)
         grad_out = grad_out.contiguous()
         config = _ops.op_config(square, encoding, chunk_log2, mm_dtype, a_dtype, has_bias, needs)
         grad_a, grad_w, _ = _call("relu_linear_backward", (
-            grad_out, block, ticket, weight, x, w1, b1, capacity, config, policy), 7)
+            grad_out, block, weight, x, w1, b1, capacity, config, policy), 6)
         # The bias gradient outside the op, PyTorch's linear's own: under torch.compile
         # it is then the compiler's reduction, as in the dense model's graph.
         _, grad_b = _ops._linear_bias_grad(grad_out, weight, has_bias,
@@ -307,7 +317,7 @@ _RELU_LINEAR_APPLY = super(torch.autograd.Function, ReLULinearFunction).apply
 
 class GatedReLULinearFunction(torch.autograd.Function):
     """Autograd of ``bitsparse::gated_relu_linear``: saves the two packed blocks (relu(g),
-    and u where g > 0), their ticket, the weight and the recompute source; the backward
+    and u where g > 0), the weight and the recompute source; the backward
     is ``bitsparse::gated_relu_linear_backward``."""
 
     @staticmethod
@@ -320,37 +330,39 @@ class GatedReLULinearFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         (g, u, weight, bias, x, wg, bg, wu, bu, capacity, encoding, u_encoding, chunk_log2,
          mm_dtype, policy, offload) = inputs
-        _, block_r, block_u, ticket = output
-        ctx.mark_non_differentiable(block_r, block_u, ticket)
+        _, block_r, block_u = output
+        ctx.mark_non_differentiable(block_r, block_u)
         _no_zero_grads(ctx)
         if offload is not None:      # both blocks go to the host; backward takes them back
-            ctx.stashed = (offload.stash(block_r), offload.stash(block_u))
-            ctx.save_for_backward(ticket, weight, x, wg, bg, wu, bu)
+            ctx.stashed = (offload.stash(block_r), offload.stash(block_u),
+                           _ops.block_ticket(block_r))
+            ctx.save_for_backward(weight, x, wg, bg, wu, bu)
         else:
             ctx.stashed = None
-            ctx.save_for_backward(block_r, block_u, ticket, weight, x, wg, bg, wu, bu)
+            ctx.save_for_backward(block_r, block_u, weight, x, wg, bg, wu, bu)
         ctx.meta = (list(g.shape), g.dtype, bias is not None, capacity, encoding, u_encoding,
                     chunk_log2, mm_dtype, policy)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, _grad_r, _grad_u, _grad_ticket):
+    def backward(ctx, grad_out, _grad_r, _grad_u):
         if grad_out is None:
             return (None,) * 16
         if ctx.stashed is not None:  # taken in the reverse of the order they were stashed
-            ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
-            block_u, block_r = ctx.stashed[1].take(), ctx.stashed[0].take()
+            weight, x, wg, bg, wu, bu = ctx.saved_tensors
+            block_u = ctx.stashed[1].take()
+            block_r = _taken_back(ctx.stashed[0], ctx.stashed[2])
         else:
-            block_r, block_u, ticket, weight, x, wg, bg, wu, bu = ctx.saved_tensors
+            block_r, block_u, weight, x, wg, bg, wu, bu = ctx.saved_tensors
         a_shape, a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, \
             policy = ctx.meta
         need = ctx.needs_input_grad
         needs = (_ops.NEED_A if need[0] or need[1] else 0) | (_ops.NEED_W if need[2] else 0)
         grad_out = grad_out.contiguous()
         grad_g, grad_u, grad_w, _ = _call("gated_relu_linear_backward", (
-            grad_out, block_r, block_u, ticket, weight, x, wg, bg, wu, bu, a_shape,
+            grad_out, block_r, block_u, weight, x, wg, bg, wu, bu, a_shape,
             a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype, policy,
-            needs), 10)
+            needs), 9)
         _, grad_b = _ops._linear_bias_grad(grad_out, weight, has_bias,   # as ReLU's, above
                                            _ops.NEED_B if has_bias and need[3] else 0)
         return (grad_g if need[0] else None, grad_u if need[1] else None,
@@ -411,9 +423,9 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
             _encoding_id(encoding), u_enc, DEFAULT_CHUNK_LOG2, mm_dtype, pol.id,
             _offloader(offload, traced, device_type))
     if traced:
-        out, _, _, _ = GatedReLULinearFunction.apply(*args)
+        out, _, _ = GatedReLULinearFunction.apply(*args)
     else:   # see relu_linear
-        out, _, _, _ = _GATED_APPLY(*args)
+        out, _, _ = _GATED_APPLY(*args)
     return out
 
 

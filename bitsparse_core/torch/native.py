@@ -171,6 +171,7 @@ def module():
                     mod.set_python_path_depth(_off)
                     mod.set_stored_dtypes(list(_bridge.TORCH_TO_BS))
                     C.NATIVE_TRACKS = mod.drain_tracks
+                    C.NATIVE_BLOCK_TICKET = mod.block_ticket
                 except Exception as exc:   # no compiler, no headers, a failed build
                     if mode == "on":
                         raise
@@ -269,7 +270,10 @@ def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.
                    recompute_source: bool) -> bool:
     """The C++ backward's question: may it read the packed values? (The policy waits for
     or gives up on a count not back yet, re-picks its bucket, counts recomputes; without
-    a recompute source the host waits and an overflow raises.)"""
+    a recompute source the host waits and an overflow raises.) A block the extension has
+    no ticket for may be one the Python kernel made (inside :func:`python_path`)."""
+    if ticket.tolist()[0] == C.NO_SLOT:
+        ticket = _ops.block_ticket(block)
     return _ops._clean_state(block, ticket, _plans[handle], C.POLICIES.get(policy),
                              recompute_source, "relu_linear")
 

@@ -2,15 +2,18 @@
 
 ``bitsparse::relu_linear`` computes ``F.linear(relu(a), W, b)`` (``relu(a)**2``
 when ``square``) and returns, beside the output, the packed ``relu(a)`` at a fixed
-capacity as ONE uint8 block (the layout of :func:`..backends.cuda.host.pack_plan`)
-and a *ticket* for its device-side counters (:mod:`.capacity`).
-``bitsparse::relu_linear_backward`` takes them back: where the ticket shows the
+capacity as ONE uint8 block (the layout of :func:`..backends.cuda.host.pack_plan`).
+The pack's *ticket* for its device-side counters (:mod:`.capacity`) is kept beside the
+block, not returned: every output is on the input's device, so CUDA graphs capture the op.
+``bitsparse::relu_linear_backward`` takes the block back: where the ticket shows the
 pack clean, it unpacks (and runs the fused activation gradient); where it shows
 an overflow, it recomputes the activation from the FFN input with the same GEMM as
 the forward, so the gradients are bit-identical in every case. Where the count has
 not come back yet (the host is ahead of the GPU), the call site's policy either
-watches the pinned slot until it lands or recomputes (``CapacityPolicy.pending``);
-inside a CUDA graph capture it always recomputes. No CUDA synchronize is made.
+watches the pinned slot until it lands or recomputes (``CapacityPolicy.pending``).
+Inside a CUDA graph capture the host cannot know the count: the C++ path's backward
+lets the device pick between the two (a conditional node), the Python path recomputes.
+No CUDA synchronize is made.
 
 Each op has a fake (meta) implementation, shapes from the format's layout at the
 given capacity, so ``torch.compile`` traces them without a graph break; the
@@ -254,18 +257,19 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
 # dynamo-disable layers, ~100 us per call on the development CPU (bench/NOTES.md); the
 # autograd formula lives in ReLULinearFunction (functional.py) instead.
 _LIB = torch.library.Library("bitsparse", "DEF")
-# Every op runs outside inductor's CUDA graphs (``mode="reduce-overhead"`` captures the
-# graph's other kernels in partitions around them): a pack's count comes back to the host
-# through its slot and the backward reads it there, so that replays neither recompute
-# nor freeze the capacity. Without the tag inductor would capture the op's CUDA part and
-# hand its whole output tuple out of the partition (torch 2.11 fails recording that graph).
+# The ops' outputs are all on the inputs' device (a pack's ticket stays beside its block,
+# capacity.BLOCK_TICKETS), so inductor's CUDA graphs (``mode="reduce-overhead"``) capture
+# relu_linear and its backward with the rest of the graph; a captured backward reads the
+# block where its pack was clean, on the device (kernels/torch_host_graphs.h). The gated
+# ops' captured backward would recompute on every replay (no conditional node there yet):
+# they run outside inductor's graphs instead, between partitions, where the host reads
+# their counts.
 CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t)
 _LIB.define("relu_linear(Tensor a, Tensor weight, Tensor? bias, Tensor? x, Tensor? w1, "
-            "Tensor? b1, SymInt capacity, int config, int policy) -> (Tensor, Tensor, Tensor)",
-            tags=CUDAGRAPH_UNSAFE)
-_LIB.define("relu_linear_backward(Tensor grad_out, Tensor block, Tensor ticket, Tensor weight, "
+            "Tensor? b1, SymInt capacity, int config, int policy) -> (Tensor, Tensor)")
+_LIB.define("relu_linear_backward(Tensor grad_out, Tensor block, Tensor weight, "
             "Tensor? x, Tensor? w1, Tensor? b1, SymInt capacity, int config, int policy) "
-            "-> (Tensor, Tensor, Tensor)", tags=CUDAGRAPH_UNSAFE)
+            "-> (Tensor, Tensor, Tensor)")
 # ``needs`` of relu_linear_backward: which gradients autograd asks for.
 NEED_A, NEED_W, NEED_B = 1, 2, 4
 
@@ -362,14 +366,16 @@ def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 x: Optional[torch.Tensor], w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
                 capacity: int, config: int, policy: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(F.linear(relu(a)[**2], W, b), packed block, ticket)``; ``x, w1, b1`` (what made
+    """``(F.linear(relu(a)[**2], W, b), packed block)``; ``x, w1, b1`` (what made
     ``a = F.linear(x, w1, b1)``) are kept only for an exact recompute in backward;
-    ``config``: :func:`op_config`'s square, encoding, chunk size and GEMM dtype."""
+    ``config``: :func:`op_config`'s square, encoding, chunk size and GEMM dtype. A CUDA
+    pack's ticket is kept beside its block (:data:`.capacity.BLOCK_TICKETS`)."""
     square, encoding, chunk_log2, mm_dtype = decode_config(config)[:4]
     plan = _plan(a.shape, a.dtype, capacity, square, encoding, chunk_log2)
     pol = C.POLICIES.get(policy)
     if a.device.type == "cuda":
         y, block, ticket = _pack_cuda(a, plan)
+        C.BLOCK_TICKETS.remember(block, ticket)
         known = None
     else:
         y, block = _pack_cpu(a, plan, square)
@@ -378,7 +384,7 @@ def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if pol is not None:
         pol.track(ticket, a.numel(), int(capacity), known)
     out = F.linear(y if mm_dtype is None else y.to(mm_dtype), weight, bias)
-    return out, block, ticket
+    return out, block
 
 
 @torch.library.register_fake("bitsparse::relu_linear")
@@ -387,8 +393,15 @@ def _(a, weight, bias, x, w1, b1, capacity, config, policy):
     mode = abi.Mode.RELU2 if square else abi.Mode.RELU
     nbytes = _block_nbytes(mode, a.shape, a.dtype, capacity, encoding, chunk_log2)
     out = a.new_empty((*a.shape[:-1], weight.shape[0]), dtype=mm_dtype or a.dtype)
-    return (out, a.new_empty((nbytes,), dtype=torch.uint8),
-            torch.empty((2,), dtype=torch.int64))
+    return out, a.new_empty((nbytes,), dtype=torch.uint8)
+
+
+def block_ticket(block: torch.Tensor) -> torch.Tensor:
+    """The ticket of the pack that made ``block``: a host pack's is final
+    (``HOST_FINAL``), a CUDA pack's kept beside its block (``NO_SLOT`` where none is)."""
+    if block.device.type != "cuda":
+        return C.fixed_ticket(C.HOST_FINAL)
+    return C.BLOCK_TICKETS.ticket(block)
 
 
 def _state(block: torch.Tensor, ticket: torch.Tensor, plan: host.PackPlan):
@@ -426,7 +439,7 @@ def backward_a_shape(grad_out: torch.Tensor, weight: torch.Tensor) -> list:
 
 
 @_register("relu_linear_backward")
-def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: torch.Tensor,
+def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor,
                          weight: torch.Tensor, x: Optional[torch.Tensor],
                          w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
                          capacity: int, config: int, policy: int
@@ -438,8 +451,8 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
     square, encoding, chunk_log2, mm_dtype, a_dtype, has_bias, needs = decode_config(config)
     a_shape = backward_a_shape(grad_out, weight)
     plan = _plan(a_shape, a_dtype, capacity, square, encoding, chunk_log2)
-    clean = _clean_state(block, ticket, plan, C.POLICIES.get(policy), x is not None,
-                         "relu_linear")
+    clean = _clean_state(block, block_ticket(block), plan, C.POLICIES.get(policy),
+                         x is not None, "relu_linear")
     g2, grad_b = _linear_bias_grad(grad_out, weight, has_bias, needs)
     if clean and square and needs & NEED_A and needs & NEED_W and block.device.type == "cuda":
         # one decode gives both the input gradient and the second GEMM's input
@@ -473,7 +486,7 @@ def relu_linear_backward(grad_out: torch.Tensor, block: torch.Tensor, ticket: to
 
 
 @torch.library.register_fake("bitsparse::relu_linear_backward")
-def _(grad_out, block, ticket, weight, x, w1, b1, capacity, config, policy):
+def _(grad_out, block, weight, x, w1, b1, capacity, config, policy):
     _, _, _, _, a_dtype, has_bias, needs = decode_config(config)
     a_shape = backward_a_shape(grad_out, weight)
     grad_a = grad_out.new_empty(a_shape if needs & NEED_A else (0,), dtype=a_dtype)
@@ -544,9 +557,9 @@ def _relu2_grad_and_square_(grad_h, block, plan):
 _LIB.define("gated_relu_linear(Tensor g, Tensor u, Tensor weight, Tensor? bias, Tensor? x, "
             "Tensor? wg, Tensor? bg, Tensor? wu, Tensor? bu, SymInt capacity, int encoding, "
             "int u_encoding, int chunk_log2, ScalarType? mm_dtype, int policy) "
-            "-> (Tensor, Tensor, Tensor, Tensor)", tags=CUDAGRAPH_UNSAFE)
+            "-> (Tensor, Tensor, Tensor)", tags=CUDAGRAPH_UNSAFE)
 _LIB.define("gated_relu_linear_backward(Tensor grad_out, Tensor block_r, Tensor block_u, "
-            "Tensor ticket, Tensor weight, Tensor? x, Tensor? wg, Tensor? bg, Tensor? wu, "
+            "Tensor weight, Tensor? x, Tensor? wg, Tensor? bg, Tensor? wu, "
             "Tensor? bu, int[] a_shape, ScalarType a_dtype, bool has_bias, SymInt capacity, "
             "int encoding, int u_encoding, int chunk_log2, ScalarType? mm_dtype, int policy, "
             "int needs) -> (Tensor, Tensor, Tensor, Tensor)", tags=CUDAGRAPH_UNSAFE)
@@ -581,7 +594,8 @@ def _masked_pack_cpu(u: torch.Tensor, block_r: torch.Tensor, plan_r, plan_u) -> 
 def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, encoding: int,
                       u_encoding: int, chunk_log2: int, mm_dtype: Optional[torch.dtype],
                       policy: int):
-    """``(F.linear(relu(g) * u, W, b), block of relu(g), block of u where g > 0, ticket)``;
+    """``(F.linear(relu(g) * u, W, b), block of relu(g), block of u where g > 0)`` (a CUDA
+    pack's ticket kept beside ``block_r``, :data:`.capacity.BLOCK_TICKETS`);
     ``x, wg, bg, wu, bu`` (what made ``g`` and ``u``) are kept only for the exact
     recompute of an overflowed pack. One capacity serves both: u stores a value exactly
     where relu(g) does."""
@@ -590,6 +604,7 @@ def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, enco
     pol = C.POLICIES.get(policy)
     if g.device.type == "cuda":
         r, block_r, ticket = _pack_cuda(g, plan_r)
+        C.BLOCK_TICKETS.remember(block_r, ticket)
         block_u = torch.empty(plan_u.nbytes, dtype=torch.uint8, device=g.device)
         scratch = torch.empty(max(plan_u.scratch_bytes, 1), dtype=torch.uint8, device=g.device)
         host.enqueue_pack(plan_u, g.device.index, _stream(g.device), u.data_ptr(),
@@ -607,7 +622,7 @@ def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, enco
     del r
     with torch.autocast(g.device.type, enabled=False):
         out = F.linear(h if mm_dtype is None else h.to(mm_dtype), weight, bias)
-    return out, block_r, block_u, ticket
+    return out, block_r, block_u
 
 
 @torch.library.register_fake("bitsparse::gated_relu_linear")
@@ -617,8 +632,7 @@ def _(g, u, weight, bias, x, wg, bg, wu, bu, capacity, encoding, u_encoding, chu
     u_bytes = _block_nbytes(abi.Mode.MASKED, g.shape, g.dtype, capacity, u_encoding, chunk_log2)
     out = g.new_empty((*g.shape[:-1], weight.shape[0]), dtype=mm_dtype or g.dtype)
     return (out, g.new_empty((r_bytes,), dtype=torch.uint8),
-            g.new_empty((u_bytes,), dtype=torch.uint8),
-            torch.empty((2,), dtype=torch.int64))
+            g.new_empty((u_bytes,), dtype=torch.uint8))
 
 
 def _clean_state(block, ticket, plan, pol, recompute_source: bool, what: str) -> bool:
@@ -652,7 +666,7 @@ def _clean_state(block, ticket, plan, pol, recompute_source: bool, what: str) ->
 
 
 @_register("gated_relu_linear_backward")
-def gated_relu_linear_backward(grad_out, block_r, block_u, ticket, weight, x, wg, bg, wu, bu,
+def gated_relu_linear_backward(grad_out, block_r, block_u, weight, x, wg, bg, wu, bu,
                                a_shape: List[int], a_dtype: torch.dtype, has_bias: bool,
                                capacity: int, encoding: int, u_encoding: int, chunk_log2: int,
                                mm_dtype: Optional[torch.dtype], policy: int, needs: int):
@@ -662,7 +676,8 @@ def gated_relu_linear_backward(grad_out, block_r, block_u, ticket, weight, x, wg
     plan_r = _plan(a_shape, a_dtype, capacity, False, encoding, chunk_log2)
     plan_u = _u_plan(a_shape, a_dtype, capacity, u_encoding, chunk_log2)
     pol = C.POLICIES.get(policy)
-    clean = _clean_state(block_r, ticket, plan_r, pol, x is not None, "gated_relu_linear")
+    clean = _clean_state(block_r, block_ticket(block_r), plan_r, pol, x is not None,
+                         "gated_relu_linear")
     g2, grad_b = _linear_bias_grad(grad_out, weight, has_bias, needs)
     grad_g = grad_u = grad_out.new_empty((0,), dtype=a_dtype)
     grad_w = weight.new_empty((0,))
@@ -692,7 +707,7 @@ def gated_relu_linear_backward(grad_out, block_r, block_u, ticket, weight, x, wg
 
 
 @torch.library.register_fake("bitsparse::gated_relu_linear_backward")
-def _(grad_out, block_r, block_u, ticket, weight, x, wg, bg, wu, bu, a_shape, a_dtype, has_bias,
+def _(grad_out, block_r, block_u, weight, x, wg, bg, wu, bu, a_shape, a_dtype, has_bias,
       capacity, encoding, u_encoding, chunk_log2, mm_dtype, policy, needs):
     shape = a_shape if needs & NEED_A else (0,)
     grad_w = weight.new_empty(weight.shape if needs & NEED_W else (0,))
@@ -750,7 +765,7 @@ def BENCH_CASES(shape, dtype, device):
     enc = int(Encoding.NOSIGN)
     op, op_backward = torch.ops.bitsparse.relu_linear, torch.ops.bitsparse.relu_linear_backward
     config = op_config(True, enc, 12, None)
-    out, block, ticket = op(a, w, None, None, None, None, cap, config, 0)
+    out, block = op(a, w, None, None, None, None, cap, config, 0)
     g = torch.randn_like(out)
     plan = _plan(a.shape, a.dtype, cap, True, enc, 12)
     y = torch.empty_like(a)
@@ -760,6 +775,6 @@ def BENCH_CASES(shape, dtype, device):
         "relu2_backward": lambda: _unpack_cuda(block, plan, abi.Op.RELU2, y, grad=a),
         "relu_linear": lambda: op(a, w, None, None, None, None, cap, config, 0),
         "relu_linear_backward": lambda: op_backward(
-            g, block, ticket, w, None, None, None, cap,
+            g, block, w, None, None, None, cap,
             op_config(True, enc, 12, None, a.dtype, False, NEED_A | NEED_W), 0),
     }
