@@ -834,10 +834,11 @@ def host_phases_ms(clocks: list) -> dict | None:
 
 def policy_counters(stats: list) -> dict:
     """The counters of capacity policies' ``stats()`` summed: packs, backwards that
-    recomputed (``unknown``: the count had not come back yet), overflows, waits for a
-    count and their seconds."""
+    recomputed (``unknown``: the count had not come back yet; ``replay_recomputes``: in
+    replays of CUDA graphs), overflows, waits for a count and their seconds."""
     return {k: sum(st[k] for st in stats)
-            for k in ("packs", "recomputes", "unknown", "overflows", "waits", "wait_s")}
+            for k in ("packs", "recomputes", "replay_recomputes", "unknown", "overflows", "waits",
+                      "wait_s")}
 
 
 def print_variant(name: str, res: dict) -> None:
@@ -1053,16 +1054,19 @@ def markdown_variants(summary: dict) -> str:
     cap = {n: v["capacity"] for n, v in summary["variants"].items() if v.get("capacity")}
     if cap:
         out += ["", "## Packed modules' backward, per step (all layers)", "",
-                "| variant | recomputes | of which the count was not back yet | overflows | "
-                "waits for a count | host ms waiting | max density |",
-                "| --- | --- | --- | --- | --- | --- | --- |"]
+                "| variant | recomputes | of which the count was not back yet | in graph replays "
+                "| overflows | waits for a count | host ms waiting | max density |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         out += [f"| {n} | {c['recomputes_per_step']:.2f} | {c['unknown_per_step']:.2f} | "
+                f"{c.get('replay_recomputes_per_step', 0):.2f} | "
                 f"{c['overflows_per_step']:.2f} | {c['waits_per_step']:.2f} | "
                 f"{1e3 * c['wait_s_per_step']:.2f} | {c['max_density']:.3f} |"
                 for n, c in cap.items()]
         out += ["", "A wait watches the pinned slot of a pack the GPU has not reached yet, while "
                 "the GPU runs the work queued after it (no CUDA call); `ours-recompute` "
-                "recomputes instead."]
+                "recomputes instead. Recomputes in graph replays are counted on the device "
+                "(the captured backward's condition kernel); the host sees none of their "
+                "packs."]
     profiled = {n: v["syncs"] for n, v in summary["variants"].items() if v.get("syncs")}
     if profiled:
         keys = list(next(iter(profiled.values()))["per_step"])

@@ -234,7 +234,7 @@ bool backward_conditional(Grads& g, const Tensor& grad_out, const Tensor& block,
                           const Tensor& weight, const Tensor& x, const Tensor& w1,
                           const Tensor& b1, at::IntArrayRef a_shape, at::ScalarType a_dtype,
                           const Plan& P, bool square, int64_t mm_dtype, bool need_a,
-                          bool need_w, bool need_b, void* stream) {
+                          bool need_w, bool need_b, int64_t policy, void* stream) {
   const c10::Device device = block.device();
   if (!device.is_cuda() || !graph_driver_ready(device.index()) || !x.defined() ||
       mm_dtype >= 0 || weight.scalar_type() != a_dtype || grad_out.scalar_type() != a_dtype ||
@@ -258,7 +258,8 @@ bool backward_conditional(Grads& g, const Tensor& grad_out, const Tensor& block,
   const uint64_t b = address(block);
   void* body = side->native_handle();
 
-  ConditionalCapture node(stream, b + static_cast<uint64_t>(P.status_offset), *side, device);
+  ConditionalCapture node(stream, b + static_cast<uint64_t>(P.status_offset),
+                          replay_counter(device, policy), *side, device);
   // the pack was clean: the packed block
   if (square && need_a && need_w) {
     at::mm_out(ga2, g2, weight);
@@ -312,14 +313,15 @@ bool backward_conditional(Grads& g, const Tensor& grad_out, const Tensor& block,
 bool backward_captured(Grads& g, const Tensor& grad_out, const Tensor& block,
                        const Tensor& weight, const Tensor& x, const Tensor& w1, const Tensor& b1,
                        at::IntArrayRef a_shape, at::ScalarType a_dtype, const Plan& P,
-                       bool square, int64_t mm_dtype, bool need_a, bool need_w, bool need_b) {
+                       bool square, int64_t mm_dtype, bool need_a, bool need_w, bool need_b,
+                       int64_t policy) {
   void* stream = current_stream(block.device());
   if (!capturing(stream)) {
-    warm_side_stream(block.device(), a_dtype);
+    warm_side_stream(block.device(), a_dtype, policy);
     return false;
   }
   return backward_conditional(g, grad_out, block, weight, x, w1, b1, a_shape, a_dtype, P, square,
-                              mm_dtype, need_a, need_w, need_b, stream);
+                              mm_dtype, need_a, need_w, need_b, policy, stream);
 }
 
 // ---------------------------------------------------------------------------
@@ -379,7 +381,8 @@ struct ReLULinearBackward : public Node {
       // over grad_h in place) and, under create_graph, carry an error node below
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       if (!backward_captured(g, grad_out, packed, w, xs, w1s, b1s, a_shape, a_dtype,
-                             plan_at(handle), square, mm_dtype, need_a, need_w, need_b)) {
+                             plan_at(handle), square, mm_dtype, need_a, need_w, need_b,
+                             policy)) {
         const bool clean = decide_clean(ticket, policy, handle, packed, true);
         g = backward_impl(grad_out, packed, w, xs, w1s, b1s, a_shape, a_dtype, plan_at(handle),
                           clean, square, mm_dtype, need_a, need_w, need_b);
@@ -603,7 +606,8 @@ Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
   const Tensor xs = x.value_or(Tensor()), w1s = w1.value_or(Tensor()), b1s = b1.value_or(Tensor());
   Grads g;
   if (!backward_captured(g, grad_out, block, weight, xs, w1s, b1s, a_shape, k.a_dtype,
-                         plan_at(handle), k.square, k.mm_dtype, need_a, need_w, need_b)) {
+                         plan_at(handle), k.square, k.mm_dtype, need_a, need_w, need_b,
+                         policy)) {
     const bool clean = decide_clean(ticket_of_block(block), policy, handle, block, xs.defined());
     g = backward_impl(grad_out, block, weight, xs, w1s, b1s, a_shape, k.a_dtype,
                       plan_at(handle), clean, k.square, k.mm_dtype, need_a, need_w, need_b);
@@ -743,6 +747,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     graph_driver.set_condition[device].store(func);
   });
   m.def("graph_conditionals", [](int64_t device) { return graph_driver_ready(device); });
+  m.def("replay_counts", &replay_counts);
+  m.def("drop_replay_counters", &drop_replay_counters);
   m.def("set_exact_driver", [](uint64_t copy_device, uint64_t stream_query, uint64_t stream_sync) {
     exact_driver.copy_device = reinterpret_cast<CopyDeviceFn>(copy_device);
     exact_driver.stream_query = reinterpret_cast<StreamQueryFn>(stream_query);

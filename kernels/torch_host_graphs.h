@@ -76,6 +76,16 @@ std::mutex side_mutex;
 std::map<int64_t, std::array<c10::Stream, 2>> side_streams;
 std::map<std::pair<int64_t, int>, bool> side_warm;
 
+// Per (device, policy): a device counter of the replays whose captured backward recomputed
+// (the condition kernel adds to it), made by an eager backward (inside a capture the
+// allocation would be the graph's), and whether a capture has used it; the policy's stats
+// read the used ones (native.replay_recomputes). Guarded by side_mutex.
+struct ReplayCounter {
+  Tensor count;
+  bool used = false;
+};
+std::map<std::pair<int64_t, int64_t>, ReplayCounter> replay_counters;
+
 bool graph_driver_ready(int64_t device) {
   const GraphDriver& d = graph_driver;
   return d.capture_info && d.handle_create && d.add_node && d.update_deps &&
@@ -96,27 +106,69 @@ std::optional<c10::Stream> side_stream(const c10::Device& device, at::ScalarType
   return std::nullopt;
 }
 
+// The device address of the policy's replay counter on ``device``, marked used; 0 where none
+// was made (no eager backward of the policy there before the capture, or no policy).
+uint64_t replay_counter(const c10::Device& device, int64_t policy) {
+  std::lock_guard<std::mutex> lock(side_mutex);
+  const auto it = replay_counters.find({device.index(), policy});
+  if (it == replay_counters.end()) return 0;
+  it->second.used = true;
+  return reinterpret_cast<uint64_t>(it->second.count.data_ptr());
+}
+
+// The used counters of ``policy``, one per device (read by Python after a device sync).
+std::vector<Tensor> replay_counts(int64_t policy) {
+  std::lock_guard<std::mutex> lock(side_mutex);
+  std::vector<Tensor> out;
+  for (const auto& item : replay_counters) {
+    if (item.first.second == policy && item.second.used) out.push_back(item.second.count);
+  }
+  return out;
+}
+
+// A policy that is gone (its finalizer): its counters go too.
+void drop_replay_counters(int64_t policy) {
+  std::lock_guard<std::mutex> lock(side_mutex);
+  for (auto it = replay_counters.begin(); it != replay_counters.end();) {
+    it = it->first.second == policy ? replay_counters.erase(it) : std::next(it);
+  }
+}
+
 // Make the side stream's cuBLAS and cuBLASLt workspaces (torch keeps one per handle and
 // stream, allocated on first use, which a capture would forbid), with one small GEMM of
 // each kind on it. Called from eager backwards; once per device and dtype.
-void warm_side_stream(const c10::Device& device, at::ScalarType dtype) {
+// Also makes the policy's replay counter on the device. One lookup under the lock once both
+// exist (every eager backward comes here).
+void warm_side_stream(const c10::Device& device, at::ScalarType dtype, int64_t policy) {
   if (!device.is_cuda() || !graph_driver_ready(device.index())) return;
   const std::pair<int64_t, int> key{device.index(), static_cast<int>(dtype)};
+  const std::pair<int64_t, int64_t> counter_key{device.index(), policy};
   std::array<c10::Stream, 2> sides{c10::Stream(c10::Stream::DEFAULT, device),
                                    c10::Stream(c10::Stream::DEFAULT, device)};
+  bool warm;
   {
     std::lock_guard<std::mutex> lock(side_mutex);
-    if (side_warm.count(key)) return;
-    auto it = side_streams.find(device.index());
-    if (it == side_streams.end()) {
-      c10::impl::VirtualGuardImpl impl(device.type());
-      const c10::Stream first = impl.getStreamFromGlobalPool(device, false);
-      c10::Stream second = impl.getStreamFromGlobalPool(device, false);
-      while (second == first) second = impl.getStreamFromGlobalPool(device, false);
-      it = side_streams.emplace(device.index(), std::array<c10::Stream, 2>{first, second}).first;
+    const bool counted = policy <= 0 || replay_counters.count(counter_key);
+    warm = side_warm.count(key) > 0;
+    if (counted && warm) return;
+    if (!counted) {
+      replay_counters.emplace(counter_key, ReplayCounter{
+          at::zeros({1}, at::TensorOptions().device(device).dtype(at::kLong))});
     }
-    sides = it->second;
+    if (!warm) {
+      auto it = side_streams.find(device.index());
+      if (it == side_streams.end()) {
+        c10::impl::VirtualGuardImpl impl(device.type());
+        const c10::Stream first = impl.getStreamFromGlobalPool(device, false);
+        c10::Stream second = impl.getStreamFromGlobalPool(device, false);
+        while (second == first) second = impl.getStreamFromGlobalPool(device, false);
+        it = side_streams.emplace(device.index(), std::array<c10::Stream, 2>{first, second})
+                 .first;
+      }
+      sides = it->second;
+    }
   }
+  if (warm) return;
   for (const c10::Stream& side : sides) {
     c10::StreamGuard guard(side);
     const auto opts = at::TensorOptions().device(device).dtype(dtype);
@@ -129,12 +181,13 @@ void warm_side_stream(const c10::Device& device, at::ScalarType dtype) {
 }
 
 // Adds an IF/ELSE node to the capture on ``stream`` whose condition is "the u32 at
-// ``status`` is zero" and captures the code between then() and finish() into its bodies on
+// ``status`` is zero" (else the u64 at ``recomputes``, where not 0, counts the replay) and
+// captures the code between then() and finish() into its bodies on
 // the side stream, made torch's current stream meanwhile. Ends every capture it began
 // even when the code in a body throws.
 class ConditionalCapture {
  public:
-  ConditionalCapture(void* stream, uint64_t status, const c10::Stream& side,
+  ConditionalCapture(void* stream, uint64_t status, uint64_t recomputes, const c10::Stream& side,
                      const c10::Device& device)
       : side_(side), raw_side_(side.native_handle()) {
     const GraphDriver& d = graph_driver;
@@ -150,7 +203,7 @@ class ConditionalCapture {
     check(d.ctx_current(&ctx), "cuCtxGetCurrent");
     uint64_t handle = 0;
     check(d.handle_create(&handle, graph, ctx, 0, 0), "cuGraphConditionalHandleCreate");
-    void* args[] = {&handle, &status};
+    void* args[] = {&handle, &status, &recomputes};
     check(driver.launch(reinterpret_cast<void*>(d.condition_kernel(device.index())), 1, 1, 1,
                         1, 1, 1, 0, stream, args, nullptr),
           "cuLaunchKernel (condition)");

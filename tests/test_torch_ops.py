@@ -3,6 +3,7 @@ overflow, torch.compile and (GPU) CUDA graphs, each bit-identical to dense PyTor
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import shutil
@@ -103,6 +104,52 @@ def test_flag_slab_tickets_read_unknown_until_landed_and_after_reuse():
     _, t3 = slab.acquire()                       # the ring came round to t1's slot
     assert int(t3[0]) == i and slab.read(t1) is None
     assert slab.read(torch.tensor([C.NO_SLOT, 0])) is None
+
+
+def test_block_tickets_find_the_block_and_nothing_else(monkeypatch):
+    """A block's ticket is found from the block (a view at its start too), not from a copy,
+    a view elsewhere in it, or a new block once the old one is freed; freed blocks' entries
+    go in the sweep. The extension's table is asked where this one has nothing."""
+    monkeypatch.setattr(C, "NATIVE_BLOCK_TICKET", None)
+    table = C.BlockTickets()
+    block = torch.empty(64, dtype=torch.uint8)
+    ticket = C.FlagSlab._new_ticket(5, 7)
+    table.remember(block, ticket)
+    assert table.ticket(block) is ticket and table.ticket(block[:8]) is ticket
+    for other in (block.clone(), block[8:]):
+        assert table.ticket(other).tolist() == [C.NO_SLOT, 0]
+    table.remember(torch.empty(8, dtype=torch.uint8), C.fixed_ticket(C.NO_SLOT))  # no slot: none
+    assert len(table._entries) == 1
+    del block, other                                      # the view kept it alive
+    fresh = torch.empty(64, dtype=torch.uint8)
+    assert table.ticket(fresh).tolist() == [C.NO_SLOT, 0]
+    table._sweep_at = 1
+    table.remember(fresh, ticket)
+    assert len(table._entries) == 1                       # the freed block's entry went
+    monkeypatch.setattr(C, "NATIVE_BLOCK_TICKET", lambda b: (9, 3))
+    assert table.ticket(fresh.clone()).tolist() == [9, 3]
+
+
+def test_policy_stats_take_replay_recomputes_from_the_device_counters(monkeypatch, caplog):
+    """Recomputes in CUDA graph replays are counted on the device; stats() takes them in
+    (and logs the new ones), keeps the last count inside a capture (None), and a policy
+    that is gone drops its counters."""
+    counts, dropped = {}, []
+    monkeypatch.setattr(C, "NATIVE_REPLAY_RECOMPUTES", lambda pid: counts.get(pid, 0))
+    monkeypatch.setattr(C, "NATIVE_DROP_REPLAY_COUNTERS", dropped.append)
+    pol = C.CapacityPolicy(density=0.1)
+    assert pol.stats()["replay_recomputes"] == 0
+    counts[pol.id] = 3
+    logging.disable(logging.NOTSET)
+    with caplog.at_level(logging.WARNING, logger="bitsparse_core.torch"):
+        assert pol.stats()["replay_recomputes"] == 3
+    assert "3 replays" in caplog.text
+    counts[pol.id] = None
+    assert pol.stats()["replay_recomputes"] == 3
+    pid = pol.id
+    del pol
+    gc.collect()
+    assert pid in dropped
 
 
 def test_policy_poll_passes_a_count_that_can_never_be_read(monkeypatch):
@@ -555,8 +602,8 @@ def test_reduce_overhead_training_matches_dense_reduce_overhead(density, cls):
     """``torch.compile(mode="reduce-overhead")``: training steps with an optimizer are
     bit-identical to the dense model compiled the same way, overflowing packs included
     (density 0.01), and inductor skips no CUDA graph. ReLU²'s ops are captured: once the
-    graphs replay, the host packs nothing (the policy sees no new pack) and the device
-    picks each backward's way. ReGLU's run between partitions, and with an adaptive
+    graphs replay, the host packs nothing (the policy sees no new pack), the device picks
+    each backward's way and counts the replays that recomputed. ReGLU's run between partitions, and with an adaptive
     capacity no backward recomputes (the counts come back to the host)."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
@@ -589,6 +636,8 @@ def test_reduce_overhead_training_matches_dense_reduce_overhead(density, cls):
     assert counters["inductor"]["cudagraph_skips"] == 0
     if cls is bst.PackedReLU2FFN:     # steps 5-7 replay the graphs: no host pack
         assert after["packs"] == before["packs"], (before, after)
+        if density is not None:       # each replay's overflow, counted on the device
+            assert after["replay_recomputes"] >= before["replay_recomputes"] + 3
     else:
         assert after["packs"] == before["packs"] + 3
         if torch._inductor.config.graph_partition:

@@ -206,6 +206,18 @@ BLOCK_TICKETS = BlockTickets()
 # ``block -> (slot, generation)``, slot NO_SLOT where it has none.
 NATIVE_BLOCK_TICKET = None
 
+# The C++ host path's device counters of captured backwards that recomputed (:mod:`.native`
+# sets both): ``policy id -> count`` (None inside a capture), and ``policy id -> None``,
+# which drops a gone policy's counters.
+NATIVE_REPLAY_RECOMPUTES = None
+NATIVE_DROP_REPLAY_COUNTERS = None
+
+
+def _drop_replay_counters(policy_id: int) -> None:
+    if NATIVE_DROP_REPLAY_COUNTERS is not None:
+        NATIVE_DROP_REPLAY_COUNTERS(policy_id)
+
+
 # The C++ host path's queue of tracked packs (:mod:`.native` sets it): a function that
 # returns ``([(policy id, slot, generation, numel, capacity), ...], {policy id: packs})``
 # and empties the queue.
@@ -325,8 +337,7 @@ class CapacityPolicy:
             raise ValueError(f"margin={margin!r} must be >= 0")
         if pending not in PENDING:
             raise ValueError(f"pending={pending!r}; use one of {', '.join(PENDING)}")
-        self.id = next(_IDS)
-        POLICIES[self.id] = self
+        self._register()
         self.pending = pending
         self.density = None if density is None else float(density)
         self.frozen = False
@@ -338,6 +349,8 @@ class CapacityPolicy:
         # recomputes: backwards that recomputed, for an overflow or because the count
         # had not come back yet (``unknown``, the host running ahead of the GPU)
         self.packs = self.overflows = self.recomputes = self.unknown = self.waits = 0
+        # replays of captured backwards (CUDA graphs) that recomputed: counted on the device
+        self.replay_recomputes = 0
         self.wait_s = 0.0
         self.max_density = 0.0
 
@@ -356,10 +369,16 @@ class CapacityPolicy:
         # from the original would feed the copy's packs to the original (or, loaded in
         # another process, to whichever policy has that number there).
         state.setdefault("frozen", False)   # pickled before freeze() existed
+        state.setdefault("replay_recomputes", 0)
         self.__dict__.update(state)
         self.bucket = bucket
+        self._register()
+
+    def _register(self) -> None:
+        """A new id, under which the ops find this policy; its device counters go with it."""
         self.id = next(_IDS)
         POLICIES[self.id] = self
+        weakref.finalize(self, _drop_replay_counters, self.id)
 
     @property
     def bucket(self) -> int:
@@ -432,6 +451,16 @@ class CapacityPolicy:
         self.wait_s += time.perf_counter() - t0
         return state
 
+    def _take_replay_recomputes(self) -> None:
+        if NATIVE_REPLAY_RECOMPUTES is None:
+            return
+        count = NATIVE_REPLAY_RECOMPUTES(self.id)
+        if count is not None and count > self.replay_recomputes:
+            log.warning("bitsparse: %d replays of captured backwards recomputed their "
+                        "activation exactly (their packs overflowed the capacity the capture "
+                        "found)", count - self.replay_recomputes)
+            self.replay_recomputes = count
+
     def _observe(self, nnz: int, numel: int, capacity: int) -> None:
         d = nnz / numel if numel else 0.0
         self._recent.append(d)
@@ -443,8 +472,14 @@ class CapacityPolicy:
                         capacity, d)
 
     def stats(self) -> dict:
+        """The policy's counters. ``replay_recomputes``: replays of CUDA graphs whose captured
+        backward found its pack overflowed (or its count unknown) and recomputed, counted
+        on the device; where any backward of this policy was captured, reading them waits
+        for that device (outside a capture)."""
         drain_native_tracks()
+        self._take_replay_recomputes()
         return {"packs": self.packs, "overflows": self.overflows, "recomputes": self.recomputes,
+                "replay_recomputes": self.replay_recomputes,
                 "unknown": self.unknown, "waits": self.waits, "wait_s": self.wait_s,
                 "max_density": self.max_density, "frozen": self.frozen,
                 "capacity_density": self.density if self.density is not None

@@ -172,6 +172,8 @@ def module():
                     mod.set_stored_dtypes(list(_bridge.TORCH_TO_BS))
                     C.NATIVE_TRACKS = mod.drain_tracks
                     C.NATIVE_BLOCK_TICKET = mod.block_ticket
+                    C.NATIVE_REPLAY_RECOMPUTES = replay_recomputes
+                    C.NATIVE_DROP_REPLAY_COUNTERS = mod.drop_replay_counters
                 except Exception as exc:   # no compiler, no headers, a failed build
                     if mode == "on":
                         raise
@@ -420,6 +422,23 @@ def conditional_nodes(device: int) -> bool:
     packed block where the pack was clean (a conditional node) rather than recomputing."""
     mod = _cuda
     return bool(mod is not None and mod.graph_conditionals(device))
+
+
+def replay_recomputes(policy_id: int):
+    """How many replays of the policy's captured backwards recomputed (their device
+    counters; kernels/bitsparse_graph.cu's condition kernel adds to them), after waiting
+    for each device that has one; None inside a capture, where no wait is allowed."""
+    mod = _cuda
+    counts = mod.replay_counts(policy_id) if mod is not None else []
+    if not counts:
+        return 0
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    total = 0
+    for count in counts:
+        torch.cuda.synchronize(count.device)
+        total += int(count.item())
+    return total
 
 
 @contextlib.contextmanager
