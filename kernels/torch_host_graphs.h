@@ -137,36 +137,43 @@ void drop_replay_counters(int64_t policy) {
 // Make the side stream's cuBLAS and cuBLASLt workspaces (torch keeps one per handle and
 // stream, allocated on first use, which a capture would forbid), with one small GEMM of
 // each kind on it. Called from eager backwards; once per device and dtype.
-// Also makes the policy's replay counter on the device. One lookup under the lock once both
-// exist (every eager backward comes here).
+// Also makes the policy's replay counter on the device: allocated with a side stream other
+// than the caller's current (an eager warm-up of inductor's graphs allocates the current
+// stream's memory from the graphs' pool, whose state inductor may later rewind), zeroed on
+// the caller's stream (a capture begins with a device sync, so every replay follows it).
+// One lookup under the lock once both exist (every eager backward comes here).
 void warm_side_stream(const c10::Device& device, at::ScalarType dtype, int64_t policy) {
   if (!device.is_cuda() || !graph_driver_ready(device.index())) return;
   const std::pair<int64_t, int> key{device.index(), static_cast<int>(dtype)};
   const std::pair<int64_t, int64_t> counter_key{device.index(), policy};
   std::array<c10::Stream, 2> sides{c10::Stream(c10::Stream::DEFAULT, device),
                                    c10::Stream(c10::Stream::DEFAULT, device)};
-  bool warm;
+  bool warm, counted;
   {
     std::lock_guard<std::mutex> lock(side_mutex);
-    const bool counted = policy <= 0 || replay_counters.count(counter_key);
+    counted = policy <= 0 || replay_counters.count(counter_key);
     warm = side_warm.count(key) > 0;
     if (counted && warm) return;
-    if (!counted) {
-      replay_counters.emplace(counter_key, ReplayCounter{
-          at::zeros({1}, at::TensorOptions().device(device).dtype(at::kLong))});
+    auto it = side_streams.find(device.index());
+    if (it == side_streams.end()) {
+      c10::impl::VirtualGuardImpl impl(device.type());
+      const c10::Stream first = impl.getStreamFromGlobalPool(device, false);
+      c10::Stream second = impl.getStreamFromGlobalPool(device, false);
+      while (second == first) second = impl.getStreamFromGlobalPool(device, false);
+      it = side_streams.emplace(device.index(), std::array<c10::Stream, 2>{first, second}).first;
     }
-    if (!warm) {
-      auto it = side_streams.find(device.index());
-      if (it == side_streams.end()) {
-        c10::impl::VirtualGuardImpl impl(device.type());
-        const c10::Stream first = impl.getStreamFromGlobalPool(device, false);
-        c10::Stream second = impl.getStreamFromGlobalPool(device, false);
-        while (second == first) second = impl.getStreamFromGlobalPool(device, false);
-        it = side_streams.emplace(device.index(), std::array<c10::Stream, 2>{first, second})
-                 .first;
-      }
-      sides = it->second;
+    sides = it->second;
+  }
+  if (!counted) {
+    const void* current = current_stream(device);
+    Tensor count;
+    {
+      c10::StreamGuard guard(sides[0].native_handle() != current ? sides[0] : sides[1]);
+      count = at::empty({1}, at::TensorOptions().device(device).dtype(at::kLong));
     }
+    count.zero_();
+    std::lock_guard<std::mutex> lock(side_mutex);
+    replay_counters.emplace(counter_key, ReplayCounter{count});
   }
   if (warm) return;
   for (const c10::Stream& side : sides) {
