@@ -259,7 +259,7 @@ bool backward_conditional(Grads& g, const Tensor& grad_out, const Tensor& block,
   void* body = side->native_handle();
 
   ConditionalCapture node(stream, b + static_cast<uint64_t>(P.status_offset),
-                          replay_counter(device, policy), *side, device);
+                          replay_counter(policy), *side, device);
   // the pack was clean: the packed block
   if (square && need_a && need_w) {
     at::mm_out(ga2, g2, weight);
@@ -747,8 +747,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     graph_driver.set_condition[device].store(func);
   });
   m.def("graph_conditionals", [](int64_t device) { return graph_driver_ready(device); });
-  m.def("replay_counts", &replay_counts);
-  m.def("drop_replay_counters", &drop_replay_counters);
+  m.def("replay_count", &replay_count);
+  m.def("set_body_pool_fn", [](py::object fn) {
+    body_pool_fn = new py::object(std::move(fn));   // never freed: a backward may hold it
+  });
+  m.def("drop_replay_counter", &drop_replay_counter);
   m.def("set_exact_driver", [](uint64_t copy_device, uint64_t stream_query, uint64_t stream_sync) {
     exact_driver.copy_device = reinterpret_cast<CopyDeviceFn>(copy_device);
     exact_driver.stream_query = reinterpret_cast<StreamQueryFn>(stream_query);

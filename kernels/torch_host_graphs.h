@@ -65,6 +65,18 @@ struct ConditionalNodeParams {
 };
 static_assert(sizeof(ConditionalNodeParams) == 256, "CUgraphNodeParams is 256 bytes");
 
+// native._route_body_allocations(device, begin): while a body is captured, what the side
+// stream allocates (cuBLAS's workspaces, made anew where inductor cleared them before its
+// recording) goes to a private pool of its own, which nothing else allocates from, so the
+// graph's workspace is never handed to a tensor once cuBLAS lets go of it. Never freed.
+py::object* body_pool_fn = nullptr;
+
+void route_body_allocations(int64_t device, bool begin) {
+  if (body_pool_fn == nullptr) return;
+  py::gil_scoped_acquire gil;
+  (*body_pool_fn)(device, begin);
+}
+
 constexpr int kCaptureActive = 1;       // CU_STREAM_CAPTURE_STATUS_ACTIVE
 constexpr unsigned kSetDependencies = 1;  // CU_STREAM_SET_CAPTURE_DEPENDENCIES
 constexpr int kCaptureRelaxed = 2;      // CU_STREAM_CAPTURE_MODE_RELAXED
@@ -76,15 +88,16 @@ std::mutex side_mutex;
 std::map<int64_t, std::array<c10::Stream, 2>> side_streams;
 std::map<std::pair<int64_t, int>, bool> side_warm;
 
-// Per (device, policy): a device counter of the replays whose captured backward recomputed
-// (the condition kernel adds to it), made by an eager backward (inside a capture the
-// allocation would be the graph's), and whether a capture has used it; the policy's stats
-// read the used ones (native.replay_recomputes). Guarded by side_mutex.
-struct ReplayCounter {
-  Tensor count;
-  bool used = false;
-};
-std::map<std::pair<int64_t, int64_t>, ReplayCounter> replay_counters;
+// Per policy: a counter of the replays whose captured backward recomputed, one int64 of a
+// pinned host table that the condition kernel adds to over the bus (no device memory: an
+// eager warm-up of inductor's graphs allocates from the graphs' pool, where inductor
+// tolerates no allocation it does not track), and that the host reads with no sync.
+// Guarded by side_mutex; a gone policy's slot is given back (drop_replay_counter).
+constexpr int64_t kReplayCounterSlots = 1 << 16;
+Tensor replay_table;                           // pinned int64[kReplayCounterSlots], made on first use
+std::vector<int64_t> replay_free;              // its free slots
+std::unordered_map<int64_t, int64_t> replay_slot_of;   // policy -> slot
+std::unordered_map<int64_t, bool> replay_used;         // policy -> a capture has used it
 
 bool graph_driver_ready(int64_t device) {
   const GraphDriver& d = graph_driver;
@@ -106,54 +119,63 @@ std::optional<c10::Stream> side_stream(const c10::Device& device, at::ScalarType
   return std::nullopt;
 }
 
-// The device address of the policy's replay counter on ``device``, marked used; 0 where none
-// was made (no eager backward of the policy there before the capture, or no policy).
-uint64_t replay_counter(const c10::Device& device, int64_t policy) {
+// The address of the policy's replay counter, marked used; 0 where it has none (no eager
+// backward of the policy before the capture, no policy, or every slot taken).
+uint64_t replay_counter(int64_t policy) {
   std::lock_guard<std::mutex> lock(side_mutex);
-  const auto it = replay_counters.find({device.index(), policy});
-  if (it == replay_counters.end()) return 0;
-  it->second.used = true;
-  return reinterpret_cast<uint64_t>(it->second.count.data_ptr());
+  const auto it = replay_slot_of.find(policy);
+  if (it == replay_slot_of.end()) return 0;
+  replay_used[policy] = true;
+  return reinterpret_cast<uint64_t>(replay_table.data_ptr<int64_t>() + it->second);
 }
 
-// The used counters of ``policy``, one per device (read by Python after a device sync).
-std::vector<Tensor> replay_counts(int64_t policy) {
-  std::lock_guard<std::mutex> lock(side_mutex);
-  std::vector<Tensor> out;
-  for (const auto& item : replay_counters) {
-    if (item.first.second == policy && item.second.used) out.push_back(item.second.count);
+// A slot of the table for ``policy`` (side_mutex held), zeroed; none where every slot is
+// taken. The table is pinned host memory: no device pool is involved.
+void add_replay_counter(int64_t policy) {
+  if (!replay_table.defined()) {
+    replay_table = at::zeros({kReplayCounterSlots},
+                             at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    for (int64_t i = kReplayCounterSlots - 1; i >= 0; --i) replay_free.push_back(i);
   }
-  return out;
+  if (replay_free.empty()) return;
+  const int64_t slot = replay_free.back();
+  replay_free.pop_back();
+  replay_table.data_ptr<int64_t>()[slot] = 0;
+  replay_slot_of[policy] = slot;
 }
 
-// A policy that is gone (its finalizer): its counters go too.
-void drop_replay_counters(int64_t policy) {
+// The policy's count (volatile: the device writes it), or -1 where no capture has used it.
+int64_t replay_count(int64_t policy) {
   std::lock_guard<std::mutex> lock(side_mutex);
-  for (auto it = replay_counters.begin(); it != replay_counters.end();) {
-    it = it->first.second == policy ? replay_counters.erase(it) : std::next(it);
-  }
+  const auto it = replay_slot_of.find(policy);
+  if (it == replay_slot_of.end() || !replay_used.count(policy)) return -1;
+  return *(static_cast<volatile int64_t*>(replay_table.data_ptr<int64_t>()) + it->second);
+}
+
+// A policy that is gone (its finalizer): its slot goes back.
+void drop_replay_counter(int64_t policy) {
+  std::lock_guard<std::mutex> lock(side_mutex);
+  const auto it = replay_slot_of.find(policy);
+  if (it == replay_slot_of.end()) return;
+  replay_free.push_back(it->second);
+  replay_slot_of.erase(it);
+  replay_used.erase(policy);
 }
 
 // Make the side stream's cuBLAS and cuBLASLt workspaces (torch keeps one per handle and
 // stream, allocated on first use, which a capture would forbid), with one small GEMM of
 // each kind on it. Called from eager backwards; once per device and dtype.
-// Also makes the policy's replay counter on the device: allocated with a side stream other
-// than the caller's current (an eager warm-up of inductor's graphs allocates the current
-// stream's memory from the graphs' pool, whose state inductor may later rewind), zeroed on
-// the caller's stream (a capture begins with a device sync, so every replay follows it).
-// One lookup under the lock once both exist (every eager backward comes here).
+// Also gives the policy its replay counter. One lookup under the lock once both exist
+// (every eager backward comes here).
 void warm_side_stream(const c10::Device& device, at::ScalarType dtype, int64_t policy) {
   if (!device.is_cuda() || !graph_driver_ready(device.index())) return;
   const std::pair<int64_t, int> key{device.index(), static_cast<int>(dtype)};
-  const std::pair<int64_t, int64_t> counter_key{device.index(), policy};
   std::array<c10::Stream, 2> sides{c10::Stream(c10::Stream::DEFAULT, device),
                                    c10::Stream(c10::Stream::DEFAULT, device)};
-  bool warm, counted;
   {
     std::lock_guard<std::mutex> lock(side_mutex);
-    counted = policy <= 0 || replay_counters.count(counter_key);
-    warm = side_warm.count(key) > 0;
-    if (counted && warm) return;
+    if (policy > 0 && !replay_slot_of.count(policy)) add_replay_counter(policy);
+    if (side_warm.count(key)) return;
     auto it = side_streams.find(device.index());
     if (it == side_streams.end()) {
       c10::impl::VirtualGuardImpl impl(device.type());
@@ -164,18 +186,6 @@ void warm_side_stream(const c10::Device& device, at::ScalarType dtype, int64_t p
     }
     sides = it->second;
   }
-  if (!counted) {
-    const void* current = current_stream(device);
-    Tensor count;
-    {
-      c10::StreamGuard guard(sides[0].native_handle() != current ? sides[0] : sides[1]);
-      count = at::empty({1}, at::TensorOptions().device(device).dtype(at::kLong));
-    }
-    count.zero_();
-    std::lock_guard<std::mutex> lock(side_mutex);
-    replay_counters.emplace(counter_key, ReplayCounter{count});
-  }
-  if (warm) return;
   for (const c10::Stream& side : sides) {
     c10::StreamGuard guard(side);
     const auto opts = at::TensorOptions().device(device).dtype(dtype);
@@ -188,7 +198,8 @@ void warm_side_stream(const c10::Device& device, at::ScalarType dtype, int64_t p
 }
 
 // Adds an IF/ELSE node to the capture on ``stream`` whose condition is "the u32 at
-// ``status`` is zero" (else the u64 at ``recomputes``, where not 0, counts the replay) and
+// ``status`` is zero" (else the pinned int64 at ``recomputes``, where not 0, counts the
+// replay) and
 // captures the code between then() and finish() into its bodies on
 // the side stream, made torch's current stream meanwhile. Ends every capture it began
 // even when the code in a body throws.
@@ -196,7 +207,7 @@ class ConditionalCapture {
  public:
   ConditionalCapture(void* stream, uint64_t status, uint64_t recomputes, const c10::Stream& side,
                      const c10::Device& device)
-      : side_(side), raw_side_(side.native_handle()) {
+      : side_(side), raw_side_(side.native_handle()), device_(device.index()) {
     const GraphDriver& d = graph_driver;
     int st = 0;
     uint64_t id = 0;
@@ -243,6 +254,10 @@ class ConditionalCapture {
     if (capturing_) {
       void* g = nullptr;
       graph_driver.end_capture(raw_side_, &g);   // already unwinding: its error is dropped
+      try {
+        route_body_allocations(device_, false);
+      } catch (...) {   // already unwinding
+      }
       guard_.reset();
     }
   }
@@ -254,9 +269,11 @@ class ConditionalCapture {
           "cuStreamBeginCaptureToGraph");
     capturing_ = true;
     guard_.emplace(side_);
+    route_body_allocations(device_, true);   // the side stream is now torch's current
   }
 
   void end() {
+    route_body_allocations(device_, false);
     guard_.reset();
     capturing_ = false;
     void* g = nullptr;
@@ -265,6 +282,7 @@ class ConditionalCapture {
 
   c10::Stream side_;
   void* raw_side_;
+  int64_t device_;
   void* bodies_[2] = {nullptr, nullptr};
   bool capturing_ = false;
   std::optional<c10::StreamGuard> guard_;

@@ -206,9 +206,9 @@ BLOCK_TICKETS = BlockTickets()
 # ``block -> (slot, generation)``, slot NO_SLOT where it has none.
 NATIVE_BLOCK_TICKET = None
 
-# The C++ host path's device counters of captured backwards that recomputed (:mod:`.native`
-# sets both): ``policy id -> count`` (None inside a capture), and ``policy id -> None``,
-# which drops a gone policy's counters.
+# The C++ host path's counters of captured backwards that recomputed (:mod:`.native` sets
+# both): ``policy id -> count``, and ``policy id -> None``, which gives a gone policy's
+# counter back.
 NATIVE_REPLAY_RECOMPUTES = None
 NATIVE_DROP_REPLAY_COUNTERS = None
 
@@ -349,7 +349,7 @@ class CapacityPolicy:
         # recomputes: backwards that recomputed, for an overflow or because the count
         # had not come back yet (``unknown``, the host running ahead of the GPU)
         self.packs = self.overflows = self.recomputes = self.unknown = self.waits = 0
-        # replays of captured backwards (CUDA graphs) that recomputed: counted on the device
+        # replays of captured backwards (CUDA graphs) that recomputed: the device counts them
         self.replay_recomputes = 0
         self.wait_s = 0.0
         self.max_density = 0.0
@@ -455,7 +455,7 @@ class CapacityPolicy:
         if NATIVE_REPLAY_RECOMPUTES is None:
             return
         count = NATIVE_REPLAY_RECOMPUTES(self.id)
-        if count is not None and count > self.replay_recomputes:
+        if count > self.replay_recomputes:
             log.warning("bitsparse: %d replays of captured backwards recomputed their "
                         "activation exactly (their packs overflowed the capacity the capture "
                         "found)", count - self.replay_recomputes)
@@ -473,9 +473,8 @@ class CapacityPolicy:
 
     def stats(self) -> dict:
         """The policy's counters. ``replay_recomputes``: replays of CUDA graphs whose captured
-        backward found its pack overflowed (or its count unknown) and recomputed, counted
-        on the device; where any backward of this policy was captured, reading them waits
-        for that device (outside a capture)."""
+        backward found its pack overflowed and recomputed, counted by the device into pinned
+        host memory (those the device has run so far; no wait)."""
         drain_native_tracks()
         self._take_replay_recomputes()
         return {"packs": self.packs, "overflows": self.overflows, "recomputes": self.recomputes,

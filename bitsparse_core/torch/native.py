@@ -173,7 +173,7 @@ def module():
                     C.NATIVE_TRACKS = mod.drain_tracks
                     C.NATIVE_BLOCK_TICKET = mod.block_ticket
                     C.NATIVE_REPLAY_RECOMPUTES = replay_recomputes
-                    C.NATIVE_DROP_REPLAY_COUNTERS = mod.drop_replay_counters
+                    C.NATIVE_DROP_REPLAY_COUNTERS = mod.drop_replay_counter
                 except Exception as exc:   # no compiler, no headers, a failed build
                     if mode == "on":
                         raise
@@ -225,6 +225,7 @@ def cuda_module():
             mod.set_exact_driver(addr(lib.cuMemcpyDtoDAsync_v2), addr(lib.cuStreamQuery),
                                  addr(lib.cuStreamSynchronize))
             _hand_graph_driver(mod, lib, addr)
+            mod.set_body_pool_fn(_route_body_allocations)
             _hand_slab(mod)
             # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
             mod.register_kernels("CUDA")
@@ -400,6 +401,25 @@ def _hand_graph_driver(mod, lib, addr) -> None:
         return
 
 
+_body_pools: dict = {}   # device -> the private memory pool of conditional bodies' allocations
+
+
+def _route_body_allocations(device: int, begin: bool) -> None:
+    """While a conditional node's body is captured (the C++ path calls this with the body's
+    side stream current), what that stream allocates goes to a private pool of its own:
+    cuBLAS's workspaces, which inductor's CUDA graphs clear before and after a recording,
+    so a recording makes them anew, and frees them after it while the graph still uses
+    them. In a pool that nothing else allocates from, such a block is only ever a
+    workspace again. Never released."""
+    if begin:
+        pool = _body_pools.get(device)
+        if pool is None:
+            pool = _body_pools[device] = torch.cuda.graph_pool_handle()
+        torch._C._cuda_beginAllocateCurrentStreamToPool(device, pool)
+    else:
+        torch._C._cuda_endAllocateToPool(device, _body_pools[device])
+
+
 def _hand_condition_kernel(mod, device: int) -> None:
     """Compile the conditional node's condition kernel for ``device`` once; a failure
     leaves captured backwards recomputing, and says why once."""
@@ -424,21 +444,12 @@ def conditional_nodes(device: int) -> bool:
     return bool(mod is not None and mod.graph_conditionals(device))
 
 
-def replay_recomputes(policy_id: int):
-    """How many replays of the policy's captured backwards recomputed (their device
-    counters; kernels/bitsparse_graph.cu's condition kernel adds to them), after waiting
-    for each device that has one; None inside a capture, where no wait is allowed."""
+def replay_recomputes(policy_id: int) -> int:
+    """How many replays of the policy's captured backwards recomputed, as far as the device
+    has run them: their pinned host counter, which kernels/bitsparse_graph.cu's condition
+    kernel adds to (no CUDA call, no wait)."""
     mod = _cuda
-    counts = mod.replay_counts(policy_id) if mod is not None else []
-    if not counts:
-        return 0
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    total = 0
-    for count in counts:
-        torch.cuda.synchronize(count.device)
-        total += int(count.item())
-    return total
+    return max(0, mod.replay_count(policy_id)) if mod is not None else 0
 
 
 @contextlib.contextmanager
