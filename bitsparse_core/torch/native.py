@@ -225,7 +225,8 @@ def cuda_module():
             mod.set_exact_driver(addr(lib.cuMemcpyDtoDAsync_v2), addr(lib.cuStreamQuery),
                                  addr(lib.cuStreamSynchronize))
             _hand_graph_driver(mod, lib, addr)
-            mod.set_body_pool_fn(_route_body_allocations)
+            if hasattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool"):
+                mod.set_body_pool_fn(_route_body_allocations)
             _hand_slab(mod)
             # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
             mod.register_kernels("CUDA")
