@@ -17,6 +17,8 @@
 
 #include "torch_host_common.h"
 
+#include <unordered_set>
+
 namespace {
 
 using CaptureInfoFn = CUresult (*)(void* stream, int* status, uint64_t* id, void** graph,
@@ -65,18 +67,6 @@ struct ConditionalNodeParams {
 };
 static_assert(sizeof(ConditionalNodeParams) == 256, "CUgraphNodeParams is 256 bytes");
 
-// native._route_body_allocations(device, begin): while a body is captured, what the side
-// stream allocates (cuBLAS's workspaces, made anew where inductor cleared them before its
-// recording) goes to a private pool of its own, which nothing else allocates from, so the
-// graph's workspace is never handed to a tensor once cuBLAS lets go of it. Never freed.
-py::object* body_pool_fn = nullptr;
-
-void route_body_allocations(int64_t device, bool begin) {
-  if (body_pool_fn == nullptr) return;
-  py::gil_scoped_acquire gil;
-  (*body_pool_fn)(device, begin);
-}
-
 constexpr int kCaptureActive = 1;       // CU_STREAM_CAPTURE_STATUS_ACTIVE
 constexpr unsigned kSetDependencies = 1;  // CU_STREAM_SET_CAPTURE_DEPENDENCIES
 constexpr int kCaptureRelaxed = 2;      // CU_STREAM_CAPTURE_MODE_RELAXED
@@ -89,15 +79,16 @@ std::map<int64_t, std::array<c10::Stream, 2>> side_streams;
 std::map<std::pair<int64_t, int>, bool> side_warm;
 
 // Per policy: a counter of the replays whose captured backward recomputed, one int64 of a
-// pinned host table that the condition kernel adds to over the bus (no device memory: an
-// eager warm-up of inductor's graphs allocates from the graphs' pool, where inductor
-// tolerates no allocation it does not track), and that the host reads with no sync.
-// Guarded by side_mutex; a gone policy's slot is given back (drop_replay_counter).
+// pinned host table that the condition kernel adds to over the bus and the host reads with
+// no CUDA call (a device counter would need a copy back and a wait; and made inside an
+// inductor warm-up it would land in the graphs' pool, where inductor allows nothing it
+// does not track: bench/NOTES.md, session 60). Guarded by side_mutex; a gone policy's slot
+// is given back (drop_replay_counter).
 constexpr int64_t kReplayCounterSlots = 1 << 16;
 Tensor replay_table;                           // pinned int64[kReplayCounterSlots], made on first use
 std::vector<int64_t> replay_free;              // its free slots
 std::unordered_map<int64_t, int64_t> replay_slot_of;   // policy -> slot
-std::unordered_map<int64_t, bool> replay_used;         // policy -> a capture has used it
+std::unordered_set<int64_t> replay_used;               // policies a capture has used
 
 bool graph_driver_ready(int64_t device) {
   const GraphDriver& d = graph_driver;
@@ -125,7 +116,7 @@ uint64_t replay_counter(int64_t policy) {
   std::lock_guard<std::mutex> lock(side_mutex);
   const auto it = replay_slot_of.find(policy);
   if (it == replay_slot_of.end()) return 0;
-  replay_used[policy] = true;
+  replay_used.insert(policy);
   return reinterpret_cast<uint64_t>(replay_table.data_ptr<int64_t>() + it->second);
 }
 
@@ -165,7 +156,7 @@ void drop_replay_counter(int64_t policy) {
 // Make the side stream's cuBLAS and cuBLASLt workspaces (torch keeps one per handle and
 // stream, allocated on first use, which a capture would forbid), with one small GEMM of
 // each kind on it. Called from eager backwards; once per device and dtype.
-// Also gives the policy its replay counter. One lookup under the lock once both exist
+// Also gives the policy its replay counter. Two lookups under one lock once both exist
 // (every eager backward comes here).
 void warm_side_stream(const c10::Device& device, at::ScalarType dtype, int64_t policy) {
   if (!device.is_cuda() || !graph_driver_ready(device.index())) return;
@@ -198,16 +189,15 @@ void warm_side_stream(const c10::Device& device, at::ScalarType dtype, int64_t p
 }
 
 // Adds an IF/ELSE node to the capture on ``stream`` whose condition is "the u32 at
-// ``status`` is zero" (else the pinned int64 at ``recomputes``, where not 0, counts the
-// replay) and
-// captures the code between then() and finish() into its bodies on
+// ``status`` is zero" (where it is not, the pinned int64 at ``recomputes``, unless 0,
+// counts the replay) and captures the code between then() and finish() into its bodies on
 // the side stream, made torch's current stream meanwhile. Ends every capture it began
 // even when the code in a body throws.
 class ConditionalCapture {
  public:
   ConditionalCapture(void* stream, uint64_t status, uint64_t recomputes, const c10::Stream& side,
                      const c10::Device& device)
-      : side_(side), raw_side_(side.native_handle()), device_(device.index()) {
+      : side_(side), raw_side_(side.native_handle()) {
     const GraphDriver& d = graph_driver;
     int st = 0;
     uint64_t id = 0;
@@ -254,10 +244,6 @@ class ConditionalCapture {
     if (capturing_) {
       void* g = nullptr;
       graph_driver.end_capture(raw_side_, &g);   // already unwinding: its error is dropped
-      try {
-        route_body_allocations(device_, false);
-      } catch (...) {   // already unwinding
-      }
       guard_.reset();
     }
   }
@@ -269,11 +255,9 @@ class ConditionalCapture {
           "cuStreamBeginCaptureToGraph");
     capturing_ = true;
     guard_.emplace(side_);
-    route_body_allocations(device_, true);   // the side stream is now torch's current
   }
 
   void end() {
-    route_body_allocations(device_, false);
     guard_.reset();
     capturing_ = false;
     void* g = nullptr;
@@ -282,7 +266,6 @@ class ConditionalCapture {
 
   c10::Stream side_;
   void* raw_side_;
-  int64_t device_;
   void* bodies_[2] = {nullptr, nullptr};
   bool capturing_ = false;
   std::optional<c10::StreamGuard> guard_;

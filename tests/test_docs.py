@@ -355,15 +355,14 @@ def gpt12_frozen_row(tg: dict, stem: str, what: str) -> str:
             f"({ci(frozen, 'median_ratio_vs_own_ci95')}) | `bench/results/{stem}.md` |")
 
 
-def gpt12_graphed_row(tg: dict, stem: str, what: str,
-                      ops: str = "our ops between them") -> str:
+def gpt12_graphed_row(tg: dict, stem: str, what: str) -> str:
     """A trained-model GPT run in turns with ``dense-graphed`` and ``ours-graphed``
     (``mode="reduce-overhead"``) beside the rest: the ratios, and ours-graphed's against
-    dense compiled the same way; ``ops``: where the ops ran (session 60 put them inside)."""
+    dense compiled the same way."""
     tiv = tg["interleaved"]["variants"]
     graphed = tiv["ours-graphed"]
     return (f"| same, {what} {gpt12_ratios(tg)}; under `mode=\"reduce-overhead\"` (inductor's "
-            f"CUDA graphs, {ops}) {pct(graphed['median_ratio_vs_own'])} "
+            f"CUDA graphs, our ops between them) {pct(graphed['median_ratio_vs_own'])} "
             f"({ci(graphed, 'median_ratio_vs_own_ci95')}) vs dense compiled the same way, "
             f"{pct(graphed['median_ratio'])} vs dense eager where compiled dense (default mode) "
             f"took {pct(tiv['dense-compiled']['median_ratio'])} "
