@@ -1064,7 +1064,7 @@ def markdown_variants(summary: dict) -> str:
                 for n, c in cap.items()]
         out += ["", "A wait watches the pinned slot of a pack the GPU has not reached yet, while "
                 "the GPU runs the work queued after it (no CUDA call); `ours-recompute` "
-                "recomputes instead. Recomputes in graph replays are counted on the device "
+                "recomputes instead. Recomputes in graph replays are counted by the device "
                 "(the captured backward's condition kernel); the host sees none of their "
                 "packs."]
     profiled = {n: v["syncs"] for n, v in summary["variants"].items() if v.get("syncs")}

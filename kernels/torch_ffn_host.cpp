@@ -573,8 +573,9 @@ Result2 relu_linear_kernel(const Tensor& a_in, const Tensor& weight,
   }
   if (handle < 0) {
     py::gil_scoped_acquire gil;
-    return call_python<Result2>(python_forward, "relu_linear",
-                       py::make_tuple(a_in, weight, bias, x, w1, b1, capacity, config, policy));
+    return call_python<Result2>(
+        python_forward, "relu_linear",
+        py::make_tuple(a_in, weight, bias, x, w1, b1, capacity, config, policy));
   }
   Forward f = forward_impl(a, weight, bias, plan_at(handle), policy, capacity, k.mm_dtype);
   remember_ticket(f.block, f.ticket);
@@ -598,9 +599,9 @@ Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
       ? handle_of(k.square, a_shape, k.a_dtype, capacity, k.encoding, block.device()) : -1;
   if (handle < 0) {
     py::gil_scoped_acquire gil;
-    return call_python<Result3>(python_backward, "relu_linear_backward",
-                       py::make_tuple(grad_out, block, weight, x, w1, b1, capacity, config,
-                                      policy));
+    return call_python<Result3>(
+        python_backward, "relu_linear_backward",
+        py::make_tuple(grad_out, block, weight, x, w1, b1, capacity, config, policy));
   }
   const bool need_a = k.needs & 1, need_w = k.needs & 2, need_b = k.has_bias && (k.needs & 4);
   const Tensor xs = x.value_or(Tensor()), w1s = w1.value_or(Tensor()), b1s = b1.value_or(Tensor());

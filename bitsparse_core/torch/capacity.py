@@ -43,10 +43,11 @@ class FlagSlab:
     """A ring of pinned 16-byte slots {u32 status, u32 pad, u64 nnz}.
 
     A pack takes the next slot and gets a *ticket*: a CPU int64 tensor
-    ``[index, generation]``, kept beside the pack's block (:class:`BlockTickets`). Reading a slot with a stale generation (the
-    ring came round; only for a pack thousands of packs old) answers "unknown",
-    which every caller treats as "not known to be clean": correct, only slower. A
-    slot whose count has not landed yet is skipped when the ring comes round.
+    ``[index, generation]``, kept beside the pack's block (:class:`BlockTickets`). Reading
+    a slot with a stale generation (the ring came round; only for a pack thousands of
+    packs old) answers "unknown", which every caller treats as "not known to be clean":
+    correct, only slower. A slot whose count has not landed yet is skipped when the ring
+    comes round.
 
     Python takes slots ``[0, slots)``; the C++ host path (:mod:`.native`) runs its own
     ring over ``[slots, slots + native_slots)`` of the same slab, with the same rules.
@@ -375,7 +376,7 @@ class CapacityPolicy:
         self._register()
 
     def _register(self) -> None:
-        """A new id, under which the ops find this policy; its device counters go with it."""
+        """A new id, under which the ops find this policy; its replay counter goes with it."""
         self.id = next(_IDS)
         POLICIES[self.id] = self
         weakref.finalize(self, _drop_replay_counters, self.id)

@@ -4,7 +4,8 @@
 when ``square``) and returns, beside the output, the packed ``relu(a)`` at a fixed
 capacity as ONE uint8 block (the layout of :func:`..backends.cuda.host.pack_plan`).
 The pack's *ticket* for its device-side counters (:mod:`.capacity`) is kept beside the
-block, not returned: every output is on the input's device, so CUDA graphs capture the op.
+block, not returned: every output is on the input's device (a CPU output would keep the op
+out of inductor's CUDA graphs).
 ``bitsparse::relu_linear_backward`` takes the block back: where the ticket shows the
 pack clean, it unpacks (and runs the fused activation gradient); where it shows
 an overflow, it recomputes the activation from the FFN input with the same GEMM as
