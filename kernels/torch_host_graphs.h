@@ -17,8 +17,6 @@
 
 #include "torch_host_common.h"
 
-#include <unordered_set>
-
 namespace {
 
 using CaptureInfoFn = CUresult (*)(void* stream, int* status, uint64_t* id, void** graph,
@@ -88,7 +86,6 @@ constexpr int64_t kReplayCounterSlots = 1 << 16;
 Tensor replay_table;                           // pinned int64[kReplayCounterSlots], made on first use
 std::vector<int64_t> replay_free;              // its free slots
 std::unordered_map<int64_t, int64_t> replay_slot_of;   // policy -> slot
-std::unordered_set<int64_t> replay_used;               // policies a capture has used
 
 bool graph_driver_ready(int64_t device) {
   const GraphDriver& d = graph_driver;
@@ -110,13 +107,12 @@ std::optional<c10::Stream> side_stream(const c10::Device& device, at::ScalarType
   return std::nullopt;
 }
 
-// The address of the policy's replay counter, marked used; 0 where it has none (no eager
-// backward of the policy before the capture, no policy, or every slot taken).
+// The address of the policy's replay counter; 0 where it has none (no eager backward of the
+// policy before the capture, no policy, or every slot taken).
 uint64_t replay_counter(int64_t policy) {
   std::lock_guard<std::mutex> lock(side_mutex);
   const auto it = replay_slot_of.find(policy);
   if (it == replay_slot_of.end()) return 0;
-  replay_used.insert(policy);
   return reinterpret_cast<uint64_t>(replay_table.data_ptr<int64_t>() + it->second);
 }
 
@@ -135,11 +131,11 @@ void add_replay_counter(int64_t policy) {
   replay_slot_of[policy] = slot;
 }
 
-// The policy's count (volatile: the device writes it), or -1 where no capture has used it.
+// The policy's count (volatile: the device writes it); 0 where it has no counter.
 int64_t replay_count(int64_t policy) {
   std::lock_guard<std::mutex> lock(side_mutex);
   const auto it = replay_slot_of.find(policy);
-  if (it == replay_slot_of.end() || !replay_used.count(policy)) return -1;
+  if (it == replay_slot_of.end()) return 0;
   return *(static_cast<volatile int64_t*>(replay_table.data_ptr<int64_t>()) + it->second);
 }
 
@@ -150,7 +146,6 @@ void drop_replay_counter(int64_t policy) {
   if (it == replay_slot_of.end()) return;
   replay_free.push_back(it->second);
   replay_slot_of.erase(it);
-  replay_used.erase(policy);
 }
 
 // Make the side stream's cuBLAS and cuBLASLt workspaces (torch keeps one per handle and

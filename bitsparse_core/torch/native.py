@@ -429,7 +429,7 @@ def replay_recomputes(policy_id: int) -> int:
     has run them: their pinned host counter, which kernels/bitsparse_graph.cu's condition
     kernel adds to (no CUDA call, no wait)."""
     mod = _cuda
-    return max(0, mod.replay_count(policy_id)) if mod is not None else 0
+    return mod.replay_count(policy_id) if mod is not None else 0
 
 
 @contextlib.contextmanager
