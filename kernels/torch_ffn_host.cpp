@@ -749,6 +749,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("graph_conditionals", [](int64_t device) { return graph_driver_ready(device); });
   m.def("replay_count", &replay_count);
+  m.def("set_body_pool_fn", [](py::object fn) {
+    body_pool_fn = new py::object(std::move(fn));   // never freed: a backward may hold it
+  });
   m.def("drop_replay_counter", &drop_replay_counter);
   m.def("set_exact_driver", [](uint64_t copy_device, uint64_t stream_query, uint64_t stream_sync) {
     exact_driver.copy_device = reinterpret_cast<CopyDeviceFn>(copy_device);

@@ -65,6 +65,18 @@ struct ConditionalNodeParams {
 };
 static_assert(sizeof(ConditionalNodeParams) == 256, "CUgraphNodeParams is 256 bytes");
 
+// native._route_body_allocations(device, begin): while a body is captured, what the side
+// stream allocates (cuBLAS's workspaces, made anew where inductor cleared them before its
+// recording) goes to a private pool of its own, which nothing else allocates from, so the
+// graph's workspace is never handed to a tensor once cuBLAS lets go of it. Never freed.
+py::object* body_pool_fn = nullptr;
+
+void route_body_allocations(int64_t device, bool begin) {
+  if (body_pool_fn == nullptr) return;
+  py::gil_scoped_acquire gil;
+  (*body_pool_fn)(device, begin);
+}
+
 constexpr int kCaptureActive = 1;       // CU_STREAM_CAPTURE_STATUS_ACTIVE
 constexpr unsigned kSetDependencies = 1;  // CU_STREAM_SET_CAPTURE_DEPENDENCIES
 constexpr int kCaptureRelaxed = 2;      // CU_STREAM_CAPTURE_MODE_RELAXED
@@ -192,7 +204,7 @@ class ConditionalCapture {
  public:
   ConditionalCapture(void* stream, uint64_t status, uint64_t recomputes, const c10::Stream& side,
                      const c10::Device& device)
-      : side_(side), raw_side_(side.native_handle()) {
+      : side_(side), raw_side_(side.native_handle()), device_(device.index()) {
     const GraphDriver& d = graph_driver;
     int st = 0;
     uint64_t id = 0;
@@ -239,6 +251,10 @@ class ConditionalCapture {
     if (capturing_) {
       void* g = nullptr;
       graph_driver.end_capture(raw_side_, &g);   // already unwinding: its error is dropped
+      try {
+        route_body_allocations(device_, false);
+      } catch (...) {   // already unwinding
+      }
       guard_.reset();
     }
   }
@@ -250,9 +266,11 @@ class ConditionalCapture {
           "cuStreamBeginCaptureToGraph");
     capturing_ = true;
     guard_.emplace(side_);
+    route_body_allocations(device_, true);   // the side stream is now torch's current
   }
 
   void end() {
+    route_body_allocations(device_, false);
     guard_.reset();
     capturing_ = false;
     void* g = nullptr;
@@ -261,6 +279,7 @@ class ConditionalCapture {
 
   c10::Stream side_;
   void* raw_side_;
+  int64_t device_;
   void* bodies_[2] = {nullptr, nullptr};
   bool capturing_ = false;
   std::optional<c10::StreamGuard> guard_;

@@ -225,6 +225,8 @@ def cuda_module():
             mod.set_exact_driver(addr(lib.cuMemcpyDtoDAsync_v2), addr(lib.cuStreamQuery),
                                  addr(lib.cuStreamSynchronize))
             _hand_graph_driver(mod, lib, addr)
+            if hasattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool"):
+                mod.set_body_pool_fn(_route_body_allocations)
             _hand_slab(mod)
             # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
             mod.register_kernels("CUDA")
@@ -398,6 +400,25 @@ def _hand_graph_driver(mod, lib, addr) -> None:
         mod.set_graph_driver(*(addr(getattr(lib, name)) for name in _CONDITIONAL_ENTRY_POINTS))
     except AttributeError:   # a driver without one of them
         return
+
+
+_body_pools: dict = {}   # device -> the private memory pool of conditional bodies' allocations
+
+
+def _route_body_allocations(device: int, begin: bool) -> None:
+    """While a conditional node's body is captured (the C++ path calls this with the body's
+    side stream current), what that stream allocates goes to a private pool of its own:
+    cuBLAS's workspaces, which inductor's CUDA graphs clear before and after a recording,
+    so a recording makes them anew, and frees them after it while the graph still uses
+    them. In a pool that nothing else allocates from, such a block is only ever a
+    workspace again. Never released."""
+    if begin:
+        pool = _body_pools.get(device)
+        if pool is None:
+            pool = _body_pools[device] = torch.cuda.graph_pool_handle()
+        torch._C._cuda_beginAllocateCurrentStreamToPool(device, pool)
+    else:
+        torch._C._cuda_endAllocateToPool(device, _body_pools[device])
 
 
 def _hand_condition_kernel(mod, device: int) -> None:

@@ -258,19 +258,19 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
 # dynamo-disable layers, ~100 us per call on the development CPU (bench/NOTES.md); the
 # autograd formula lives in ReLULinearFunction (functional.py) instead.
 _LIB = torch.library.Library("bitsparse", "DEF")
-# Every op runs outside inductor's CUDA graphs (``mode="reduce-overhead"`` captures the
-# graph's other kernels in partitions around them), where the host reads its count. The
-# ops return nothing on the CPU (a pack's ticket stays beside its block,
-# capacity.BLOCK_TICKETS), so they could go inside; the first try failed inductor's checks
-# of its pool and the fixes are not yet run on a GPU (bench/NOTES.md, session 60).
-# torch.cuda.graph captures them, with the ReLU backward's conditional node.
+# The ops' outputs are all on the inputs' device (a pack's ticket stays beside its block,
+# capacity.BLOCK_TICKETS), so inductor's CUDA graphs (``mode="reduce-overhead"``) capture
+# relu_linear and its backward with the rest of the graph; a captured backward reads the
+# block where its pack was clean, on the device (kernels/torch_host_graphs.h). The gated
+# ops' captured backward would recompute on every replay (no conditional node there yet):
+# they run outside inductor's graphs instead, between partitions, where the host reads
+# their counts.
 CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t)
 _LIB.define("relu_linear(Tensor a, Tensor weight, Tensor? bias, Tensor? x, Tensor? w1, "
-            "Tensor? b1, SymInt capacity, int config, int policy) -> (Tensor, Tensor)",
-            tags=CUDAGRAPH_UNSAFE)
+            "Tensor? b1, SymInt capacity, int config, int policy) -> (Tensor, Tensor)")
 _LIB.define("relu_linear_backward(Tensor grad_out, Tensor block, Tensor weight, "
             "Tensor? x, Tensor? w1, Tensor? b1, SymInt capacity, int config, int policy) "
-            "-> (Tensor, Tensor, Tensor)", tags=CUDAGRAPH_UNSAFE)
+            "-> (Tensor, Tensor, Tensor)")
 # ``needs`` of relu_linear_backward: which gradients autograd asks for.
 NEED_A, NEED_W, NEED_B = 1, 2, 4
 
