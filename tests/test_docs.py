@@ -355,14 +355,15 @@ def gpt12_frozen_row(tg: dict, stem: str, what: str) -> str:
             f"({ci(frozen, 'median_ratio_vs_own_ci95')}) | `bench/results/{stem}.md` |")
 
 
-def gpt12_graphed_row(tg: dict, stem: str, what: str) -> str:
+def gpt12_graphed_row(tg: dict, stem: str, what: str,
+                      ops: str = "our ops between them") -> str:
     """A trained-model GPT run in turns with ``dense-graphed`` and ``ours-graphed``
     (``mode="reduce-overhead"``) beside the rest: the ratios, and ours-graphed's against
-    dense compiled the same way."""
+    dense compiled the same way; ``ops``: where the ops ran (inside since session 61)."""
     tiv = tg["interleaved"]["variants"]
     graphed = tiv["ours-graphed"]
     return (f"| same, {what} {gpt12_ratios(tg)}; under `mode=\"reduce-overhead\"` (inductor's "
-            f"CUDA graphs, our ops between them) {pct(graphed['median_ratio_vs_own'])} "
+            f"CUDA graphs, {ops}) {pct(graphed['median_ratio_vs_own'])} "
             f"({ci(graphed, 'median_ratio_vs_own_ci95')}) vs dense compiled the same way, "
             f"{pct(graphed['median_ratio'])} vs dense eager where compiled dense (default mode) "
             f"took {pct(tiv['dense-compiled']['median_ratio'])} "
@@ -382,6 +383,20 @@ def gpt12_stepgraph_row(tg: dict, stem: str, what: str) -> str:
             f"({pct(rec['median_ratio_vs_own'])} where every captured backward recomputes), "
             f"{pct(ours['median_ratio'])} vs dense eager where compiled dense took "
             f"{pct(tiv['dense-compiled']['median_ratio'])} | `bench/results/{stem}.md` |")
+
+
+def gpt12_all_graphs_row(tg: dict, stem: str, what: str) -> str:
+    """A trained-model GPT run in turns with every graph mode beside the rest: inductor's
+    CUDA graphs with the ReLU² ops inside them, then the whole step captured with
+    ``torch.cuda.graph`` (its backwards' conditional nodes, and every one recomputing)."""
+    tiv = tg["interleaved"]["variants"]
+    ours, rec = tiv["ours-stepgraph"], tiv["ours-stepgraph-recompute"]
+    graphed = gpt12_graphed_row(tg, stem, what, "our ops inside them")
+    graphed = graphed[:graphed.rindex(" | `bench/results/")]
+    return (f"{graphed}; the whole step captured with `torch.cuda.graph` "
+            f"{pct(ours['median_ratio_vs_own'])} ({ci(ours, 'median_ratio_vs_own_ci95')}) vs "
+            f"dense captured the same way ({pct(rec['median_ratio_vs_own'])} where every "
+            f"captured backward recomputes) | `bench/results/{stem}.md` |")
 
 
 def host_overhead_paths_row(name: str) -> str:
@@ -461,6 +476,8 @@ def readme_h100() -> list:
 
         gpt12_stepgraph_row(result("train_gpt_h100_s59_stepgraph.json"),
                             "train_gpt_h100_s59_stepgraph", "PyTorch's defaults, a slow host"),
+        gpt12_all_graphs_row(result("train_gpt_h100_s61_graphed.json"),
+                             "train_gpt_h100_s61_graphed", "PyTorch's defaults, a host the GPU paces"),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
