@@ -607,8 +607,9 @@ def test_reduce_overhead_training_matches_dense_reduce_overhead(density, cls):
     bit-identical to the dense model compiled the same way, overflowing packs included
     (density 0.01), and inductor skips no CUDA graph. ReLU²'s ops are captured: once the
     graphs replay, the host packs nothing (the policy sees no new pack), the device picks
-    each backward's way and counts the replays that recomputed. ReGLU's run between partitions, and with an adaptive
-    capacity no backward recomputes (the counts come back to the host)."""
+    each backward's way and counts the replays that recomputed. ReGLU's run between
+    partitions, and with an adaptive capacity no backward recomputes (the counts come back
+    to the host)."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
