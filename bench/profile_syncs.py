@@ -11,6 +11,7 @@ lies outside every step and is left out.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -26,13 +27,15 @@ GPU_COPIES = ("Memcpy DtoH", "Memcpy HtoD")
 
 
 def profile_steps(step_fn, batches, device: torch.device, own_ops=("bitsparse",), top: int = 8,
-                  trace=None):
+                  trace=None, kernel_rows: int = 0):
     """Run ``step_fn(x, y)`` on each batch under the profiler, with no sync between steps.
 
     Returns the step outputs and a summary: sync counts per step, host time per
     step, and the ``top`` host-side rows of ``key_averages()`` whose name contains
     one of ``own_ops`` (case-insensitive), by CPU self time. ``trace``: a path for the
-    Chrome / Perfetto trace of the profiled steps (``.json.gz``: compressed)."""
+    Chrome / Perfetto trace of the profiled steps (``.json.gz``: compressed).
+    ``kernel_rows``: also the GPU time per step of that many kernels (and copies), the
+    longest first, kernels inside replayed CUDA graphs included."""
     _warm_profiler(device.type)
     outputs = []
     with profile(activities=_activities(device.type)) as prof:
@@ -41,7 +44,7 @@ def profile_steps(step_fn, batches, device: torch.device, own_ops=("bitsparse",)
                 outputs.append(step_fn(x, y))
     if trace is not None:
         prof.export_chrome_trace(str(trace))
-    return outputs, summarize(prof, len(batches), own_ops, top)
+    return outputs, summarize(prof, len(batches), own_ops, top, kernel_rows)
 
 
 def _activities(device_type: str) -> list:
@@ -125,7 +128,20 @@ def copy_overlap(events, min_us: float = 5.0):
     return hidden / total
 
 
-def summarize(prof, n_steps: int, own_ops, top: int) -> dict:
+def gpu_time_by_name(events, n_steps: int, rows: int) -> list:
+    """The ``rows`` device-side names (kernels, copies, memsets) with the most GPU time:
+    ms and runs per step. Where two variants' GPU times differ, the rows show which
+    kernels the difference is in."""
+    ms, runs = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            ms[e.name] += (e.time_range.end - e.time_range.start) / 1e3 / n_steps
+            runs[e.name] += 1 / n_steps
+    return [{"name": name, "ms_per_step": t, "runs_per_step": runs[name]}
+            for name, t in ms.most_common(rows)]
+
+
+def summarize(prof, n_steps: int, own_ops, top: int, kernel_rows: int = 0) -> dict:
     """Per-step counts and times from a finished profile of ``n_steps`` steps."""
     events = prof.events()
     steps, inside = _host_events_in_steps(events)
@@ -153,4 +169,5 @@ def summarize(prof, n_steps: int, own_ops, top: int) -> dict:
                      "cpu_total_ms_per_step": r.cpu_time_total / 1e3 / n_steps,
                      "device_total_ms_per_step": r.device_time_total / 1e3 / n_steps}
                     for r in rows[:top]],
+        "gpu_kernels": gpu_time_by_name(events, n_steps, kernel_rows) if kernel_rows else [],
     }

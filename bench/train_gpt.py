@@ -561,7 +561,8 @@ def run_variant(bench: Bench, name: str, batches: list, plan: Plan):
                      if name in args.trace.split(",") else None)
             if trace is not None:
                 trace.parent.mkdir(parents=True, exist_ok=True)
-            prof_losses, syncs = profile_steps(step, on_device, device, OWN_OPS, trace=trace)
+            prof_losses, syncs = profile_steps(step, on_device, device, OWN_OPS, trace=trace,
+                                               kernel_rows=args.kernel_rows)
             sync(device)
             compiles["profiled"] += graphs_compiled()
             losses += prof_losses
@@ -1099,6 +1100,13 @@ def markdown_variants(summary: dict) -> str:
             out += [f"| {n} | `{r['name'][:90]}` | {r['calls_per_step']:g} | "
                     f"{r['self_cpu_ms_per_step']:.2f} | {r['cpu_total_ms_per_step']:.2f} | "
                     f"{r['device_total_ms_per_step']:.2f} |" for n, r in rows]
+        kernels = {n: sy["gpu_kernels"] for n, sy in profiled.items() if sy.get("gpu_kernels")}
+        if kernels:
+            out += ["", "## GPU time per step by kernel (profiled steps; the longest "
+                    "first, kernels of replayed CUDA graphs included)", "",
+                    "| variant | kernel | ms/step | runs/step |", "| --- | --- | --- | --- |"]
+            out += [f"| {n} | `{k['name'][:100]}` | {k['ms_per_step']:.3f} | "
+                    f"{k['runs_per_step']:g} |" for n, ks in kernels.items() for k in ks]
     out += markdown_interleaved(summary.get("interleaved"))
     return "\n".join(out) + "\n"
 
@@ -1252,6 +1260,9 @@ def parse_args(argv):
     ap.add_argument("--interleave-streamed", action="store_true",
                     help="no device sync between a block's timed steps (a loop that does not "
                          "read its loss every step); needs --interleave-block 2 or more")
+    ap.add_argument("--kernel-rows", type=int, default=0, metavar="N",
+                    help="CUDA: report the GPU time per step of each variant's N longest "
+                         "kernels in the profiled steps")
     ap.add_argument("--cprofile-steps", type=int, default=0,
                     help="CUDA: also run this many steps under cProfile (train_gpt_cprofile.txt)")
     ap.add_argument("--lr", type=float, default=1e-3)

@@ -91,6 +91,25 @@ def test_copy_overlap_counts_copy_time_under_kernels():
     assert copy_overlap(events[:2]) is None
 
 
+def test_gpu_time_by_name_sums_each_kernels_time_per_step():
+    import types
+
+    from torch.autograd import DeviceType
+    sys.path.insert(0, str(ROOT / "bench"))
+    from profile_syncs import gpu_time_by_name
+
+    def ev(name, start, end, dev=DeviceType.CUDA):
+        return types.SimpleNamespace(name=name, device_type=dev,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+    events = [ev("gemm", 0, 300), ev("pack", 300, 400), ev("gemm", 400, 1000),
+              ev("pack", 1000, 1100), ev("memset", 1100, 1102),
+              ev("cudaLaunchKernel", 0, 5000, DeviceType.CPU)]   # host side: not counted
+    rows = gpu_time_by_name(events, n_steps=2, rows=2)
+    assert [r["name"] for r in rows] == ["gemm", "pack"]
+    assert rows[0]["ms_per_step"] == pytest.approx(0.45)     # 900 us over 2 steps
+    assert rows[1]["ms_per_step"] == pytest.approx(0.1) and rows[1]["runs_per_step"] == 1
+
+
 def test_step_split_report_names_what_paces_each_variant():
     """bench/step_split.py's table (its measurement needs a GPU): the side with the larger
     time paces the step, and a phase whose host time reached the sleep is flagged."""
