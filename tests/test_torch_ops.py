@@ -3,6 +3,7 @@ overflow, torch.compile and (GPU) CUDA graphs, each bit-identical to dense PyTor
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import math
@@ -147,6 +148,36 @@ def test_policy_stats_take_replay_recomputes_from_the_device_counters(monkeypatc
     del pol
     gc.collect()
     assert pid in dropped
+
+
+def test_adapt_to_replays_moves_an_adaptive_bucket_up_once_per_batch_of_replays(monkeypatch):
+    """Replays that recomputed (counted by the device) move an adaptive policy's bucket one
+    step up and keep it there as a floor, which later polls of small densities do not go
+    under; no new replay, a fixed density or the top bucket move nothing. The model-level
+    function answers how many policies moved; a copy keeps what it had taken in."""
+    counts = {}
+    monkeypatch.setattr(C, "NATIVE_REPLAY_RECOMPUTES", lambda pid: counts.get(pid, 0))
+    m = torch.nn.Sequential(bst.PackedReLU2FFN(8, 32), bst.PackedReLU2FFN(8, 32),
+                            bst.PackedReLU2FFN(8, 32, density=0.1))
+    pols = [layer.capacity_policy for layer in m]
+    pols[0].bucket = pols[1].bucket = 5
+    assert bst.adapt_to_replays(m) == 0
+    counts[pols[0].id] = counts[pols[2].id] = 2
+    assert pols[0].stats()["replay_recomputes"] == 2    # stats() takes none from the adaptation
+    assert bst.adapt_to_replays(m) == 1
+    assert (pols[0].bucket, pols[0].floor, pols[1].bucket) == (6, 6, 5)
+    assert pols[2].capacity(1000) == 100                # a fixed density stays
+    assert bst.adapt_to_replays(m) == 0                 # nothing new since
+    pols[0]._recent.append(0.001)                       # eager polls: sparse counts
+    pols[0].poll()
+    assert pols[0].bucket == 6
+    counts[pols[0].id] = 3
+    clone = copy.deepcopy(pols[0])
+    assert pols[0].adapt_to_replays() and pols[0].bucket == 7
+    assert clone.bucket == 6 and clone.floor == 6 and clone._replays_adapted == 2
+    pols[1].bucket = len(C.LADDER) - 1
+    counts[pols[1].id] = 1
+    assert not pols[1].adapt_to_replays() and pols[1].bucket == len(C.LADDER) - 1
 
 
 def test_policy_poll_passes_a_count_that_can_never_be_read(monkeypatch):

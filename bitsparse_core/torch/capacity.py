@@ -322,6 +322,12 @@ class CapacityPolicy:
     compiled step's cost; ``bench/NOTES.md``, session 55), at the price of one recompile
     and of no longer following the densities (a later denser batch overflows and is
     recomputed, exactly, and counted). :meth:`thaw` adapts again.
+
+    A CUDA graph replays the capacity its capture found, and the host sees none of its
+    packs, so the densities stop coming back. :meth:`adapt_to_replays` takes in the
+    replays whose captured backward recomputed (the device counts them) and moves an
+    adaptive bucket up a step for the next capture; that step is a floor under the
+    bucket from then on.
     """
 
     def __init__(self, density: float | None = None, margin: float = 0.1, window: int = 64,
@@ -345,6 +351,7 @@ class CapacityPolicy:
         self.margin = float(margin)
         self.bucket = (len(LADDER) - 1 if initial_density is None
                        else bucket_of(float(initial_density)))
+        self.floor = 0                  # the lowest bucket: raised by adapt_to_replays
         self._recent = collections.deque(maxlen=window)
         self._pending = collections.deque(maxlen=4 * window)
         # recomputes: backwards that recomputed, for an overflow or because the count
@@ -352,6 +359,7 @@ class CapacityPolicy:
         self.packs = self.overflows = self.recomputes = self.unknown = self.waits = 0
         # replays of captured backwards (CUDA graphs) that recomputed: the device counts them
         self.replay_recomputes = 0
+        self._replays_adapted = 0      # of those, the ones adapt_to_replays has taken in
         self.wait_s = 0.0
         self.max_density = 0.0
 
@@ -371,6 +379,8 @@ class CapacityPolicy:
         # another process, to whichever policy has that number there).
         state.setdefault("frozen", False)   # pickled before freeze() existed
         state.setdefault("replay_recomputes", 0)
+        state.setdefault("_replays_adapted", state["replay_recomputes"])
+        state.setdefault("floor", 0)
         self.__dict__.update(state)
         self.bucket = bucket
         self._register()
@@ -439,7 +449,7 @@ class CapacityPolicy:
             self._pending.popleft()
             self._observe(state[1], numel, capacity)
         if self.density is None and self._recent:
-            self.bucket = sized_bucket(max(self._recent), self.margin)
+            self.bucket = max(sized_bucket(max(self._recent), self.margin), self.floor)
 
     def wait(self, ticket: torch.Tensor):
         """The pack's ``(status, nnz)``, waiting for it under ``pending="wait"`` (None
@@ -451,6 +461,25 @@ class CapacityPolicy:
         self.waits += 1
         self.wait_s += time.perf_counter() - t0
         return state
+
+    def adapt_to_replays(self) -> bool:
+        """Take in the replays of captured backwards that recomputed since the last call (no
+        CUDA call). Where there are any, the capacity the capture found was too small: an
+        adaptive policy moves its bucket one step up and keeps it at least there. A graph
+        captured from then on packs at the larger capacity: under ``torch.compile(mode=
+        "reduce-overhead")`` the next call records one (the capacity is an input of the
+        graph); a ``torch.cuda.graph`` of the user's must be captured again. True where
+        the bucket moved."""
+        self._take_replay_recomputes()
+        new = self.replay_recomputes - self._replays_adapted
+        self._replays_adapted = self.replay_recomputes
+        if new <= 0 or self.density is not None or self.bucket >= len(LADDER) - 1:
+            return False
+        self.floor = self.bucket + 1
+        self.bucket = self.floor
+        log.warning("bitsparse: captured backwards recomputed in %d replays; the next capture "
+                    "packs at density %.4f", new, LADDER[self.bucket])
+        return True
 
     def _take_replay_recomputes(self) -> None:
         if NATIVE_REPLAY_RECOMPUTES is None:
@@ -508,6 +537,16 @@ def freeze_capacity(model: torch.nn.Module) -> int:
     for p in policies:
         p.freeze()
     return len(policies)
+
+
+def adapt_to_replays(model: torch.nn.Module) -> int:
+    """:meth:`CapacityPolicy.adapt_to_replays` for every packed module in ``model``: the
+    number of policies whose capacity moved up. Under ``torch.compile(mode=
+    "reduce-overhead")`` call it now and then (every few hundred steps, say, or where the
+    logs show replays recomputing): the graphs replay the capacities of their recording,
+    and this is how they follow densities that grow. After a ``torch.cuda.graph`` capture
+    of the user's, a nonzero answer says: capture again."""
+    return sum(p.adapt_to_replays() for p in capacity_policies(model))
 
 
 def thaw_capacity(model: torch.nn.Module) -> int:
