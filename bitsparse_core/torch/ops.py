@@ -366,7 +366,7 @@ def _register(name: str):
 def relu_linear(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 x: Optional[torch.Tensor], w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
                 capacity: int, config: int, policy: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(relu(a)[**2], W, b), packed block)``; ``x, w1, b1`` (what made
     ``a = F.linear(x, w1, b1)``) are kept only for an exact recompute in backward;
     ``config``: :func:`op_config`'s square, encoding, chunk size and GEMM dtype. A CUDA
