@@ -403,11 +403,17 @@ class StepGraph:
     (torch.cuda.graph's warm-up; an adaptive capacity settles meanwhile, and the capture
     keeps the one it finds), then captures the step on static inputs; every call after
     copies its batch in and replays. ``recompute``: capture without conditional nodes (every
-    packed backward in the graph recomputes). Each call returns the step's loss."""
+    packed backward in the graph recomputes). Each call returns the step's loss.
+
+    After each replay it asks ``bitsparse_core.torch.adapt_to_replays`` whether earlier
+    replays recomputed (a batch denser than the capture's capacity): where a capacity
+    moved up, the next call captures the step again (no warm-up steps then), as the
+    function's docstring tells a user to. ``recaptures`` counts them."""
 
     def __init__(self, model, opt, settle: int, recompute: bool = False):
         self.model, self.opt, self.settle, self.recompute = model, opt, settle, recompute
         self.graph = self.static = None
+        self.recaptures = 0
 
     @classmethod
     def of(cls, name: str, model, opt):
@@ -422,17 +428,25 @@ class StepGraph:
         sx.copy_(x)
         sy.copy_(y)
         self.graph.replay()
-        return loss.clone()
+        loss = loss.clone()
+        # the replays' counters are pinned host memory: reading them makes no CUDA call
+        if not self.recompute and bst.adapt_to_replays(self.model):
+            self.graph = None
+            self.recaptures += 1
+        return loss
 
     def _capture(self, x, y) -> None:
-        from bitsparse_core.torch import native
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.settle):
-                train_step(self.model, self.opt, x, y)
-        torch.cuda.current_stream().wait_stream(side)
-        sx, sy = x.clone(), y.clone()
+        if self.static is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.settle):
+                    train_step(self.model, self.opt, x, y)
+            torch.cuda.current_stream().wait_stream(side)
+            sx, sy = x.clone(), y.clone()
+        else:       # captured again: the static inputs stay, the old graph goes first
+            sx, sy, _ = self.static
+            self.static = None
         self.graph = torch.cuda.CUDAGraph()
         scope = native.no_conditional_nodes() if self.recompute else contextlib.nullcontext()
         with scope, torch.cuda.graph(self.graph):
@@ -781,14 +795,14 @@ def run_interleaved(bench: Bench, names: list, turns: int, warmup: int, block: i
     batches = [(x.to(device), y.to(device)) for x, y in
                make_batches(bench.data, min((turns + warmup) * block, 16), s.batch, s.seq,
                             bench.args.seed)]
-    phases, policies, at_warmup = {}, {}, {}
+    phases, policies, at_warmup, steppers = {}, {}, {}, {}
 
     def make_step(name):
         model, call, opt = build(bench, name)
         clocks = phases[name] = []
         pols = policies[name] = bst.capacity_policies(model)
 
-        stepper = StepGraph.of(name, model, opt)
+        stepper = steppers[name] = StepGraph.of(name, model, opt)
 
         def step(i):
             t0, marks = time.perf_counter(), []
@@ -821,6 +835,8 @@ def run_interleaved(bench: Bench, names: list, turns: int, warmup: int, block: i
             start = at_warmup[name]
             steps = len(clocks) - warmup * block
             rec["capacity"] = {f"{k}_per_step": (after[k] - start[k]) / steps for k in after}
+            if steppers.get(name) is not None:   # over the whole run, warm-up turns included
+                rec["capacity"]["recaptures"] = steppers[name].recaptures
     return result
 
 
@@ -1126,15 +1142,20 @@ def markdown_interleaved(result: dict | None) -> list:
     if rows:
         out += ["", "Host per phase in the timed turns (median ms; a backward's waits for a "
                 "pack's count are in its host time) and the packed modules' counters per step "
-                "after the warm-up turns:", "",
+                "after the warm-up turns; a step graph is captured again, at a capacity a step "
+                "higher, where `adapt_to_replays` finds replays that recomputed (a count over "
+                "the whole run, warm-up turns included):", "",
                 "| variant | forward | backward | optimizer | waits | ms waiting | recomputes "
-                "| of which the count was not back | overflows |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                "| of which the count was not back | overflows | recomputes in graph replays "
+                "| step graph captured again |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, rec in rows:
             ph, c = rec["host_phases_ms"], rec.get("capacity")
             counts = (f"{c['waits_per_step']:.2f} | {1e3 * c['wait_s_per_step']:.2f} | "
                       f"{c['recomputes_per_step']:.2f} | {c['unknown_per_step']:.2f} | "
-                      f"{c['overflows_per_step']:.2f}" if c else "- | - | - | - | -")
+                      f"{c['overflows_per_step']:.2f} | "
+                      f"{c.get('replay_recomputes_per_step', 0):.2f} | "
+                      f"{c.get('recaptures', '-')}" if c else "- | - | - | - | - | - | -")
             out.append(f"| {name} | {ph['forward']:.2f} | {ph['backward']:.2f} | "
                        f"{ph['optimizer']:.2f} | {counts} |")
     return out

@@ -66,6 +66,7 @@ def test_interleaved_compiled_variants_compile_once_each_on_cpu(tmp_path):
     summary = json.loads((tmp_path / "train_gpt.json").read_text())
     inter = summary["interleaved"]
     assert inter["status"] == "ok" and not inter["failed"]
+    assert inter["variants"]["ours-stepgraph"]["capacity"]["recaptures"] >= 0
     assert inter["graphs_compiled"] == 4
     assert summary["variants"]["ours-compiled"]["capacity"]["max_density"] > 0   # counts came back
     frozen = summary["variants"]["ours-compiled-frozen"]["capacity"]

@@ -722,6 +722,54 @@ def test_reduce_overhead_records_a_graph_per_capacity_and_stays_exact(monkeypatc
     assert before > 0 and len(recorded) > before
 
 
+@pytest.mark.gpu
+def test_adapt_to_replays_follows_densities_that_grow_under_reduce_overhead():
+    """A graph recorded while the activations were sparse replays their small capacity:
+    once the batches get denser each replay recomputes (exactly, counted by the device),
+    ``adapt_to_replays`` moves the bucket up a step per call until the replays of the
+    graphs recorded at the new capacities recompute no more; every step equals dense's."""
+    torch._dynamo.reset()
+    m = _model(bst.PackedReLU2FFN, "cuda")
+    pol = m.capacity_policy
+    call = torch.compile(m, mode="reduce-overhead", fullgraph=True)
+    dense = torch.compile(lambda t: _dense(m, t), mode="reduce-overhead", fullgraph=True)
+
+    def step(i):
+        torch.manual_seed(i)
+        x = torch.randn(3, 40, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for fn in (call, dense):
+            torch.compiler.cudagraph_mark_step_begin()
+            out, grads = _grads(fn, m, x, steps=1)
+            if fn is call:
+                got = out.clone(), grads
+        assert torch.equal(got[0], out), i
+        assert all(torch.equal(a, b) for a, b in zip(got[1], grads)), i
+        torch.cuda.synchronize()    # the device's replay counts are in host memory now
+
+    with torch.no_grad():
+        m.fc1.bias.fill_(-1.0)      # about 4 % of relu(fc1(x)) nonzero
+    for i in range(4):              # warm-up, recording (sized by then), replays
+        step(i)
+    sparse = pol.bucket
+    assert bst.adapt_to_replays(m) == 0 and pol.stats()["replay_recomputes"] == 0
+    with torch.no_grad():
+        m.fc1.bias.zero_()          # about half nonzero: the recorded capacity overflows
+    for i in range(4, 7):
+        step(i)
+    assert pol.stats()["replay_recomputes"] > 0
+    rounds = 0
+    while bst.adapt_to_replays(m):
+        rounds += 1
+        assert rounds < len(C.LADDER) and pol.floor == pol.bucket
+        for i in range(10 * rounds, 10 * rounds + 4):   # warm-up, recording, replays
+            step(i)
+    assert rounds > 0 and pol.bucket > sparse
+    settled = pol.stats()["replay_recomputes"]
+    for i in range(100, 104):
+        step(i)
+    assert pol.stats()["replay_recomputes"] == settled
+
+
 def test_torch_func_grad_matches_dense_and_vmap_raises_named_error():
     from bitsparse_core.errors import UnsupportedTransformError
     torch.manual_seed(0)
