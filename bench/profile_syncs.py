@@ -78,11 +78,17 @@ def _device_scalars(events) -> int:
                for e in events if e.name == "aten::_local_scalar_dense")
 
 
+def _device_work(events) -> list:
+    """The GPU-side events that are work (kernels, copies, memsets): the GPU spans of
+    ``record_function`` ranges (user annotations) cover such work and are left out."""
+    return [e for e in events
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+
 def _busy_ms(events) -> float:
     """Time the GPU spent running kernels or copies (the union of their intervals): beside
     the host time per step, it shows which side paces the step."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == DeviceType.CUDA)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in _device_work(events))
     busy, end = 0, None
     for s, t in spans:
         if end is None or s > end:
@@ -133,12 +139,28 @@ def gpu_time_by_name(events, n_steps: int, rows: int) -> list:
     ms and runs per step. Where two variants' GPU times differ, the rows show which
     kernels the difference is in."""
     ms, runs = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.device_type == DeviceType.CUDA:
-            ms[e.name] += (e.time_range.end - e.time_range.start) / 1e3 / n_steps
-            runs[e.name] += 1 / n_steps
+    for e in _device_work(events):
+        ms[e.name] += (e.time_range.end - e.time_range.start) / 1e3 / n_steps
+        runs[e.name] += 1 / n_steps
     return [{"name": name, "ms_per_step": t, "runs_per_step": runs[name]}
             for name, t in ms.most_common(rows)]
+
+
+def gpu_idle_by_next(events, n_steps: int, rows: int) -> list:
+    """Where the GPU idles: each gap in its work (no kernel, copy or memset running on any
+    stream) is put on the name of the work that ends it, as ms per step; the ``rows``
+    names with the most. Where a variant's step is longer than its GPU time, the rows
+    show what the GPU waited for before running (a launch, a graph's conditional node,
+    the host)."""
+    idle, gaps = collections.Counter(), collections.Counter()
+    end = None
+    for e in sorted(_device_work(events), key=lambda e: e.time_range.start):
+        if end is not None and e.time_range.start > end:
+            idle[e.name] += (e.time_range.start - end) / 1e3 / n_steps
+            gaps[e.name] += 1 / n_steps
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
+    return [{"name": name, "idle_ms_per_step": t, "gaps_per_step": gaps[name]}
+            for name, t in idle.most_common(rows)]
 
 
 def summarize(prof, n_steps: int, own_ops, top: int, kernel_rows: int = 0) -> dict:
@@ -170,4 +192,5 @@ def summarize(prof, n_steps: int, own_ops, top: int, kernel_rows: int = 0) -> di
                      "device_total_ms_per_step": r.device_time_total / 1e3 / n_steps}
                     for r in rows[:top]],
         "gpu_kernels": gpu_time_by_name(events, n_steps, kernel_rows) if kernel_rows else [],
+        "gpu_idle_before": gpu_idle_by_next(events, n_steps, kernel_rows) if kernel_rows else [],
     }

@@ -167,9 +167,12 @@ OFFLOAD_VARIANTS = ("ours-offload", "ours-offload-hold0", "save-on-cpu")
 OPT_IN_VARIANTS = OFFLOAD_VARIANTS + ("ours-compiled-frozen", "ours-compiled-recompute",
                                       "dense-graphed", "ours-graphed", "dense-stepgraph",
                                       "ours-stepgraph", "ours-stepgraph-recompute")
-# Eager steps a StepGraph runs before its capture: enough backwards for an adaptive
-# capacity to have polled its counts and settled (the capture keeps the capacity it finds).
+# Eager steps a StepGraph runs before its capture, each on its own batch: enough backwards
+# for an adaptive capacity to have polled its counts and settled over the batches' spread
+# (the capture keeps the capacity it finds). A run with step graphs warms up past them,
+# with a few replays more for adapt_to_replays to act on.
 STEP_GRAPH_SETTLE = 16
+STEP_GRAPH_WARMUP = STEP_GRAPH_SETTLE + 4
 BITIDENT_VARIANTS = ("dense", "ours-raw", "ours-nosign", "ours-offload", "ours-offload-hold0")
 BUDGET_VARIANTS = ("dense", "checkpoint", "ours-nosign")
 # Profile rows of the library's own ops (CPU self time per op).
@@ -398,22 +401,23 @@ def make_capturable(opt: torch.optim.Optimizer) -> None:
 
 
 class StepGraph:
-    """A whole training step captured once with ``torch.cuda.graph`` and replayed, as a user
-    who graphs the step does: the first call runs ``settle`` eager steps on a side stream
-    (torch.cuda.graph's warm-up; an adaptive capacity settles meanwhile, and the capture
-    keeps the one it finds), then captures the step on static inputs; every call after
-    copies its batch in and replays. ``recompute``: capture without conditional nodes (every
-    packed backward in the graph recomputes). Each call returns the step's loss.
+    """A whole training step captured with ``torch.cuda.graph`` and replayed, as a user who
+    graphs the step does: the first ``settle`` calls run eager steps on a side stream
+    (torch.cuda.graph's warm-up; an adaptive capacity settles meanwhile on the densities
+    of those calls' batches, and the capture keeps the one it finds), the next captures the
+    step on static inputs; every call from then on copies its batch in and replays.
+    ``recompute``: capture without conditional nodes (every packed backward in the graph
+    recomputes). Each call returns the step's loss.
 
     After each replay it asks ``bitsparse_core.torch.adapt_to_replays`` whether earlier
     replays recomputed (a batch denser than the capture's capacity): where a capacity
-    moved up, the next call captures the step again (no warm-up steps then), as the
-    function's docstring tells a user to. ``recaptures`` counts them."""
+    moved up, the next call captures the step again, as the function's docstring tells a
+    user to. ``recaptures`` counts them."""
 
     def __init__(self, model, opt, settle: int, recompute: bool = False):
         self.model, self.opt, self.settle, self.recompute = model, opt, settle, recompute
         self.graph = self.static = None
-        self.recaptures = 0
+        self.calls = self.recaptures = 0
 
     @classmethod
     def of(cls, name: str, model, opt):
@@ -422,6 +426,9 @@ class StepGraph:
         return None if mode is None else cls(model, opt, STEP_GRAPH_SETTLE, mode == "recompute")
 
     def __call__(self, x, y):
+        self.calls += 1
+        if self.calls <= self.settle:
+            return self._eager(x, y)
         if self.graph is None:
             self._capture(x, y)
         sx, sy, loss = self.static
@@ -435,14 +442,16 @@ class StepGraph:
             self.recaptures += 1
         return loss
 
+    def _eager(self, x, y):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loss = train_step(self.model, self.opt, x, y)
+        torch.cuda.current_stream().wait_stream(side)
+        return loss
+
     def _capture(self, x, y) -> None:
         if self.static is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(self.settle):
-                    train_step(self.model, self.opt, x, y)
-            torch.cuda.current_stream().wait_stream(side)
             sx, sy = x.clone(), y.clone()
         else:       # captured again: the static inputs stay, the old graph goes first
             sx, sy, _ = self.static
@@ -1123,6 +1132,14 @@ def markdown_variants(summary: dict) -> str:
                     "| variant | kernel | ms/step | runs/step |", "| --- | --- | --- | --- |"]
             out += [f"| {n} | `{k['name'][:100]}` | {k['ms_per_step']:.3f} | "
                     f"{k['runs_per_step']:g} |" for n, ks in kernels.items() for k in ks]
+        idle = {n: sy["gpu_idle_before"] for n, sy in profiled.items() if sy.get("gpu_idle_before")}
+        if idle:
+            out += ["", "## GPU idle per step by the work that ends it (profiled steps; each gap "
+                    "with no kernel running is put on the kernel that starts after it)", "",
+                    "| variant | kernel after the gap | idle ms/step | gaps/step |",
+                    "| --- | --- | --- | --- |"]
+            out += [f"| {n} | `{k['name'][:100]}` | {k['idle_ms_per_step']:.3f} | "
+                    f"{k['gaps_per_step']:g} |" for n, ks in idle.items() for k in ks]
     out += markdown_interleaved(summary.get("interleaved"))
     return "\n".join(out) + "\n"
 
@@ -1379,11 +1396,16 @@ def main(argv=None) -> int:
         print(markdown_budget(summary))
         return 0
 
+    names = args.variants.split(",")
+    if any(VARIANTS[n].step_graph for n in names) and \
+            args.warmup < STEP_GRAPH_WARMUP:
+        print(f"warm-up {args.warmup} -> {STEP_GRAPH_WARMUP} steps (turns): the step graphs "
+              f"capture after {STEP_GRAPH_SETTLE} eager steps", flush=True)
+        args.warmup = STEP_GRAPH_WARMUP
     plan = (Plan(0, args.bitident_steps) if args.bitident_steps
             else Plan(args.warmup, args.steps, args.profile_steps))
     mode, stem = ("bitident", "train_gpt_bitident") if args.bitident_steps else ("train", "train_gpt")
     summary = header(bench, mode, plan, pretrained)
-    names = args.variants.split(",")
     if device.type == "cuda" and set(OFFLOAD_VARIANTS) & set(names):
         summary["host_link_gbps"] = host_link_gbps(device)
 

@@ -66,7 +66,6 @@ def test_interleaved_compiled_variants_compile_once_each_on_cpu(tmp_path):
     summary = json.loads((tmp_path / "train_gpt.json").read_text())
     inter = summary["interleaved"]
     assert inter["status"] == "ok" and not inter["failed"]
-    assert inter["variants"]["ours-stepgraph"]["capacity"]["recaptures"] >= 0
     assert inter["graphs_compiled"] == 4
     assert summary["variants"]["ours-compiled"]["capacity"]["max_density"] > 0   # counts came back
     frozen = summary["variants"]["ours-compiled-frozen"]["capacity"]
@@ -99,16 +98,39 @@ def test_gpu_time_by_name_sums_each_kernels_time_per_step():
     sys.path.insert(0, str(ROOT / "bench"))
     from profile_syncs import gpu_time_by_name
 
-    def ev(name, start, end, dev=DeviceType.CUDA):
-        return types.SimpleNamespace(name=name, device_type=dev,
+    def ev(name, start, end, dev=DeviceType.CUDA, annotation=False):
+        return types.SimpleNamespace(name=name, device_type=dev, is_user_annotation=annotation,
                                      time_range=types.SimpleNamespace(start=start, end=end))
     events = [ev("gemm", 0, 300), ev("pack", 300, 400), ev("gemm", 400, 1000),
               ev("pack", 1000, 1100), ev("memset", 1100, 1102),
+              ev("bench::step", 0, 1102, annotation=True),      # a range over the kernels
               ev("cudaLaunchKernel", 0, 5000, DeviceType.CPU)]   # host side: not counted
     rows = gpu_time_by_name(events, n_steps=2, rows=2)
     assert [r["name"] for r in rows] == ["gemm", "pack"]
     assert rows[0]["ms_per_step"] == pytest.approx(0.45)     # 900 us over 2 steps
     assert rows[1]["ms_per_step"] == pytest.approx(0.1) and rows[1]["runs_per_step"] == 1
+
+
+def test_gpu_idle_by_next_puts_each_gap_on_the_work_that_ends_it():
+    import types
+
+    from torch.autograd import DeviceType
+    sys.path.insert(0, str(ROOT / "bench"))
+    from profile_syncs import gpu_idle_by_next
+
+    def ev(name, start, end, annotation=False):
+        return types.SimpleNamespace(name=name, device_type=DeviceType.CUDA,
+                                     is_user_annotation=annotation,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+    # two streams: "side" overlaps "gemm", so the gap before "pack" counts from gemm's end
+    events = [ev("gemm", 0, 300), ev("side", 100, 250), ev("pack", 340, 400),
+              ev("cond", 460, 470), ev("pack", 500, 560), ev("gemm", 560, 900),
+              ev("step", 0, 900, annotation=True)]     # a range: neither work nor a gap
+    rows = gpu_idle_by_next(events, n_steps=2, rows=5)
+    assert [r["name"] for r in rows] == ["pack", "cond"]
+    assert rows[0]["idle_ms_per_step"] == pytest.approx(0.035)  # 40 + 30 us over 2 steps
+    assert rows[0]["gaps_per_step"] == 1
+    assert rows[1]["idle_ms_per_step"] == pytest.approx(0.03)   # 60 us over 2 steps
 
 
 def test_step_split_report_names_what_paces_each_variant():
@@ -179,6 +201,7 @@ def test_step_graph_variants_train_bit_identically_cuda(tmp_path):
         assert rec["losses_bit_identical"] and rec["params_bit_identical"], name
     inter = summary["interleaved"]
     assert inter["status"] == "ok" and not inter["failed"]
+    assert inter["variants"]["ours-stepgraph"]["capacity"]["recaptures"] >= 0
 
 
 def test_make_capturable_turns_a_loaded_adamw_state_capturable():
