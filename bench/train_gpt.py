@@ -95,7 +95,12 @@ class Shape:
     d_ff: int
     seq: int
     batch: int
+    # the MLP: "relu2", fc2(relu(fc1(x))²); "reglu", down(relu(gate(x)) * up(x)), of
+    # d_ff features (the same d_ff: a ReGLU MLP then has 1.5 times the parameters)
+    ffn: str = "relu2"
 
+
+FFNS = ("relu2", "reglu")
 
 PRESETS = {
     "gpt6": Shape(layers=6, d=768, heads=6, d_ff=3072, seq=512, batch=32),
@@ -234,12 +239,33 @@ class DenseReLU2FFN(nn.Module):
         return self.fc2(F.relu(self.fc1(x)).square())
 
 
-def make_mlp(kind: str, d: int, d_ff: int, ours_kwargs: dict) -> nn.Module:
-    """Every variant's MLP is built here, so options of the Packed module
-    (``--ours-kwargs``) reach each ours variant the same way."""
+class DenseReGLUFFN(nn.Module):
+    """down_proj(relu(gate_proj(x)) * up_proj(x)) in plain PyTorch, with PackedReGLUFFN's
+    parameter names."""
+
+    def __init__(self, d: int, d_ff: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, d_ff)
+        self.up_proj = nn.Linear(d, d_ff)
+        self.down_proj = nn.Linear(d_ff, d)
+
+    def forward(self, x):
+        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def make_mlp(kind: str, shape: Shape, ours_kwargs: dict) -> nn.Module:
+    """Every variant's MLP is built here (``shape.ffn`` picks ReLU² or ReGLU), so options
+    of the Packed module (``--ours-kwargs``) reach each ours variant the same way."""
+    gated = shape.ffn == "reglu"
     if kind == "dense":
-        return DenseReLU2FFN(d, d_ff)
-    return bst.PackedReLU2FFN(d, d_ff, encoding=kind, **ours_kwargs)
+        return (DenseReGLUFFN if gated else DenseReLU2FFN)(shape.d, shape.d_ff)
+    packed = bst.PackedReGLUFFN if gated else bst.PackedReLU2FFN
+    return packed(shape.d, shape.d_ff, encoding=kind, **ours_kwargs)
+
+
+def first_linear(mlp: nn.Module) -> nn.Linear:
+    """The linear whose output the MLP's ReLU takes (fc1, or the gate)."""
+    return mlp.gate_proj if hasattr(mlp, "gate_proj") else mlp.fc1
 
 
 class Block(nn.Module):
@@ -285,7 +311,7 @@ class GPT(nn.Module):
         if variant.offload_hold is not None:     # one offloader for the model's layers
             options["offload"] = Offloader(hold=variant.offload_hold)
         self.blocks = nn.ModuleList(
-            Block(shape, make_mlp(variant.mlp, shape.d, shape.d_ff, options), variant.checkpoint,
+            Block(shape, make_mlp(variant.mlp, shape, options), variant.checkpoint,
                   variant.save_on_cpu, variant.python_host)
             for _ in range(shape.layers))
         self.norm = nn.RMSNorm(shape.d)
@@ -514,10 +540,11 @@ def train_step(model, opt, x, y, marks: list | None = None,
 
 @torch.no_grad()
 def probe_sparsity(model: GPT, x, y) -> list:
-    """Each layer's fraction of zeros in relu(fc1(x)), from a forward pass outside the
-    timed step (a probe inside it would add kernels and syncs to the reference)."""
+    """Each layer's fraction of zeros in relu(fc1(x)) (the gate's, in a ReGLU MLP), from a
+    forward pass outside the timed step (a probe inside it would add kernels and syncs to
+    the reference)."""
     fractions = []
-    hooks = [blk.mlp.fc1.register_forward_hook(
+    hooks = [first_linear(blk.mlp).register_forward_hook(
         lambda mod, inp, out: fractions.append((F.relu(out) == 0).float().mean()))
         for blk in model.blocks]
     try:
@@ -986,7 +1013,8 @@ def host_link_gbps(device: torch.device, nbytes: int = 256 << 20, reps: int = 5)
 
 def describe(summary: dict) -> str:
     s, c, p = summary["shape"], summary["config"], summary["plan"]
-    text = (f"{s['layers']} layers, d={s['d']}, {s['heads']} heads, d_ff={s['d_ff']}, "
+    mlp = {"relu2": "ReLU²", "reglu": "ReGLU"}[s.get("ffn", "relu2")]
+    text = (f"{s['layers']} layers, d={s['d']}, {s['heads']} heads, {mlp} MLP d_ff={s['d_ff']}, "
             f"seq={s['seq']}, batch={s['batch']}, bf16, attention={c['attn']}")
     if p:
         text += f"; steps: {p['warmup']} warm-up + {p['timed']} timed + {p['profiled']} profiled"
@@ -1030,7 +1058,8 @@ def _yes(v) -> str:
 
 def markdown_variants(summary: dict) -> str:
     """The variants table, the sync table and the library-op table."""
-    out = [f"# GPT with ReLU² MLP on Python stdlib bytes ({summary['device']}, {summary['mode']})",
+    mlp = {"relu2": "ReLU²", "reglu": "ReGLU"}[summary["shape"].get("ffn", "relu2")]
+    out = [f"# GPT with {mlp} MLP on Python stdlib bytes ({summary['device']}, {summary['mode']})",
            "", describe(summary), "",
            "| variant | median step (ms) | host (ms) | × dense | × reference | peak (MiB) | "
            "peak, timed steps (MiB) | kept after forward (MiB) | first step (s) | final loss | "
@@ -1280,6 +1309,8 @@ def parse_args(argv):
     ap.add_argument("--small", action="store_true", help="tiny model for a CPU check")
     for name in ("layers", "d", "heads", "d-ff", "seq", "batch"):
         ap.add_argument(f"--{name}", type=int, help="override the preset")
+    ap.add_argument("--ffn", choices=FFNS, help="the MLP, ReLU² (the presets') or ReGLU "
+                    "(PackedReGLUFFN against its dense form, the same d_ff)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile-steps", type=int, default=3)
@@ -1368,8 +1399,9 @@ def shape_and_device(args, base: Shape, fill_uninitialized: bool = False):
     wrote, and stays on only where ``fill_uninitialized`` (the bit-identity runs, where a
     read of unwritten memory then shows as a NaN). ``args.torch_defaults`` leaves all of
     this at PyTorch's defaults (a timing run as users train: no bit-for-bit claim)."""
-    shape = dataclasses.replace(base, **{k: v for k in ("layers", "d", "heads", "d_ff", "seq", "batch")
-                                         if (v := getattr(args, k)) is not None})
+    shape = dataclasses.replace(base, **{k: v for k in ("layers", "d", "heads", "d_ff", "seq", "batch",
+                                                         "ffn")
+                                         if (v := getattr(args, k, None)) is not None})
     if not getattr(args, "torch_defaults", False):
         deterministic_algorithms(fill_uninitialized)
         exact_bf16_reductions()

@@ -53,6 +53,26 @@ def test_train_gpt_rounds_on_cpu(tmp_path):
     assert "| ours-nosign | " in md.split("Host per phase in the timed turns")[1]
 
 
+def test_reglu_gpt_trains_bit_identically_to_its_dense_form_on_cpu(tmp_path):
+    """``--ffn reglu``: every layer's MLP a PackedReGLUFFN against the dense ReGLU with the
+    same parameter names (the shared initial state loads into both); eager and compiled
+    train bit-identically to their references, and the report names the MLP."""
+    out = run_bench("train_gpt.py", "--small", "--device", "cpu", "--ffn", "reglu",
+                    "--variants", "dense,ours-nosign,dense-compiled,ours-compiled", "--steps",
+                    "2", "--warmup", "1", "--profile-steps", "0", "--sparsity-every", "1",
+                    "--out", str(tmp_path), timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "train_gpt.json").read_text())
+    assert summary["shape"]["ffn"] == "reglu"
+    for name in ("ours-nosign", "ours-compiled"):
+        rec = summary["variants"][name]
+        assert rec["losses_bit_identical"] and rec["params_bit_identical"], name
+        assert rec["capacity"]["max_density"] > 0, name      # the packed ReGLU ran
+    assert summary["variants"]["dense"]["sparsity"]          # the gate's zeros, probed
+    md = (tmp_path / "train_gpt.md").read_text()
+    assert md.startswith("# GPT with ReGLU MLP") and "ReGLU MLP d_ff=256" in md
+
+
 def test_interleaved_compiled_variants_compile_once_each_on_cpu(tmp_path):
     """The packed model compiled, trained in turns while its capacity settles from the
     full one to the densities it sees: one graph per compiled variant, no recompile; the
