@@ -154,9 +154,9 @@ Forward forward_impl(const Tensor& a, const Tensor& weight, const std::optional<
 // poll is not due), else Python's policy decides (waits, recomputes, or raises where
 // there is no recompute source).
 bool decide_clean(const Ticket& ticket, int64_t policy, int64_t handle, const Tensor& block,
-                  bool recompute_source) {
+                  bool recompute_source, bool gated = false) {
   return (slot_shows_clean(ticket) && !poll_due(policy))
-         || pack_is_clean(handle, policy, ticket, block, recompute_source);
+         || pack_is_clean(handle, policy, ticket, block, recompute_source, gated);
 }
 
 struct Grads {
@@ -325,6 +325,243 @@ bool backward_captured(Grads& g, const Tensor& grad_out, const Tensor& block,
 }
 
 // ---------------------------------------------------------------------------
+// The gated op's two halves (ReGLU: linear(relu(g) * u)); ops.gated_relu_linear and
+// gated_relu_linear_backward in C++, the same kernels and GEMMs in the same order
+// ---------------------------------------------------------------------------
+struct GatedForward {
+  Tensor out, block_r, block_u;
+  Ticket ticket;
+};
+
+// The roles of a gated op's launches: u's masked pack and unpack read relu(g)'s mask (and
+// offsets) from block_r; the gated backward reads u's values and signs from block_u.
+Roles gated_roles(const Plan& R, uint64_t br, const Plan& U, uint64_t bu) {
+  Roles roles{};
+  roles[R_MASK] = br + static_cast<uint64_t>(R.spans[0]);
+  roles[R_OFFSETS] = br + static_cast<uint64_t>(R.spans[1]);
+  roles[R_UVALUES] = bu + static_cast<uint64_t>(U.spans[2]);
+  roles[R_USIGNS] = bu + static_cast<uint64_t>(U.spans[3]);
+  return roles;
+}
+
+// Forward: take the pack's ticket (tracked for ``policy``), pack relu(g) into block_r (the
+// kernel writes relu(g) densely and its count to the ticket's slot) and u where g > 0
+// into block_u (a masked pack reading block_r's mask), then return
+// linear(relu(g) * u, weight, bias) and both blocks. One allocation for relu(g) and the
+// packs' scratch (zeroed before each pack).
+GatedForward gated_forward_impl(const Tensor& g, const Tensor& u, const Tensor& weight,
+                                const std::optional<Tensor>& bias, const Plan& R,
+                                const Plan& U, int64_t policy, int64_t capacity,
+                                int64_t mm_dtype) {
+  TORCH_CHECK(g.numel() == R.numel && u.numel() == U.numel, "bitsparse: plans of ", R.numel,
+              " elements for ", g.numel());
+  c10::DeviceGuard device_guard(g.device());
+  void* stream = current_stream(g.device());
+  const Ticket ticket = claim_slot(stream);
+  track(policy, ticket, g.numel(), capacity);
+  const int64_t item = g.element_size();
+  const int64_t relems = ceil_div(g.numel() * item, 16) * 16 / item;
+  const int64_t scratch_bytes = std::max(R.scratch_bytes, U.scratch_bytes);
+  Tensor rstore = at::empty({relems + ceil_div(scratch_bytes, item)}, g.options());
+  Tensor block_r = at::empty({R.nbytes}, g.options().dtype(at::kByte));
+  Tensor block_u = at::empty({U.nbytes}, g.options().dtype(at::kByte));
+  const uint64_t r = address(rstore), br = address(block_r), bu = address(block_u);
+  const int64_t slot = slot_of(ticket);
+  if (R.numel == 0) {
+    memset0(br, R.nbytes, stream);
+    memset0(bu, U.nbytes, stream);
+    if (slot) {
+      *slot_count_at(slot) = 0;
+      *slot_status_at(slot) = 0;
+    }
+  } else {
+    const uint64_t scratch = r + static_cast<uint64_t>(relems * item);
+    memset0(scratch, R.scratch_bytes, stream);
+    R.pack.run(stream, br, {address(g), r, scratch, 0, 0, 0, static_cast<uint64_t>(slot)});
+    memset0(scratch, U.scratch_bytes, stream);
+    Roles roles = gated_roles(R, br, U, bu);
+    roles[R_X] = address(u);
+    roles[R_SCRATCH] = scratch;
+    U.pack.run(stream, bu, roles);
+  }
+  // exactly the dense relu(g) * u, then the second GEMM as linear() makes it
+  const Tensor h = at::mul(rstore.as_strided(g.sizes(), g.strides(), 0), u);
+  rstore.reset();
+  Tensor out = forward_linear(h, h, weight, bias, mm_dtype);
+  return {out, block_r, block_u, ticket};
+}
+
+struct GatedGrads {
+  Tensor g, u, weight, bias;   // undefined where not asked for
+};
+
+// Backward: PyTorch's linear backward on the 2-D views; the second GEMM's input relu(g) * u
+// and the gradients of g and u from the packed blocks when clean (the gated kernel writes
+// grad_g over grad_h), else from g and u recomputed with the forward's first GEMMs
+// (x, wg, bg, wu, bu) and what autograd does for relu(g) * u.
+GatedGrads gated_backward_impl(const Tensor& grad_out, const Tensor& block_r,
+                               const Tensor& block_u, const Tensor& weight, const Tensor& x,
+                               const Tensor& wg, const Tensor& bg, const Tensor& wu,
+                               const Tensor& bu, at::IntArrayRef a_shape, at::ScalarType a_dtype,
+                               const Plan& R, const Plan& U, bool clean, int64_t mm_dtype,
+                               bool need_a, bool need_w, bool need_b) {
+  GatedGrads o;
+  const Tensor g2 = as_matrix(grad_out.contiguous(), grad_out.size(-1));
+  if (need_b) o.bias = g2.sum({0}, true).view({g2.size(-1)});
+  if (!need_a && !need_w) return o;
+  c10::DeviceGuard device_guard(block_r.device());
+  void* stream = current_stream(block_r.device());
+  const uint64_t at_r = address(block_r), at_u = address(block_u);
+  const Roles planes = gated_roles(R, at_r, U, at_u);
+  Tensor r, u;   // a clean gradient reads the packed blocks: r and u only for the weight gradient
+  if (clean && need_w) {
+    const auto opts = grad_out.options().dtype(a_dtype);
+    r = at::empty(a_shape, opts);
+    u = at::empty(a_shape, opts);
+    R.unpack.run(stream, at_r, {0, 0, 0, 0, address(r), 0});
+    Roles roles = planes;
+    roles[R_OUT] = address(u);
+    U.unpack.run(stream, at_u, roles);
+  } else if (!clean) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    r = at::relu(at::linear(x, wg, maybe(bg)));
+    u = at::linear(x, wu, maybe(bu));
+  }
+  if (need_w) {
+    // r * u, in place where neither is needed again
+    o.weight = weight_grad(g2, clean ? r.mul_(u) : r * u, mm_dtype);
+    if (clean) {   // stream-ordered: the gradients may take their memory next
+      r.reset();
+      u.reset();
+    }
+  }
+  if (need_a) {
+    const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype);
+    if (clean) {
+      const Tensor gh = grad_h.contiguous();
+      const Tensor gu = at::empty_like(gh);
+      Roles roles = planes;
+      roles[R_G] = roles[R_OUT] = address(gh);
+      roles[R_OUT2] = address(gu);
+      R.gated.run(stream, at_r, roles);
+      o.g = gh;
+      o.u = gu;
+    } else {
+      o.g = at::threshold_backward(grad_h * u, r, 0);
+      o.u = grad_h * r;
+    }
+  }
+  return o;
+}
+
+// The gated backward within a CUDA graph capture: the clean way and the recompute as the
+// two bodies of one conditional node on relu(g)'s pack status (u's pack shares its mask and
+// count), as backward_conditional does for ReLU. Returns false, having queued nothing,
+// where the node does not apply (the caller then recomputes as before).
+bool gated_backward_conditional(GatedGrads& o, const Tensor& grad_out, const Tensor& block_r,
+                                const Tensor& block_u, const Tensor& weight, const Tensor& x,
+                                const Tensor& wg, const Tensor& bg, const Tensor& wu,
+                                const Tensor& bu, at::IntArrayRef a_shape,
+                                at::ScalarType a_dtype, const Plan& R, const Plan& U,
+                                int64_t mm_dtype, bool need_a, bool need_w, bool need_b,
+                                int64_t policy, void* stream) {
+  const c10::Device device = block_r.device();
+  if (!device.is_cuda() || !graph_driver_ready(device.index()) || !x.defined() ||
+      mm_dtype >= 0 || weight.scalar_type() != a_dtype || grad_out.scalar_type() != a_dtype ||
+      !x.is_contiguous() || x.dim() < 2 || x.dim() > 3 || x.scalar_type() != a_dtype ||
+      wg.dim() != 2 || wu.dim() != 2 || wg.scalar_type() != a_dtype ||
+      wu.scalar_type() != a_dtype) {
+    return false;
+  }
+  const std::optional<c10::Stream> side = side_stream(device, a_dtype, stream);
+  if (!side) return false;
+  const Tensor g2 = as_matrix(grad_out.contiguous(), grad_out.size(-1));
+  if (need_b) o.bias = g2.sum({0}, true).view({g2.size(-1)});
+  if (!need_a && !need_w) return true;
+  const auto opts = grad_out.options().dtype(a_dtype);
+  const int64_t f = weight.size(1);
+  if (need_a) {
+    o.g = at::empty(a_shape, opts);
+    o.u = at::empty(a_shape, opts);
+  }
+  if (need_w) o.weight = at::empty(weight.sizes(), weight.options());
+  Tensor r = at::empty(a_shape, opts), u = at::empty(a_shape, opts);
+  Tensor tmp = at::empty(a_shape, opts);
+  Tensor ga2 = need_a ? as_matrix(o.g, f) : Tensor();
+  const Tensor g2t = transposed(g2);
+  const uint64_t at_r = address(block_r), at_u = address(block_u);
+  const Roles planes = gated_roles(R, at_r, U, at_u);
+  void* body = side->native_handle();
+
+  ConditionalCapture node(stream, at_r + static_cast<uint64_t>(R.status_offset),
+                          replay_counter(policy), *side, device);
+  // the pack was clean: the packed blocks
+  if (need_w) {
+    R.unpack.run(body, at_r, {0, 0, 0, 0, address(r), 0});
+    Roles roles = planes;
+    roles[R_OUT] = address(u);
+    U.unpack.run(body, at_u, roles);
+    r.mul_(u);
+    at::mm_out(o.weight, g2t, as_matrix(r, f));
+  }
+  if (need_a) {
+    at::mm_out(ga2, g2, weight);
+    Roles roles = planes;
+    roles[R_G] = roles[R_OUT] = address(o.g);
+    roles[R_OUT2] = address(o.u);
+    R.gated.run(body, at_r, roles);
+  }
+  node.otherwise();
+  // it overflowed: the forward's first GEMMs again (linear's own addmm / mm on the 2-D views)
+  {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const Tensor x2 = as_matrix(x, x.size(-1));
+    const std::array<std::tuple<Tensor, Tensor, Tensor>, 2> firsts{
+        std::tuple<Tensor, Tensor, Tensor>{r, wg, bg}, std::tuple<Tensor, Tensor, Tensor>{u, wu, bu}};
+    for (const auto& [out, w, b] : firsts) {
+      Tensor out2 = as_matrix(out, f);
+      if (b.defined()) {
+        at::addmm_out(out2, b, x2, transposed(w));
+      } else {
+        at::mm_out(out2, x2, transposed(w));
+      }
+    }
+    r.relu_();
+    if (need_w) {
+      at::mul_out(tmp, r, u);
+      at::mm_out(o.weight, g2t, as_matrix(tmp, f));
+    }
+    if (need_a) {   // threshold_backward(grad_h * u, r, 0) and grad_h * r
+      at::mm_out(ga2, g2, weight);
+      at::mul_out(tmp, o.g, u);
+      at::mul_out(o.u, o.g, r);
+      at::threshold_backward_out(o.g, tmp, r, 0);
+    }
+  }
+  node.finish();
+  return true;
+}
+
+// Where the gated backward is being captured into a CUDA graph, queue it as one conditional
+// node and return true; else (and where the node does not apply) return false having
+// queued nothing. An eager backward prepares the side stream instead.
+bool gated_backward_captured(GatedGrads& o, const Tensor& grad_out, const Tensor& block_r,
+                             const Tensor& block_u, const Tensor& weight, const Tensor& x,
+                             const Tensor& wg, const Tensor& bg, const Tensor& wu,
+                             const Tensor& bu, at::IntArrayRef a_shape, at::ScalarType a_dtype,
+                             const Plan& R, const Plan& U, int64_t mm_dtype, bool need_a,
+                             bool need_w, bool need_b, int64_t policy) {
+  void* stream = current_stream(block_r.device());
+  if (!capturing(stream)) {
+    warm_side_stream(block_r.device(), a_dtype, policy);
+    return false;
+  }
+  return gated_backward_conditional(o, grad_out, block_r, block_u, weight, x, wg, bg, wu, bu,
+                                    a_shape, a_dtype, R, U, mm_dtype, need_a, need_w, need_b,
+                                    policy, stream);
+}
+
+// ---------------------------------------------------------------------------
 // The autograd node (eager mode)
 // ---------------------------------------------------------------------------
 using torch::autograd::Node;
@@ -443,6 +680,112 @@ Tensor relu_linear_eager(const Tensor& a, const Tensor& weight, const std::optio
   return f.out;
 }
 
+// The backward of one eager gated_relu_linear call (as ReLULinearBackward): edges g, u,
+// weight and bias; the recompute source gets its gradients through g and u.
+struct GatedReLULinearBackward : public Node {
+  SavedVariable block_r, block_u, weight, x, wg, bg, wu, bu;
+  Ticket ticket;
+  std::vector<int64_t> a_shape;
+  at::ScalarType a_dtype = at::kFloat;
+  bool has_bias = false;
+  int64_t handle_r = -1, handle_u = -1, mm_dtype = -1, policy = 0;
+
+  std::string name() const override { return "bitsparse::GatedReLULinearBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (SavedVariable* v : {&block_r, &block_u, &weight, &x, &wg, &bg, &wu, &bu}) {
+      v->reset_data();
+    }
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    variable_list result(4);
+    const Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) return result;   // the output was not used
+    RECORD_FUNCTION("bitsparse::gated_relu_linear_backward",
+                    c10::ArrayRef<const c10::IValue>{});
+    const bool need_g = task_should_compute_output(0), need_u = task_should_compute_output(1);
+    const bool need_a = need_g || need_u, need_w = task_should_compute_output(2);
+    const bool need_b = has_bias && task_should_compute_output(3);
+    const Tensor w = weight.unpack();   // first: a freed graph raises PyTorch's own error
+    const Tensor xs = x.unpack(), wgs = wg.unpack(), bgs = bg.unpack(), wus = wu.unpack(),
+                 bus = bu.unpack(), br = block_r.unpack(), bu_ = block_u.unpack();
+    const Plan& R = plan_at(handle_r);
+    const Plan& U = plan_at(handle_u);
+    GatedGrads o;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      if (!gated_backward_captured(o, grad_out, br, bu_, w, xs, wgs, bgs, wus, bus, a_shape,
+                                   a_dtype, R, U, mm_dtype, need_a, need_w, need_b, policy)) {
+        const bool clean = decide_clean(ticket, policy, handle_r, br, xs.defined(), true);
+        o = gated_backward_impl(grad_out, br, bu_, w, xs, wgs, bgs, wus, bus, a_shape, a_dtype,
+                                R, U, clean, mm_dtype, need_a, need_w, need_b);
+      }
+    }
+    if (need_g) result[0] = std::move(o.g);
+    if (need_u) result[1] = std::move(o.u);
+    result[2] = std::move(o.weight);
+    result[3] = std::move(o.bias);
+    if (at::GradMode::is_enabled() && grad_out.requires_grad()) {
+      for (Tensor& t : result) {
+        if (t.defined()) t = t.detach().requires_grad_(true);
+      }
+      result = torch::autograd::DelayedError(
+                   "bitsparse: the packed ReGLU op's backward is not differentiable "
+                   "(trying to differentiate twice)", 4)
+                   .apply(std::move(result));
+    }
+    return result;
+  }
+};
+
+// The eager gated op: the forward outside autograd, then (where a gradient is wanted) the
+// node that runs its backward, saving what that needs.
+Tensor gated_relu_linear_eager(const Tensor& g, const Tensor& u, const Tensor& weight,
+                               const std::optional<Tensor>& bias, const Tensor& x,
+                               const Tensor& wg, const std::optional<Tensor>& bg,
+                               const Tensor& wu, const std::optional<Tensor>& bu,
+                               int64_t capacity, int64_t handle_r, int64_t handle_u,
+                               int64_t mm_dtype, int64_t policy) {
+  RECORD_FUNCTION("bitsparse::gated_relu_linear", c10::ArrayRef<const c10::IValue>{});
+  using torch::autograd::isFwGradDefined;
+  TORCH_CHECK(!isFwGradDefined(g) && !isFwGradDefined(u) && !isFwGradDefined(weight) &&
+                  !isFwGradDefined(bias),
+              "bitsparse: the packed ReGLU op has no forward-mode derivative (jvp); use the "
+              "dense FFN under forward-mode AD");
+  const bool grad = torch::autograd::compute_requires_grad(g, u, weight, bias);
+  c10::DeviceGuard device_guard(g.device());
+  GatedForward f;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    f = gated_forward_impl(g, u, weight, bias, plan_at(handle_r), plan_at(handle_u), policy,
+                           capacity, mm_dtype);
+  }
+  if (!grad) return f.out;   // nothing to save: the blocks go (the pack is still tracked)
+  auto node = new_node<GatedReLULinearBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(g, u, weight, bias));
+  node->block_r = SavedVariable(f.block_r, false);
+  node->block_u = SavedVariable(f.block_u, false);
+  node->weight = SavedVariable(weight, false);
+  node->x = SavedVariable(x, false);
+  node->wg = SavedVariable(wg, false);
+  node->bg = SavedVariable(bg, false);
+  node->wu = SavedVariable(wu, false);
+  node->bu = SavedVariable(bu, false);
+  node->ticket = f.ticket;
+  node->a_shape = g.sizes().vec();
+  node->a_dtype = g.scalar_type();
+  node->has_bias = bias.has_value() && bias->defined();
+  node->handle_r = handle_r;
+  node->handle_u = handle_u;
+  node->mm_dtype = mm_dtype;
+  node->policy = policy;
+  torch::autograd::set_history(f.out, node);
+  return f.out;
+}
+
 void check_input(const Tensor& a) {
   TORCH_CHECK(driver.launch != nullptr, "bitsparse: native module used before set_driver");
   TORCH_CHECK((a.is_cuda() || (host_emulation && a.is_cpu())) && a.is_contiguous(),
@@ -465,6 +808,19 @@ Tensor relu_linear(const Tensor& a, const Tensor& weight, const std::optional<Te
   py::gil_scoped_release no_gil;   // as any ATen call from Python
   return relu_linear_eager(a, weight, bias, x, w1, b1, capacity, handle, square, mm, policy,
                            off);
+}
+
+Tensor gated_relu_linear(const Tensor& g, const Tensor& u, const Tensor& weight,
+                         const std::optional<Tensor>& bias, const Tensor& x, const Tensor& wg,
+                         const std::optional<Tensor>& bg, const Tensor& wu,
+                         const std::optional<Tensor>& bu, int64_t capacity, int64_t handle_r,
+                         int64_t handle_u, const py::handle& mm_dtype, int64_t policy) {
+  check_input(g);
+  check_input(u);
+  const int64_t mm = dtype_code(mm_dtype);
+  py::gil_scoped_release no_gil;   // as any ATen call from Python
+  return gated_relu_linear_eager(g, u, weight, bias, x, wg, bg, wu, bu, capacity, handle_r,
+                                 handle_u, mm, policy);
 }
 
 // ---------------------------------------------------------------------------
@@ -620,6 +976,115 @@ Result3 relu_linear_backward_kernel(const Tensor& grad_out, const Tensor& block,
   return {g.a, g.weight, g.bias};
 }
 
+// The gated op's plans: ``(relu(g)'s handle, u's handle)`` of one (shape, dtype, capacity,
+// encodings, device), registered by Python on first use; -1s where the C++ path does not
+// take it.
+py::object* gated_handle_fn = nullptr;         // native._gated_handles_for
+py::object* python_gated_forward = nullptr;    // ops.gated_relu_linear
+py::object* python_gated_backward = nullptr;   // ops.gated_relu_linear_backward
+std::map<std::vector<int64_t>, std::pair<int64_t, int64_t>> gated_handles;
+
+std::pair<int64_t, int64_t> gated_handles_of(at::IntArrayRef shape, at::ScalarType dtype,
+                                             int64_t capacity, int64_t encoding,
+                                             int64_t u_encoding, const c10::Device& device) {
+  std::vector<int64_t> key = {static_cast<int64_t>(dtype), capacity, encoding, u_encoding,
+                              device.index()};
+  key.insert(key.end(), shape.begin(), shape.end());
+  {
+    std::lock_guard<std::mutex> lock(handles_mutex);
+    const auto it = gated_handles.find(key);
+    if (it != gated_handles.end()) return it->second;
+  }
+  std::pair<int64_t, int64_t> h;
+  {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(gated_handle_fn != nullptr,
+                "bitsparse: native module used before set_gated_dispatch");
+    py::object dt = py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)));
+    h = (*gated_handle_fn)(shape.vec(), dt, capacity, encoding, u_encoding, device.index())
+            .cast<std::pair<int64_t, int64_t>>();
+  }
+  std::lock_guard<std::mutex> lock(handles_mutex);
+  gated_handles.emplace(key, h);
+  return h;
+}
+
+using Result4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+Result3 gated_relu_linear_kernel(const Tensor& g_in, const Tensor& u_in, const Tensor& weight,
+                                 const std::optional<Tensor>& bias,
+                                 const std::optional<Tensor>& x, const std::optional<Tensor>& wg,
+                                 const std::optional<Tensor>& bg,
+                                 const std::optional<Tensor>& wu,
+                                 const std::optional<Tensor>& bu, int64_t capacity,
+                                 int64_t encoding, int64_t u_encoding, int64_t chunk_log2,
+                                 std::optional<at::ScalarType> mm_dtype, int64_t policy) {
+  std::pair<int64_t, int64_t> h{-1, -1};
+  Tensor g = g_in, u = u_in;
+  if (takes(g, chunk_log2) && u.device() == g.device() && u.sizes() == g.sizes() &&
+      u.scalar_type() == g.scalar_type()) {
+    g = g.contiguous();
+    u = u.contiguous();
+    h = gated_handles_of(g.sizes(), g.scalar_type(), capacity, encoding, u_encoding,
+                         g.device());
+  }
+  if (h.first < 0 || h.second < 0) {
+    py::gil_scoped_acquire gil;
+    return call_python<Result3>(
+        python_gated_forward, "gated_relu_linear",
+        py::make_tuple(g_in, u_in, weight, bias, x, wg, bg, wu, bu, capacity, encoding,
+                       u_encoding, chunk_log2, mm_dtype, policy));
+  }
+  const int64_t mm = mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1;
+  GatedForward f = gated_forward_impl(g, u, weight, bias, plan_at(h.first), plan_at(h.second),
+                                      policy, capacity, mm);
+  remember_ticket(f.block_r, f.ticket);
+  return {f.out, f.block_r, f.block_u};
+}
+
+Result4 gated_relu_linear_backward_kernel(
+    const Tensor& grad_out, const Tensor& block_r, const Tensor& block_u, const Tensor& weight,
+    const std::optional<Tensor>& x, const std::optional<Tensor>& wg,
+    const std::optional<Tensor>& bg, const std::optional<Tensor>& wu,
+    const std::optional<Tensor>& bu, at::IntArrayRef a_shape, at::ScalarType a_dtype,
+    bool has_bias, int64_t capacity, int64_t encoding, int64_t u_encoding, int64_t chunk_log2,
+    std::optional<at::ScalarType> mm_dtype, int64_t policy, int64_t needs) {
+  const std::pair<int64_t, int64_t> h =
+      takes(block_r, chunk_log2)
+          ? gated_handles_of(a_shape, a_dtype, capacity, encoding, u_encoding, block_r.device())
+          : std::pair<int64_t, int64_t>{-1, -1};
+  if (h.first < 0 || h.second < 0) {
+    py::gil_scoped_acquire gil;
+    return call_python<Result4>(
+        python_gated_backward, "gated_relu_linear_backward",
+        py::make_tuple(grad_out, block_r, block_u, weight, x, wg, bg, wu, bu, a_shape.vec(),
+                       a_dtype, has_bias, capacity, encoding, u_encoding, chunk_log2, mm_dtype,
+                       policy, needs));
+  }
+  const bool need_a = needs & 1, need_w = needs & 2, need_b = has_bias && (needs & 4);
+  const int64_t mm = mm_dtype ? static_cast<int64_t>(*mm_dtype) : -1;
+  const Tensor xs = x.value_or(Tensor()), wgs = wg.value_or(Tensor()), bgs = bg.value_or(Tensor()),
+               wus = wu.value_or(Tensor()), bus = bu.value_or(Tensor());
+  const Plan& R = plan_at(h.first);
+  const Plan& U = plan_at(h.second);
+  GatedGrads o;
+  if (!gated_backward_captured(o, grad_out, block_r, block_u, weight, xs, wgs, bgs, wus, bus,
+                               a_shape, a_dtype, R, U, mm, need_a, need_w, need_b, policy)) {
+    const bool clean =
+        decide_clean(ticket_of_block(block_r), policy, h.first, block_r, xs.defined(), true);
+    o = gated_backward_impl(grad_out, block_r, block_u, weight, xs, wgs, bgs, wus, bus, a_shape,
+                            a_dtype, R, U, clean, mm, need_a, need_w, need_b);
+  }
+  // what the op's fake kernel says of a gradient not asked for: an empty tensor
+  const auto empty_a = grad_out.options().dtype(a_dtype);
+  if (!o.g.defined()) o.g = at::empty({0}, empty_a);
+  if (!o.u.defined()) o.u = at::empty({0}, empty_a);
+  if (!o.weight.defined()) o.weight = at::empty({0}, weight.options());
+  if (!o.bias.defined()) o.bias = at::empty({0}, weight.options());
+  return {o.g, o.u, o.weight, o.bias};
+}
+
 // The kernels registered with the dispatcher, per dispatch key (CUDA; CPU only under the
 // tests' host emulation); dropping a key's library unregisters them.
 std::map<std::string, std::unique_ptr<torch::Library>> registered;
@@ -630,6 +1095,8 @@ void register_kernels(const std::string& key) {
                                               c10::parseDispatchKey(key), __FILE__, __LINE__);
   lib->impl("relu_linear", TORCH_FN(relu_linear_kernel));
   lib->impl("relu_linear_backward", TORCH_FN(relu_linear_backward_kernel));
+  lib->impl("gated_relu_linear", TORCH_FN(gated_relu_linear_kernel));
+  lib->impl("gated_relu_linear_backward", TORCH_FN(gated_relu_linear_backward_kernel));
   registered[key] = std::move(lib);
 }
 
@@ -701,7 +1168,8 @@ py::bytes launch_params(int64_t handle, const std::string& name, uint64_t block,
                     : name == "unpack" ? &P.unpack
                     : name == "relu2" ? &P.relu2
                     : name == "relu2_and_square" ? &P.relu2_and_square
-                    : name == "mask_select" ? &P.mask_select : nullptr;
+                    : name == "mask_select" ? &P.mask_select
+                    : name == "gated" ? &P.gated : nullptr;
   TORCH_CHECK(L != nullptr && L->present(), "bitsparse: no launch '", name, "'");
   std::vector<uint8_t> buf(L->params.size());
   L->fill(buf.data(), block, roles);
@@ -785,10 +1253,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     python_backward = new py::object(std::move(backward));
     default_chunk_log2 = chunk_log2;
   });
+  m.def("set_gated_dispatch", [](py::object handles, py::object forward, py::object backward) {
+    // never freed, as set_dispatch's
+    gated_handle_fn = new py::object(std::move(handles));
+    python_gated_forward = new py::object(std::move(forward));
+    python_gated_backward = new py::object(std::move(backward));
+  });
   m.def("set_python_path_depth", [](int depth) { python_path_depth.store(depth); });
   m.def("forget_handles", [] {
     std::lock_guard<std::mutex> lock(handles_mutex);
     handles.clear();
+    gated_handles.clear();
   });
   m.def("register_kernels", &register_kernels);
   m.def("size_class", &size_class);
@@ -850,6 +1325,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return std::make_pair(e.tokens, e.released);
            });
   m.def("relu_linear", &relu_linear);
+  m.def("gated_relu_linear", &gated_relu_linear);
   m.def("relu_ffn_call", &relu_ffn_call);
   m.def("decode_config", [](int64_t config) {   // for the tests: ops.decode_config's
     const Config k = decode_config(config);
@@ -868,6 +1344,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("relu_linear_kernel", &relu_linear_kernel, py::call_guard<py::gil_scoped_release>());
   m.def("relu_linear_backward_kernel", &relu_linear_backward_kernel,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gated_relu_linear_kernel", &gated_relu_linear_kernel,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gated_relu_linear_backward_kernel", &gated_relu_linear_backward_kernel,
         py::call_guard<py::gil_scoped_release>());
   m.def("launch_params", &launch_params);
   def_hooks_front(m);

@@ -116,9 +116,13 @@ Launch make_launch(const py::tuple& t) {
 // ---------------------------------------------------------------------------
 // Plans: one pack plan's block layout and launches on one device
 // ---------------------------------------------------------------------------
+// A gated op's two plans: relu(g)'s (mode RELU), whose ``gated`` launch is the backward's
+// kernel, and u's (mode MASKED), whose pack reads relu(g)'s mask and whose unpack reads
+// relu(g)'s mask and offsets beside u's own values and signs (roles, at ``spans``).
 struct Plan {
   int64_t numel = 0, nbytes = 0, scratch_bytes = 0, status_offset = 0;
-  Launch pack, unpack, relu2, relu2_and_square, mask_select;
+  std::array<int64_t, 4> spans{};   // where the mask, offsets, values and signs start
+  Launch pack, unpack, relu2, relu2_and_square, mask_select, gated;
 };
 
 // Handles index a fixed table, so a backward reads its entry without a lock while another
@@ -171,15 +175,17 @@ const Plan& plan_at(int64_t handle) {
 }
 
 int64_t add_plan(int64_t numel, int64_t nbytes, int64_t scratch_bytes, int64_t status_offset,
-                 const py::dict& launches) {
+                 const std::array<int64_t, 4>& spans, const py::dict& launches) {
   auto plan = std::make_unique<Plan>();
   plan->numel = numel;
   plan->nbytes = nbytes;
   plan->scratch_bytes = scratch_bytes;
   plan->status_offset = status_offset;
+  plan->spans = spans;
   const std::pair<const char*, Launch*> slots[] = {
       {"pack", &plan->pack}, {"unpack", &plan->unpack}, {"relu2", &plan->relu2},
-      {"relu2_and_square", &plan->relu2_and_square}, {"mask_select", &plan->mask_select}};
+      {"relu2_and_square", &plan->relu2_and_square}, {"mask_select", &plan->mask_select},
+      {"gated", &plan->gated}};
   for (const auto& item : launches) {
     const std::string name = item.first.cast<std::string>();
     bool known = false;

@@ -195,10 +195,10 @@ py::tuple drain_tracks() {
 }
 
 bool pack_is_clean(int64_t handle, int64_t policy, const Ticket& ticket, const Tensor& block,
-                   bool recompute_source) {
+                   bool recompute_source, bool gated = false) {
   py::gil_scoped_acquire gil;
   TORCH_CHECK(clean_state_fn != nullptr, "bitsparse: native module used before set_state_fn");
-  return (*clean_state_fn)(handle, policy, ticket_tensor(ticket), block, recompute_source)
+  return (*clean_state_fn)(handle, policy, ticket_tensor(ticket), block, recompute_source, gated)
       .cast<bool>();
 }
 

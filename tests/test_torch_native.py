@@ -85,7 +85,7 @@ def test_native_launches_match_the_python_records(ext, python_launches, shape, d
     plan = host.pack_plan(shape, dtype, enc, int(density * numel), DEFAULT_CHUNK_LOG2, mode)
     launches = native.plan_templates(plan, 0)
     handle = ext.add_plan(plan.lay.numel, plan.nbytes, plan.scratch_bytes, plan.status_offset,
-                          launches)
+                          [off for off, _ in plan.spans], launches)
     assert handle >= 0
     # the pack
     host.enqueue_pack(plan, 0, 0x5EED, X, BLOCK, SCRATCH, Y, zero_tail=False)
@@ -124,6 +124,44 @@ def test_native_launches_match_the_python_records(ext, python_launches, shape, d
     assert not python_launches
 
 
+@pytest.mark.parametrize("shape,dtype,enc,density", CASES[:4],
+                         ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("u_enc", [Encoding.SIGNPLANE, Encoding.RAW], ids=["signplane", "raw"])
+def test_native_gated_launches_match_the_python_records(ext, python_launches, shape, dtype, enc,
+                                                        density, u_enc):
+    """A gated op's launches (ops.gated_relu_linear and its backward on the Python path):
+    u's masked pack reads relu(g)'s mask, u's unpack relu(g)'s mask and offsets beside its
+    own values, and the gated backward u's values and signs, all passed as roles."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    cap = int(density * numel)
+    plan_r = host.pack_plan(shape, dtype, enc, cap, DEFAULT_CHUNK_LOG2, abi.Mode.RELU)
+    plan_u = host.pack_plan(shape, dtype, u_enc, cap, DEFAULT_CHUNK_LOG2, abi.Mode.MASKED)
+    r_launches, u_launches = native.gated_plan_templates(plan_r, plan_u, 0)
+    hr, hu = (ext.add_plan(p.lay.numel, p.nbytes, p.scratch_bytes, p.status_offset,
+                           [off for off, _ in p.spans], t)
+              for p, t in ((plan_r, r_launches), (plan_u, u_launches)))
+    block_u = BLOCK + 0x100_0000
+    pr, pu = plan_r.planes(BLOCK), plan_u.planes(block_u)
+    mask_roles = dict(mask=pr.mask, offsets=pr.offsets)
+    host.enqueue_pack(plan_u, 0, 0x5EED, X, block_u, SCRATCH, in_planes=pr, zero_tail=False)
+    want = python_launches.pop()[-1]
+    assert ext.launch_params(hu, "pack", block_u, _roles(x=X, scratch=SCRATCH, **mask_roles)) == want
+    companion = pr._replace(values=pu.values, values_len=pu.values_len, signs=pu.signs,
+                            signs_len=pu.signs_len)
+    host.enqueue_unpack(plan_u.lay, companion, abi.Op.UNPACK, 0, 0x5EED, OUT)
+    want = python_launches.pop()[-1]
+    assert ext.launch_params(hu, "unpack", block_u, _roles(out=OUT, **mask_roles)) == want
+    host.enqueue_unpack(plan_r.lay, pr, abi.Op.GATED, 0, 0x5EED, G, grad=G, out2=OUT2,
+                        pu=companion, u_encoding=u_enc)
+    kind, func, grid, smem, want = python_launches.pop()
+    assert (func, grid) == r_launches["gated"][:2]
+    assert ext.launch_params(hr, "gated", BLOCK, _roles(g=G, out=G, out2=OUT2, uvalues=pu.values,
+                                                        usigns=pu.signs)) == want
+    assert not python_launches
+
+
 def test_long_chunks_stay_on_the_python_path(ext, python_launches):
     """Chunks longer than the unpack tile need a prefix scan the C++ path does not make."""
     plan = host.pack_plan((4, 65536), D.BFLOAT16, Encoding.NOSIGN, 1000, 16, abi.Mode.RELU)
@@ -138,16 +176,17 @@ def test_long_chunks_stay_on_the_python_path(ext, python_launches):
 def test_bad_templates_are_refused(ext):
     rec = abi.MaskSelectArgs()
     good = native.launch_template(1, 1, 0, False, rec, ("mask",), (("g", "g", "g_aligned", False),))
-    assert ext.add_plan(10, 64, 0, 0, {"mask_select": good}) >= 0
+    spans = [0, 0, 0, 0]
+    assert ext.add_plan(10, 64, 0, 0, spans, {"mask_select": good}) >= 0
     with pytest.raises(RuntimeError, match="unknown launch"):
-        ext.add_plan(10, 64, 0, 0, {"gated": good})
+        ext.add_plan(10, 64, 0, 0, spans, {"bogus": good})
     outside = good[:7] + ([10_000],) + good[8:]
     with pytest.raises(RuntimeError, match="outside the record"):
-        ext.add_plan(10, 64, 0, 0, {"mask_select": outside})
+        ext.add_plan(10, 64, 0, 0, spans, {"mask_select": outside})
     assert ext.N_ROLES == len(native.ROLE_NAMES)     # Python names every C++ role, in order
     unknown = len(native.ROLE_NAMES)
     with pytest.raises(RuntimeError, match="unknown role"):
-        ext.add_plan(10, 64, 0, 0, {"mask_select": good[:8] + ([(unknown, 0, -1, False)],)})
+        ext.add_plan(10, 64, 0, 0, spans, {"mask_select": good[:8] + ([(unknown, 0, -1, False)],)})
     with pytest.raises(RuntimeError, match="unknown plan handle"):
         ext.launch_params(1 << 20, "pack", 0, _roles())
 
@@ -355,6 +394,7 @@ class HostDriver:
         copy = ctypes.CFUNCTYPE(c_int, c_void_p, c_uint64, c_size_t, c_void_p)
         name = ctypes.CFUNCTYPE(c_int, c_int, POINTER(c_char_p))
         self.keys, self.blocks, self.errors, self.launches = {}, {}, [], []
+        self.companions = {}    # a gated op's u: its values' address -> (block, plan)
         self.block_copies = 0
         self._name = ctypes.c_char_p(b"EMULATED_KERNEL_FAILED")
         self._fns = [launch(self._launch), coop(self._coop), memset(self._memset),
@@ -428,6 +468,9 @@ class HostDriver:
         _, fmt, enc, mode, _ = key
         plan = host.pack_plan((r["numel"],), self._dtype(fmt), Encoding(enc), r["cap"],
                               r["chunk_log2"], abi.Mode(mode))
+        if mode == abi.Mode.MASKED:
+            self._masked_pack(plan, r)
+            return
         block = r["mask"] - plan.spans[0][0]
         assert (r["offsets"], r["status"]) == (block + plan.spans[1][0], block + plan.status_offset)
         x = self._tensor(r["x"], plan)
@@ -443,6 +486,27 @@ class HostDriver:
         if r["y"]:
             ctypes.memmove(r["y"], y.data_ptr(), y.numel() * y.element_size())
         self.blocks[block] = plan
+
+    def _masked_pack(self, plan, r):
+        """A gated op's u, packed where relu(g)'s mask (at ``r["mask"]``) is set."""
+        from bitsparse_core.torch import ops
+        plan_r = self.blocks[r["mask"]]
+        block = r["values"] - plan.spans[2][0]
+        assert r["status"] == block + plan.status_offset and not r["slot"]
+        u = self._tensor(r["x"], plan)
+        block_r = torch.from_numpy(self._host(r["mask"], plan_r.nbytes).copy())
+        host_block = ops._masked_pack_cpu(u, block_r, plan_r, plan)
+        ctypes.memmove(block, host_block.data_ptr(), plan.nbytes)
+        self.companions[r["values"]] = (block, plan)
+
+    def _companion(self, mask, plan_r, values):
+        """u's packed view: relu(g)'s mask and offsets (its block at ``mask``) beside u's
+        values (at ``values``) and signs."""
+        from bitsparse_core.torch import ops
+        block, plan_u = self.companions[values]
+        block_r = torch.from_numpy(self._host(mask, plan_r.nbytes).copy())
+        block_u = torch.from_numpy(self._host(block, plan_u.nbytes).copy())
+        return ops._companion_view(block_r, plan_r, block_u, plan_u)
 
     def _view(self, mask, fmt=None):
         """The packed tensor at ``mask``; ``fmt``: the kernel's element format, where the
@@ -469,10 +533,19 @@ class HostDriver:
         from bitsparse_core.spec import ops as reference_ops
         plan, p = self._view(r["mask"], key[1])
         op = abi.Op(key[2])
+        if r["values"] in self.companions:      # u's unpack, beside relu(g)'s mask
+            assert op == abi.Op.UNPACK, op
+            p = self._companion(r["mask"], plan, r["values"])
         if op == abi.Op.UNPACK:
             self._out(r["out"], np.asarray(get_backend("numpy").unpack(p)))
             return
         grad = self._grad(r, plan)
+        if op == abi.Op.GATED:
+            p_u = self._companion(r["mask"], plan, r["uvalues"])
+            grad_g, grad_u = reference_ops.gated_backward(grad.reshape(p.shape), p, p_u)
+            self._out(r["out"], grad_g)
+            self._out(r["out2"], grad_u)
+            return
         self._out(r["out"], reference_ops.relu2_backward(grad.reshape(p.shape), p))
         if op == abi.Op.RELU2_AND_SQUARE:
             r32 = np.asarray(get_backend("numpy").unpack(p)).astype(np.float32)
@@ -505,14 +578,14 @@ def emulated(ext, monkeypatch):
 
 
 EMULATED_CASES = ["relu", "relu2", "relu2-no-bias", "relu-overflow", "relu2-overflow",
-                  "relu2-autocast"]
+                  "relu2-autocast", "reglu", "reglu-no-bias", "reglu-overflow", "reglu-autocast"]
 
 
 @pytest.mark.parametrize("case", EMULATED_CASES)
 def test_emulated_native_training_is_bit_identical(emulated, case):
-    """Three AdamW steps of a 2-layer packed FFN stack through the C++ node (its kernels
-    emulated on the host): losses, gradients and parameters equal dense PyTorch's, and
-    the Python path's; overflowing batches recompute (counted)."""
+    """Three AdamW steps of a 2-layer packed FFN stack (ReLU, ReLU², ReGLU) through the C++
+    nodes (their kernels emulated on the host): losses, gradients and parameters equal
+    dense PyTorch's, and the Python path's; overflowing batches recompute (counted)."""
     import copy
     from torch_models import assert_same_training, make_pair, train
     kind = case.split("-")[0]
@@ -521,7 +594,8 @@ def test_emulated_native_training_is_bit_identical(emulated, case):
     if "no-bias" in case:
         for net in (dense, ours):
             for blk in net.blocks:
-                blk.fc1.bias = blk.fc2.bias = None
+                for lin in blk.children():
+                    lin.bias = None
     if "overflow" in case:
         for blk in ours.blocks:
             blk.capacity_policy.density = 0.01
@@ -531,7 +605,8 @@ def test_emulated_native_training_is_bit_identical(emulated, case):
     autocast = torch.bfloat16 if "autocast" in case else None
     got = train(ours, x, target, autocast=autocast)
     packs = [k for k, _ in emulated.launches if k[0] == "pack"]
-    assert len(packs) == 3 * 2, "the C++ path did not run"
+    per_layer = 2 if kind == "reglu" else 1     # ReGLU: relu(g), then u where g > 0
+    assert len(packs) == 3 * 2 * per_layer, "the C++ path did not run"
     with native.python_path():
         assert_same_training(train(python, x, target, autocast=autocast), got)
     assert_same_training(train(dense, x, target, autocast=autocast), got)
@@ -541,13 +616,20 @@ def test_emulated_native_training_is_bit_identical(emulated, case):
         assert not [k for k, _ in emulated.launches if k[0] != "pack"]   # nothing decoded
     else:
         assert all(s["recomputes"] == 0 for s in stats)
-        assert [k for k, _ in emulated.launches if k[0] != "pack"]
+        decoded = {k[:3] if k[0] == "unpack" else k[:1] for k, _ in emulated.launches
+                   if k[0] != "pack"}
+        assert decoded
+        if kind == "reglu":     # relu(g) and u unpacked, the gated kernel's two gradients
+            fmt = abi.FMT_OF["bfloat16"]
+            assert decoded == {("unpack", fmt, abi.Op.UNPACK), ("unpack", fmt, abi.Op.GATED)}
 
 
-@pytest.mark.parametrize("frozen", ["fc1", "fc2", "input"])
-def test_emulated_native_computes_only_the_gradients_asked_for(emulated, frozen):
+@pytest.mark.parametrize("kind,frozen", [("relu2", "fc1"), ("relu2", "fc2"), ("relu2", "input"),
+                                         ("reglu", "gate_proj"), ("reglu", "up_proj"),
+                                         ("reglu", "down_proj"), ("reglu", "input")])
+def test_emulated_native_computes_only_the_gradients_asked_for(emulated, kind, frozen):
     from torch_models import make_pair
-    dense, ours = make_pair("relu2", "raw", d=16, f=64, layers=1)
+    dense, ours = make_pair(kind, "raw", d=16, f=64, layers=1)
     blk, ref = ours.blocks[0], dense.blocks[0]
     x = torch.randn(24, 16, requires_grad=frozen != "input")
     for m in (blk, ref):
@@ -562,17 +644,21 @@ def test_emulated_native_computes_only_the_gradients_asked_for(emulated, frozen)
     assert all(torch.equal(a, b) for a, b in zip(gots, wants))
 
 
-def test_emulated_module_call_under_a_dispatch_mode_goes_through_the_dispatcher(emulated):
+@pytest.mark.parametrize("kind", ["relu2", "reglu"])
+def test_emulated_module_call_under_a_dispatch_mode_goes_through_the_dispatcher(emulated, kind):
     """A module's direct call of the C++ path is for plain eager only: under a dispatch mode
-    the call goes through torch.ops, so the mode sees ``bitsparse.relu_linear``; the
-    results are the same."""
+    the call goes through torch.ops, so the mode sees ``bitsparse.relu_linear`` (or
+    ``gated_relu_linear``), whose kernels are the extension's; the results, forward and
+    backward, are the same."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch_models import make_pair
-    _, ours = make_pair("relu2", "nosign", d=16, f=64, layers=1)
+    _, ours = make_pair(kind, "nosign", d=16, f=64, layers=1)
     blk = ours.blocks[0]
-    x = torch.randn(24, 16)
+    x = torch.randn(24, 16, requires_grad=True)
     eager = blk(x)
+    eager_grads = torch.autograd.grad(eager.square().sum(), [x, *blk.parameters()])
     assert [k for k, _ in emulated.launches if k[0] == "pack"], "the C++ path did not run"
+    launches = len(emulated.launches)
     seen = []
 
     class Log(TorchDispatchMode):
@@ -582,8 +668,13 @@ def test_emulated_module_call_under_a_dispatch_mode_goes_through_the_dispatcher(
 
     with Log():
         logged = blk(x)
-    assert any(s.startswith("bitsparse.relu_linear") for s in seen), seen
+        logged_grads = torch.autograd.grad(logged.square().sum(), [x, *blk.parameters()])
+    op = "bitsparse.gated_relu_linear" if kind == "reglu" else "bitsparse.relu_linear"
+    assert any(s.startswith(op + ".") for s in seen), seen
+    assert any(s.startswith(op + "_backward") for s in seen), seen
+    assert len(emulated.launches) > launches    # the dispatcher reached the extension's kernels
     assert torch.equal(eager, logged)
+    assert all(torch.equal(a, b) for a, b in zip(eager_grads, logged_grads))
 
 
 def test_emulated_module_call_of_a_dtype_not_stored_raises_the_named_error(emulated):
@@ -874,9 +965,9 @@ def test_emulated_backward_reads_the_slot_and_polls_every_8th(emulated, monkeypa
     from torch_models import make_pair
     calls = []
 
-    def counting(handle, policy, ticket, block, recompute_source):
+    def counting(handle, policy, ticket, block, recompute_source, gated):
         calls.append(policy)
-        return native._pack_is_clean(handle, policy, ticket, block, recompute_source)
+        return native._pack_is_clean(handle, policy, ticket, block, recompute_source, gated)
     emulated_mod = native.module()
     emulated_mod.set_state_fn(counting)
     try:
@@ -926,9 +1017,10 @@ def op_kernels(emulated, monkeypatch):
     tensors, which here are the native kernels (emulated driver); the eager C++ node is
     kept out of the way."""
     from bitsparse_core.torch import ops
-    monkeypatch.setattr(native, "relu_linear", lambda *a, **k: None)
-    monkeypatch.setitem(ops.IMPLS, "relu_linear", native.relu_linear_kernel)
-    monkeypatch.setitem(ops.IMPLS, "relu_linear_backward", native.relu_linear_backward_kernel)
+    for name in ("relu_linear", "gated_relu_linear"):
+        monkeypatch.setattr(native, name, lambda *a, **k: None)
+        for op in (name, name + "_backward"):
+            monkeypatch.setitem(ops.IMPLS, op, getattr(native, op + "_kernel"))
     return emulated
 
 
@@ -937,15 +1029,16 @@ def test_the_op_kernels_stand_in_for_the_python_ones_on_cuda():
     the extension's own kernels (those it registered with the dispatcher)."""
     from bitsparse_core.torch import ops
     mod = native._built.get("module")
-    kinds = [{"relu_linear": native.relu_linear_kernel,
-              "relu_linear_backward": native.relu_linear_backward_kernel}]
+    names = ("relu_linear", "relu_linear_backward", "gated_relu_linear",
+             "gated_relu_linear_backward")
+    kinds = [{name: getattr(native, name + "_kernel") for name in names}]
     if mod is not None:
-        kinds.append({"relu_linear": mod.relu_linear_kernel,
-                      "relu_linear_backward": mod.relu_linear_backward_kernel})
+        kinds.append({name: getattr(mod, name + "_kernel") for name in names})
     assert ops.CUDA_KERNELS in kinds
 
 
-@pytest.mark.parametrize("case", ["relu2", "relu-overflow", "relu2-autocast", "relu2-no-source"])
+@pytest.mark.parametrize("case", ["relu2", "relu-overflow", "relu2-autocast", "relu2-no-source",
+                                  "reglu", "reglu-overflow", "reglu-autocast"])
 def test_op_kernels_train_bit_identically(op_kernels, case):
     """Three AdamW steps through the dispatcher kernels' C++ halves: dense's losses,
     gradients and parameters; an overflow recomputes; with no recompute source a clean
@@ -966,7 +1059,8 @@ def test_op_kernels_train_bit_identically(op_kernels, case):
     target = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(2))
     autocast = torch.bfloat16 if "autocast" in case else None
     got = train(ours, x, target, autocast=autocast)
-    assert len([k for k, _ in op_kernels.launches if k[0] == "pack"]) == 3 * 2
+    per_layer = 2 if kind == "reglu" else 1     # ReGLU: relu(g), then u where g > 0
+    assert len([k for k, _ in op_kernels.launches if k[0] == "pack"]) == 3 * 2 * per_layer
     assert_same_training(train(dense, x, target, autocast=autocast), got)
     recomputes = [blk.stats()["recomputes"] for blk in ours.blocks]
     assert recomputes == ([3, 3] if "overflow" in case else [0, 0])
@@ -994,6 +1088,50 @@ def test_op_kernels_match_the_python_kernels(op_kernels, needs):
     want = ops.relu_linear_backward(grad_out, block_py, w, None, None, None, *rest)
     for x, y in zip(got, want):
         assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("needs", [1, 2, 4, 3, 7, 0])
+def test_gated_op_kernels_match_the_python_kernels(op_kernels, needs):
+    """The gated op's C++ halves against ops.gated_relu_linear(_backward) for the same
+    arguments: the same output and bytes of both blocks, and for each ``needs`` the same
+    gradients, empty where not asked for."""
+    from bitsparse_core.torch import capacity as C
+    from bitsparse_core.torch import ops
+    gen = torch.Generator().manual_seed(needs)
+    g, u = (torch.randn(24, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    w, b = torch.randn(16, 64, generator=gen).to(torch.bfloat16), torch.randn(16).to(torch.bfloat16)
+    pol = C.CapacityPolicy(density=0.75)
+    cap, enc, u_enc = pol.capacity(g.numel()), int(Encoding.NOSIGN), int(Encoding.SIGNPLANE)
+    args = (g, u, w, b, None, None, None, None, None, cap, enc, u_enc, DEFAULT_CHUNK_LOG2, None,
+            pol.id)
+    got_fw, want_fw = native.gated_relu_linear_kernel(*args), ops.gated_relu_linear(*args)
+    assert all(torch.equal(x, y) for x, y in zip(got_fw, want_fw))
+    assert _extension_slot(got_fw[1]) >= 0
+    grad_out = torch.randn(24, 16, generator=gen).to(torch.bfloat16)
+    rest = ([24, 64], torch.bfloat16, True, cap, enc, u_enc, DEFAULT_CHUNK_LOG2, None, pol.id,
+            needs)
+    got = native.gated_relu_linear_backward_kernel(grad_out, *got_fw[1:], w, *(None,) * 5, *rest)
+    want = ops.gated_relu_linear_backward(grad_out, *want_fw[1:], w, *(None,) * 5, *rest)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_gated_op_kernel_overflow_without_a_recompute_source_raises(op_kernels):
+    """As for ReLU: the gated backward of an overflowed pack with no recompute source waits
+    for its count and raises the named error, naming the gated op."""
+    from bitsparse_core.errors import CapacityOverflowError
+    from bitsparse_core.torch import capacity as C
+    g, u = torch.randn(24, 64).to(torch.bfloat16), torch.randn(24, 64).to(torch.bfloat16)
+    w = torch.randn(16, 64).to(torch.bfloat16)
+    pol = C.CapacityPolicy(density=0.05)
+    cap, enc, u_enc = pol.capacity(g.numel()), int(Encoding.NOSIGN), int(Encoding.SIGNPLANE)
+    out, block_r, block_u = native.gated_relu_linear_kernel(
+        g, u, w, None, None, None, None, None, None, cap, enc, u_enc, DEFAULT_CHUNK_LOG2, None,
+        pol.id)
+    with pytest.raises(CapacityOverflowError, match="gated_relu_linear that has no recompute"):
+        native.gated_relu_linear_backward_kernel(
+            torch.ones_like(out), block_r, block_u, w, *(None,) * 5, [24, 64], torch.bfloat16,
+            False, cap, enc, u_enc, DEFAULT_CHUNK_LOG2, None, pol.id, 1)
 
 
 def test_op_kernel_overflow_without_a_recompute_source_raises(op_kernels):

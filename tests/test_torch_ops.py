@@ -498,8 +498,7 @@ def test_cuda_graph_training_step_replays_bit_identically(density, cls):
         ref = step(ref_m, ref_opt, x)
         assert torch.equal(static_loss, ref)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters()))
-    if (density is not None and cls is bst.PackedReLU2FFN
-            and native.conditional_nodes(static_x.device.index)):
+    if density is not None and native.conditional_nodes(static_x.device.index):
         # every replay overflowed and recomputed on the device, which counted it
         torch.cuda.synchronize()
         assert m.capacity_policy.stats()["replay_recomputes"] == before + len(xs)
@@ -617,17 +616,93 @@ def test_the_ops_outputs_stay_on_the_inputs_device(name):
     assert all(t.device.type == "meta" for t in _meta_outputs(name))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("needs", [7, 2, 1])
+def test_captured_gated_backward_reads_the_blocks_where_clean_and_recomputes_where_not(needs):
+    """The ReGLU backward captured into a CUDA graph: one conditional node on relu(g)'s pack
+    status, whose first body reads both blocks (relu(g)'s and u's) and whose second
+    recomputes g and u from the FFN input. As for ReLU, the recompute source differs from
+    what made g and u, so each replay shows which body ran, and each equals its eager
+    counterpart bit for bit."""
+    from bitsparse_core.backends.cuda import abi
+    from bitsparse_core.spec.format import DEFAULT_CHUNK_LOG2, Encoding
+    from bitsparse_core.torch import native
+    if native.cuda_module() is None:
+        pytest.skip("the C++ host path is not built")
+    torch.manual_seed(0)
+    dt, T, d, f = torch.bfloat16, 256, 64, 256
+    x, x_other = (torch.randn(T, d, device="cuda", dtype=dt) for _ in range(2))
+    wg, wu = (torch.randn(f, d, device="cuda", dtype=dt) / 8 for _ in range(2))
+    bg, bu = (torch.randn(f, device="cuda", dtype=dt) / 8 for _ in range(2))
+    w2 = torch.randn(d, f, device="cuda", dtype=dt) / 16
+    b2 = torch.randn(d, device="cuda", dtype=dt) / 16
+    g_out = torch.randn(T, d, device="cuda", dtype=dt)
+    enc, u_enc, cap = int(Encoding.NOSIGN), int(Encoding.SIGNPLANE), T * f
+    chunk = DEFAULT_CHUNK_LOG2
+
+    def forward(source, capacity):
+        g = torch.nn.functional.linear(source, wg, bg)
+        u = torch.nn.functional.linear(source, wu, bu)
+        return torch.ops.bitsparse.gated_relu_linear(g, u, w2, b2, source, wg, bg, wu, bu,
+                                                     capacity, enc, u_enc, chunk, None, 0)[1:]
+
+    def backward(blocks, source, capacity):
+        return torch.ops.bitsparse.gated_relu_linear_backward(
+            g_out, *blocks, w2, source, wg, bg, wu, bu, [T, f], dt, True, capacity, enc, u_enc,
+            chunk, None, 0, needs)
+
+    def eager(source, capacity):   # the count back first: the backward reads it
+        blocks = forward(source, capacity)
+        torch.cuda.synchronize()
+        return [t.clone() for t in backward(blocks, source, capacity)]
+
+    clean = eager(x, cap)                  # reads the blocks (and warms the side stream)
+    recomputed = eager(x_other, 1)         # overflows: recomputes from x_other
+    blocks = forward(x, cap)
+    status = ops._plan([T, f], dt, cap, False, enc, chunk).status_offset
+    torch.cuda.synchronize()
+    assert native.conditional_nodes(0), "this GPU's driver takes conditional nodes (12.8+)"
+
+    def capture(with_forward=False):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            outs = backward(forward(x, cap) if with_forward else blocks, x_other, cap)
+        return graph, outs
+
+    def replay(graph, outs, overflow=None):
+        if overflow is not None:
+            blocks[0][status:status + 4].copy_(torch.tensor(
+                [abi.STATUS_OVERFLOW if overflow else 0], dtype=torch.int32).view(torch.uint8))
+        graph.replay()
+        torch.cuda.synchronize()
+        return [t.clone() for t in outs]
+
+    graph, outs = capture()
+    for overflow in (False, True, False):
+        got = replay(graph, outs, overflow)
+        want = recomputed if overflow else clean
+        for i, (g_, w_) in enumerate(zip(got, want)):
+            assert torch.equal(g_, w_), (overflow, i)
+            assert (g_.numel() > 0) == bool(needs & (1 << max(i - 1, 0))), i
+    i = 0 if needs & 1 else 2      # the pack captured too: its status word picks the way
+    got = replay(*capture(with_forward=True))
+    assert torch.equal(got[i], clean[i])
+    with native.no_conditional_nodes():
+        graph, outs = capture(with_forward=True)
+    got = replay(graph, outs)
+    assert torch.equal(got[i], recomputed[i]) and not torch.equal(got[i], clean[i])
+
+
 @pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"),
                     reason="this torch has no cudagraph_unsafe tag")
 def test_which_ops_inductors_cuda_graphs_capture():
-    """relu_linear and its backward go inside inductor's CUDA graphs (``mode=
-    "reduce-overhead"``): the captured backward picks the block or the recompute on the
-    device. The gated ops carry the tag that keeps them outside, between partitions, where
-    their counts come back to the host (their captured backward would always recompute)."""
-    for name in CAPTURED_OPS:
+    """Every op goes inside inductor's CUDA graphs (``mode="reduce-overhead"``): a captured
+    backward picks the blocks or the recompute on the device. None carries the tag that
+    would keep it outside, between partitions."""
+    for name in CAPTURED_OPS + GATED_OPS:
         assert torch.Tag.cudagraph_unsafe not in getattr(torch.ops.bitsparse, name).default.tags
-    for name in GATED_OPS:
-        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.bitsparse, name).default.tags
 
 
 @pytest.mark.gpu
@@ -636,11 +711,9 @@ def test_which_ops_inductors_cuda_graphs_capture():
 def test_reduce_overhead_training_matches_dense_reduce_overhead(density, cls):
     """``torch.compile(mode="reduce-overhead")``: training steps with an optimizer are
     bit-identical to the dense model compiled the same way, overflowing packs included
-    (density 0.01), and inductor skips no CUDA graph. ReLU²'s ops are captured: once the
-    graphs replay, the host packs nothing (the policy sees no new pack), the device picks
-    each backward's way and counts the replays that recomputed. ReGLU's run between
-    partitions, and with an adaptive capacity no backward recomputes (the counts come back
-    to the host)."""
+    (density 0.01), and inductor skips no CUDA graph. The ops are captured (ReLU²'s and
+    ReGLU's): once the graphs replay, the host packs nothing (the policy sees no new
+    pack), the device picks each backward's way and counts the replays that recomputed."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
@@ -670,16 +743,9 @@ def test_reduce_overhead_training_matches_dense_reduce_overhead(density, cls):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters()))
     after = m.capacity_policy.stats()
     assert counters["inductor"]["cudagraph_skips"] == 0
-    if cls is bst.PackedReLU2FFN:     # steps 5-7 replay the graphs: no host pack
-        assert after["packs"] == before["packs"], (before, after)
-        if density is not None:       # each replay's overflow, counted on the device
-            assert after["replay_recomputes"] >= before["replay_recomputes"] + 3
-    else:
-        assert after["packs"] == before["packs"] + 3
-        if torch._inductor.config.graph_partition:
-            assert counters["inductor"]["cudagraph_partitions"] > 0
-        if density is None:           # the counts came back
-            assert after["recomputes"] == before["recomputes"]
+    assert after["packs"] == before["packs"], (before, after)   # steps 5-7 replay the graphs
+    if density is not None:       # each replay's overflow, counted on the device
+        assert after["replay_recomputes"] >= before["replay_recomputes"] + 3
 
 
 @pytest.mark.gpu

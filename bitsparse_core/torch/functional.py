@@ -419,9 +419,16 @@ def gated_relu_linear(g, u, weight, bias=None, *, encoding: str = "nosign",
     pol = policy if policy is not None else _shared_policy(density, g.shape, g.dtype, "gated")
     traced = _traced()
     capacity = pol.traced_capacity(g.numel()) if traced else pol.capacity(g.numel())
-    args = (g, u, weight, bias, x, wg, bg, wu, bu, capacity,
-            _encoding_id(encoding), u_enc, DEFAULT_CHUNK_LOG2, mm_dtype, pol.id,
-            _offloader(offload, traced, device_type))
+    enc = _encoding_id(encoding)
+    off = _offloader(offload, traced, device_type)
+    args = (g, u, weight, bias, x, wg, bg, wu, bu, capacity, enc, u_enc, DEFAULT_CHUNK_LOG2,
+            mm_dtype, pol.id, off)
+    if x is not None and off is None and not traced and _no_modes(args, 9):
+        # the C++ host path (CUDA; None where it does not apply)
+        out = _native.gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity, enc,
+                                        u_enc, mm_dtype, pol)
+        if out is not None:
+            return out
     if traced:
         out, _, _ = GatedReLULinearFunction.apply(*args)
     else:   # see relu_linear

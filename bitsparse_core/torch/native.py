@@ -168,6 +168,8 @@ def module():
                     mod.set_state_fn(_pack_is_clean)
                     mod.set_dispatch(_handle_for, _ops.relu_linear, _ops.relu_linear_backward,
                                      DEFAULT_CHUNK_LOG2)
+                    mod.set_gated_dispatch(_gated_handles_for, _ops.gated_relu_linear,
+                                           _ops.gated_relu_linear_backward)
                     mod.set_python_path_depth(_off)
                     mod.set_stored_dtypes(list(_bridge.TORCH_TO_BS))
                     C.NATIVE_TRACKS = mod.drain_tracks
@@ -230,8 +232,11 @@ def cuda_module():
             _hand_slab(mod)
             # from now on the dispatcher runs the C++ kernels, and eager CUDA calls too
             mod.register_kernels("CUDA")
-            _ops.CUDA_KERNELS.update(relu_linear=mod.relu_linear_kernel,
-                                     relu_linear_backward=mod.relu_linear_backward_kernel)
+            _ops.CUDA_KERNELS.update(
+                relu_linear=mod.relu_linear_kernel,
+                relu_linear_backward=mod.relu_linear_backward_kernel,
+                gated_relu_linear=mod.gated_relu_linear_kernel,
+                gated_relu_linear_backward=mod.gated_relu_linear_backward_kernel)
             _cuda = mod
     return mod
 
@@ -271,7 +276,7 @@ def _exact_shrink(slot: int, stream: int, device: int, src_tail: int, plan: host
 
 
 def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.Tensor,
-                   recompute_source: bool) -> bool:
+                   recompute_source: bool, gated: bool = False) -> bool:
     """The C++ backward's question: may it read the packed values? (The policy waits for
     or gives up on a count not back yet, re-picks its bucket, counts recomputes; without
     a recompute source the host waits and an overflow raises.) A block the extension has
@@ -279,7 +284,7 @@ def _pack_is_clean(handle: int, policy: int, ticket: torch.Tensor, block: torch.
     if ticket.tolist()[0] == C.NO_SLOT:
         ticket = _ops.block_ticket(block)
     return _ops._clean_state(block, ticket, _plans[handle], C.POLICIES.get(policy),
-                             recompute_source, "relu_linear")
+                             recompute_source, "gated_relu_linear" if gated else "relu_linear")
 
 
 # --------------------------------------------------------------------------- #
@@ -335,22 +340,38 @@ def pack_template(plan: host.PackPlan, device: int, zero_tail: bool = False) -> 
     return launch_template(L.pack, L.grid, plan.smem, True, r, block_fields, patches)
 
 
-def unpack_template(plan: host.PackPlan, op: abi.Op, device: int):
+def unpack_template(plan: host.PackPlan, op: abi.Op, device: int,
+                    mask_plan: host.PackPlan | None = None, u_plan: host.PackPlan | None = None):
     """An unpack-family kernel over the plan's block (``host.enqueue_unpack``), or None
-    where it needs a prefix scan (chunks longer than its tile)."""
+    where it needs a prefix scan (chunks longer than its tile). ``mask_plan``: the plan
+    whose block holds the mask and offsets (a masked companion's unpack reads relu(g)'s,
+    roles ``mask`` and ``offsets``); ``u_plan``: the gated backward's u, whose values and
+    signs come as roles ``uvalues`` and ``usigns``."""
     lay = plan.lay
-    L = host._unpack_launch(lay, op, 0, device)
+    L = host._unpack_launch(lay, op, int(u_plan.lay.encoding) if u_plan is not None else 0,
+                            device)
     if L.prefix_bytes:
         return None
     r = _copy(L.args)
     p = plan.planes(0)
-    r.offsets, r.off64, r.prefix, r.mask, r.mask_len = p.offsets, p.off64, 0, p.mask, p.mask_len
+    m = (mask_plan or plan).planes(0)
+    r.off64, r.prefix, r.mask_len = m.off64, 0, m.mask_len
     r.values, r.values_len, r.signs, r.signs_len = p.values, p.values_len, p.signs, p.signs_len
     r.uvalues = r.uvalues_len = r.usigns = r.usigns_len = 0
     r.g = r.out = r.out2 = r.ud = 0
     r.ud_aligned = True
-    return launch_template(L.func, L.n_tiles, 0, False, r, ("offsets", "mask", "values", "signs"),
-                           _UNPACK_PATCHES)
+    block_fields, patches = ["values", "signs"], list(_UNPACK_PATCHES)
+    if mask_plan is None:
+        r.offsets, r.mask = p.offsets, p.mask
+        block_fields += ["offsets", "mask"]
+    else:
+        r.offsets = r.mask = 0
+        patches += [("mask", "mask", None, False), ("offsets", "offsets", None, False)]
+    if u_plan is not None:
+        pu = u_plan.planes(0)
+        r.uvalues_len, r.usigns_len = pu.values_len, pu.signs_len
+        patches += [("uvalues", "uvalues", None, False), ("usigns", "usigns", None, False)]
+    return launch_template(L.func, L.n_tiles, 0, False, r, block_fields, patches)
 
 
 def mask_select_template(plan: host.PackPlan, device: int) -> tuple:
@@ -474,24 +495,52 @@ def no_conditional_nodes():
                     mod.set_condition_kernel(device, func)
 
 
-def register(mod, plan: host.PackPlan, device: int):
-    """A new C++ handle of ``plan`` on ``device``, or None where the C++ path does not
-    take it (chunks longer than the unpack tile; the table full, after 65536 plans of
-    shapes that never repeat: those run the Python path)."""
+def gated_plan_templates(plan_r: host.PackPlan, plan_u: host.PackPlan, device: int):
+    """The launches of a gated op's two plans, or None where one is missing: relu(g)'s
+    pack, unpack and gated backward (u's planes by role); u's masked pack (relu(g)'s mask
+    by role) and its unpack beside relu(g)'s mask and offsets."""
+    r = {"pack": pack_template(plan_r, device),
+         "unpack": unpack_template(plan_r, abi.Op.UNPACK, device),
+         "gated": unpack_template(plan_r, abi.Op.GATED, device, u_plan=plan_u)}
+    u = {"pack": pack_template(plan_u, device),
+         "unpack": unpack_template(plan_u, abi.Op.UNPACK, device, mask_plan=plan_r)}
+    if any(t is None for t in (*r.values(), *u.values())):
+        return None
+    return r, u
+
+
+def register(mod, plan: host.PackPlan, device: int, launches=None):
+    """A new C++ handle of ``plan`` on ``device`` (``launches``: its templates, by default
+    :func:`plan_templates`'), or None where the C++ path does not take it (chunks longer
+    than the unpack tile; the table full, after 65536 plans of shapes that never repeat:
+    those run the Python path)."""
     if plan.lay.chunk_log2 != DEFAULT_CHUNK_LOG2:
         return None
-    launches = plan_templates(plan, device)
+    launches = launches or plan_templates(plan, device)
     if launches is None:
         return None
     if mod is _cuda:
         _hand_condition_kernel(mod, device)
     with _lock:
         handle = mod.add_plan(plan.lay.numel, plan.nbytes, plan.scratch_bytes,
-                              plan.status_offset, launches)
+                              plan.status_offset, [off for off, _ in plan.spans], launches)
         if handle < 0:
             return None
         _plans[handle] = plan
     return handle
+
+
+def register_gated(mod, plan_r: host.PackPlan, plan_u: host.PackPlan, device: int):
+    """``(relu(g)'s handle, u's handle)`` of a gated op on ``device``, or None where the
+    C++ path does not take it."""
+    if plan_r.lay.chunk_log2 != DEFAULT_CHUNK_LOG2:
+        return None
+    templates = gated_plan_templates(plan_r, plan_u, device)
+    if templates is None:
+        return None
+    handles = (register(mod, plan_r, device, templates[0]),
+               register(mod, plan_u, device, templates[1]))
+    return None if None in handles else handles
 
 
 # --------------------------------------------------------------------------- #
@@ -516,6 +565,36 @@ def _handle(mod, square: bool, shape, dtype, capacity: int, encoding: int, devic
         plan = _ops._plan(shape, dtype, capacity, square, encoding, DEFAULT_CHUNK_LOG2)
         handle = _handles[key] = register(mod, plan, device)
     return handle
+
+
+def _gated_handles(mod, shape, dtype, capacity: int, encoding: int, u_encoding: int,
+                   device: int):
+    """``(relu(g)'s handle, u's handle)`` of a gated op's plans (registered on their first
+    use), or None where the C++ path does not take them."""
+    key = ("gated", tuple(shape), dtype, capacity, encoding, u_encoding, device)
+    handles = _handles.get(key, -1)
+    if handles == -1:
+        plan_r = _ops._plan(shape, dtype, capacity, False, encoding, DEFAULT_CHUNK_LOG2)
+        plan_u = _ops._u_plan(shape, dtype, capacity, u_encoding, DEFAULT_CHUNK_LOG2)
+        handles = _handles[key] = register_gated(mod, plan_r, plan_u, device)
+    return handles
+
+
+def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, encoding: int,
+                      u_encoding: int, mm_dtype, policy: C.CapacityPolicy):
+    """``F.linear(relu(g) * u, weight, bias)`` through the C++ path, relu(g) and u packed
+    for a C++ backward; None where that path does not apply (the caller then takes the
+    Python one). ``g`` and ``u`` are contiguous, ``(x, wg, bg, wu, bu)`` their recompute
+    source. Offloaded calls take the Python path."""
+    mod = _module_for(g)
+    if mod is None:
+        return None
+    handles = _gated_handles(mod, g.shape, g.dtype, capacity, encoding, u_encoding,
+                             g.get_device())
+    if handles is None:
+        return None
+    return mod.gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity, *handles,
+                                 mm_dtype, policy.id if policy is not None else 0)
 
 
 def relu_linear(a, weight, bias, x, w1, b1, capacity: int, square: bool, encoding: int,
@@ -567,10 +646,18 @@ def _handle_for(square: bool, shape, dtype, capacity: int, encoding: int, device
     return -1 if handle is None else handle
 
 
-# The dispatcher's CUDA kernels of bitsparse::relu_linear and relu_linear_backward until
-# the extension's own are registered: the first CUDA call builds (or loads) it, which
-# registers them and puts them into ops.CUDA_KERNELS in place of these. (Under
-# emulate_on_host, CPU tensors reach the extension's kernels through these too.)
+def _gated_handles_for(shape, dtype, capacity: int, encoding: int, u_encoding: int,
+                       device: int) -> tuple:
+    """The extension's question on a gated op's plans it has not seen: their two handles,
+    or ``(-1, -1)`` for the Python path."""
+    handles = _gated_handles(module(), shape, dtype, capacity, encoding, u_encoding, device)
+    return (-1, -1) if handles is None else handles
+
+
+# The dispatcher's CUDA kernels of bitsparse::relu_linear, gated_relu_linear and their
+# backwards until the extension's own are registered: the first CUDA call builds (or
+# loads) it, which registers them and puts them into ops.CUDA_KERNELS in place of these.
+# (Under emulate_on_host, CPU tensors reach the extension's kernels through these too.)
 def relu_linear_kernel(*args):
     mod = _module_for(args[0])
     return (mod.relu_linear_kernel if mod is not None else _ops.relu_linear)(*args)
@@ -582,7 +669,20 @@ def relu_linear_backward_kernel(*args):
             else _ops.relu_linear_backward)(*args)
 
 
+def gated_relu_linear_kernel(*args):
+    mod = _module_for(args[0])
+    return (mod.gated_relu_linear_kernel if mod is not None else _ops.gated_relu_linear)(*args)
+
+
+def gated_relu_linear_backward_kernel(*args):
+    mod = _module_for(args[1])
+    return (mod.gated_relu_linear_backward_kernel if mod is not None
+            else _ops.gated_relu_linear_backward)(*args)
+
+
 _ops.CUDA_KERNELS.update(relu_linear=relu_linear_kernel,
-                         relu_linear_backward=relu_linear_backward_kernel)
+                         relu_linear_backward=relu_linear_backward_kernel,
+                         gated_relu_linear=gated_relu_linear_kernel,
+                         gated_relu_linear_backward=gated_relu_linear_backward_kernel)
 # Exact packs of torch CUDA tensors (any backend) wait for their count and shrink here.
 shrink.register(_exact_shrink)

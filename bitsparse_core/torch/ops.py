@@ -260,12 +260,8 @@ def _unpack_cuda(block: torch.Tensor, plan: host.PackPlan, op: abi.Op, out: torc
 _LIB = torch.library.Library("bitsparse", "DEF")
 # The ops' outputs are all on the inputs' device (a pack's ticket stays beside its block,
 # capacity.BLOCK_TICKETS), so inductor's CUDA graphs (``mode="reduce-overhead"``) capture
-# relu_linear and its backward with the rest of the graph; a captured backward reads the
-# block where its pack was clean, on the device (kernels/torch_host_graphs.h). The gated
-# ops' captured backward would recompute on every replay (no conditional node there yet):
-# they run outside inductor's graphs instead, between partitions, where the host reads
-# their counts.
-CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t)
+# them with the rest of the graph; a captured backward reads the blocks where its pack was
+# clean, on the device (kernels/torch_host_graphs.h).
 _LIB.define("relu_linear(Tensor a, Tensor weight, Tensor? bias, Tensor? x, Tensor? w1, "
             "Tensor? b1, SymInt capacity, int config, int policy) -> (Tensor, Tensor)")
 _LIB.define("relu_linear_backward(Tensor grad_out, Tensor block, Tensor weight, "
@@ -558,12 +554,12 @@ def _relu2_grad_and_square_(grad_h, block, plan):
 _LIB.define("gated_relu_linear(Tensor g, Tensor u, Tensor weight, Tensor? bias, Tensor? x, "
             "Tensor? wg, Tensor? bg, Tensor? wu, Tensor? bu, SymInt capacity, int encoding, "
             "int u_encoding, int chunk_log2, ScalarType? mm_dtype, int policy) "
-            "-> (Tensor, Tensor, Tensor)", tags=CUDAGRAPH_UNSAFE)
+            "-> (Tensor, Tensor, Tensor)")
 _LIB.define("gated_relu_linear_backward(Tensor grad_out, Tensor block_r, Tensor block_u, "
             "Tensor weight, Tensor? x, Tensor? wg, Tensor? bg, Tensor? wu, "
             "Tensor? bu, int[] a_shape, ScalarType a_dtype, bool has_bias, SymInt capacity, "
             "int encoding, int u_encoding, int chunk_log2, ScalarType? mm_dtype, int policy, "
-            "int needs) -> (Tensor, Tensor, Tensor, Tensor)", tags=CUDAGRAPH_UNSAFE)
+            "int needs) -> (Tensor, Tensor, Tensor, Tensor)")
 # ``needs`` of gated_relu_linear_backward: NEED_A covers both grad_g and grad_u.
 
 
