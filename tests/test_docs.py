@@ -31,6 +31,9 @@ RESULTS = ROOT / "bench" / "results"
 # the steps ours-compiled-frozen adapts before it freezes (train_gpt.py, read without torch)
 FREEZE_AFTER = int(re.search(r"^FREEZE_AFTER = (\d+)$",
                              (ROOT / "bench" / "train_gpt.py").read_text(), re.M).group(1))
+# the eager steps before a StepGraph's capture (train_gpt.py)
+STEP_GRAPH_SETTLE = int(re.search(r"^STEP_GRAPH_SETTLE = (\d+)$",
+                                  (ROOT / "bench" / "train_gpt.py").read_text(), re.M).group(1))
 DOCS = ("README.md", "docs/guide.md", "docs/torch.md", "docs/jax.md")
 MINUS = "\u2212"
 REGION = re.compile(r"<!-- figures: (?P<sources>[^>]*?) \(checked by tests/test_docs\.py\) -->"
@@ -399,6 +402,45 @@ def gpt12_all_graphs_row(tg: dict, stem: str, what: str) -> str:
             f"captured backward recomputes) | `bench/results/{stem}.md` |")
 
 
+def gpt12_graph_modes_row(tg: dict, stem: str, what: str) -> str:
+    """A trained-model GPT run in turns of eager, inductor's CUDA graphs and the whole step
+    captured with ``torch.cuda.graph`` (no checkpointing): each of ours against its dense
+    twin, and the step graph's recaptures."""
+    tiv = tg["interleaved"]["variants"]
+    eager, graphed, step = tiv["ours-nosign"], tiv["ours-graphed"], tiv["ours-stepgraph"]
+    return (f"| same, {what} ({tg['interleaved']['turns']} turns; dense's step "
+            f"{tiv['dense']['median_step_ms']:.0f} ms) | step {pct(eager['median_ratio'])} "
+            f"({ci(eager)}) vs dense; under `mode=\"reduce-overhead\"` "
+            f"{pct(graphed['median_ratio_vs_own'])} ({ci(graphed, 'median_ratio_vs_own_ci95')}) "
+            f"vs dense compiled the same way; the whole step captured with `torch.cuda.graph` "
+            f"after {STEP_GRAPH_SETTLE} eager steps on their own batches "
+            f"{pct(step['median_ratio_vs_own'])} ({ci(step, 'median_ratio_vs_own_ci95')}) vs "
+            f"dense captured the same way, {step['capacity']['recaptures']} captures again, "
+            f"{step['capacity']['replay_recomputes_per_step']:.2f} replays a step recomputing "
+            f"| `bench/results/{stem}.md` |")
+
+
+def gpt12_reglu_row(tg: dict, stem: str, what: str) -> str:
+    """The trained GPT with a ReGLU MLP in turns: ours on the C++ host path and on the
+    Python one against dense, compiled and under ``reduce-overhead`` against dense
+    compiled the same way, and what the forward keeps."""
+    tiv, tgv, pre = tg["interleaved"]["variants"], tg["variants"], tg["pretrain"]
+    zeros = statistics.mean(pre["mlp_zeros"])
+    ours, py = tiv["ours-nosign"], tiv["ours-python"]
+    comp, graphed = tiv["ours-compiled"], tiv["ours-graphed"]
+    return (f"| {tg['shape']['layers']}-layer ReGLU GPT (d_ff {tg['shape']['d_ff']}) trained "
+            f"{pre['steps']} steps first ({100 * zeros:.0f} % zeros in the gate's ReLU), {what} "
+            f"({tg['interleaved']['turns']} turns; dense's step "
+            f"{tiv['dense']['median_step_ms']:.0f} ms) | step {pct(ours['median_ratio'])} "
+            f"({ci(ours)}) vs dense ({pct(py['median_ratio'])} on the Python host path); "
+            f"torch.compile'd {pct(comp['median_ratio_vs_own'])} "
+            f"({ci(comp, 'median_ratio_vs_own_ci95')}) vs compiled dense, under "
+            f"`mode=\"reduce-overhead\"` {pct(graphed['median_ratio_vs_own'])} "
+            f"({ci(graphed, 'median_ratio_vs_own_ci95')}) vs dense compiled the same way; kept "
+            f"after the forward {mib(tgv['ours-nosign']['after_forward_mib'])} MiB vs "
+            f"{mib(tgv['dense']['after_forward_mib'])} dense | `bench/results/{stem}.md` |")
+
+
 def host_overhead_paths_row(name: str) -> str:
     """A host_overhead run with modes ``torch`` (the C++ path of the public ops) and
     ``stream`` (the Python path, same stream and allocator): the 4096-element host times."""
@@ -478,6 +520,11 @@ def readme_h100() -> list:
                             "train_gpt_h100_s59_stepgraph", "PyTorch's defaults, a slow host"),
         gpt12_all_graphs_row(result("train_gpt_h100_s61_graphed.json"),
                              "train_gpt_h100_s61_graphed", "PyTorch's defaults, a host the GPU paces"),
+        gpt12_graph_modes_row(result("train_gpt_h100_s62_graphs.json"),
+                              "train_gpt_h100_s62_graphs",
+                              "PyTorch's defaults, a host the GPU paces, in session 62"),
+        gpt12_reglu_row(result("train_gpt_h100_s62_reglu.json"), "train_gpt_h100_s62_reglu",
+                        "PyTorch's defaults"),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
