@@ -504,6 +504,66 @@ def test_cuda_graph_training_step_replays_bit_identically(density, cls):
         assert m.capacity_policy.stats()["replay_recomputes"] == before + len(xs)
 
 
+def _check_captured_backward(forward, backward, forward_other, cap, status, asked, watch):
+    """The protocol of the captured-backward tests. ``forward(capacity)`` packs the blocks
+    from the FFN input; ``backward(blocks, capacity)`` is the backward op whose recompute
+    source is another input; ``forward_other(capacity)`` packs from that other input.
+    - Eagerly, a clean pack's backward reads the blocks; an overflowed one (capacity 1)
+      recomputes from the other input, so the two give different gradients.
+    - A captured backward replays either one bit for bit, as the status word the test
+      writes into the first block says.
+    - With the forward captured too, the pack's own status picks the way. Without
+      conditional nodes, the captured backward recomputes on a clean pack as well.
+    ``asked(i)``: whether output i was asked for (else it is empty); ``watch``: an output
+    index that differs between the two ways."""
+    from bitsparse_core.backends.cuda import abi
+    from bitsparse_core.torch import native
+
+    def eager(pack, capacity):   # the count back first: the backward reads it
+        blocks = pack(capacity)
+        torch.cuda.synchronize()
+        return [t.clone() for t in backward(blocks, capacity)]
+
+    clean = eager(forward, cap)            # reads the blocks (and warms the side stream)
+    recomputed = eager(forward_other, 1)   # overflows: recomputes from the other input
+    blocks = forward(cap)
+    torch.cuda.synchronize()
+    assert native.conditional_nodes(0), "this GPU's driver takes conditional nodes (12.8+)"
+
+    def capture(with_forward=False):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            outs = backward(forward(cap) if with_forward else blocks, cap)
+        return graph, outs
+
+    def replay(graph, outs, overflow=None):
+        if overflow is not None:
+            blocks[0][status:status + 4].copy_(torch.tensor(
+                [abi.STATUS_OVERFLOW if overflow else 0], dtype=torch.int32).view(torch.uint8))
+        graph.replay()
+        torch.cuda.synchronize()
+        return [t.clone() for t in outs]
+
+    graph, outs = capture()
+    for overflow in (False, True, False):
+        got = replay(graph, outs, overflow)
+        want = recomputed if overflow else clean
+        for i, (g_, w_) in enumerate(zip(got, want)):
+            assert torch.equal(g_, w_), (overflow, i)
+            assert (g_.numel() > 0) == bool(asked(i)), i
+    got = replay(*capture(with_forward=True))
+    assert torch.equal(got[watch], clean[watch])
+    with native.no_conditional_nodes():
+        assert not native.conditional_nodes(0)
+        graph, outs = capture(with_forward=True)
+    assert native.conditional_nodes(0)
+    got = replay(graph, outs)
+    assert torch.equal(got[watch], recomputed[watch])
+    assert not torch.equal(got[watch], clean[watch])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("square", [True, False])
 @pytest.mark.parametrize("needs", [7, 2, 1])
@@ -514,7 +574,6 @@ def test_captured_backward_reads_the_block_where_clean_and_recomputes_where_not(
     differs from what made ``a``, so the two ways give different gradients and each
     replay shows which one ran; each is bit-identical to its eager counterpart. Without
     conditional nodes the captured backward recomputes on a clean pack too."""
-    from bitsparse_core.backends.cuda import abi
     from bitsparse_core.spec.format import DEFAULT_CHUNK_LOG2, Encoding
     from bitsparse_core.torch import native
     if native.cuda_module() is None:
@@ -540,51 +599,10 @@ def test_captured_backward_reads_the_block_where_clean_and_recomputes_where_not(
         return torch.ops.bitsparse.relu_linear_backward(g_out, block, w2, source, w1,
                                                         b1, capacity, bwd, 0)
 
-    def eager(source, capacity):   # the count back first: the backward reads it
-        block = forward(source, capacity)
-        torch.cuda.synchronize()
-        return [t.clone() for t in backward(block, source, capacity)]
-
-    clean = eager(x, cap)                  # reads the block (and warms the side stream)
-    recomputed = eager(x_other, 1)         # overflows: recomputes from x_other
-    block = forward(x, cap)
     status = ops._plan([T, f], dt, cap, square, enc, DEFAULT_CHUNK_LOG2).status_offset
-    torch.cuda.synchronize()
-    assert native.conditional_nodes(0), "this GPU's driver takes conditional nodes (12.8+)"
-
-    def capture(with_forward=False):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            outs = backward(forward(x, cap) if with_forward else block, x_other, cap)
-        return graph, outs
-
-    def replay(graph, outs, overflow=None):
-        if overflow is not None:
-            block[status:status + 4].copy_(torch.tensor(
-                [abi.STATUS_OVERFLOW if overflow else 0], dtype=torch.int32).view(torch.uint8))
-        graph.replay()
-        torch.cuda.synchronize()
-        return [t.clone() for t in outs]
-
-    graph, outs = capture()
-    for overflow in (False, True, False):
-        got = replay(graph, outs, overflow)
-        want = recomputed if overflow else clean
-        for i, (g_, w_) in enumerate(zip(got, want)):
-            assert torch.equal(g_, w_), (overflow, i)
-            assert (g_.numel() > 0) == bool(needs & (1 << i)), i
-    # the pack captured too: the status word its kernel writes picks the way
-    i = 0 if needs & 1 else 1
-    got = replay(*capture(with_forward=True))
-    assert torch.equal(got[i], clean[i])
-    with native.no_conditional_nodes():
-        assert not native.conditional_nodes(0)
-        graph, outs = capture(with_forward=True)
-    assert native.conditional_nodes(0)
-    got = replay(graph, outs)
-    assert torch.equal(got[i], recomputed[i]) and not torch.equal(got[i], clean[i])
+    _check_captured_backward(lambda c: (forward(x, c),), lambda b, c: backward(b[0], x_other, c),
+                             lambda c: (forward(x_other, c),), cap, status,
+                             lambda i: needs & (1 << i), 0 if needs & 1 else 1)
 
 
 CAPTURED_OPS = ("relu_linear", "relu_linear_backward")
@@ -624,7 +642,6 @@ def test_captured_gated_backward_reads_the_blocks_where_clean_and_recomputes_whe
     recomputes g and u from the FFN input. As for ReLU, the recompute source differs from
     what made g and u, so each replay shows which body ran, and each equals its eager
     counterpart bit for bit."""
-    from bitsparse_core.backends.cuda import abi
     from bitsparse_core.spec.format import DEFAULT_CHUNK_LOG2, Encoding
     from bitsparse_core.torch import native
     if native.cuda_module() is None:
@@ -651,48 +668,10 @@ def test_captured_gated_backward_reads_the_blocks_where_clean_and_recomputes_whe
             g_out, *blocks, w2, source, wg, bg, wu, bu, [T, f], dt, True, capacity, enc, u_enc,
             chunk, None, 0, needs)
 
-    def eager(source, capacity):   # the count back first: the backward reads it
-        blocks = forward(source, capacity)
-        torch.cuda.synchronize()
-        return [t.clone() for t in backward(blocks, source, capacity)]
-
-    clean = eager(x, cap)                  # reads the blocks (and warms the side stream)
-    recomputed = eager(x_other, 1)         # overflows: recomputes from x_other
-    blocks = forward(x, cap)
     status = ops._plan([T, f], dt, cap, False, enc, chunk).status_offset
-    torch.cuda.synchronize()
-    assert native.conditional_nodes(0), "this GPU's driver takes conditional nodes (12.8+)"
-
-    def capture(with_forward=False):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            outs = backward(forward(x, cap) if with_forward else blocks, x_other, cap)
-        return graph, outs
-
-    def replay(graph, outs, overflow=None):
-        if overflow is not None:
-            blocks[0][status:status + 4].copy_(torch.tensor(
-                [abi.STATUS_OVERFLOW if overflow else 0], dtype=torch.int32).view(torch.uint8))
-        graph.replay()
-        torch.cuda.synchronize()
-        return [t.clone() for t in outs]
-
-    graph, outs = capture()
-    for overflow in (False, True, False):
-        got = replay(graph, outs, overflow)
-        want = recomputed if overflow else clean
-        for i, (g_, w_) in enumerate(zip(got, want)):
-            assert torch.equal(g_, w_), (overflow, i)
-            assert (g_.numel() > 0) == bool(needs & (1 << max(i - 1, 0))), i
-    i = 0 if needs & 1 else 2      # the pack captured too: its status word picks the way
-    got = replay(*capture(with_forward=True))
-    assert torch.equal(got[i], clean[i])
-    with native.no_conditional_nodes():
-        graph, outs = capture(with_forward=True)
-    got = replay(graph, outs)
-    assert torch.equal(got[i], recomputed[i]) and not torch.equal(got[i], clean[i])
+    _check_captured_backward(lambda c: forward(x, c), lambda b, c: backward(b, x_other, c),
+                             lambda c: forward(x_other, c), cap, status,
+                             lambda i: needs & (1 << max(i - 1, 0)), 0 if needs & 1 else 2)
 
 
 @pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"),
