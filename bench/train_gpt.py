@@ -1,4 +1,5 @@
-"""A GPT with a ReLU² MLP (modded-nanoGPT style) trained on real text, several ways.
+"""A GPT with a ReLU² MLP (modded-nanoGPT style; ``--ffn reglu``: a ReGLU MLP, the packed
+one ``PackedReGLUFFN``) trained on real text, several ways.
 
 The text is the Python standard library's own source files, read as bytes
 (byte-level tokens, vocabulary 256): every machine with Python has it and
