@@ -578,6 +578,21 @@ auto new_node() {
   }
 }
 
+// A node's gradients as its backward returns them: under create_graph (grad mode on, a
+// grad_out that requires grad) they carry an error node, since the gradients were computed
+// outside autograd (a kernel writes over grad_h in place) and cannot be differentiated.
+variable_list once_differentiable(variable_list result, const Tensor& grad_out,
+                                  const char* op) {
+  if (!at::GradMode::is_enabled() || !grad_out.requires_grad()) return result;
+  for (Tensor& t : result) {
+    if (t.defined()) t = t.detach().requires_grad_(true);
+  }
+  const std::string msg = std::string("bitsparse: the packed ") + op +
+                          " op's backward is not differentiable (trying to differentiate twice)";
+  const int64_t n = static_cast<int64_t>(result.size());
+  return torch::autograd::DelayedError(msg, n).apply(std::move(result));
+}
+
 // The backward of one eager relu_linear call, written as a node of its own rather than a
 // torch::autograd::Function: its edges are a, weight and bias only (the recompute source
 // gets its gradients through a), and what backward needs is kept in fields, not in the
@@ -614,8 +629,7 @@ struct ReLULinearBackward : public Node {
     const Tensor packed = stash ? stash->engine->take(stash) : block.unpack();
     Grads g;
     {
-      // once differentiable: the gradients are computed outside autograd (a kernel writes
-      // over grad_h in place) and, under create_graph, carry an error node below
+      // computed outside autograd (once_differentiable, below)
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       if (!backward_captured(g, grad_out, packed, w, xs, w1s, b1s, a_shape, a_dtype,
                              plan_at(handle), square, mm_dtype, need_a, need_w, need_b,
@@ -628,16 +642,7 @@ struct ReLULinearBackward : public Node {
     result[0] = std::move(g.a);
     result[1] = std::move(g.weight);
     result[2] = std::move(g.bias);
-    if (at::GradMode::is_enabled() && grad_out.requires_grad()) {
-      for (Tensor& t : result) {
-        if (t.defined()) t = t.detach().requires_grad_(true);
-      }
-      result = torch::autograd::DelayedError(
-                   "bitsparse: the packed ReLU op's backward is not differentiable "
-                   "(trying to differentiate twice)", 3)
-                   .apply(std::move(result));
-    }
-    return result;
+    return once_differentiable(std::move(result), grad_out, "ReLU");
   }
 };
 
@@ -728,16 +733,7 @@ struct GatedReLULinearBackward : public Node {
     if (need_u) result[1] = std::move(o.u);
     result[2] = std::move(o.weight);
     result[3] = std::move(o.bias);
-    if (at::GradMode::is_enabled() && grad_out.requires_grad()) {
-      for (Tensor& t : result) {
-        if (t.defined()) t = t.detach().requires_grad_(true);
-      }
-      result = torch::autograd::DelayedError(
-                   "bitsparse: the packed ReGLU op's backward is not differentiable "
-                   "(trying to differentiate twice)", 4)
-                   .apply(std::move(result));
-    }
-    return result;
+    return once_differentiable(std::move(result), grad_out, "ReGLU");
   }
 };
 

@@ -825,17 +825,18 @@ def test_emulated_native_without_grad_packs_and_builds_no_node(emulated):
     assert torch.equal(inferred, out) and blk.stats()["packs"] == 3
 
 
-def test_emulated_native_backward_is_once_differentiable(emulated):
+@pytest.mark.parametrize("kind,op", [("relu", "ReLU"), ("reglu", "ReGLU")])
+def test_emulated_native_backward_is_once_differentiable(emulated, kind, op):
     """create_graph=True: the first-order gradients are dense PyTorch's; differentiating
     them again raises (the backward's kernels are not differentiable), as the Python
     path's once_differentiable does, rather than giving a wrong second derivative."""
     from torch_models import make_pair
-    dense, ours = make_pair("relu", "nosign", d=16, f=64, layers=1)
+    dense, ours = make_pair(kind, "nosign", d=16, f=64, layers=1)
     x = torch.randn(24, 16, requires_grad=True)
     g, = torch.autograd.grad(ours.blocks[0](x).square().sum(), x, create_graph=True)
     want, = torch.autograd.grad(dense.blocks[0](x).square().sum(), x, create_graph=True)
     assert torch.equal(g, want) and g.requires_grad
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+    with pytest.raises(RuntimeError, match=f"packed {op} op's backward .* differentiate twice"):
         g.sum().backward()
 
 
