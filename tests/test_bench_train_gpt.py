@@ -224,6 +224,64 @@ def test_step_graph_variants_train_bit_identically_cuda(tmp_path):
     assert inter["variants"]["ours-stepgraph"]["capacity"]["recaptures"] >= 0
 
 
+def test_step_graph_settles_on_its_calls_then_captures_and_captures_again_where_told(
+        monkeypatch):
+    """StepGraph's protocol, with CUDA's graph and stream calls faked: its first ``settle``
+    calls are eager steps on their own batches; the next captures the step once on static
+    inputs and replays it; every later call copies its batch in and replays. Where
+    ``adapt_to_replays`` answers nonzero after a replay, the next call captures again on
+    the same static inputs (counted); a recompute variant never asks."""
+    import contextlib
+    import types
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_gpt as tg
+
+    log = []
+
+    class Graph:
+        def replay(self):
+            log.append(("replay", id(self)))
+
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    fake_cuda = types.SimpleNamespace(
+        Stream=lambda: stream, current_stream=lambda: stream, CUDAGraph=Graph,
+        stream=lambda s: contextlib.nullcontext(),
+        graph=lambda g: contextlib.nullcontext(log.append(("capture", id(g)))))
+    monkeypatch.setattr(tg.torch, "cuda", fake_cuda)
+    answers = iter([0, 1, 0, 0, 1, 0, 0])
+    monkeypatch.setattr(tg.bst, "adapt_to_replays", lambda model: next(answers))
+
+    def step(model, opt, x, y):
+        log.append(("step", int(x[0])))
+        return x.sum()
+    monkeypatch.setattr(tg, "train_step", step)
+
+    graph = tg.StepGraph(model=None, opt=None, settle=3)
+    batches = [torch.full((2,), float(i)) for i in range(10)]
+    for x in batches:
+        graph(x, x)
+    kinds = [k for k, _ in log]
+    assert kinds[:3] == ["step"] * 3 and [v for _, v in log[:3]] == [0, 1, 2]
+    # call 4 captures (the step runs once, inside the capture) and replays; the answer
+    # after call 5's replay makes call 6 capture again, as does the one after call 8's
+    assert kinds[3:] == ["capture", "step", "replay", "replay", "capture", "step", "replay",
+                         "replay", "replay", "capture", "step", "replay", "replay"]
+    assert graph.recaptures == 2
+    sx, sy, _ = graph.static
+    assert torch.equal(sx, batches[-1])     # the static input holds the last call's batch
+    assert log[4][1] == 3                   # captured on call 4's batch (then copied over)
+
+    log.clear()
+    monkeypatch.setattr(tg.bst, "adapt_to_replays",
+                        lambda model: pytest.fail("a recompute step graph asked"))
+    rec = tg.StepGraph(model=None, opt=None, settle=1, recompute=True)
+    monkeypatch.setattr(tg.native, "no_conditional_nodes", contextlib.nullcontext)
+    for x in batches[:3]:
+        rec(x, x)
+    assert [k for k, _ in log] == ["step", "capture", "step", "replay", "replay"]
+    assert rec.recaptures == 0
+
+
 def test_make_capturable_turns_a_loaded_adamw_state_capturable():
     """A state dict from a non-capturable AdamW, loaded into the step-graph variants'
     optimizer, says capturable=False (the saved groups win) and keeps integer-valued CPU
