@@ -221,28 +221,68 @@ Grads backward_impl(const Tensor& grad_out, const Tensor& block, const Tensor& w
   return g;
 }
 
+// The side stream a captured backward's conditional node captures its bodies on, or none
+// where the node does not apply: no conditional-node support, the side stream not warmed
+// by an eager backward yet, GEMM dtypes that differ from the activation's, or a recompute
+// input linear() would not take straight to one GEMM (x contiguous, 2-D or 3-D; each of
+// the ``firsts``, the forward's first GEMMs' weights, 2-D).
+std::optional<c10::Stream> conditional_side_stream(const c10::Device& device,
+                                                   const Tensor& grad_out, const Tensor& weight,
+                                                   const Tensor& x,
+                                                   std::initializer_list<Tensor> firsts,
+                                                   at::ScalarType a_dtype, int64_t mm_dtype,
+                                                   void* stream) {
+  if (!device.is_cuda() || !graph_driver_ready(device.index()) || !x.defined() ||
+      mm_dtype >= 0 || weight.scalar_type() != a_dtype || grad_out.scalar_type() != a_dtype ||
+      !x.is_contiguous() || x.dim() < 2 || x.dim() > 3 || x.scalar_type() != a_dtype) {
+    return std::nullopt;
+  }
+  for (const Tensor& w : firsts) {
+    if (w.dim() != 2 || w.scalar_type() != a_dtype) return std::nullopt;
+  }
+  return side_stream(device, a_dtype, stream);
+}
+
+// linear(x2, w, b) into the 2-D ``out``, the addmm or mm that linear() makes on 2-D views
+// (a recompute body's first GEMM).
+void linear_out(Tensor out, const Tensor& x2, const Tensor& w, const Tensor& b) {
+  if (b.defined()) {
+    at::addmm_out(out, b, x2, transposed(w));
+  } else {
+    at::mm_out(out, x2, transposed(w));
+  }
+}
+
+// Where the backward is being captured into a CUDA graph, ``conditional(stream)`` queues it
+// as one conditional node (true) or declines, having queued nothing (false); outside a
+// capture an eager backward prepares the side stream instead, so that later captures can,
+// and this returns false.
+template <class Conditional>
+bool captured_or_warmed(const Tensor& block, at::ScalarType a_dtype, int64_t policy,
+                        Conditional&& conditional) {
+  void* stream = current_stream(block.device());
+  if (!capturing(stream)) {
+    warm_side_stream(block.device(), a_dtype, policy);
+    return false;
+  }
+  return conditional(stream);
+}
+
 // Backward within a CUDA graph capture: the clean way and the recompute as the two bodies
 // of one conditional node (torch_host_graphs.h), so a replay recomputes only where its own
 // pack overflowed. Both bodies write the same outputs, made before the node with every
 // buffer either needs; each repeats backward_impl's calls in its out= / in-place forms
 // (the same kernels on the same sizes and strides, so the same bits). Returns false, having
-// queued nothing, where this does not apply (the caller then recomputes as before): no
-// conditional-node support, the side stream not warmed by an eager backward yet, GEMM
-// dtypes that differ from the activation's, or a recompute input linear() would not take
-// straight to one GEMM.
+// queued nothing, where this does not apply (conditional_side_stream; the caller then
+// recomputes as before).
 bool backward_conditional(Grads& g, const Tensor& grad_out, const Tensor& block,
                           const Tensor& weight, const Tensor& x, const Tensor& w1,
                           const Tensor& b1, at::IntArrayRef a_shape, at::ScalarType a_dtype,
                           const Plan& P, bool square, int64_t mm_dtype, bool need_a,
                           bool need_w, bool need_b, int64_t policy, void* stream) {
   const c10::Device device = block.device();
-  if (!device.is_cuda() || !graph_driver_ready(device.index()) || !x.defined() ||
-      mm_dtype >= 0 || weight.scalar_type() != a_dtype || grad_out.scalar_type() != a_dtype ||
-      w1.scalar_type() != x.scalar_type() || !x.is_contiguous() || x.dim() < 2 ||
-      x.dim() > 3 || w1.dim() != 2 || x.scalar_type() != a_dtype) {
-    return false;
-  }
-  const std::optional<c10::Stream> side = side_stream(device, a_dtype, stream);
+  const std::optional<c10::Stream> side =
+      conditional_side_stream(device, grad_out, weight, x, {w1}, a_dtype, mm_dtype, stream);
   if (!side) return false;
   const Tensor g2 = as_matrix(grad_out.contiguous(), grad_out.size(-1));
   if (need_b) g.bias = g2.sum({0}, true).view({g2.size(-1)});
@@ -281,13 +321,7 @@ bool backward_conditional(Grads& g, const Tensor& grad_out, const Tensor& block,
   // it overflowed: the forward's first GEMM again (linear's own addmm / mm on the 2-D views)
   {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const Tensor x2 = as_matrix(x, x.size(-1));
-    Tensor r2 = as_matrix(r, f);
-    if (b1.defined()) {
-      at::addmm_out(r2, b1, x2, transposed(w1));
-    } else {
-      at::mm_out(r2, x2, transposed(w1));
-    }
+    linear_out(as_matrix(r, f), as_matrix(x, x.size(-1)), w1, b1);
     r.relu_();
     if (need_w) {
       if (square) at::mul_out(tmp, r, r);
@@ -307,21 +341,16 @@ bool backward_conditional(Grads& g, const Tensor& grad_out, const Tensor& block,
   return true;
 }
 
-// Where the backward is being captured into a CUDA graph, queue it as one conditional node
-// and return true; else (and where the node does not apply) return false having queued
-// nothing. An eager backward prepares the side stream instead, so that later captures can.
+// captured_or_warmed with backward_conditional.
 bool backward_captured(Grads& g, const Tensor& grad_out, const Tensor& block,
                        const Tensor& weight, const Tensor& x, const Tensor& w1, const Tensor& b1,
                        at::IntArrayRef a_shape, at::ScalarType a_dtype, const Plan& P,
                        bool square, int64_t mm_dtype, bool need_a, bool need_w, bool need_b,
                        int64_t policy) {
-  void* stream = current_stream(block.device());
-  if (!capturing(stream)) {
-    warm_side_stream(block.device(), a_dtype, policy);
-    return false;
-  }
-  return backward_conditional(g, grad_out, block, weight, x, w1, b1, a_shape, a_dtype, P, square,
-                              mm_dtype, need_a, need_w, need_b, policy, stream);
+  return captured_or_warmed(block, a_dtype, policy, [&](void* stream) {
+    return backward_conditional(g, grad_out, block, weight, x, w1, b1, a_shape, a_dtype, P,
+                                square, mm_dtype, need_a, need_w, need_b, policy, stream);
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -466,14 +495,8 @@ bool gated_backward_conditional(GatedGrads& o, const Tensor& grad_out, const Ten
                                 int64_t mm_dtype, bool need_a, bool need_w, bool need_b,
                                 int64_t policy, void* stream) {
   const c10::Device device = block_r.device();
-  if (!device.is_cuda() || !graph_driver_ready(device.index()) || !x.defined() ||
-      mm_dtype >= 0 || weight.scalar_type() != a_dtype || grad_out.scalar_type() != a_dtype ||
-      !x.is_contiguous() || x.dim() < 2 || x.dim() > 3 || x.scalar_type() != a_dtype ||
-      wg.dim() != 2 || wu.dim() != 2 || wg.scalar_type() != a_dtype ||
-      wu.scalar_type() != a_dtype) {
-    return false;
-  }
-  const std::optional<c10::Stream> side = side_stream(device, a_dtype, stream);
+  const std::optional<c10::Stream> side =
+      conditional_side_stream(device, grad_out, weight, x, {wg, wu}, a_dtype, mm_dtype, stream);
   if (!side) return false;
   const Tensor g2 = as_matrix(grad_out.contiguous(), grad_out.size(-1));
   if (need_b) o.bias = g2.sum({0}, true).view({g2.size(-1)});
@@ -516,16 +539,8 @@ bool gated_backward_conditional(GatedGrads& o, const Tensor& grad_out, const Ten
   {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const Tensor x2 = as_matrix(x, x.size(-1));
-    const std::array<std::tuple<Tensor, Tensor, Tensor>, 2> firsts{
-        std::tuple<Tensor, Tensor, Tensor>{r, wg, bg}, std::tuple<Tensor, Tensor, Tensor>{u, wu, bu}};
-    for (const auto& [out, w, b] : firsts) {
-      Tensor out2 = as_matrix(out, f);
-      if (b.defined()) {
-        at::addmm_out(out2, b, x2, transposed(w));
-      } else {
-        at::mm_out(out2, x2, transposed(w));
-      }
-    }
+    linear_out(as_matrix(r, f), x2, wg, bg);
+    linear_out(as_matrix(u, f), x2, wu, bu);
     r.relu_();
     if (need_w) {
       at::mul_out(tmp, r, u);
@@ -542,23 +557,18 @@ bool gated_backward_conditional(GatedGrads& o, const Tensor& grad_out, const Ten
   return true;
 }
 
-// Where the gated backward is being captured into a CUDA graph, queue it as one conditional
-// node and return true; else (and where the node does not apply) return false having
-// queued nothing. An eager backward prepares the side stream instead.
+// captured_or_warmed with gated_backward_conditional.
 bool gated_backward_captured(GatedGrads& o, const Tensor& grad_out, const Tensor& block_r,
                              const Tensor& block_u, const Tensor& weight, const Tensor& x,
                              const Tensor& wg, const Tensor& bg, const Tensor& wu,
                              const Tensor& bu, at::IntArrayRef a_shape, at::ScalarType a_dtype,
                              const Plan& R, const Plan& U, int64_t mm_dtype, bool need_a,
                              bool need_w, bool need_b, int64_t policy) {
-  void* stream = current_stream(block_r.device());
-  if (!capturing(stream)) {
-    warm_side_stream(block_r.device(), a_dtype, policy);
-    return false;
-  }
-  return gated_backward_conditional(o, grad_out, block_r, block_u, weight, x, wg, bg, wu, bu,
-                                    a_shape, a_dtype, R, U, mm_dtype, need_a, need_w, need_b,
-                                    policy, stream);
+  return captured_or_warmed(block_r, a_dtype, policy, [&](void* stream) {
+    return gated_backward_conditional(o, grad_out, block_r, block_u, weight, x, wg, bg, wu, bu,
+                                      a_shape, a_dtype, R, U, mm_dtype, need_a, need_w, need_b,
+                                      policy, stream);
+  });
 }
 
 // ---------------------------------------------------------------------------
