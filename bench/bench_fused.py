@@ -46,7 +46,8 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 from plotting import pyplot  # noqa: E402
 
 CASES = (((8192, 4096), 0.5), ((8192, 4096), 0.1), ((8192, 14336), 0.1))
-OPS = ("relu_pack", "relu2_pack", "relu2_backward", "relu2_backward+square", "gated_backward")
+OPS = ("relu_pack", "relu2_pack", "relu2_backward", "relu2_backward+square", "gated_backward",
+       "gated_backward+product", "gated_two_decodes")
 # relu_pack at 2 rounds and 4 blocks per SM (session 20's geometry)
 DEFAULT_VARIANTS = "before=PACK_ROUNDS=2 -DBS_PACK_FUSED_BLOCKS=4"
 ROUND_TOKENS = ("PACK_ROUNDS", "FUSED_ROUNDS")   # abi constants a variant may set
@@ -126,6 +127,26 @@ def measure(reps: int) -> dict:
                               sq_out.data_ptr(), grad=grad.data_ptr(), out2=sq_out2.data_ptr())
 
             relu2_and_square()
+            g_out, g_out2, g_out3 = (torch.empty_like(a) for _ in range(3))
+            r_buf, u_buf = torch.empty_like(a), torch.empty_like(a)
+            pr_planes = be._ready(p1, stream.cuda_stream)
+            pu_planes = be._ready(pu, stream.cuda_stream)
+
+            def gated_and_product():
+                be._unpack_op(p1, Op.GATED_AND_PRODUCT, stream.cuda_stream, None,
+                              g_out.data_ptr(), planes=pr_planes, grad=grad.data_ptr(),
+                              out2=g_out2.data_ptr(), out3=g_out3.data_ptr(), pu=pu_planes,
+                              u_encoding=pu.encoding)
+
+            def two_decodes():
+                # what the backward ran before the fused op: r and u decoded, r * u, then
+                # the gated kernel
+                bc.unpack(p1, out=r_buf, stream=stream)
+                bc.unpack(pu, out=u_buf, stream=stream)
+                r_buf.mul_(u_buf)
+                return bc.gated_backward(grad, p1, pu, stream=stream)
+
+            gated_and_product()
             outs = {
                 "relu_pack": ((lambda: bc.relu_pack(a, **kw)), (y1, *_planes(p1)),
                               2 * n * isz + packed("nosign")),
@@ -139,6 +160,11 @@ def measure(reps: int) -> dict:
                 "gated_backward": ((lambda: bc.gated_backward(grad, p1, pu, stream=stream)),
                                    bc.gated_backward(grad, p1, pu, stream=stream),
                                    3 * n * isz + packed("nosign") + u_planes),
+                # bytes of the fused op for both: the second row's share is the same work's
+                "gated_backward+product": (gated_and_product, (g_out, g_out2, g_out3),
+                                           4 * n * isz + packed("nosign") + u_planes),
+                "gated_two_decodes": (two_decodes, (r_buf, *two_decodes()),
+                                      4 * n * isz + packed("nosign") + u_planes),
             }
         stream.synchronize()
         for op in OPS:
@@ -156,6 +182,7 @@ def measure(reps: int) -> dict:
 
 def warm() -> None:
     """Compile this process's option set's kernels of the measured ops, in parallel."""
+    from bitsparse_core import dtypes as _dt
     from bitsparse_core.backends.cuda import abi
     from bitsparse_core.backends.cupy.kernels import warm_cache
     from bitsparse_core.spec.format import Encoding
@@ -164,7 +191,10 @@ def warm() -> None:
     keys = [("pack", bf16, nosign, int(m), abi.PACK_ROUNDS) for m in (abi.Mode.RELU, abi.Mode.RELU2)]
     keys += [("pack", bf16, signplane, int(abi.Mode.MASKED), abi.PACK_ROUNDS)]
     keys += [("unpack", bf16, int(op), ru, nosign, 0) for op in (abi.Op.RELU2, abi.Op.RELU2_AND_SQUARE)]
-    keys += [("unpack", bf16, int(abi.Op.GATED), ru, nosign, signplane)]
+    keys += [("unpack", bf16, int(op), ru, nosign, signplane)
+             for op in (abi.Op.GATED, abi.Op.GATED_AND_PRODUCT)]
+    keys += [("unpack", int(abi.BITS_FMT[16]), int(abi.Op.UNPACK), abi.unpack_rounds(
+        _dt.BFLOAT16, abi.Op.UNPACK), e, 0) for e in (nosign, signplane)]
     warm_cache(len(keys), keys)
 
 

@@ -19,6 +19,7 @@
 // OP 0: unpack. OP 1: relu2_backward (2 r g where r > 0). OP 2: gated
 // backward with u packed under the same mask (its own encoding UENC). OP 3:
 // gated backward with u dense. OP 4: OP 1 and r² as the forward rounded it.
+// OP 5: OP 2 and r u (the second GEMM's input, for its weight gradient).
 // The fused ops compute a word at a time in float32 (bs_fused_vec), per
 // element only where a result is NaN.
 
@@ -149,6 +150,9 @@ __device__ __forceinline__ uint4 bs_expand_vec(const u32* vals, u32 j, u32 b, co
 #ifndef BS_FUSED_BLOCKS
 #define BS_FUSED_BLOCKS 8    // the fused ops' blocks per SM (fp8's gated op would spill: 6)
 #endif
+#ifndef BS_GATED_PRODUCT_BLOCKS
+#define BS_GATED_PRODUCT_BLOCKS 6   // OP 5's three outputs: at 8 (32 registers) bf16 spilled 220 B
+#endif                              // (fp8: 5, 48 registers; at 6 e5m2 spilled 200 B)
 template <int BITS> struct BsScatter { enum { MAX = BITS == 16 ? BS_SCATTER_MAX16 : BITS == 8 ? BS_SCATTER_MAX8 : -1 }; };
 
 template <int BITS>
@@ -192,6 +196,17 @@ __device__ __forceinline__ bool bs_fused_vec(const uint4& g, const uint4& r, con
     return !nan;
 }
 
+// OP 5's third output, r u, the same way.
+template <int FMT>
+__device__ __forceinline__ bool bs_product_vec(const uint4& r, const uint4& u, uint4& o) {
+    bool nan = false;
+    o.x = bs_word_f32<FMT>(r.x, u.x, 0u, BsProduct(), nan);
+    o.y = bs_word_f32<FMT>(r.y, u.y, 0u, BsProduct(), nan);
+    o.z = bs_word_f32<FMT>(r.z, u.z, 0u, BsProduct(), nan);
+    o.w = bs_word_f32<FMT>(r.w, u.w, 0u, BsProduct(), nan);
+    return !nan;
+}
+
 // The same by the per-element rules (NaN payloads as NumPy gives them).
 template <int FMT, int OP>
 __device__ __forceinline__ void bs_fused_vec_exact(const uint4& g, const uint4& r, const uint4& u,
@@ -215,6 +230,16 @@ __device__ __forceinline__ void bs_fused_vec_exact(const uint4& g, const uint4& 
     }
 }
 
+template <int FMT>
+__device__ __forceinline__ uint4 bs_product_vec_exact(const uint4& r, const uint4& u) {
+    typedef typename Fmt<FMT>::T T;
+    uint4 o = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < 16 / (int)sizeof(T); ++i)
+        bs_set_lane<T>(o, i, (T)bs_mul_round<FMT>((u32)bs_lane<T>(r, i), (u32)bs_lane<T>(u, i)));
+    return o;
+}
+
 // Where the word path applies, the per-element one is its rare fallback: out of
 // line, so that its registers do not count against the common path's occupancy.
 // Its vectors go by value both ways: a reference would make the caller keep them
@@ -224,6 +249,16 @@ template <int FMT, int OP>
 __device__ __noinline__ BsVecPair bs_fused_vec_fallback(uint4 g, uint4 r, uint4 u) {
     BsVecPair o;
     bs_fused_vec_exact<FMT, OP>(g, r, u, o.a, o.b);
+    return o;
+}
+// OP 5's one fallback for all three outputs (one call site: the registers live across a
+// call are what the common path pays for it).
+struct BsVecTriple { uint4 a, b, c; };
+template <int FMT, int OP>
+__device__ __noinline__ BsVecTriple bs_gated_product_fallback(uint4 g, uint4 r, uint4 u) {
+    BsVecTriple o;
+    bs_fused_vec_exact<FMT, OP>(g, r, u, o.a, o.b);
+    o.c = bs_product_vec_exact<FMT>(r, u);
     return o;
 }
 
@@ -248,7 +283,8 @@ __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
 
 // Blocks per SM of an unpack-family kernel (its launch bounds).
 template <int BITS, int OP> struct BsUnpackBlocks {
-    enum { N = OP != 0 ? (BITS == 8 ? 6 : BS_FUSED_BLOCKS) : BITS == 32 ? 6 : BS_UNPACK_BLOCKS };
+    enum { N = OP == BS_OP_GATED_AND_PRODUCT ? (BITS == 8 ? 5 : BS_GATED_PRODUCT_BLOCKS)
+               : OP != 0 ? (BITS == 8 ? 6 : BS_FUSED_BLOCKS) : BITS == 32 ? 6 : BS_UNPACK_BLOCKS };
 };
 
 template <int FMT, int OP, int R, int ENC, int UENC>
@@ -258,7 +294,8 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
                  u64 values_ptr, u64 values_len, u64 signs_ptr, u64 signs_len,
                  u64 uvalues_ptr, u64 uvalues_len, u64 usigns_ptr, u64 usigns_len,
                  u64 g_ptr, int g_aligned, u64 ud_ptr, int ud_aligned,
-                 u64 out_ptr, int out_aligned, u64 out2_ptr, int out2_aligned) {
+                 u64 out_ptr, int out_aligned, u64 out2_ptr, int out2_aligned,
+                 u64 out3_ptr, int out3_aligned) {
     typedef typename Fmt<FMT>::T T;
     const int BITS = Fmt<FMT>::BITS;
     const int V = 16 / (int)sizeof(T);
@@ -267,9 +304,10 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
     const int TILE = SEG * BS_WARPS;
     const int VW = TILE * BITS / 32 + 4;      // decoded values as words, plus guards
     const u32 VM = V == 32 ? 0xffffffffu : ((1u << V) - 1u);
+    const bool UPACKED = OP == BS_OP_GATED || OP == BS_OP_GATED_AND_PRODUCT;   // u's own planes
 
     __shared__ __align__(16) u32 vals[VW];
-    __shared__ __align__(16) u32 uvals[OP == BS_OP_GATED ? VW : 1];
+    __shared__ __align__(16) u32 uvals[UPACKED ? VW : 1];
     __shared__ u32 s_warp_tot[BS_WARPS];
     __shared__ u32 s_sel[16];
     __shared__ uint4 s_slot[BsScatter<BITS>::MAX > 0 ? BS_THREADS : 1];
@@ -351,7 +389,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         bs_l2_prefetch(mask_ptr, mask_len, ab >> 3, (ab + TILE) >> 3);
         bs_l2_prefetch(values_ptr, values_len, (q0 * W) >> 3, ((q1 * W) >> 3) + 8);
         if (ENC == 2) bs_l2_prefetch(signs_ptr, signs_len, q0 >> 3, (q1 >> 3) + 8);
-        if (OP == BS_OP_GATED) {
+        if (UPACKED) {
             const int UW = UENC == 0 ? BITS : BITS - 1;
             bs_l2_prefetch(uvalues_ptr, uvalues_len, (q0 * UW) >> 3, ((q1 * UW) >> 3) + 8);
             if (UENC == 2) bs_l2_prefetch(usigns_ptr, usigns_len, q0 >> 3, (q1 >> 3) + 8);
@@ -359,7 +397,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
     }
     bs_decode_tile<BITS, ENC>(reinterpret_cast<const u8*>(values_ptr), values_len,
                               reinterpret_cast<const u8*>(signs_ptr), signs_len, P, n, vals, rank);
-    if (OP == BS_OP_GATED)
+    if (UPACKED)
         bs_decode_tile<BITS, UENC>(reinterpret_cast<const u8*>(uvalues_ptr), uvalues_len,
                                    reinterpret_cast<const u8*>(usigns_ptr), usigns_len, P, n, uvals,
                                    [] {});
@@ -386,19 +424,30 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         } else {
             const uint4 gv = bs_load_vec<T>(gx, g, numel, g_aligned);
             uint4 uv = make_uint4(0, 0, 0, 0);
-            if (OP == BS_OP_GATED)
+            if (UPACKED)
                 uv = scatter ? bs_scatter_vec<BITS>(uvals, j, bits[r], &s_slot[tid])
                              : bs_expand_vec<BITS>(uvals, j, bits[r], s_sel);
             if (OP == BS_OP_GATED_DENSE)
                 uv = bs_load_vec<T>(reinterpret_cast<const T*>(ud_ptr), g, numel, ud_aligned);
-            uint4 o1, o2;
-            if constexpr (BS_FUSED_PER_ELEMENT || BITS == 8)
+            uint4 o1, o2, o3;
+            if constexpr (BS_FUSED_PER_ELEMENT || BITS == 8) {
                 bs_fused_vec_exact<FMT, OP>(gv, rv, uv, o1, o2);
-            else if (!bs_fused_vec<FMT, OP>(gv, rv, uv, o1, o2)) {
+                if (OP == BS_OP_GATED_AND_PRODUCT) o3 = bs_product_vec_exact<FMT>(rv, uv);
+            } else if (OP == BS_OP_GATED_AND_PRODUCT) {
+                const bool ok = bs_product_vec<FMT>(rv, uv, o3);
+                if (!(bs_fused_vec<FMT, OP>(gv, rv, uv, o1, o2) && ok)) {
+                    const BsVecTriple o = bs_gated_product_fallback<FMT, OP>(gv, rv, uv);
+                    o1 = o.a;
+                    o2 = o.b;
+                    o3 = o.c;
+                }
+            } else if (!bs_fused_vec<FMT, OP>(gv, rv, uv, o1, o2)) {
                 const BsVecPair o = bs_fused_vec_fallback<FMT, OP>(gv, rv, uv);
                 o1 = o.a;
                 o2 = o.b;
             }
+            if (OP == BS_OP_GATED_AND_PRODUCT)
+                bs_store_vec<T>(reinterpret_cast<T*>(out3_ptr), g, numel, out3_aligned, o3);
             bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, o1);
             if (OP != BS_OP_RELU2)
                 bs_store_vec<T>(reinterpret_cast<T*>(out2_ptr), g, numel, out2_aligned, o2);

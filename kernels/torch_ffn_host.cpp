@@ -373,6 +373,17 @@ Roles gated_roles(const Plan& R, uint64_t br, const Plan& U, uint64_t bu) {
   return roles;
 }
 
+// The gated backward kernel's roles that also writes r * u: grad_g over the gradient
+// ``gh``, grad_u into ``gu``, r * u into ``h``.
+Roles gated_product_roles(const Roles& planes, const Tensor& gh, const Tensor& gu,
+                          const Tensor& h) {
+  Roles roles = planes;
+  roles[R_G] = roles[R_OUT] = address(gh);
+  roles[R_OUT2] = address(gu);
+  roles[R_OUT3] = address(h);
+  return roles;
+}
+
 // Forward: take the pack's ticket (tracked for ``policy``), pack relu(g) into block_r (the
 // kernel writes relu(g) densely and its count to the ticket's slot) and u where g > 0
 // into block_u (a masked pack reading block_r's mask), then return
@@ -442,6 +453,17 @@ GatedGrads gated_backward_impl(const Tensor& grad_out, const Tensor& block_r,
   void* stream = current_stream(block_r.device());
   const uint64_t at_r = address(block_r), at_u = address(block_u);
   const Roles planes = gated_roles(R, at_r, U, at_u);
+  if (clean && need_a && need_w) {
+    // one decode of both blocks: both gradients (grad_g over grad_h) and the second GEMM's
+    // input r * u
+    const Tensor gh = input_grad(g2, weight, a_shape, a_dtype).contiguous();
+    const Tensor gu = at::empty_like(gh), h = at::empty_like(gh);
+    R.gated_and_product.run(stream, at_r, gated_product_roles(planes, gh, gu, h));
+    o.weight = weight_grad(g2, h, mm_dtype);
+    o.g = gh;
+    o.u = gu;
+    return o;
+  }
   Tensor r, u;   // a clean gradient reads the packed blocks: r and u only for the weight gradient
   if (clean && need_w) {
     const auto opts = grad_out.options().dtype(a_dtype);
@@ -519,15 +541,18 @@ bool gated_backward_conditional(GatedGrads& o, const Tensor& grad_out, const Ten
   ConditionalCapture node(stream, at_r + static_cast<uint64_t>(R.status_offset),
                           replay_counter(policy), *side, device);
   // the pack was clean: the packed blocks
-  if (need_w) {
+  if (need_a && need_w) {   // one decode: both gradients and r * u (into r)
+    at::mm_out(ga2, g2, weight);
+    R.gated_and_product.run(body, at_r, gated_product_roles(planes, o.g, o.u, r));
+    at::mm_out(o.weight, g2t, as_matrix(r, f));
+  } else if (need_w) {
     R.unpack.run(body, at_r, {0, 0, 0, 0, address(r), 0});
     Roles roles = planes;
     roles[R_OUT] = address(u);
     U.unpack.run(body, at_u, roles);
     r.mul_(u);
     at::mm_out(o.weight, g2t, as_matrix(r, f));
-  }
-  if (need_a) {
+  } else {
     at::mm_out(ga2, g2, weight);
     Roles roles = planes;
     roles[R_G] = roles[R_OUT] = address(o.g);
@@ -1175,7 +1200,8 @@ py::bytes launch_params(int64_t handle, const std::string& name, uint64_t block,
                     : name == "relu2" ? &P.relu2
                     : name == "relu2_and_square" ? &P.relu2_and_square
                     : name == "mask_select" ? &P.mask_select
-                    : name == "gated" ? &P.gated : nullptr;
+                    : name == "gated" ? &P.gated
+                    : name == "gated_and_product" ? &P.gated_and_product : nullptr;
   TORCH_CHECK(L != nullptr && L->present(), "bitsparse: no launch '", name, "'");
   std::vector<uint8_t> buf(L->params.size());
   L->fill(buf.data(), block, roles);

@@ -51,6 +51,23 @@ def assert_relu2_one_decode(p, p_ref, a, G, g, dt):
     assert_bits(h, reference_ops.relu_pack(a, dt, square=True)[0], "relu(a)², one decode")
 
 
+def assert_gated_one_decode(p, p_ref, pu, pu_ref, G, g, dt):
+    """The torch adapter's one-decode gated backward (op GATED_AND_PRODUCT) gives the
+    reference gradients and r * u (the second GEMM's input), grad_g in place of the
+    gradient as the adapter runs it."""
+    s = ci.stream_handle(None)
+    grad = dev(g)                             # a fresh copy: written over
+    gt = ci.import_cuda(_Bits(grad, dt), stream=s)
+    gu = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
+    h = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
+    BE._unpack_op(p, abi.Op.GATED_AND_PRODUCT, s, None, gt.ptr, grad=gt.ptr, out2=gu.ptr,
+                  out3=h.ptr, pu=BE._ready(pu, s), u_encoding=pu.encoding)
+    gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
+    assert_bits(grad.reshape(p.shape), gg_ref, f"gated grad_g, one decode {dt.name}")
+    assert_bits(gu, gu_ref, f"gated grad_u, one decode {dt.name}")
+    assert_bits(h, reference_ops.gated_product(p_ref, pu_ref), f"r * u, one decode {dt.name}")
+
+
 def test_kernels_built_for_this_device():
     major, minor = cp.cuda.Device().compute_capability[:1], cp.cuda.Device().compute_capability[1:]
     from bitsparse_core.backends.cuda.abi import PACK_ROUNDS
@@ -482,6 +499,7 @@ def test_unpack_sparse_and_dense_warps(request):
         gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
         assert_bits(gg, gg_ref, f"gated grad_g {dt.name}")
         assert_bits(gu, gu_ref, f"gated grad_u {dt.name}")
+        assert_gated_one_decode(p, p_ref, pu, pu_ref, G, g, dt)
 
 
 # --------------------------------------------------------------------------- #
@@ -525,6 +543,7 @@ def test_fused_ops(request, dt):
             gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
             assert_bits(gg, gg_ref, f"gated grad_g {enc}")
             assert_bits(gu, gu_ref, f"gated grad_u {enc}")
+            assert_gated_one_decode(p, p_ref, pu, pu_ref, G, g, dt)
         # a p_u with its own mask takes the dense path
         pu2 = bc.pack(dev(u), dtype=dt.name, encoding="raw", backend="cupy")
         pu2_ref = reference.pack_array(u, dt, "raw")
@@ -557,11 +576,12 @@ def test_many_waves_of_tiles(request, dt):
     assert_bits(bc.relu2_backward(G, p), reference_ops.relu2_backward(g, p_ref), "relu2_bwd")
     assert_relu2_one_decode(p, p_ref, a, G, g, dt)
     pu = bc.masked_pack(_Bits(dev(u), dt), p, encoding="signplane")
+    pu_ref = reference_ops.masked_pack(u, dt, p_ref, encoding="signplane")
     gg, gu = bc.gated_backward(G, p, pu)
-    gg_ref, gu_ref = reference_ops.gated_backward(
-        g, p_ref, reference_ops.masked_pack(u, dt, p_ref, encoding="signplane"))
+    gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
     assert_bits(gg, gg_ref, "gated grad_g")
     assert_bits(gu, gu_ref, "gated grad_u")
+    assert_gated_one_decode(p, p_ref, pu, pu_ref, G, g, dt)
 
 
 def test_masked_pack_nosign_status(request):

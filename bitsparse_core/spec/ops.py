@@ -142,3 +142,14 @@ def gated_backward(grad: np.ndarray, p_r: PackedTensor, p_u: PackedTensor):
     grad_u = _round(mul_f32(g32, r32), dtype)
     grad_g = np.where(r32 > 0, _round(mul_f32(g32, u32), dtype), zero).astype(dtype.numpy)
     return grad_g, grad_u
+
+
+def gated_product(p_r: PackedTensor, p_u: PackedTensor) -> np.ndarray:
+    """``r * u`` from the two packed planes, rounded once: the gated op's activation,
+    which the second GEMM's weight gradient reads. ``u`` is stored only where the mask
+    is set, so this is +0 elsewhere, also where the dense ``u`` was infinite or NaN
+    (whose dense product with +0 is NaN)."""
+    r = unpack_planes(p_r, p_r.mask, p_r.values, p_r.signs)
+    u = unpack_planes(p_u, p_u.mask, p_u.values, p_u.signs)
+    r32, u32 = (np.asarray(t, dtype=np.float32) for t in (r, u))
+    return _round(mul_f32(r32, u32), p_r.dtype)
