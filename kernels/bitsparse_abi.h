@@ -9,6 +9,7 @@
 #define BS_MODE_RELU 1
 #define BS_MODE_RELU2 2
 #define BS_MODE_MASKED 3
+#define BS_MODE_RELU_GATED 4
 #define BS_OP_UNPACK 0
 #define BS_OP_RELU2 1
 #define BS_OP_GATED 2

@@ -512,6 +512,26 @@ template <typename T> BS_D void bs_store_vec(T* y, u64 g, u64 numel, bool aligne
         if (g + i < numel) y[g + i] = bs_lane<T>(v, i);
 }
 
+// The product a b of two 16-byte vectors, each element rounded once as bs_mul_round
+// does: a word at a time in float32 (false when a product is NaN, whose payload the
+// caller then takes from bs_product_vec_exact), or per element by that rule.
+template <int FMT> BS_D bool bs_product_vec(const uint4& a, const uint4& b, uint4& o) {
+    bool nan = false;
+    o.x = bs_word_f32<FMT>(a.x, b.x, 0u, BsProduct(), nan);
+    o.y = bs_word_f32<FMT>(a.y, b.y, 0u, BsProduct(), nan);
+    o.z = bs_word_f32<FMT>(a.z, b.z, 0u, BsProduct(), nan);
+    o.w = bs_word_f32<FMT>(a.w, b.w, 0u, BsProduct(), nan);
+    return !nan;
+}
+template <int FMT> BS_D uint4 bs_product_vec_exact(const uint4& a, const uint4& b) {
+    typedef typename Fmt<FMT>::T T;
+    uint4 o = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < 16 / (int)sizeof(T); ++i)
+        bs_set_lane<T>(o, i, (T)bs_mul_round<FMT>((u32)bs_lane<T>(a, i), (u32)bs_lane<T>(b, i)));
+    return o;
+}
+
 // Inclusive warp scan of a u32 (packed fields add independently while they do not carry).
 BS_D u32 bs_warp_scan(u32 x, int lane) {
 #pragma unroll

@@ -183,6 +183,10 @@ template <int FMT> __device__ __forceinline__ uint4 bs_square_vec_exact(uint4 v)
 template <int FMT> __device__ __noinline__ uint4 bs_square_vec_fallback(uint4 v) {
     return bs_square_vec_exact<FMT>(v);
 }
+// RELU_GATED's product where it is NaN: out of line, as the square's.
+template <int FMT> __device__ __noinline__ uint4 bs_product_vec_fallback(uint4 a, uint4 b) {
+    return bs_product_vec_exact<FMT>(a, b);
+}
 template <int FMT> __device__ __forceinline__ uint4 bs_square_vec(const uint4& v) {
     if constexpr (Fmt<FMT>::BITS == 8 || BS_FUSED_PER_ELEMENT) {
         return bs_square_vec_exact<FMT>(v);
@@ -387,7 +391,8 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                u64 values_ptr, u64 signs_ptr, u64 cap,
                u64 y_ptr, int y_aligned,
                u64 scratch_ptr, u64 status_ptr, u64 n_tiles,
-               u64 zero_values_words, u64 zero_signs_words, u64 slot_ptr) {
+               u64 zero_values_words, u64 zero_signs_words, u64 slot_ptr,
+               u64 u_ptr, int u_aligned) {
     typedef typename Fmt<FMT>::T T;
     typedef BsPackBuf<FMT, ENC, R> Buf;
     const int BITS = Fmt<FMT>::BITS;
@@ -443,18 +448,32 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
     };
 
     // relu_pack's y (y_ptr 0: planes only): offsets inside the tile are 32-bit, and
-    // rem is how many of its elements exist.
+    // rem is how many of its elements exist. RELU_GATED: y = relu(x) u, u read here a
+    // vector at a time, not with the tile's loads (R more vectors held would cost
+    // occupancy).
     auto store_y = [&](u64 tile) {
-        if ((MODE != BS_MODE_RELU && MODE != BS_MODE_RELU2) || y_ptr == 0ull) return;
+        if (MODE == BS_MODE_PACK || MODE == BS_MODE_MASKED || y_ptr == 0ull) return;
         const u64 tile_base = tile * (u64)TILE;
         const u32 rem = bs_tile_rem<TILE>(numel, tile_base);
         T* y_tile = reinterpret_cast<T*>(y_ptr) + tile_base;
-        const bool whole = y_aligned && rem == (u32)TILE;
+        const bool whole = y_aligned && rem == (u32)TILE
+                           && (MODE != BS_MODE_RELU_GATED || u_aligned);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const u32 o = (u32)lane_off + (u32)(r * RS);
             if (o >= rem) continue;
-            const uint4 yv = MODE == BS_MODE_RELU2 ? bs_square_vec<FMT>(vec[r]) : vec[r];
+            uint4 yv;
+            if (MODE == BS_MODE_RELU_GATED) {
+                const T* u = reinterpret_cast<const T*>(u_ptr);
+                const uint4 uv = whole ? *reinterpret_cast<const uint4*>(u + tile_base + o)
+                                       : bs_load_vec<T>(u, tile_base + o, numel, u_aligned);
+                if constexpr (BS_FUSED_PER_ELEMENT || Fmt<FMT>::BITS == 8)
+                    yv = bs_product_vec_exact<FMT>(vec[r], uv);
+                else if (!bs_product_vec<FMT>(vec[r], uv, yv))
+                    yv = bs_product_vec_fallback<FMT>(vec[r], uv);
+            } else {
+                yv = MODE == BS_MODE_RELU2 ? bs_square_vec<FMT>(vec[r]) : vec[r];
+            }
             if (whole) *reinterpret_cast<uint4*>(y_tile + o) = yv;
             else bs_store_vec<T>(reinterpret_cast<T*>(y_ptr), tile_base + o, numel, y_aligned, yv);
         }

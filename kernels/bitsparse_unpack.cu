@@ -196,17 +196,6 @@ __device__ __forceinline__ bool bs_fused_vec(const uint4& g, const uint4& r, con
     return !nan;
 }
 
-// OP 5's third output, r u, the same way.
-template <int FMT>
-__device__ __forceinline__ bool bs_product_vec(const uint4& r, const uint4& u, uint4& o) {
-    bool nan = false;
-    o.x = bs_word_f32<FMT>(r.x, u.x, 0u, BsProduct(), nan);
-    o.y = bs_word_f32<FMT>(r.y, u.y, 0u, BsProduct(), nan);
-    o.z = bs_word_f32<FMT>(r.z, u.z, 0u, BsProduct(), nan);
-    o.w = bs_word_f32<FMT>(r.w, u.w, 0u, BsProduct(), nan);
-    return !nan;
-}
-
 // The same by the per-element rules (NaN payloads as NumPy gives them).
 template <int FMT, int OP>
 __device__ __forceinline__ void bs_fused_vec_exact(const uint4& g, const uint4& r, const uint4& u,
@@ -228,16 +217,6 @@ __device__ __forceinline__ void bs_fused_vec_exact(const uint4& g, const uint4& 
             bs_set_lane<T>(o2, i, (T)bs_mul_round<FMT>(gi, ri));
         }
     }
-}
-
-template <int FMT>
-__device__ __forceinline__ uint4 bs_product_vec_exact(const uint4& r, const uint4& u) {
-    typedef typename Fmt<FMT>::T T;
-    uint4 o = make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int i = 0; i < 16 / (int)sizeof(T); ++i)
-        bs_set_lane<T>(o, i, (T)bs_mul_round<FMT>((u32)bs_lane<T>(r, i), (u32)bs_lane<T>(u, i)));
-    return o;
 }
 
 // Where the word path applies, the per-element one is its rare fallback: out of

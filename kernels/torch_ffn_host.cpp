@@ -385,10 +385,10 @@ Roles gated_product_roles(const Roles& planes, const Tensor& gh, const Tensor& g
 }
 
 // Forward: take the pack's ticket (tracked for ``policy``), pack relu(g) into block_r (the
-// kernel writes relu(g) densely and its count to the ticket's slot) and u where g > 0
-// into block_u (a masked pack reading block_r's mask), then return
-// linear(relu(g) * u, weight, bias) and both blocks. One allocation for relu(g) and the
-// packs' scratch (zeroed before each pack).
+// kernel, mode RELU_GATED, writes h = relu(g) * u densely and its count to the ticket's
+// slot) and u where g > 0 into block_u (a masked pack reading block_r's mask), then
+// return linear(h, weight, bias) and both blocks. One allocation for h and the packs'
+// scratch (zeroed before each pack). g and u are contiguous (every caller's check).
 GatedForward gated_forward_impl(const Tensor& g, const Tensor& u, const Tensor& weight,
                                 const std::optional<Tensor>& bias, const Plan& R,
                                 const Plan& U, int64_t policy, int64_t capacity,
@@ -400,12 +400,12 @@ GatedForward gated_forward_impl(const Tensor& g, const Tensor& u, const Tensor& 
   const Ticket ticket = claim_slot(stream);
   track(policy, ticket, g.numel(), capacity);
   const int64_t item = g.element_size();
-  const int64_t relems = ceil_div(g.numel() * item, 16) * 16 / item;
+  const int64_t helems = ceil_div(g.numel() * item, 16) * 16 / item;
   const int64_t scratch_bytes = std::max(R.scratch_bytes, U.scratch_bytes);
-  Tensor rstore = at::empty({relems + ceil_div(scratch_bytes, item)}, g.options());
+  Tensor hstore = at::empty({helems + ceil_div(scratch_bytes, item)}, g.options());
   Tensor block_r = at::empty({R.nbytes}, g.options().dtype(at::kByte));
   Tensor block_u = at::empty({U.nbytes}, g.options().dtype(at::kByte));
-  const uint64_t r = address(rstore), br = address(block_r), bu = address(block_u);
+  const uint64_t h = address(hstore), br = address(block_r), bu = address(block_u);
   const int64_t slot = slot_of(ticket);
   if (R.numel == 0) {
     memset0(br, R.nbytes, stream);
@@ -415,19 +415,19 @@ GatedForward gated_forward_impl(const Tensor& g, const Tensor& u, const Tensor& 
       *slot_status_at(slot) = 0;
     }
   } else {
-    const uint64_t scratch = r + static_cast<uint64_t>(relems * item);
+    const uint64_t scratch = h + static_cast<uint64_t>(helems * item);
     memset0(scratch, R.scratch_bytes, stream);
-    R.pack.run(stream, br, {address(g), r, scratch, 0, 0, 0, static_cast<uint64_t>(slot)});
+    Roles gate{address(g), h, scratch, 0, 0, 0, static_cast<uint64_t>(slot)};
+    gate[R_U] = address(u);
+    R.pack.run(stream, br, gate);
     memset0(scratch, U.scratch_bytes, stream);
     Roles roles = gated_roles(R, br, U, bu);
     roles[R_X] = address(u);
     roles[R_SCRATCH] = scratch;
     U.pack.run(stream, bu, roles);
   }
-  // exactly the dense relu(g) * u, then the second GEMM as linear() makes it
-  const Tensor h = at::mul(rstore.as_strided(g.sizes(), g.strides(), 0), u);
-  rstore.reset();
-  Tensor out = forward_linear(h, h, weight, bias, mm_dtype);
+  // the second GEMM as linear() makes it
+  Tensor out = forward_linear(hstore, g, weight, bias, mm_dtype);
   return {out, block_r, block_u, ticket};
 }
 

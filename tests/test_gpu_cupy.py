@@ -553,6 +553,53 @@ def test_fused_ops(request, dt):
         assert_bits(gu, gu_ref, "gated dense grad_u")
 
 
+def assert_gated_pack(a, u, dt, enc, cap, u_off=0):
+    """The torch adapter's gated pack (mode RELU_GATED) of ``a`` beside ``u`` (``u_off``
+    elements past a 16-byte boundary): the planes of relu(a), byte for byte those of mode
+    RELU, and y = relu(a) * u as reference_ops.gated_relu_pack rounds it."""
+    from bitsparse_core.backends.cuda import host
+    from bitsparse_core.spec.format import Encoding
+    device = cp.cuda.runtime.getDevice()
+    A = dev(a)
+    U = cp.zeros(a.size + 1, dtype=dt.uint)
+    U[u_off:u_off + a.size] = dev(u.reshape(-1))
+    blocks, ys = {}, {}
+    for mode in (abi.Mode.RELU, abi.Mode.RELU_GATED):
+        plan = host.pack_plan(a.shape, dt, Encoding.parse(enc), cap, 12, mode)
+        block = cp.zeros(plan.nbytes, dtype=cp.uint8)
+        scratch = cp.empty(max(plan.scratch_bytes, 1), dtype=cp.uint8)
+        y = cp.zeros(a.shape, dtype=dt.uint)
+        gated = mode == abi.Mode.RELU_GATED
+        host.enqueue_pack(plan, device, 0, A.data.ptr, block.data.ptr, scratch.data.ptr,
+                          y.data.ptr, zero_tail=True,
+                          u=U.data.ptr + u_off * dt.itemsize if gated else 0)
+        blocks[mode], ys[mode] = block.get(), y
+    where = f"{dt.name} {a.shape} {enc} cap={cap} u+{u_off}"
+    assert np.array_equal(blocks[abi.Mode.RELU], blocks[abi.Mode.RELU_GATED]), where
+    assert_bits(ys[abi.Mode.RELU], reference_ops.relu_bits(a, dt), f"relu {where}")
+    assert_bits(ys[abi.Mode.RELU_GATED], reference_ops.gated_relu_pack(a, u, dt)[0],
+                f"relu(a) * u {where}")
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
+def test_gated_relu_pack_mode(request, dt):
+    """assert_gated_pack on fresh random bits (specials included): every encoding, a
+    capacity that fits and one that overflows, u aligned and not."""
+    rng = _rng(request)
+    for shape in ((0,), (), (513,), (64, 1001), (3, 8199)):
+        a = random_bits(rng, shape, dt, 0.3)
+        u = random_bits(rng, shape, dt, 0.2)
+        if dt.name == "float8_e4m3fn":                    # keep NaN with a sign out of nosign
+            a.view(dt.uint)[...] = np.where(a.view(dt.uint) == 0xff, 0x7f, a.view(dt.uint))
+        else:
+            nan = np.isnan(a.astype(np.float32))
+            a.view(dt.uint)[nan] &= np.array(dt.sign_mask - 1, dtype=dt.uint)
+        kept = int(np.count_nonzero(reference_ops.relu_bits(a, dt).view(dt.uint)))
+        for enc, cap in (("nosign", kept), ("signplane", kept), ("raw", max(kept // 2, 1))):
+            for u_off in (0, 1):
+                assert_gated_pack(a, u, dt, enc, cap, u_off)
+
+
 @pytest.mark.parametrize("dt", [_dt.BFLOAT16, _dt.FLOAT32, _dt.FLOAT8_E4M3FN], ids=lambda d: d.name)
 def test_many_waves_of_tiles(request, dt):
     """More tiles than a wave of resident blocks, the last one partial: where the pack and
@@ -582,6 +629,7 @@ def test_many_waves_of_tiles(request, dt):
     assert_bits(gg, gg_ref, "gated grad_g")
     assert_bits(gu, gu_ref, "gated grad_u")
     assert_gated_one_decode(p, p_ref, pu, pu_ref, G, g, dt)
+    assert_gated_pack(a, u, dt, "nosign", n // 2)
 
 
 def test_masked_pack_nosign_status(request):

@@ -130,13 +130,14 @@ def test_native_launches_match_the_python_records(ext, python_launches, shape, d
 def test_native_gated_launches_match_the_python_records(ext, python_launches, shape, dtype, enc,
                                                         density, u_enc):
     """A gated op's launches (ops.gated_relu_linear and its backward on the Python path):
-    u's masked pack reads relu(g)'s mask, u's unpack relu(g)'s mask and offsets beside its
-    own values, and the gated backward u's values and signs, all passed as roles."""
+    relu(g)'s pack reads u too (it writes relu(g) * u), u's masked pack reads relu(g)'s
+    mask, u's unpack relu(g)'s mask and offsets beside its own values, and the gated
+    backward u's values and signs, all passed as roles."""
     numel = 1
     for s in shape:
         numel *= s
     cap = int(density * numel)
-    plan_r = host.pack_plan(shape, dtype, enc, cap, DEFAULT_CHUNK_LOG2, abi.Mode.RELU)
+    plan_r = host.pack_plan(shape, dtype, enc, cap, DEFAULT_CHUNK_LOG2, abi.Mode.RELU_GATED)
     plan_u = host.pack_plan(shape, dtype, u_enc, cap, DEFAULT_CHUNK_LOG2, abi.Mode.MASKED)
     r_launches, u_launches = native.gated_plan_templates(plan_r, plan_u, 0)
     hr, hu = (ext.add_plan(p.lay.numel, p.nbytes, p.scratch_bytes, p.status_offset,
@@ -145,6 +146,15 @@ def test_native_gated_launches_match_the_python_records(ext, python_launches, sh
     block_u = BLOCK + 0x100_0000
     pr, pu = plan_r.planes(BLOCK), plan_u.planes(block_u)
     mask_roles = dict(mask=pr.mask, offsets=pr.offsets)
+    if numel:
+        host.enqueue_pack(plan_r, 0, 0x5EED, X, BLOCK, SCRATCH, Y, zero_tail=False, slot=SLOT,
+                          u=X + 0x40_0000)
+        kind, func, grid, smem, want = python_launches.pop()
+        assert (func, grid) == r_launches["pack"][:2]
+        assert ext.launch_params(hr, "pack", BLOCK, _roles(x=X, y=Y, scratch=SCRATCH, slot=SLOT,
+                                                           u=X + 0x40_0000)) == want
+        with pytest.raises(ValueError, match="RELU_GATED"):     # u is its factor: never 0
+            host.enqueue_pack(plan_r, 0, 0x5EED, X, BLOCK, SCRATCH, Y, zero_tail=False)
     host.enqueue_pack(plan_u, 0, 0x5EED, X, block_u, SCRATCH, in_planes=pr, zero_tail=False)
     want = python_launches.pop()[-1]
     assert ext.launch_params(hu, "pack", block_u, _roles(x=X, scratch=SCRATCH, **mask_roles)) == want
@@ -483,10 +493,17 @@ class HostDriver:
         block = r["mask"] - plan.spans[0][0]
         assert (r["offsets"], r["status"]) == (block + plan.spans[1][0], block + plan.status_offset)
         x = self._tensor(r["x"], plan)
+        assert bool(r["u"]) == (mode == abi.Mode.RELU_GATED)
         if mode == abi.Mode.PACK:    # the saved-tensor hooks' plain pack
             y, host_block = None, ops._plain_pack_cpu(x, plan)
         else:
             y, host_block = ops._pack_cpu(x, plan, mode == abi.Mode.RELU2)
+        if mode == abi.Mode.RELU_GATED:     # y = relu(g) * u, the gated op's activation
+            from bitsparse_core.spec import ops as reference_ops
+            dt = plan.lay.dtype
+            h, _ = reference_ops.gated_relu_pack(ops._to_numpy(x, dt),
+                                                 ops._to_numpy(self._tensor(r["u"], plan), dt), dt)
+            y = ops._from_numpy(h, x.dtype, x.shape)
         ctypes.memmove(block, host_block.data_ptr(), plan.nbytes)
         if r["slot"]:     # the kernel's copy of its status and count, in host memory
             head = self._host(plan.status(block), 16)

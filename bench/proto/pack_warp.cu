@@ -82,7 +82,8 @@ bitsparse_pack_warp(u64 x_ptr, u64 numel, int x_aligned,
                     u64 values_ptr, u64 signs_ptr, u64 cap,
                     u64 y_ptr, int y_aligned,
                     u64 scratch_ptr, u64 status_ptr, u64 n_tiles,
-                    u64 zero_values_words, u64 zero_signs_words, u64 slot_ptr) {
+                    u64 zero_values_words, u64 zero_signs_words, u64 slot_ptr,
+                    u64 u_ptr, int u_aligned) {   // RELU_GATED's u: unused here
     static_assert(ENC != 2, "prototype: raw and nosign streams only");
     typedef typename Fmt<FMT>::T T;
     const int BITS = Fmt<FMT>::BITS;

@@ -79,6 +79,17 @@ def relu_pack(a: np.ndarray, dtype: _dt.DType, *, square: bool = False, encoding
     return y, p
 
 
+def gated_relu_pack(g: np.ndarray, u: np.ndarray, dtype: _dt.DType, *, encoding="nosign",
+                    chunk_log2: int = _fmt.DEFAULT_CHUNK_LOG2, capacity=None):
+    """``(h, p)``: the gated op's activation ``h = relu(g) * u``, each product rounded
+    once (every element formed: an infinite or NaN ``u`` where ``relu(g)`` is +0 gives
+    NaN), and ``p = pack(relu(g))``."""
+    r = relu_bits(g, dtype)
+    p = pack_array(r, dtype, encoding, chunk_log2=chunk_log2, capacity=capacity)
+    h = _round(mul_f32(r.astype(np.float32), np.asarray(u).astype(np.float32)), dtype)
+    return h, p
+
+
 def mask_of(p: PackedTensor) -> np.ndarray:
     return np.unpackbits(np.asarray(p.mask, dtype=np.uint8), count=p.numel,
                          bitorder="little").view(bool).reshape(p.shape)

@@ -66,7 +66,7 @@ HEADERS = "torch_host_*.h"     # its parts, included by SOURCE
 # The pointers a call supplies, in the order of the C++ ``Role`` enum.
 ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2", "slot",
               "mask", "mask_len", "offsets", "values", "values_len", "signs", "signs_len",
-              "uvalues", "uvalues_len", "usigns", "usigns_len", "out3")
+              "uvalues", "uvalues_len", "usigns", "usigns_len", "out3", "u")
 
 _lock = threading.Lock()
 _off = 0                   # depth of python_path() blocks
@@ -327,10 +327,12 @@ def pack_template(plan: host.PackPlan, device: int, zero_tail: bool = False) -> 
     (mo, _), (oo, _), (vo, _), (so, _) = plan.spans
     r.values, r.signs, r.status = vo, so, plan.status_offset
     r.zero_values_words, r.zero_signs_words = L.tail_words if zero_tail else (0, 0)
-    r.x = r.y = r.scratch = r.slot = 0
+    r.x = r.y = r.scratch = r.slot = r.u = 0
     block_fields = ["values", "signs", "status"]
     patches = [("x", "x", "x_aligned", False), ("y", "y", "y_aligned", True),
                ("scratch", "scratch", None, False), ("slot", "slot", None, False)]
+    if plan.mode == abi.Mode.RELU_GATED:
+        patches.append(("u", "u", "u_aligned", True))
     if plan.mode == abi.Mode.MASKED:
         r.mask = r.offsets = 0
         patches.append(("mask", "mask", None, False))
@@ -576,7 +578,7 @@ def _gated_handles(mod, shape, dtype, capacity: int, encoding: int, u_encoding: 
     key = ("gated", tuple(shape), dtype, capacity, encoding, u_encoding, device)
     handles = _handles.get(key, -1)
     if handles == -1:
-        plan_r = _ops._plan(shape, dtype, capacity, False, encoding, DEFAULT_CHUNK_LOG2)
+        plan_r = _ops._gate_plan(shape, dtype, capacity, encoding, DEFAULT_CHUNK_LOG2)
         plan_u = _ops._u_plan(shape, dtype, capacity, u_encoding, DEFAULT_CHUNK_LOG2)
         handles = _handles[key] = register_gated(mod, plan_r, plan_u, device)
     return handles

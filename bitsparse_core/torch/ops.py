@@ -71,6 +71,12 @@ def _plan(a_shape, dtype: torch.dtype, capacity: int, square: bool, encoding: in
     return _plan_of(mode, a_shape, dtype, capacity, encoding, chunk_log2)
 
 
+def _gate_plan(a_shape, dtype: torch.dtype, capacity: int, encoding: int,
+               chunk_log2: int) -> host.PackPlan:
+    """relu(g)'s plan in a gated op: ReLU's layout, whose CUDA pack also writes relu(g) * u."""
+    return _plan_of(abi.Mode.RELU_GATED, a_shape, dtype, capacity, encoding, chunk_log2)
+
+
 def _block_nbytes(mode: abi.Mode, a_shape, dtype: torch.dtype, capacity, encoding: int,
                   chunk_log2: int):
     """A block's bytes at ``capacity`` for the fake kernels. Under torch.compile an adaptive
@@ -166,9 +172,10 @@ def _from_numpy(arr, dtype: torch.dtype, shape) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 # CUDA: the kernels by pointer on torch's current stream                      #
 # --------------------------------------------------------------------------- #
-def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
-    """``(y, block, ticket)``: y is relu(a) (squared for RELU2); the pack kernel writes
-    its status and count into a pinned slot (none while a graph is captured)."""
+def _pack_cuda(a: torch.Tensor, plan: host.PackPlan, u: Optional[torch.Tensor] = None):
+    """``(y, block, ticket)``: y is relu(a) (squared for RELU2, times ``u`` for
+    RELU_GATED); the pack kernel writes its status and count into a pinned slot (none
+    while a graph is captured)."""
     device = a.device
     stream = _stream(device)
     numel, item = a.numel(), a.element_size()
@@ -178,12 +185,13 @@ def _pack_cuda(a: torch.Tensor, plan: host.PackPlan):
     ystore = torch.empty(yelems + -(-plan.scratch_bytes // item), dtype=a.dtype, device=device)
     block = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
     yptr = ystore.data_ptr()
-    ticket = _enqueue_pack(a, plan, block, stream, yptr + yelems * item, C.claim_slot(), yptr)
+    ticket = _enqueue_pack(a, plan, block, stream, yptr + yelems * item, C.claim_slot(), yptr,
+                           u=u)
     return ystore.as_strided(a.shape, a.stride()), block, ticket
 
 
 def _enqueue_pack(a: torch.Tensor, plan: host.PackPlan, block: torch.Tensor, stream: int,
-                  scratch: int, claimed, y: int = 0):
+                  scratch: int, claimed, y: int = 0, u: Optional[torch.Tensor] = None):
     """Queue the pack of ``a`` into ``block`` on ``stream``, the kernel writing its status
     and count into the slot ``claimed`` (:func:`.capacity.claim_slot`: ``(address,
     ticket)``, address 0 for none; the slot reads pending until both land); returns the
@@ -192,7 +200,7 @@ def _enqueue_pack(a: torch.Tensor, plan: host.PackPlan, block: torch.Tensor, str
     # zero_tail=False: nothing reads a block's value slots past its count (the block is
     # never serialized), so the fixed-capacity zeroing of the public pack is skipped.
     host.enqueue_pack(plan, a.device.index, stream, a.data_ptr(), block.data_ptr(), scratch, y,
-                      zero_tail=False, slot=slot)
+                      zero_tail=False, slot=slot, u=u.data_ptr() if u is not None else 0)
     return ticket
 
 
@@ -596,11 +604,14 @@ def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, enco
     ``x, wg, bg, wu, bu`` (what made ``g`` and ``u``) are kept only for the exact
     recompute of an overflowed pack. One capacity serves both: u stores a value exactly
     where relu(g) does."""
-    plan_r = _plan(g.shape, g.dtype, capacity, False, encoding, chunk_log2)
+    plan_r = _gate_plan(g.shape, g.dtype, capacity, encoding, chunk_log2)
     plan_u = _u_plan(g.shape, g.dtype, capacity, u_encoding, chunk_log2)
     pol = C.POLICIES.get(policy)
     if g.device.type == "cuda":
-        r, block_r, ticket = _pack_cuda(g, plan_r)
+        # relu(g)'s pack writes h = relu(g) * u (each product rounded once; a NaN's
+        # payload as reference_ops.mul_f32 has it)
+        g, u = g.contiguous(), u.contiguous()
+        h, block_r, ticket = _pack_cuda(g, plan_r, u)
         C.BLOCK_TICKETS.remember(block_r, ticket)
         block_u = torch.empty(plan_u.nbytes, dtype=torch.uint8, device=g.device)
         scratch = torch.empty(max(plan_u.scratch_bytes, 1), dtype=torch.uint8, device=g.device)
@@ -613,10 +624,10 @@ def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, enco
         block_u = _masked_pack_cpu(u, block_r, plan_r, plan_u)
         ticket = C.fixed_ticket(C.HOST_FINAL)
         known = _host_status(block_r, plan_r)
+        h = torch.mul(r, u)
+        del r
     if pol is not None:
         pol.track(ticket, g.numel(), int(capacity), known)
-    h = torch.mul(r, u)          # exactly the dense relu(g) * u
-    del r
     with torch.autocast(g.device.type, enabled=False):
         out = F.linear(h if mm_dtype is None else h.to(mm_dtype), weight, bias)
     return out, block_r, block_u
@@ -670,7 +681,7 @@ def gated_relu_linear_backward(grad_out, block_r, block_u, weight, x, wg, bg, wu
     """``(grad_g, grad_u, grad_W, grad_b)`` of :func:`gated_relu_linear`: from the packed
     blocks where the pack is clean, else from ``g`` and ``u`` recomputed with the
     forward's GEMMs; PyTorch's own ``linear`` backward on the 2-D views."""
-    plan_r = _plan(a_shape, a_dtype, capacity, False, encoding, chunk_log2)
+    plan_r = _gate_plan(a_shape, a_dtype, capacity, encoding, chunk_log2)
     plan_u = _u_plan(a_shape, a_dtype, capacity, u_encoding, chunk_log2)
     pol = C.POLICIES.get(policy)
     clean = _clean_state(block_r, block_ticket(block_r), plan_r, pol, x is not None,

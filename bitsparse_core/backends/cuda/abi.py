@@ -32,6 +32,7 @@ class Mode(enum.IntEnum):
     RELU = 1      # pack relu(x), write y = relu(x)
     RELU2 = 2     # pack relu(x), write y = relu(x)**2
     MASKED = 3    # pack x at the positions of an existing mask
+    RELU_GATED = 4   # pack relu(x), write y = relu(x) * u (the gated op's activation)
 
 
 class Op(enum.IntEnum):
@@ -140,7 +141,8 @@ class PackArgs(_Args):
                 ("mask_len", _U64), ("offsets", _U64), ("off64", _I32), ("chunk_log2", _I32),
                 ("values", _U64), ("signs", _U64), ("cap", _U64), ("y", _U64), ("y_aligned", _I32),
                 ("scratch", _U64), ("status", _U64), ("n_tiles", _U64),
-                ("zero_values_words", _U64), ("zero_signs_words", _U64), ("slot", _U64)]
+                ("zero_values_words", _U64), ("zero_signs_words", _U64), ("slot", _U64),
+                ("u", _U64), ("u_aligned", _I32)]
 
 
 class UnpackArgs(_Args):

@@ -154,7 +154,7 @@ class _PackLaunch:
     def __init__(self, plan: PackPlan, device: int):
         lay = plan.lay
         enc = lay.encoding
-        fused = plan.mode in (Mode.RELU, Mode.RELU2)
+        fused = plan.mode in (Mode.RELU, Mode.RELU2, Mode.RELU_GATED)
         fmt = abi.FMT_OF[lay.dtype.name] if fused else abi.BITS_FMT[lay.dtype.bits]
         self.pack = kernel(device, "pack", fmt, int(enc), int(plan.mode), plan.rounds)
         self.grid = min(plan.n_tiles, driver.resident_blocks(self.pack, abi.THREADS, plan.smem,
@@ -188,11 +188,13 @@ def _pack_launch(plan: PackPlan, device: int) -> _PackLaunch:
 
 def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, scratch: int,
                  y: int = 0, in_planes: Planes | None = None, zero_tail: bool = True,
-                 slot: int = 0) -> None:
+                 slot: int = 0, u: int = 0) -> None:
     """Queue the pack of the dense tensor at ``x`` into ``block`` (``plan.nbytes``).
 
-    ``y``: where relu_pack writes the dense activation (modes RELU / RELU2; 0 writes
-    the planes only). ``in_planes``: the mask tensor's planes (mode MASKED).
+    ``y``: where relu_pack writes the dense activation (modes RELU / RELU2 / RELU_GATED;
+    0 writes the planes only); ``u``: RELU_GATED's other factor, a dense tensor of x's
+    shape and dtype (y = relu(x) * u). ``in_planes``: the mask tensor's planes (mode
+    MASKED).
     ``scratch``: ``plan.scratch_bytes`` of device memory, zeroed here. ``zero_tail``:
     zero the value slots past the stored values (a fixed capacity; an exact pack's
     worst-case values are shrunk to the stored ones instead). ``slot``: a pinned host
@@ -206,13 +208,13 @@ def enqueue_pack(plan: PackPlan, device: int, stream: int, x: int, block: int, s
         mask, offsets = block + mo, block + oo
     enqueue_pack_planes(plan, device, stream, x, mask, offsets, block + vo, block + so,
                         block + plan.status_offset, scratch, y=y, zero_tail=zero_tail,
-                        slot=slot, whole=(block, plan.nbytes))
+                        slot=slot, whole=(block, plan.nbytes), u=u)
 
 
 def enqueue_pack_planes(plan: PackPlan, device: int, stream: int, x: int, mask: int,
                         offsets: int, values: int, signs: int, status: int, scratch: int, *,
                         y: int = 0, zero_tail: bool = True, slot: int = 0,
-                        whole: tuple | None = None) -> None:
+                        whole: tuple | None = None, u: int = 0) -> None:
     """:func:`enqueue_pack` into planes that live apart (an XLA custom call's results, an
     exact pack's two allocations): the mask, offsets, values and signs at the plan's
     lengths, each rounded up to a whole 4-byte word (the kernel stores words), and
@@ -237,6 +239,9 @@ def enqueue_pack_planes(plan: PackPlan, device: int, stream: int, x: int, mask: 
     r.scratch, r.status = scratch, status
     r.zero_values_words, r.zero_signs_words = L.tail_words if zero_tail else (0, 0)
     r.slot = slot
+    if (plan.mode == Mode.RELU_GATED) != bool(u and y):
+        raise ValueError("a RELU_GATED pack takes u and y, and only it takes u")
+    r.u, r.u_aligned = u, bool(u) and u % 16 == 0
     driver.launch_cooperative(L.pack, L.grid, abi.THREADS, plan.smem, stream, r)
 
 

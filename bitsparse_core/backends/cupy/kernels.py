@@ -83,7 +83,7 @@ def all_kernel_keys(sweep_rounds=()) -> list:
         dt = _dt.resolve(name)
         ru = abi.unpack_rounds(dt, abi.Op.RELU2)
         for enc in encs:
-            for mode in (abi.Mode.RELU, abi.Mode.RELU2):
+            for mode in (abi.Mode.RELU, abi.Mode.RELU2, abi.Mode.RELU_GATED):
                 keys.append(("pack", fmt, enc, mode, rp))
             for op in (abi.Op.RELU2, abi.Op.RELU2_AND_SQUARE):
                 keys.append(("unpack", fmt, op, ru, enc, 0))
