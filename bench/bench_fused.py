@@ -6,7 +6,12 @@ The ops of a packed ReLU / ReLU² / gated FFN layer, CuPy backend, bf16, fixed c
 (the training path's): ``relu_pack`` (ReLU and ReLU², planes and the dense output),
 ``relu2_backward`` (the input gradient), ``relu2_backward+square`` (the same kernel also
 writing r², the next weight gradient's operand: what ``relu_linear``'s backward runs) and
-``gated_backward`` (two gradients from two planes sharing a mask). Inputs: a
+``gated_backward`` (two gradients from two planes sharing a mask); the gated op's
+``gated_pack`` (relu(g)'s planes and ``h = relu(g) * u`` in one kernel, mode RELU_GATED)
+and ``gated_product`` (``r * u`` from both planes, the weight gradient's input), each
+beside the way it was made before (``gated_pack_by_relu_mul``: relu(g)'s pack, then
+``torch.mul``; ``gated_product_by_decodes``: two decodes, then the product) and timed
+with the same bytes, so that their shares compare the same work. Inputs: a
 pre-activation ~ N(0, 1) shifted so that a fraction ``density`` is positive, a gradient
 ~ N(0, 1). Shapes: a gpt12 layer's FFN activation [8192, 4096] at the density of a fresh
 model (0.5) and of a trained one (0.1), and the codec bench's [8192, 14336] at 0.1.
@@ -47,7 +52,7 @@ from plotting import pyplot  # noqa: E402
 
 CASES = (((8192, 4096), 0.5), ((8192, 4096), 0.1), ((8192, 14336), 0.1))
 OPS = ("relu_pack", "relu2_pack", "relu2_backward", "relu2_backward+square", "gated_backward",
-       "gated_backward+product", "gated_two_decodes")
+       "gated_product", "gated_product_by_decodes", "gated_pack", "gated_pack_by_relu_mul")
 # relu_pack at 2 rounds and 4 blocks per SM (session 20's geometry)
 DEFAULT_VARIANTS = "before=PACK_ROUNDS=2 -DBS_PACK_FUSED_BLOCKS=4"
 ROUND_TOKENS = ("PACK_ROUNDS", "FUSED_ROUNDS")   # abi constants a variant may set
@@ -95,7 +100,10 @@ def measure(reps: int) -> dict:
 
     import bitsparse_core as bc
     from bench_codecs import Timer, copy_bandwidth
-    from bitsparse_core.backends.cuda.abi import Op
+    from bitsparse_core import dtypes as _dt
+    from bitsparse_core.backends.cuda import host
+    from bitsparse_core.backends.cuda.abi import Mode, Op
+    from bitsparse_core.spec.format import Encoding
     from bitsparse_core.backends.cupy.backend import CupyBackend
     from bitsparse_core.spec import format as _fmt
 
@@ -127,26 +135,43 @@ def measure(reps: int) -> dict:
                               sq_out.data_ptr(), grad=grad.data_ptr(), out2=sq_out2.data_ptr())
 
             relu2_and_square()
-            g_out, g_out2, g_out3 = (torch.empty_like(a) for _ in range(3))
-            r_buf, u_buf = torch.empty_like(a), torch.empty_like(a)
-            pr_planes = be._ready(p1, stream.cuda_stream)
+            # the gated op's weight-gradient input r * u: one kernel from both blocks, and the
+            # way it was formed before (two decodes and a product)
+            h_one, r_buf, u_buf = (torch.empty_like(a) for _ in range(3))
             pu_planes = be._ready(pu, stream.cuda_stream)
 
-            def gated_and_product():
-                be._unpack_op(p1, Op.GATED_AND_PRODUCT, stream.cuda_stream, None,
-                              g_out.data_ptr(), planes=pr_planes, grad=grad.data_ptr(),
-                              out2=g_out2.data_ptr(), out3=g_out3.data_ptr(), pu=pu_planes,
-                              u_encoding=pu.encoding)
+            def gated_product():
+                be._unpack_op(p1, Op.GATED_PRODUCT, stream.cuda_stream, None, h_one.data_ptr(),
+                              pu=pu_planes, u_encoding=pu.encoding)
 
-            def two_decodes():
-                # what the backward ran before the fused op: r and u decoded, r * u, then
-                # the gated kernel
+            def product_by_decodes():
                 bc.unpack(p1, out=r_buf, stream=stream)
                 bc.unpack(pu, out=u_buf, stream=stream)
                 r_buf.mul_(u_buf)
-                return bc.gated_backward(grad, p1, pu, stream=stream)
 
-            gated_and_product()
+            # the gated forward's pack: relu(g)'s planes and h = relu(g) * u in one kernel
+            # (mode RELU_GATED), and before: relu(g)'s planes and relu(g), then the product
+            plan_g = host.pack_plan(shape, _dt.BFLOAT16, Encoding.NOSIGN, K, 12, Mode.RELU_GATED)
+            plan_r = host.pack_plan(shape, _dt.BFLOAT16, Encoding.NOSIGN, K, 12, Mode.RELU)
+            blk = torch.empty(plan_g.nbytes, dtype=torch.uint8, device="cuda")
+            scr = torch.empty(plan_g.scratch_bytes, dtype=torch.uint8, device="cuda")
+            h_pack, r_pack, h_mul = (torch.empty_like(a) for _ in range(3))
+            dev = torch.cuda.current_device()
+
+            def gated_pack():
+                host.enqueue_pack(plan_g, dev, stream.cuda_stream, a.data_ptr(), blk.data_ptr(),
+                                  scr.data_ptr(), h_pack.data_ptr(), zero_tail=False,
+                                  u=u.data_ptr())
+
+            def pack_by_relu_mul():
+                host.enqueue_pack(plan_r, dev, stream.cuda_stream, a.data_ptr(), blk.data_ptr(),
+                                  scr.data_ptr(), r_pack.data_ptr(), zero_tail=False)
+                torch.mul(r_pack, u, out=h_mul)
+
+            gated_product()
+            product_by_decodes()
+            gated_pack()
+            pack_by_relu_mul()
             outs = {
                 "relu_pack": ((lambda: bc.relu_pack(a, **kw)), (y1, *_planes(p1)),
                               2 * n * isz + packed("nosign")),
@@ -160,11 +185,13 @@ def measure(reps: int) -> dict:
                 "gated_backward": ((lambda: bc.gated_backward(grad, p1, pu, stream=stream)),
                                    bc.gated_backward(grad, p1, pu, stream=stream),
                                    3 * n * isz + packed("nosign") + u_planes),
-                # bytes of the fused op for both: the second row's share is the same work's
-                "gated_backward+product": (gated_and_product, (g_out, g_out2, g_out3),
-                                           4 * n * isz + packed("nosign") + u_planes),
-                "gated_two_decodes": (two_decodes, (r_buf, *two_decodes()),
-                                      4 * n * isz + packed("nosign") + u_planes),
+                # each pair with the first one's bytes: the second row's share is the same work's
+                "gated_product": (gated_product, (h_one,), n * isz + packed("nosign") + u_planes),
+                "gated_product_by_decodes": (product_by_decodes, (r_buf,),
+                                             n * isz + packed("nosign") + u_planes),
+                "gated_pack": (gated_pack, (h_pack, blk), 3 * n * isz + packed("nosign")),
+                "gated_pack_by_relu_mul": (pack_by_relu_mul, (h_mul, blk),
+                                           3 * n * isz + packed("nosign")),
             }
         stream.synchronize()
         for op in OPS:
@@ -192,7 +219,8 @@ def warm() -> None:
     keys += [("pack", bf16, signplane, int(abi.Mode.MASKED), abi.PACK_ROUNDS)]
     keys += [("unpack", bf16, int(op), ru, nosign, 0) for op in (abi.Op.RELU2, abi.Op.RELU2_AND_SQUARE)]
     keys += [("unpack", bf16, int(op), ru, nosign, signplane)
-             for op in (abi.Op.GATED, abi.Op.GATED_AND_PRODUCT)]
+             for op in (abi.Op.GATED, abi.Op.GATED_PRODUCT)]
+    keys += [("pack", bf16, nosign, int(abi.Mode.RELU_GATED), abi.PACK_ROUNDS)]
     keys += [("unpack", int(abi.BITS_FMT[16]), int(abi.Op.UNPACK), abi.unpack_rounds(
         _dt.BFLOAT16, abi.Op.UNPACK), e, 0) for e in (nosign, signplane)]
     warm_cache(len(keys), keys)

@@ -19,7 +19,8 @@
 // OP 0: unpack. OP 1: relu2_backward (2 r g where r > 0). OP 2: gated
 // backward with u packed under the same mask (its own encoding UENC). OP 3:
 // gated backward with u dense. OP 4: OP 1 and r² as the forward rounded it.
-// OP 5: OP 2 and r u (the second GEMM's input, for its weight gradient).
+// OP 5: r u from the two planes of OP 2 (the gated op's activation, which its second
+// GEMM's weight gradient reads).
 // The fused ops compute a word at a time in float32 (bs_fused_vec), per
 // element only where a result is NaN.
 
@@ -150,9 +151,6 @@ __device__ __forceinline__ uint4 bs_expand_vec(const u32* vals, u32 j, u32 b, co
 #ifndef BS_FUSED_BLOCKS
 #define BS_FUSED_BLOCKS 8    // the fused ops' blocks per SM (fp8's gated op would spill: 6)
 #endif
-#ifndef BS_GATED_PRODUCT_BLOCKS
-#define BS_GATED_PRODUCT_BLOCKS 6   // OP 5's three outputs: at 8 (32 registers) bf16 spilled 220 B
-#endif                              // (fp8: 5, 48 registers; at 6 e5m2 spilled 200 B)
 template <int BITS> struct BsScatter { enum { MAX = BITS == 16 ? BS_SCATTER_MAX16 : BITS == 8 ? BS_SCATTER_MAX8 : -1 }; };
 
 template <int BITS>
@@ -230,15 +228,8 @@ __device__ __noinline__ BsVecPair bs_fused_vec_fallback(uint4 g, uint4 r, uint4 
     bs_fused_vec_exact<FMT, OP>(g, r, u, o.a, o.b);
     return o;
 }
-// OP 5's one fallback for all three outputs (one call site: the registers live across a
-// call are what the common path pays for it).
-struct BsVecTriple { uint4 a, b, c; };
-template <int FMT, int OP>
-__device__ __noinline__ BsVecTriple bs_gated_product_fallback(uint4 g, uint4 r, uint4 u) {
-    BsVecTriple o;
-    bs_fused_vec_exact<FMT, OP>(g, r, u, o.a, o.b);
-    o.c = bs_product_vec_exact<FMT>(r, u);
-    return o;
+template <int FMT> __device__ __noinline__ uint4 bs_product_vec_fallback(uint4 r, uint4 u) {
+    return bs_product_vec_exact<FMT>(r, u);
 }
 
 __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
@@ -262,8 +253,7 @@ __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
 
 // Blocks per SM of an unpack-family kernel (its launch bounds).
 template <int BITS, int OP> struct BsUnpackBlocks {
-    enum { N = OP == BS_OP_GATED_AND_PRODUCT ? (BITS == 8 ? 5 : BS_GATED_PRODUCT_BLOCKS)
-               : OP != 0 ? (BITS == 8 ? 6 : BS_FUSED_BLOCKS) : BITS == 32 ? 6 : BS_UNPACK_BLOCKS };
+    enum { N = OP != 0 ? (BITS == 8 ? 6 : BS_FUSED_BLOCKS) : BITS == 32 ? 6 : BS_UNPACK_BLOCKS };
 };
 
 template <int FMT, int OP, int R, int ENC, int UENC>
@@ -273,8 +263,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
                  u64 values_ptr, u64 values_len, u64 signs_ptr, u64 signs_len,
                  u64 uvalues_ptr, u64 uvalues_len, u64 usigns_ptr, u64 usigns_len,
                  u64 g_ptr, int g_aligned, u64 ud_ptr, int ud_aligned,
-                 u64 out_ptr, int out_aligned, u64 out2_ptr, int out2_aligned,
-                 u64 out3_ptr, int out3_aligned) {
+                 u64 out_ptr, int out_aligned, u64 out2_ptr, int out2_aligned) {
     typedef typename Fmt<FMT>::T T;
     const int BITS = Fmt<FMT>::BITS;
     const int V = 16 / (int)sizeof(T);
@@ -283,7 +272,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
     const int TILE = SEG * BS_WARPS;
     const int VW = TILE * BITS / 32 + 4;      // decoded values as words, plus guards
     const u32 VM = V == 32 ? 0xffffffffu : ((1u << V) - 1u);
-    const bool UPACKED = OP == BS_OP_GATED || OP == BS_OP_GATED_AND_PRODUCT;   // u's own planes
+    const bool UPACKED = OP == BS_OP_GATED || OP == BS_OP_GATED_PRODUCT;   // u's own planes
 
     __shared__ __align__(16) u32 vals[VW];
     __shared__ __align__(16) u32 uvals[UPACKED ? VW : 1];
@@ -400,6 +389,14 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         if (OP == BS_OP_UNPACK) {
             if (plain_store) orow[r * RS / V] = rv;
             else bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, rv);
+        } else if (OP == BS_OP_GATED_PRODUCT) {
+            const uint4 uv = scatter ? bs_scatter_vec<BITS>(uvals, j, bits[r], &s_slot[tid])
+                                     : bs_expand_vec<BITS>(uvals, j, bits[r], s_sel);
+            uint4 o;
+            if constexpr (BS_FUSED_PER_ELEMENT || BITS == 8) o = bs_product_vec_exact<FMT>(rv, uv);
+            else if (!bs_product_vec<FMT>(rv, uv, o)) o = bs_product_vec_fallback<FMT>(rv, uv);
+            if (plain_store) orow[r * RS / V] = o;
+            else bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, o);
         } else {
             const uint4 gv = bs_load_vec<T>(gx, g, numel, g_aligned);
             uint4 uv = make_uint4(0, 0, 0, 0);
@@ -408,25 +405,14 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
                              : bs_expand_vec<BITS>(uvals, j, bits[r], s_sel);
             if (OP == BS_OP_GATED_DENSE)
                 uv = bs_load_vec<T>(reinterpret_cast<const T*>(ud_ptr), g, numel, ud_aligned);
-            uint4 o1, o2, o3;
-            if constexpr (BS_FUSED_PER_ELEMENT || BITS == 8) {
+            uint4 o1, o2;
+            if constexpr (BS_FUSED_PER_ELEMENT || BITS == 8)
                 bs_fused_vec_exact<FMT, OP>(gv, rv, uv, o1, o2);
-                if (OP == BS_OP_GATED_AND_PRODUCT) o3 = bs_product_vec_exact<FMT>(rv, uv);
-            } else if (OP == BS_OP_GATED_AND_PRODUCT) {
-                const bool ok = bs_product_vec<FMT>(rv, uv, o3);
-                if (!(bs_fused_vec<FMT, OP>(gv, rv, uv, o1, o2) && ok)) {
-                    const BsVecTriple o = bs_gated_product_fallback<FMT, OP>(gv, rv, uv);
-                    o1 = o.a;
-                    o2 = o.b;
-                    o3 = o.c;
-                }
-            } else if (!bs_fused_vec<FMT, OP>(gv, rv, uv, o1, o2)) {
+            else if (!bs_fused_vec<FMT, OP>(gv, rv, uv, o1, o2)) {
                 const BsVecPair o = bs_fused_vec_fallback<FMT, OP>(gv, rv, uv);
                 o1 = o.a;
                 o2 = o.b;
             }
-            if (OP == BS_OP_GATED_AND_PRODUCT)
-                bs_store_vec<T>(reinterpret_cast<T*>(out3_ptr), g, numel, out3_aligned, o3);
             bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, o1);
             if (OP != BS_OP_RELU2)
                 bs_store_vec<T>(reinterpret_cast<T*>(out2_ptr), g, numel, out2_aligned, o2);

@@ -373,14 +373,10 @@ Roles gated_roles(const Plan& R, uint64_t br, const Plan& U, uint64_t bu) {
   return roles;
 }
 
-// The gated backward kernel's roles that also writes r * u: grad_g over the gradient
-// ``gh``, grad_u into ``gu``, r * u into ``h``.
-Roles gated_product_roles(const Roles& planes, const Tensor& gh, const Tensor& gu,
-                          const Tensor& h) {
+// The roles of the launch that writes r * u from both blocks into ``h``.
+Roles gated_product_roles(const Roles& planes, const Tensor& h) {
   Roles roles = planes;
-  roles[R_G] = roles[R_OUT] = address(gh);
-  roles[R_OUT2] = address(gu);
-  roles[R_OUT3] = address(h);
+  roles[R_OUT] = address(h);
   return roles;
 }
 
@@ -453,38 +449,18 @@ GatedGrads gated_backward_impl(const Tensor& grad_out, const Tensor& block_r,
   void* stream = current_stream(block_r.device());
   const uint64_t at_r = address(block_r), at_u = address(block_u);
   const Roles planes = gated_roles(R, at_r, U, at_u);
-  if (clean && need_a && need_w) {
-    // one decode of both blocks: both gradients (grad_g over grad_h) and the second GEMM's
-    // input r * u
-    const Tensor gh = input_grad(g2, weight, a_shape, a_dtype).contiguous();
-    const Tensor gu = at::empty_like(gh), h = at::empty_like(gh);
-    R.gated_and_product.run(stream, at_r, gated_product_roles(planes, gh, gu, h));
-    o.weight = weight_grad(g2, h, mm_dtype);
-    o.g = gh;
-    o.u = gu;
-    return o;
-  }
-  Tensor r, u;   // a clean gradient reads the packed blocks: r and u only for the weight gradient
+  Tensor r, u;   // a clean gradient reads the packed blocks: r * u only for the weight gradient
   if (clean && need_w) {
-    const auto opts = grad_out.options().dtype(a_dtype);
-    r = at::empty(a_shape, opts);
-    u = at::empty(a_shape, opts);
-    R.unpack.run(stream, at_r, {0, 0, 0, 0, address(r), 0});
-    Roles roles = planes;
-    roles[R_OUT] = address(u);
-    U.unpack.run(stream, at_u, roles);
+    r = at::empty(a_shape, grad_out.options().dtype(a_dtype));
+    R.gated_product.run(stream, at_r, gated_product_roles(planes, r));
   } else if (!clean) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     r = at::relu(at::linear(x, wg, maybe(bg)));
     u = at::linear(x, wu, maybe(bu));
   }
   if (need_w) {
-    // r * u, in place where neither is needed again
-    o.weight = weight_grad(g2, clean ? r.mul_(u) : r * u, mm_dtype);
-    if (clean) {   // stream-ordered: the gradients may take their memory next
-      r.reset();
-      u.reset();
-    }
+    o.weight = weight_grad(g2, clean ? r : r * u, mm_dtype);
+    if (clean) r.reset();   // stream-ordered: the gradients may take its memory next
   }
   if (need_a) {
     const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype);
@@ -541,18 +517,11 @@ bool gated_backward_conditional(GatedGrads& o, const Tensor& grad_out, const Ten
   ConditionalCapture node(stream, at_r + static_cast<uint64_t>(R.status_offset),
                           replay_counter(policy), *side, device);
   // the pack was clean: the packed blocks
-  if (need_a && need_w) {   // one decode: both gradients and r * u (into r)
-    at::mm_out(ga2, g2, weight);
-    R.gated_and_product.run(body, at_r, gated_product_roles(planes, o.g, o.u, r));
+  if (need_w) {
+    R.gated_product.run(body, at_r, gated_product_roles(planes, r));
     at::mm_out(o.weight, g2t, as_matrix(r, f));
-  } else if (need_w) {
-    R.unpack.run(body, at_r, {0, 0, 0, 0, address(r), 0});
-    Roles roles = planes;
-    roles[R_OUT] = address(u);
-    U.unpack.run(body, at_u, roles);
-    r.mul_(u);
-    at::mm_out(o.weight, g2t, as_matrix(r, f));
-  } else {
+  }
+  if (need_a) {
     at::mm_out(ga2, g2, weight);
     Roles roles = planes;
     roles[R_G] = roles[R_OUT] = address(o.g);
@@ -1201,7 +1170,7 @@ py::bytes launch_params(int64_t handle, const std::string& name, uint64_t block,
                     : name == "relu2_and_square" ? &P.relu2_and_square
                     : name == "mask_select" ? &P.mask_select
                     : name == "gated" ? &P.gated
-                    : name == "gated_and_product" ? &P.gated_and_product : nullptr;
+                    : name == "gated_product" ? &P.gated_product : nullptr;
   TORCH_CHECK(L != nullptr && L->present(), "bitsparse: no launch '", name, "'");
   std::vector<uint8_t> buf(L->params.size());
   L->fill(buf.data(), block, roles);

@@ -16,7 +16,7 @@ namespace {
 enum Role {
   R_X, R_Y, R_SCRATCH, R_G, R_OUT, R_OUT2, R_SLOT,
   R_MASK, R_MASK_LEN, R_OFFSETS, R_VALUES, R_VALUES_LEN, R_SIGNS, R_SIGNS_LEN,
-  R_UVALUES, R_UVALUES_LEN, R_USIGNS, R_USIGNS_LEN, R_OUT3, R_U, N_ROLES
+  R_UVALUES, R_UVALUES_LEN, R_USIGNS, R_USIGNS_LEN, R_U, N_ROLES
 };
 using Roles = std::array<uint64_t, N_ROLES>;
 
@@ -116,14 +116,15 @@ Launch make_launch(const py::tuple& t) {
 // ---------------------------------------------------------------------------
 // Plans: one pack plan's block layout and launches on one device
 // ---------------------------------------------------------------------------
-// A gated op's two plans: relu(g)'s (mode RELU), whose ``gated`` and ``gated_and_product``
-// launches are the backward's kernel (the second also writes r * u), and u's (mode
-// MASKED), whose pack reads relu(g)'s mask and whose unpack reads relu(g)'s mask and
-// offsets beside u's own values and signs (roles, at ``spans``).
+// A gated op's two plans: relu(g)'s (mode RELU_GATED: its pack reads u and writes
+// relu(g) * u), whose ``gated`` launch is the backward's kernel and whose
+// ``gated_product`` forms r * u from both blocks, and u's (mode MASKED), whose pack reads
+// relu(g)'s mask and whose unpack reads relu(g)'s mask and offsets beside u's own values
+// and signs (roles, at ``spans``).
 struct Plan {
   int64_t numel = 0, nbytes = 0, scratch_bytes = 0, status_offset = 0;
   std::array<int64_t, 4> spans{};   // where the mask, offsets, values and signs start
-  Launch pack, unpack, relu2, relu2_and_square, mask_select, gated, gated_and_product;
+  Launch pack, unpack, relu2, relu2_and_square, mask_select, gated, gated_product;
 };
 
 // Handles index a fixed table, so a backward reads its entry without a lock while another
@@ -186,7 +187,7 @@ int64_t add_plan(int64_t numel, int64_t nbytes, int64_t scratch_bytes, int64_t s
   const std::pair<const char*, Launch*> slots[] = {
       {"pack", &plan->pack}, {"unpack", &plan->unpack}, {"relu2", &plan->relu2},
       {"relu2_and_square", &plan->relu2_and_square}, {"mask_select", &plan->mask_select},
-      {"gated", &plan->gated}, {"gated_and_product", &plan->gated_and_product}};
+      {"gated", &plan->gated}, {"gated_product", &plan->gated_product}};
   for (const auto& item : launches) {
     const std::string name = item.first.cast<std::string>();
     bool known = false;

@@ -51,21 +51,14 @@ def assert_relu2_one_decode(p, p_ref, a, G, g, dt):
     assert_bits(h, reference_ops.relu_pack(a, dt, square=True)[0], "relu(a)², one decode")
 
 
-def assert_gated_one_decode(p, p_ref, pu, pu_ref, G, g, dt):
-    """The torch adapter's one-decode gated backward (op GATED_AND_PRODUCT) gives the
-    reference gradients and r * u (the second GEMM's input), grad_g in place of the
-    gradient as the adapter runs it."""
+def assert_gated_product(p, p_ref, pu, pu_ref, dt):
+    """The torch adapter's weight-gradient input of the gated op (op GATED_PRODUCT): r * u
+    from both planes, as reference_ops.gated_product gives it."""
     s = ci.stream_handle(None)
-    grad = dev(g)                             # a fresh copy: written over
-    gt = ci.import_cuda(_Bits(grad, dt), stream=s)
-    gu = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
-    h = ci.CudaArray.empty(p.shape, p.dtype, gt.device, s)
-    BE._unpack_op(p, abi.Op.GATED_AND_PRODUCT, s, None, gt.ptr, grad=gt.ptr, out2=gu.ptr,
-                  out3=h.ptr, pu=BE._ready(pu, s), u_encoding=pu.encoding)
-    gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
-    assert_bits(grad.reshape(p.shape), gg_ref, f"gated grad_g, one decode {dt.name}")
-    assert_bits(gu, gu_ref, f"gated grad_u, one decode {dt.name}")
-    assert_bits(h, reference_ops.gated_product(p_ref, pu_ref), f"r * u, one decode {dt.name}")
+    h = ci.CudaArray.empty(p.shape, p.dtype, p.device[1], s)
+    BE._unpack_op(p, abi.Op.GATED_PRODUCT, s, None, h.ptr, pu=BE._ready(pu, s),
+                  u_encoding=pu.encoding)
+    assert_bits(h, reference_ops.gated_product(p_ref, pu_ref), f"r * u {dt.name}")
 
 
 def test_kernels_built_for_this_device():
@@ -499,7 +492,7 @@ def test_unpack_sparse_and_dense_warps(request):
         gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
         assert_bits(gg, gg_ref, f"gated grad_g {dt.name}")
         assert_bits(gu, gu_ref, f"gated grad_u {dt.name}")
-        assert_gated_one_decode(p, p_ref, pu, pu_ref, G, g, dt)
+        assert_gated_product(p, p_ref, pu, pu_ref, dt)
 
 
 # --------------------------------------------------------------------------- #
@@ -543,7 +536,7 @@ def test_fused_ops(request, dt):
             gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
             assert_bits(gg, gg_ref, f"gated grad_g {enc}")
             assert_bits(gu, gu_ref, f"gated grad_u {enc}")
-            assert_gated_one_decode(p, p_ref, pu, pu_ref, G, g, dt)
+            assert_gated_product(p, p_ref, pu, pu_ref, dt)
         # a p_u with its own mask takes the dense path
         pu2 = bc.pack(dev(u), dtype=dt.name, encoding="raw", backend="cupy")
         pu2_ref = reference.pack_array(u, dt, "raw")
@@ -628,7 +621,7 @@ def test_many_waves_of_tiles(request, dt):
     gg_ref, gu_ref = reference_ops.gated_backward(g, p_ref, pu_ref)
     assert_bits(gg, gg_ref, "gated grad_g")
     assert_bits(gu, gu_ref, "gated grad_u")
-    assert_gated_one_decode(p, p_ref, pu, pu_ref, G, g, dt)
+    assert_gated_product(p, p_ref, pu, pu_ref, dt)
     assert_gated_pack(a, u, dt, "nosign", n // 2)
 
 

@@ -169,15 +169,14 @@ def test_native_gated_launches_match_the_python_records(ext, python_launches, sh
     assert (func, grid) == r_launches["gated"][:2]
     assert ext.launch_params(hr, "gated", BLOCK, _roles(g=G, out=G, out2=OUT2, uvalues=pu.values,
                                                         usigns=pu.signs)) == want
-    # the same kernel writing r * u too (a clean backward asked for both gradients)
-    host.enqueue_unpack(plan_r.lay, pr, abi.Op.GATED_AND_PRODUCT, 0, 0x5EED, G, grad=G,
-                        out2=OUT2, out3=OUT, pu=companion, u_encoding=u_enc)
+    # r * u from both blocks (the weight gradient's input)
+    host.enqueue_unpack(plan_r.lay, pr, abi.Op.GATED_PRODUCT, 0, 0x5EED, OUT, pu=companion,
+                        u_encoding=u_enc)
     kind, func, grid, smem, want = python_launches.pop()
-    assert (func, grid) == r_launches["gated_and_product"][:2]
+    assert (func, grid) == r_launches["gated_product"][:2]
     assert func != r_launches["gated"][0]
-    assert ext.launch_params(hr, "gated_and_product", BLOCK,
-                             _roles(g=G, out=G, out2=OUT2, out3=OUT, uvalues=pu.values,
-                                    usigns=pu.signs)) == want
+    assert ext.launch_params(hr, "gated_product", BLOCK,
+                             _roles(out=OUT, uvalues=pu.values, usigns=pu.signs)) == want
     assert not python_launches
 
 
@@ -565,14 +564,17 @@ class HostDriver:
         if op == abi.Op.UNPACK:
             self._out(r["out"], np.asarray(get_backend("numpy").unpack(p)))
             return
+        if op == abi.Op.GATED_PRODUCT:      # no gradient
+            assert not r["g"]
+            self._out(r["out"], reference_ops.gated_product(
+                p, self._companion(r["mask"], plan, r["uvalues"])))
+            return
         grad = self._grad(r, plan)
-        if op in (abi.Op.GATED, abi.Op.GATED_AND_PRODUCT):
+        if op == abi.Op.GATED:
             p_u = self._companion(r["mask"], plan, r["uvalues"])
             grad_g, grad_u = reference_ops.gated_backward(grad.reshape(p.shape), p, p_u)
             self._out(r["out"], grad_g)
             self._out(r["out2"], grad_u)
-            if op == abi.Op.GATED_AND_PRODUCT:
-                self._out(r["out3"], reference_ops.gated_product(p, p_u))
             return
         self._out(r["out"], reference_ops.relu2_backward(grad.reshape(p.shape), p))
         if op == abi.Op.RELU2_AND_SQUARE:
@@ -647,9 +649,10 @@ def test_emulated_native_training_is_bit_identical(emulated, case):
         decoded = {k[:3] if k[0] == "unpack" else k[:1] for k, _ in emulated.launches
                    if k[0] != "pack"}
         assert decoded
-        if kind == "reglu":     # one decode: the two gradients and relu(g) * u
+        if kind == "reglu":     # relu(g) * u from both blocks, the gated kernel's gradients
             fmt = abi.FMT_OF["bfloat16"]
-            assert decoded == {("unpack", fmt, abi.Op.GATED_AND_PRODUCT)}
+            assert decoded == {("unpack", fmt, abi.Op.GATED_PRODUCT),
+                               ("unpack", fmt, abi.Op.GATED)}
 
 
 @pytest.mark.parametrize("kind,frozen", [("relu2", "fc1"), ("relu2", "fc2"), ("relu2", "input"),

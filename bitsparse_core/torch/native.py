@@ -66,7 +66,7 @@ HEADERS = "torch_host_*.h"     # its parts, included by SOURCE
 # The pointers a call supplies, in the order of the C++ ``Role`` enum.
 ROLE_NAMES = ("x", "y", "scratch", "g", "out", "out2", "slot",
               "mask", "mask_len", "offsets", "values", "values_len", "signs", "signs_len",
-              "uvalues", "uvalues_len", "usigns", "usigns_len", "out3", "u")
+              "uvalues", "uvalues_len", "usigns", "usigns_len", "u")
 
 _lock = threading.Lock()
 _off = 0                   # depth of python_path() blocks
@@ -315,7 +315,7 @@ def launch_template(func: int, grid: int, smem: int, cooperative: bool, record,
 
 
 _UNPACK_PATCHES = (("g", "g", "g_aligned", False), ("out", "out", "out_aligned", False),
-                   ("out2", "out2", "out2_aligned", False), ("out3", "out3", "out3_aligned", False))
+                   ("out2", "out2", "out2_aligned", False))
 
 
 def pack_template(plan: host.PackPlan, device: int, zero_tail: bool = False) -> tuple:
@@ -360,7 +360,7 @@ def unpack_template(plan: host.PackPlan, op: abi.Op, device: int,
     r.off64, r.prefix, r.mask_len = m.off64, 0, m.mask_len
     r.values, r.values_len, r.signs, r.signs_len = p.values, p.values_len, p.signs, p.signs_len
     r.uvalues = r.uvalues_len = r.usigns = r.usigns_len = 0
-    r.g = r.out = r.out2 = r.out3 = r.ud = 0
+    r.g = r.out = r.out2 = r.ud = 0
     r.ud_aligned = True
     block_fields, patches = ["values", "signs"], list(_UNPACK_PATCHES)
     if mask_plan is None:
@@ -499,13 +499,13 @@ def no_conditional_nodes():
 
 def gated_plan_templates(plan_r: host.PackPlan, plan_u: host.PackPlan, device: int):
     """The launches of a gated op's two plans, or None where one is missing: relu(g)'s
-    pack, unpack and gated backward, alone and with r * u (u's planes by role); u's masked
-    pack (relu(g)'s mask by role) and its unpack beside relu(g)'s mask and offsets."""
+    pack (mode RELU_GATED: it reads u too), unpack, gated backward and ``r * u`` from both
+    blocks (u's planes by role); u's masked pack (relu(g)'s mask by role) and its unpack
+    beside relu(g)'s mask and offsets."""
     r = {"pack": pack_template(plan_r, device),
          "unpack": unpack_template(plan_r, abi.Op.UNPACK, device),
          "gated": unpack_template(plan_r, abi.Op.GATED, device, u_plan=plan_u),
-         "gated_and_product": unpack_template(plan_r, abi.Op.GATED_AND_PRODUCT, device,
-                                              u_plan=plan_u)}
+         "gated_product": unpack_template(plan_r, abi.Op.GATED_PRODUCT, device, u_plan=plan_u)}
     u = {"pack": pack_template(plan_u, device),
          "unpack": unpack_template(plan_u, abi.Op.UNPACK, device, mask_plan=plan_r)}
     if any(t is None for t in (*r.values(), *u.values())):

@@ -54,7 +54,7 @@ _PLANE_PATCHES = tuple((name, name, None, False) for name in
                         "signs_len"))
 _U_PATCHES = tuple((name, name, None, False) for name in
                    ("uvalues", "uvalues_len", "usigns", "usigns_len"))
-_OUT_PATCHES = native._UNPACK_PATCHES     # g, out, out2, out3: as the FFN op's unpacks
+_OUT_PATCHES = native._UNPACK_PATCHES     # g, out, out2: as the FFN op's unpacks
 
 
 def unpack_template(lay: _fmt.Layout, op: Op, u_encoding: Optional[Encoding], device: int):

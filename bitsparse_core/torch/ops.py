@@ -691,24 +691,21 @@ def gated_relu_linear_backward(grad_out, block_r, block_u, weight, x, wg, bg, wu
     grad_w = weight.new_empty((0,))
     if not needs & (NEED_A | NEED_W):
         return grad_g, grad_u, grad_w, grad_b
-    if clean and needs & NEED_A and needs & NEED_W and block_r.device.type == "cuda":
-        # one decode of both blocks gives both gradients and the second GEMM's input
-        grad_g, grad_u, h = _gated_grad_and_product_(
-            _linear_input_grad(g2, weight, a_shape, a_dtype), block_r, plan_r, block_u, plan_u)
-        return grad_g, grad_u, _linear_weight_grad(g2, h, mm_dtype), grad_b
-    # a clean gradient reads the packed blocks: r and u only for the weight gradient
-    if clean and needs & NEED_W:
-        r = _unpack(block_r, plan_r, a_shape, a_dtype)
-        u = _unpack_companion(block_r, plan_r, block_u, plan_u, a_shape, a_dtype)
-    elif not clean:
+    if not clean:
         with torch.autocast(grad_out.device.type, enabled=False):
             r = torch.relu(F.linear(x, wg, bg))
             u = F.linear(x, wu, bu)
     if needs & NEED_W:
-        # r * u, in place where neither is needed again
-        grad_w = _linear_weight_grad(g2, r.mul_(u) if clean else r * u, mm_dtype)
-        if clean:
-            del r, u       # stream-ordered: the gradients may take their memory next
+        # a clean gradient reads the packed blocks: r * u only for the weight gradient
+        if not clean:
+            h = r * u
+        elif block_r.device.type == "cuda":     # one kernel forms it from both blocks
+            h = _gated_product(block_r, plan_r, block_u, plan_u, a_shape, a_dtype)
+        else:
+            h = _unpack(block_r, plan_r, a_shape, a_dtype).mul_(
+                _unpack_companion(block_r, plan_r, block_u, plan_u, a_shape, a_dtype))
+        grad_w = _linear_weight_grad(g2, h, mm_dtype)
+        del h              # stream-ordered: the gradients may take its memory next
     if needs & NEED_A:
         grad_h = _linear_input_grad(g2, weight, a_shape, a_dtype)
         if clean:
@@ -768,19 +765,16 @@ def _gated_grad_(grad_h, block_r, plan_r, block_u, plan_u):
     return grad_h, gu
 
 
-def _gated_grad_and_product_(grad_h, block_r, plan_r, block_u, plan_u):
-    """``(grad_g, grad_u, h)`` from one decode of both CUDA blocks: the gradients (grad_g in
-    place of ``grad_h``) and ``h = relu(g) * u`` from the stored values, the second GEMM's
-    input. It equals the forward's h but at NaNs: a NaN's payload follows
-    ``reference_ops.mul_f32``, and where u was infinite or NaN and g <= 0 the forward's
-    h is NaN and this one +0 (u is not stored there), as the two-decode way had it."""
-    grad_h = grad_h.contiguous()
-    gu, h = torch.empty_like(grad_h), torch.empty_like(grad_h)
-    _unpack_cuda(block_r, plan_r, abi.Op.GATED_AND_PRODUCT, grad_h, grad=grad_h,
-                 out2=gu.data_ptr(), out3=h.data_ptr(),
+def _gated_product(block_r, plan_r, block_u, plan_u, a_shape, a_dtype) -> torch.Tensor:
+    """``h = relu(g) * u`` from both CUDA blocks in one kernel, the second GEMM's input. It
+    equals the forward's h (each rounded by ``reference_ops.mul_f32``'s rule) except where
+    u was infinite or NaN and g <= 0: the forward's h is NaN there, this one +0 (u is not
+    stored there)."""
+    h = torch.empty(a_shape, dtype=a_dtype, device=block_r.device)
+    _unpack_cuda(block_r, plan_r, abi.Op.GATED_PRODUCT, h,
                  pu=_companion_planes(plan_r, block_r, plan_u, block_u),
                  u_encoding=plan_u.lay.encoding)
-    return grad_h, gu, h
+    return h
 
 
 def BENCH_CASES(shape, dtype, device):

@@ -42,7 +42,7 @@ class Op(enum.IntEnum):
     GATED = 2         # (grad u [r > 0], grad r) from two planes sharing a mask
     GATED_DENSE = 3   # the same with u given dense
     RELU2_AND_SQUARE = 4   # (2 r grad where r > 0, r² as the forward rounded it)
-    GATED_AND_PRODUCT = 5  # GATED's pair and r u (the second GEMM's input)
+    GATED_PRODUCT = 5      # r u from GATED's two planes (the second GEMM's input)
 
 
 FMT_OF = {"bfloat16": Fmt.BF16, "float16": Fmt.FP16, "float32": Fmt.FP32,
@@ -152,8 +152,7 @@ class UnpackArgs(_Args):
                 ("values", _U64), ("values_len", _U64), ("signs", _U64), ("signs_len", _U64),
                 ("uvalues", _U64), ("uvalues_len", _U64), ("usigns", _U64), ("usigns_len", _U64),
                 ("g", _U64), ("g_aligned", _I32), ("ud", _U64), ("ud_aligned", _I32),
-                ("out", _U64), ("out_aligned", _I32), ("out2", _U64), ("out2_aligned", _I32),
-                ("out3", _U64), ("out3_aligned", _I32)]
+                ("out", _U64), ("out_aligned", _I32), ("out2", _U64), ("out2_aligned", _I32)]
 
 
 class MaskSelectArgs(_Args):

@@ -343,7 +343,7 @@ def _unpack_launch(lay: _fmt.Layout, op: Op, u_encoding: int, device: int) -> _U
 
 
 def enqueue_unpack(lay: _fmt.Layout, p: Planes, op: Op, device: int, stream: int, out: int,
-                   *, grad: int = 0, out2: int = 0, out3: int = 0, pu: Planes | None = None,
+                   *, grad: int = 0, out2: int = 0, pu: Planes | None = None,
                    u_encoding: Encoding = Encoding.RAW, udense: int = 0, prefix: int = 0,
                    prefix_scan=None) -> None:
     """Queue an unpack-family kernel over the packed tensor ``p`` of layout ``lay``.
@@ -365,12 +365,11 @@ def enqueue_unpack(lay: _fmt.Layout, p: Planes, op: Op, device: int, stream: int
     r.offsets, r.off64, r.prefix = p.offsets, p.off64, prefix if L.prefix_bytes else 0
     r.mask, r.mask_len = p.mask, p.mask_len
     r.values, r.values_len, r.signs, r.signs_len = p.values, p.values_len, p.signs, p.signs_len
-    if op in (Op.GATED, Op.GATED_AND_PRODUCT):       # u's planes (its own values, our mask)
+    if op in (Op.GATED, Op.GATED_PRODUCT):           # u's planes (its own values, our mask)
         r.uvalues, r.uvalues_len, r.usigns, r.usigns_len = (pu.values, pu.values_len, pu.signs,
                                                             pu.signs_len)
     r.g, r.g_aligned, r.ud, r.ud_aligned = grad, grad % 16 == 0, udense, udense % 16 == 0
     r.out, r.out_aligned, r.out2, r.out2_aligned = out, out % 16 == 0, out2, out2 % 16 == 0
-    r.out3, r.out3_aligned = out3, out3 % 16 == 0
     driver.launch(L.func, L.n_tiles, abi.THREADS, 0, stream, r)
 
 

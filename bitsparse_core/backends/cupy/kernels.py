@@ -89,7 +89,7 @@ def all_kernel_keys(sweep_rounds=()) -> list:
                 keys.append(("unpack", fmt, op, ru, enc, 0))
             keys.append(("unpack", fmt, abi.Op.GATED_DENSE, ru, enc, 0))
             for uenc in encs:
-                for op in (abi.Op.GATED, abi.Op.GATED_AND_PRODUCT):
+                for op in (abi.Op.GATED, abi.Op.GATED_PRODUCT):
                     keys.append(("unpack", fmt, op, ru, enc, uenc))
     for bits, fmt in sorted(abi.BITS_FMT.items()):
         dt = _dt.resolve({8: "float8_e4m3fn", 16: "bfloat16", 32: "float32"}[bits])
