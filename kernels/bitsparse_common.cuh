@@ -514,7 +514,8 @@ template <typename T> BS_D void bs_store_vec(T* y, u64 g, u64 numel, bool aligne
 
 // The product a b of two 16-byte vectors, each element rounded once as bs_mul_round
 // does: a word at a time in float32 (false when a product is NaN, whose payload the
-// caller then takes from bs_product_vec_exact), or per element by that rule.
+// caller then takes from bs_product_vec_fallback), or per element by that rule (the
+// fallback: out of line, so that its registers do not count against the word path's).
 template <int FMT> BS_D bool bs_product_vec(const uint4& a, const uint4& b, uint4& o) {
     bool nan = false;
     o.x = bs_word_f32<FMT>(a.x, b.x, 0u, BsProduct(), nan);
@@ -530,6 +531,9 @@ template <int FMT> BS_D uint4 bs_product_vec_exact(const uint4& a, const uint4& 
     for (int i = 0; i < 16 / (int)sizeof(T); ++i)
         bs_set_lane<T>(o, i, (T)bs_mul_round<FMT>((u32)bs_lane<T>(a, i), (u32)bs_lane<T>(b, i)));
     return o;
+}
+template <int FMT> __device__ __noinline__ uint4 bs_product_vec_fallback(uint4 a, uint4 b) {
+    return bs_product_vec_exact<FMT>(a, b);
 }
 
 // Inclusive warp scan of a u32 (packed fields add independently while they do not carry).

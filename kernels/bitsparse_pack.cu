@@ -183,10 +183,6 @@ template <int FMT> __device__ __forceinline__ uint4 bs_square_vec_exact(uint4 v)
 template <int FMT> __device__ __noinline__ uint4 bs_square_vec_fallback(uint4 v) {
     return bs_square_vec_exact<FMT>(v);
 }
-// RELU_GATED's product where it is NaN: out of line, as the square's.
-template <int FMT> __device__ __noinline__ uint4 bs_product_vec_fallback(uint4 a, uint4 b) {
-    return bs_product_vec_exact<FMT>(a, b);
-}
 template <int FMT> __device__ __forceinline__ uint4 bs_square_vec(const uint4& v) {
     if constexpr (Fmt<FMT>::BITS == 8 || BS_FUSED_PER_ELEMENT) {
         return bs_square_vec_exact<FMT>(v);

@@ -228,9 +228,6 @@ __device__ __noinline__ BsVecPair bs_fused_vec_fallback(uint4 g, uint4 r, uint4 
     bs_fused_vec_exact<FMT, OP>(g, r, u, o.a, o.b);
     return o;
 }
-template <int FMT> __device__ __noinline__ uint4 bs_product_vec_fallback(uint4 r, uint4 u) {
-    return bs_product_vec_exact<FMT>(r, u);
-}
 
 __device__ __forceinline__ u64 bs_offset_at(u64 offsets_ptr, int off64, u64 c) {
     return off64 ? reinterpret_cast<const u64*>(offsets_ptr)[c]
