@@ -118,9 +118,8 @@ Launch make_launch(const py::tuple& t) {
 // ---------------------------------------------------------------------------
 // A gated op's two plans: relu(g)'s (mode RELU_GATED: its pack reads u and writes
 // relu(g) * u), whose ``gated`` launch is the backward's kernel and whose
-// ``gated_product`` forms r * u from both blocks, and u's (mode MASKED), whose pack reads
-// relu(g)'s mask and whose unpack reads relu(g)'s mask and offsets beside u's own values
-// and signs (roles, at ``spans``).
+// ``gated_product`` forms r * u from both blocks (u's values and signs are roles), and
+// u's (mode MASKED), whose pack reads relu(g)'s mask (a role, at ``spans``).
 struct Plan {
   int64_t numel = 0, nbytes = 0, scratch_bytes = 0, status_offset = 0;
   std::array<int64_t, 4> spans{};   // where the mask, offsets, values and signs start

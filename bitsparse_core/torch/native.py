@@ -343,12 +343,10 @@ def pack_template(plan: host.PackPlan, device: int, zero_tail: bool = False) -> 
 
 
 def unpack_template(plan: host.PackPlan, op: abi.Op, device: int,
-                    mask_plan: host.PackPlan | None = None, u_plan: host.PackPlan | None = None):
+                    u_plan: host.PackPlan | None = None):
     """An unpack-family kernel over the plan's block (``host.enqueue_unpack``), or None
-    where it needs a prefix scan (chunks longer than its tile). ``mask_plan``: the plan
-    whose block holds the mask and offsets (a masked companion's unpack reads relu(g)'s,
-    roles ``mask`` and ``offsets``); ``u_plan``: the gated backward's u, whose values and
-    signs come as roles ``uvalues`` and ``usigns``."""
+    where it needs a prefix scan (chunks longer than its tile). ``u_plan``: the gated
+    ops' u, whose values and signs come as roles ``uvalues`` and ``usigns``."""
     lay = plan.lay
     L = host._unpack_launch(lay, op, int(u_plan.lay.encoding) if u_plan is not None else 0,
                             device)
@@ -356,19 +354,14 @@ def unpack_template(plan: host.PackPlan, op: abi.Op, device: int,
         return None
     r = _copy(L.args)
     p = plan.planes(0)
-    m = (mask_plan or plan).planes(0)
-    r.off64, r.prefix, r.mask_len = m.off64, 0, m.mask_len
+    r.off64, r.prefix, r.mask_len = p.off64, 0, p.mask_len
     r.values, r.values_len, r.signs, r.signs_len = p.values, p.values_len, p.signs, p.signs_len
+    r.offsets, r.mask = p.offsets, p.mask
     r.uvalues = r.uvalues_len = r.usigns = r.usigns_len = 0
     r.g = r.out = r.out2 = r.ud = 0
     r.ud_aligned = True
-    block_fields, patches = ["values", "signs"], list(_UNPACK_PATCHES)
-    if mask_plan is None:
-        r.offsets, r.mask = p.offsets, p.mask
-        block_fields += ["offsets", "mask"]
-    else:
-        r.offsets = r.mask = 0
-        patches += [("mask", "mask", None, False), ("offsets", "offsets", None, False)]
+    block_fields = ["values", "signs", "offsets", "mask"]
+    patches = list(_UNPACK_PATCHES)
     if u_plan is not None:
         pu = u_plan.planes(0)
         r.uvalues_len, r.usigns_len = pu.values_len, pu.signs_len
@@ -499,15 +492,12 @@ def no_conditional_nodes():
 
 def gated_plan_templates(plan_r: host.PackPlan, plan_u: host.PackPlan, device: int):
     """The launches of a gated op's two plans, or None where one is missing: relu(g)'s
-    pack (mode RELU_GATED: it reads u too), unpack, gated backward and ``r * u`` from both
-    blocks (u's planes by role); u's masked pack (relu(g)'s mask by role) and its unpack
-    beside relu(g)'s mask and offsets."""
+    pack (mode RELU_GATED: it reads u too), gated backward and ``r * u`` from both blocks
+    (u's planes by role); u's masked pack (relu(g)'s mask by role)."""
     r = {"pack": pack_template(plan_r, device),
-         "unpack": unpack_template(plan_r, abi.Op.UNPACK, device),
          "gated": unpack_template(plan_r, abi.Op.GATED, device, u_plan=plan_u),
          "gated_product": unpack_template(plan_r, abi.Op.GATED_PRODUCT, device, u_plan=plan_u)}
-    u = {"pack": pack_template(plan_u, device),
-         "unpack": unpack_template(plan_u, abi.Op.UNPACK, device, mask_plan=plan_r)}
+    u = {"pack": pack_template(plan_u, device)}
     if any(t is None for t in (*r.values(), *u.values())):
         return None
     return r, u
