@@ -51,6 +51,17 @@ def assert_relu2_one_decode(p, p_ref, a, G, g, dt):
     assert_bits(h, reference_ops.relu_pack(a, dt, square=True)[0], "relu(a)², one decode")
 
 
+def clear_nan_signs(a, dt):
+    """``a`` with its NaNs' sign bits cleared in place (a negative NaN survives relu, and
+    nosign cannot store it): e4m3fn's 0xff becomes 0x7f."""
+    if dt.name == "float8_e4m3fn":
+        a.view(dt.uint)[...] = np.where(a.view(dt.uint) == 0xff, 0x7f, a.view(dt.uint))
+    else:
+        a.view(dt.uint)[np.isnan(a.astype(np.float32))] &= np.array(dt.sign_mask - 1,
+                                                                   dtype=dt.uint)
+    return a
+
+
 def assert_gated_product(p, p_ref, pu, pu_ref, dt):
     """The torch adapter's weight-gradient input of the gated op (op GATED_PRODUCT): r * u
     from both planes, as reference_ops.gated_product gives it."""
@@ -474,11 +485,7 @@ def test_unpack_sparse_and_dense_warps(request):
             p = bc.pack(dev(x), dtype=dt.name, encoding=enc, backend="cupy")
             assert_same(p, ref, f"{dt.name} {enc} mixed density k={k}")
             assert_bits(bc.unpack(p), x, f"{dt.name} {enc} mixed density k={k}")
-        a = x.copy()
-        if dt.name == "float8_e4m3fn":
-            a.view(dt.uint)[...] = np.where(a.view(dt.uint) == 0xff, 0x7f, a.view(dt.uint))
-        else:
-            a.view(dt.uint)[np.isnan(a.astype(np.float32))] &= np.array(dt.sign_mask - 1, dtype=dt.uint)
+        a = clear_nan_signs(x.copy(), dt)
         g = random_bits(rng, (n,), dt, 0.1)
         u = random_bits(rng, (n,), dt, 0.2)
         _, p = bc.relu_pack(dev(a), dtype=dt.name, backend="cupy")
@@ -505,11 +512,7 @@ def test_fused_ops(request, dt):
         a = random_bits(rng, shape, dt, 0.3)
         g = random_bits(rng, shape, dt, 0.1)
         u = random_bits(rng, shape, dt, 0.2)
-        if dt.name == "float8_e4m3fn":                    # keep NaN with a sign out of nosign
-            a.view(dt.uint)[...] = np.where(a.view(dt.uint) == 0xff, 0x7f, a.view(dt.uint))
-        else:
-            nan = np.isnan(a.astype(np.float32))
-            a.view(dt.uint)[nan] &= np.array(dt.sign_mask - 1, dtype=dt.uint)
+        clear_nan_signs(a, dt)
         for square in (False, True):
             for enc, cap in (("nosign", None), ("signplane", None), ("raw", None), ("nosign", "fit")):
                 capacity = None
@@ -582,11 +585,7 @@ def test_gated_relu_pack_mode(request, dt):
     for shape in ((0,), (), (513,), (64, 1001), (3, 8199)):
         a = random_bits(rng, shape, dt, 0.3)
         u = random_bits(rng, shape, dt, 0.2)
-        if dt.name == "float8_e4m3fn":                    # keep NaN with a sign out of nosign
-            a.view(dt.uint)[...] = np.where(a.view(dt.uint) == 0xff, 0x7f, a.view(dt.uint))
-        else:
-            nan = np.isnan(a.astype(np.float32))
-            a.view(dt.uint)[nan] &= np.array(dt.sign_mask - 1, dtype=dt.uint)
+        clear_nan_signs(a, dt)
         kept = int(np.count_nonzero(reference_ops.relu_bits(a, dt).view(dt.uint)))
         for enc, cap in (("nosign", kept), ("signplane", kept), ("raw", max(kept // 2, 1))):
             for u_off in (0, 1):
