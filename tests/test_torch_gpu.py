@@ -683,3 +683,17 @@ def test_exact_pack_shrinks_through_the_extension_cuda(backend, monkeypatch):
     assert p.encoding.name == "RAW" and taken and taken[0][2] is None
     with pytest.raises(EncodingError):
         bc.pack(y, encoding="nosign", backend=backend)
+
+
+def test_gated_op_refuses_an_up_tensor_unlike_the_gate():
+    """The CUDA gated op's pack reads u beside g (it writes relu(g) * u): called directly
+    with a u of another shape or dtype, it raises rather than read past u."""
+    from bitsparse_core.torch import native
+    g = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+    op = torch.ops.bitsparse.gated_relu_linear
+    for u in (torch.randn(64, 128, device="cuda", dtype=torch.bfloat16),
+              torch.randn(64, 256, device="cuda", dtype=torch.float16)):
+        with native.python_path(), pytest.raises((ValueError, RuntimeError),
+                                                 match="gate and up must match"):
+            op(g, u, w, None, None, None, None, None, None, g.numel(), 1, 2, 12, None, 0)

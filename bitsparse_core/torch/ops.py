@@ -609,7 +609,10 @@ def gated_relu_linear(g, u, weight, bias, x, wg, bg, wu, bu, capacity: int, enco
     pol = C.POLICIES.get(policy)
     if g.device.type == "cuda":
         # relu(g)'s pack writes h = relu(g) * u (each product rounded once; a NaN's
-        # payload as reference_ops.mul_f32 has it)
+        # payload as reference_ops.mul_f32 has it), reading u as g's twin
+        if u.shape != g.shape or u.dtype != g.dtype or u.device != g.device:
+            raise ValueError(f"gate and up must match: {g.dtype}{tuple(g.shape)} on "
+                             f"{g.device} vs {u.dtype}{tuple(u.shape)} on {u.device}")
         g, u = g.contiguous(), u.contiguous()
         h, block_r, ticket = _pack_cuda(g, plan_r, u)
         C.BLOCK_TICKETS.remember(block_r, ticket)
