@@ -278,7 +278,23 @@ def readme() -> list:
         + f" faster at {fzv['default']['pack_rounds']} rounds per warp than at "
         + f"{fzv['before']['pack_rounds']} (same run)"
         + " | `bench/results/fused.md` |",
+        gated_kernels_row("fused_h200_s63"),
     ]
+
+
+def gated_kernels_row(stem: str) -> str:
+    """ReGLU's one-kernel pack and product (``bench_fused.py``) against the ways before,
+    the same run: the trained density's row of the gpt12 shape."""
+    rows = {r["op"]: r for r in result(f"{stem}.json")["variants"]["default"]["rows"]
+            if r["shape"] == [8192, 4096] and r["density"] == 0.1}
+    pairs = (("gated_pack", "gated_pack_by_relu_mul", "relu(g)'s pack and `torch.mul`"),
+             ("gated_product", "gated_product_by_decodes", "two decodes and a product"))
+    same = all(rows[a]["digest"] == rows[b]["digest"] for a, b, _ in pairs)
+    return ("| ReGLU's kernels, bf16 8192x4096, 10 % nonzeros | "
+            + "; ".join(f"`{a}` {rows[a]['us']:.1f} µs vs {rows[b]['us']:.1f} for {what} "
+                        f"({rows[b]['us'] / rows[a]['us']:.2f}×)" for a, b, what in pairs)
+            + ("; outputs byte-identical" if same else "; outputs differ")
+            + f" | `bench/results/{stem}.md` |")
 
 
 def codecs_8192x14336_row(stem: str) -> str:
