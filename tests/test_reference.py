@@ -246,3 +246,29 @@ def test_masked_pack_auto_is_signplane():
     u = np.linspace(-2, 2, 64, dtype=np.float32)
     q = bc.masked_pack(u, bc.pack(x), encoding="auto")
     assert q.encoding == bc.Encoding.SIGNPLANE
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
+def test_gated_relu_pack_and_product(dtype):
+    """The gated op's two products (reference of the RELU_GATED pack and the GATED_PRODUCT
+    decode): h = relu(g) * u over every element, relu(g)'s planes as relu_pack packs them;
+    from the planes, r * u where the mask is set and +0 elsewhere, also where u was
+    infinite or NaN (the dense h is NaN there)."""
+    from bitsparse_core.spec import codec, ops
+    rng = np.random.default_rng(63)
+    g = random_tensor(rng, (5, 777), dtype, 0.3)
+    u = random_tensor(rng, (5, 777), dtype, 0.2)
+    r = ops.relu_bits(g, dtype)
+    h, p = ops.gated_relu_pack(g, u, dtype, encoding="raw")
+    with np.errstate(over="ignore"):
+        want = ops.mul_f32(r.astype(np.float32), u.astype(np.float32)).astype(dtype.numpy)
+    assert same_bits(h, want, dtype)
+    ref = codec.pack_array(r, dtype, "raw")
+    assert bytes(np.asarray(p.mask)) == bytes(np.asarray(ref.mask))
+    assert bytes(np.asarray(p.values)) == bytes(np.asarray(ref.values))
+    p_u = ops.masked_pack(u, dtype, p, encoding="signplane")
+    got = ops.gated_product(p, p_u)
+    keep = ops.mask_of(p)
+    assert same_bits(got[keep], want[keep], dtype)
+    assert not np.any(got[~keep].view(dtype.uint))              # +0, sign bit clear
+    assert (~keep & np.isnan(want.astype(np.float32))).any()     # that case was drawn

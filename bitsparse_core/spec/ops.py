@@ -61,7 +61,8 @@ def mul_f32(a, b) -> np.ndarray:
 
 
 def _round(x32: np.ndarray, dtype: _dt.DType) -> np.ndarray:
-    return x32.astype(dtype.numpy)
+    with np.errstate(over="ignore"):       # past the dtype's range rounds to infinity
+        return x32.astype(dtype.numpy)
 
 
 def relu_pack(a: np.ndarray, dtype: _dt.DType, *, square: bool = False, encoding="nosign",
