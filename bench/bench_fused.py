@@ -26,9 +26,7 @@ process of their own (CuPy caches a kernel per option set), e.g. the kernels' A/
 switches ``BS_FUSED_PER_ELEMENT``, ``BS_FUSED_BLOCKS`` and ``BS_PACK_FUSED_BLOCKS``;
 ``PACK_ROUNDS=n`` and ``FUSED_ROUNDS=n`` tokens (no ``-D``) set the
 packs' and the fused unpack ops' rounds per warp in that process (``abi.PACK_ROUNDS``,
-``abi.FUSED_ROUNDS``: host-side choices); ``PRODUCT_SPARSE_ROUNDS=n`` and
-``PRODUCT_SPARSE=k`` set ``gated_product``'s where the capacity is at most 1/k of the
-elements (``abi.unpack_rounds``). Every process hashes the
+``abi.FUSED_ROUNDS``: host-side choices). Every process hashes the
 ops' outputs; the table says whether a variant's bytes equal the default build's.
 
 Writes ``fused.json``, ``fused.md`` and ``fused.png`` under ``--out``.
@@ -57,8 +55,7 @@ OPS = ("relu_pack", "relu2_pack", "relu2_backward", "relu2_backward+square", "ga
        "gated_product", "gated_product_by_decodes", "gated_pack", "gated_pack_by_relu_mul")
 # relu_pack at 2 rounds and 4 blocks per SM (session 20's geometry)
 DEFAULT_VARIANTS = "before=PACK_ROUNDS=2 -DBS_PACK_FUSED_BLOCKS=4"
-# abi constants a variant may set
-ROUND_TOKENS = ("PACK_ROUNDS", "FUSED_ROUNDS", "PRODUCT_SPARSE_ROUNDS", "PRODUCT_SPARSE")
+ROUND_TOKENS = ("PACK_ROUNDS", "FUSED_ROUNDS")   # abi constants a variant may set
 ROUNDS_ENV = "BITSPARSE_BENCH_ROUNDS"             # how they reach the variant's processes
 
 
@@ -207,7 +204,7 @@ def measure(reps: int) -> dict:
                   f"{rows[-1]['of_copy']:6.1%} of copy", file=sys.stderr, flush=True)
     from bitsparse_core.backends.cuda import abi
     return {"copy_bandwidth_Bps": copy_bw, "rows": rows, "pack_rounds": abi.PACK_ROUNDS,
-            "fused_rounds": abi.FUSED_ROUNDS, "product_sparse_rounds": abi.PRODUCT_SPARSE_ROUNDS}
+            "fused_rounds": abi.FUSED_ROUNDS}
 
 
 def warm() -> None:
@@ -223,8 +220,6 @@ def warm() -> None:
     keys += [("unpack", bf16, int(op), ru, nosign, 0) for op in (abi.Op.RELU2, abi.Op.RELU2_AND_SQUARE)]
     keys += [("unpack", bf16, int(op), ru, nosign, signplane)
              for op in (abi.Op.GATED, abi.Op.GATED_PRODUCT)]
-    keys += [("unpack", bf16, int(abi.Op.GATED_PRODUCT), abi.PRODUCT_SPARSE_ROUNDS, nosign,
-              signplane)]
     keys += [("pack", bf16, nosign, int(abi.Mode.RELU_GATED), abi.PACK_ROUNDS)]
     keys += [("unpack", int(abi.BITS_FMT[16]), int(abi.Op.UNPACK), abi.unpack_rounds(
         _dt.BFLOAT16, abi.Op.UNPACK), e, 0) for e in (nosign, signplane)]

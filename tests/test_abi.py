@@ -78,32 +78,6 @@ def test_pack_scratch_holds_the_kernels_layout_in_whole_16_byte_rows():
         assert size % 16 == 0 and end <= size < end + 16, n
 
 
-def test_gated_product_rounds_follow_the_capacity():
-    """GATED_PRODUCT takes PRODUCT_SPARSE_ROUNDS where the capacity is at most
-    1/PRODUCT_SPARSE of the elements and the fused ops' rounds above; no other op follows
-    the capacity. Either way the tile holds whole default-size chunks (no prefix scan),
-    and the sparse fp32 tile keeps its two static decode buffers inside 48 KB."""
-    from bitsparse_core import dtypes as D
-    from bitsparse_core.backends.cuda import host
-    from bitsparse_core.spec.format import DEFAULT_CHUNK_LOG2, layout
-    numel = 8 * 4096 + 12
-    edge = numel // abi.PRODUCT_SPARSE
-    for dt in (D.BFLOAT16, D.FLOAT16, D.FLOAT32, D.FLOAT8_E4M3FN, D.FLOAT8_E5M2):
-        for enc in ("raw", "nosign", "signplane"):
-            sparse, dense = (layout((numel,), dt, enc, cap) for cap in (edge, edge + 1))
-            assert host.layout_rounds(sparse, abi.Op.GATED_PRODUCT) == abi.PRODUCT_SPARSE_ROUNDS
-            assert host.layout_rounds(dense, abi.Op.GATED_PRODUCT) == abi.unpack_rounds(
-                dt, abi.Op.GATED)
-            for op in abi.Op:
-                if op != abi.Op.GATED_PRODUCT:
-                    assert host.layout_rounds(sparse, op) == host.layout_rounds(dense, op)
-            for lay in (sparse, dense):
-                rounds = host.layout_rounds(lay, abi.Op.GATED_PRODUCT)
-                assert abi.tile_elems(dt, rounds) >= 1 << DEFAULT_CHUNK_LOG2
-                assert host.prefix_scratch_bytes(lay, abi.Op.GATED_PRODUCT) == 0
-                assert 2 * abi.tile_elems(dt, rounds) * dt.itemsize <= 48 << 10
-
-
 @pytest.mark.parametrize("mode", list(abi.Mode))
 @pytest.mark.parametrize("encoding", ["raw", "nosign", "signplane"])
 def test_exact_tail_is_the_tail_of_the_plan_at_the_count(mode, encoding):

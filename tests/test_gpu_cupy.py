@@ -549,31 +549,6 @@ def test_fused_ops(request, dt):
         assert_bits(gu, gu_ref, "gated dense grad_u")
 
 
-@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
-def test_gated_product_on_both_sides_of_its_rounds_choice(request, dt):
-    """GATED_PRODUCT's rounds follow the capacity (abi.unpack_rounds): a block at most
-    1/PRODUCT_SPARSE full and one fuller, each a partial tile, one tile and many, exact and
-    at a capacity with room to spare, give reference_ops.gated_product's bits."""
-    from bitsparse_core.backends.cuda import host
-    rng = _rng(request)
-    rounds = set()
-    for shape in ((513,), (3, 8199), (70001,)):
-        numel = int(np.prod(shape))
-        for sparsity in (0.9, 0.2):
-            a = clear_nan_signs(random_bits(rng, shape, dt, sparsity), dt)
-            u = random_bits(rng, shape, dt, 0.1)
-            kept = int(np.count_nonzero(reference_ops.relu_bits(a, dt).view(dt.uint)))
-            for cap in (None, max(kept, numel // (2 * abi.PRODUCT_SPARSE))):
-                _, p = bc.relu_pack(dev(a), dtype=dt.name, capacity=cap, backend="cupy")
-                _, p_ref = reference_ops.relu_pack(a, dt, capacity=cap)
-                rounds.add(host.layout_rounds(p.layout, abi.Op.GATED_PRODUCT))
-                for enc in ("signplane", "raw"):
-                    pu = bc.masked_pack(_Bits(dev(u), dt), p, encoding=enc)
-                    pu_ref = reference_ops.masked_pack(u, dt, p_ref, encoding=enc)
-                    assert_gated_product(p, p_ref, pu, pu_ref, dt)
-    assert rounds == {abi.PRODUCT_SPARSE_ROUNDS, abi.unpack_rounds(dt, abi.Op.GATED)}
-
-
 def assert_gated_pack(a, u, dt, enc, cap, u_off=0):
     """The torch adapter's gated pack (mode RELU_GATED) of ``a`` beside ``u`` (``u_off``
     elements past a 16-byte boundary): the planes of relu(a), byte for byte those of mode

@@ -58,11 +58,6 @@ WARPS = THREADS // 32
 PACK_ROUNDS = 4
 FUSED_ROUNDS = 2
 UNPACK_ROUNDS = 4
-# GATED_PRODUCT decodes two planes of values; where a plan stores few of them (capacity at
-# most 1 / PRODUCT_SPARSE of the elements) a warp's larger share of the tile pays, where
-# many it costs (bench/NOTES.md, session 64: 0.86x at density 0.1, 1.12x at 0.5).
-PRODUCT_SPARSE_ROUNDS = 4
-PRODUCT_SPARSE = 4
 STATUS_BYTES = 64             # u32 status, u32 pad, u64 nnz, padding
 SLOT_BYTES = 16               # a pinned host slot the pack kernel writes: u32 status, u32 pad, u64 nnz
 SLOT_SENTINEL32 = 0xFFFFFFFF  # a slot's status before the kernel writes it (a status uses bits 0-1)
@@ -75,21 +70,11 @@ def tile_elems(dtype: _dt.DType, rounds: int) -> int:
     return WARPS * rounds * 32 * (16 // dtype.itemsize)
 
 
-def unpack_rounds(dtype: _dt.DType, op: Op, sparse: bool = False) -> int:
+def unpack_rounds(dtype: _dt.DType, op: Op) -> int:
     """fp32 (4 elements per vector) doubles the rounds so its tiles hold as many
-    elements as 16-bit ones: whole default-size chunks. ``sparse``: the plan's capacity
-    is at most 1 / PRODUCT_SPARSE of its elements (:func:`sparse_plan`), which only
-    GATED_PRODUCT's choice follows; its fp32 tiles stay at 4 rounds, where the two
-    static decode buffers of 8 would pass the 48 KB of static shared memory."""
-    if op == Op.GATED_PRODUCT and sparse:
-        return PRODUCT_SPARSE_ROUNDS
+    elements as 16-bit ones: whole default-size chunks."""
     r = UNPACK_ROUNDS if op == Op.UNPACK else FUSED_ROUNDS
     return 2 * r if dtype.bits == 32 else r
-
-
-def sparse_plan(capacity: int, numel: int) -> bool:
-    """Whether a plan's capacity bound puts it among :func:`unpack_rounds`' sparse ones."""
-    return PRODUCT_SPARSE * capacity <= numel
 
 
 def stream_width(dtype: _dt.DType, enc: Encoding) -> int:

@@ -307,16 +307,12 @@ def enqueue_tail_shrink(copies: tuple, src_tail: int, dst_tail: int, stream: int
 # --------------------------------------------------------------------------- #
 # Unpacking and the fused backward ops                                        #
 # --------------------------------------------------------------------------- #
-def layout_rounds(lay: _fmt.Layout, op: Op) -> int:
-    """Rounds per warp of an unpack-family kernel over a block of layout ``lay``."""
-    return abi.unpack_rounds(lay.dtype, op, abi.sparse_plan(lay.capacity, lay.numel))
-
-
 def prefix_scratch_bytes(lay: _fmt.Layout, op: Op) -> int:
     """Scratch an unpack-family op needs: 0 when every tile is a whole number of
     chunks (the offsets table has both ends of each tile's value range), else one
     prefix count per tile plus one."""
-    tile = abi.tile_elems(lay.dtype, layout_rounds(lay, op))
+    rounds = abi.unpack_rounds(lay.dtype, op)
+    tile = abi.tile_elems(lay.dtype, rounds)
     if (1 << lay.chunk_log2) <= tile or lay.numel == 0:
         return 0
     return 8 * (-(-lay.numel // tile) + 1)
@@ -327,7 +323,7 @@ class _UnpackLaunch:
     that follow from them already set: a call then sets the pointers."""
 
     def __init__(self, lay: _fmt.Layout, op: Op, u_encoding: int, device: int):
-        rounds = layout_rounds(lay, op)
+        rounds = abi.unpack_rounds(lay.dtype, op)
         self.n_tiles = -(-lay.numel // abi.tile_elems(lay.dtype, rounds))
         self.prefix_bytes = prefix_scratch_bytes(lay, op)
         fmt = abi.BITS_FMT[lay.dtype.bits] if op == Op.UNPACK else abi.FMT_OF[lay.dtype.name]
@@ -340,10 +336,9 @@ class _UnpackLaunch:
 
 
 def _unpack_launch(lay: _fmt.Layout, op: Op, u_encoding: int, device: int) -> _UnpackLaunch:
-    # keyed by what the launch follows from, not the capacity (only through the rounds it
-    # picks): every exact pack has a capacity (and so a layout) of its own
-    key = (lay.dtype, lay.encoding, lay.numel, lay.chunk_log2, op, u_encoding, device,
-           layout_rounds(lay, op))
+    # keyed by what the launch follows from, not the capacity: every exact pack has a
+    # capacity (and so a layout) of its own
+    key = (lay.dtype, lay.encoding, lay.numel, lay.chunk_log2, op, u_encoding, device)
     return _launch("unpack", key, lambda: _UnpackLaunch(lay, op, u_encoding, device))
 
 

@@ -91,8 +91,6 @@ def all_kernel_keys(sweep_rounds=()) -> list:
             for uenc in encs:
                 for op in (abi.Op.GATED, abi.Op.GATED_PRODUCT):
                     keys.append(("unpack", fmt, op, ru, enc, uenc))
-                keys.append(("unpack", fmt, abi.Op.GATED_PRODUCT,
-                             abi.unpack_rounds(dt, abi.Op.GATED_PRODUCT, sparse=True), enc, uenc))
     for bits, fmt in sorted(abi.BITS_FMT.items()):
         dt = _dt.resolve({8: "float8_e4m3fn", 16: "bfloat16", 32: "float32"}[bits])
         ru = abi.unpack_rounds(dt, abi.Op.UNPACK)
