@@ -442,19 +442,66 @@ def gpt12_reglu_row(tg: dict, stem: str, what: str) -> str:
     compiled the same way, and what the forward keeps."""
     tiv, tgv, pre = tg["interleaved"]["variants"], tg["variants"], tg["pretrain"]
     zeros = statistics.mean(pre["mlp_zeros"])
-    ours, py = tiv["ours-nosign"], tiv["ours-python"]
-    comp, graphed = tiv["ours-compiled"], tiv["ours-graphed"]
+    ours, comp = tiv["ours-nosign"], tiv["ours-compiled"]
+    python = (f" ({pct(tiv['ours-python']['median_ratio'])} on the Python host path)"
+              if "ours-python" in tiv else "")
+    graphed = tiv.get("ours-graphed")
+    graphed = (f", under `mode=\"reduce-overhead\"` {pct(graphed['median_ratio_vs_own'])} "
+               f"({ci(graphed, 'median_ratio_vs_own_ci95')}) vs dense compiled the same way"
+               if graphed else "")
     return (f"| {tg['shape']['layers']}-layer ReGLU GPT (d_ff {tg['shape']['d_ff']}) trained "
             f"{pre['steps']} steps first ({100 * zeros:.0f} % zeros in the gate's ReLU), {what} "
             f"({tg['interleaved']['turns']} turns; dense's step "
             f"{tiv['dense']['median_step_ms']:.0f} ms) | step {pct(ours['median_ratio'])} "
-            f"({ci(ours)}) vs dense ({pct(py['median_ratio'])} on the Python host path); "
+            f"({ci(ours)}) vs dense{python}; "
             f"torch.compile'd {pct(comp['median_ratio_vs_own'])} "
-            f"({ci(comp, 'median_ratio_vs_own_ci95')}) vs compiled dense, under "
-            f"`mode=\"reduce-overhead\"` {pct(graphed['median_ratio_vs_own'])} "
-            f"({ci(graphed, 'median_ratio_vs_own_ci95')}) vs dense compiled the same way; kept "
+            f"({ci(comp, 'median_ratio_vs_own_ci95')}) vs compiled dense{graphed}; kept "
             f"after the forward {mib(tgv['ours-nosign']['after_forward_mib'])} MiB vs "
-            f"{mib(tgv['dense']['after_forward_mib'])} dense | `bench/results/{stem}.md` |")
+            f"{mib(tgv['dense']['after_forward_mib'])} dense; {ops_syncs(tg):.0f} host syncs per "
+            f"step from our ops | `bench/results/{stem}.md` |")
+
+
+def ops_syncs(tg: dict) -> float:
+    """Host syncs per step the profiler counted in our variants (stream, event and device
+    synchronizes, blocking copies, items of device tensors), leaving out any variant whose
+    profiled steps held a recompile (the compiler's syncs, not the ops')."""
+    return sum(v["syncs"]["per_step"][k] for name, v in tg["variants"].items()
+               if name.startswith("ours") and not v.get("compiles", {}).get("profiled")
+               for k in ("cudaStreamSynchronize", "cudaEventSynchronize",
+                         "cudaDeviceSynchronize", "cudaMemcpy", "item of a device tensor"))
+
+
+def gpt12_syncs_row(tg: dict, stem: str, what: str) -> str:
+    """:func:`gpt12_settings_row` with the host syncs per step from our ops."""
+    row = gpt12_settings_row(tg, stem, what)
+    cut = row.rindex(" | `bench/results/")
+    return f"{row[:cut]}; {ops_syncs(tg):.0f} host syncs per step from our ops{row[cut:]}"
+
+
+def budget_row(bu: dict, stem: str, what: str) -> str:
+    """A memory-budget run (``train_gpt.py --budget``): the largest batch of each variant
+    and tokens/s of ours and checkpointing at the largest both fit."""
+    tp = bu["throughput"]
+    ours, ck = tp["ours-nosign"]["tokens_per_s"], tp["checkpoint"]["tokens_per_s"]
+    return (f"| {what} within {mib(bu['budget_mib'])} MiB ({bu['config']['budget_factor']} × "
+            f"dense's peak) | largest batch: dense {bu['largest_batch']['dense']}, ours (nosign) "
+            f"{bu['largest_batch']['ours-nosign']}, checkpointing "
+            f"{bu['largest_batch']['checkpoint']}; at batch {bu['common_batch']} ours {ours:.0f} "
+            f"tokens/s vs checkpointing {ck:.0f} ({pct(ours / ck, 0)}) | `bench/results/{stem}.md` |")
+
+
+def bitident_row(bi: dict, stem: str, what: str) -> str:
+    """A bit-identity run (``--bitident-steps``, math attention): whether every packed
+    variant's losses and final parameters equal dense's, and their step and peak."""
+    v = bi["variants"]
+    ours = [n for n in v if n != "dense"]
+    same = identical(*(v[n][k] for n in ours for k in ("losses_bit_identical",
+                                                       "params_bit_identical")))
+    return (f"| {what}, {bi['plan']['timed']} steps with math attention | losses and final "
+            f"parameters {same} to dense ({', '.join(ours)}); step "
+            f"{pct(v['ours-nosign']['step_ratio_vs_dense'], 0)} (nosign) vs dense "
+            f"{v['dense']['median_step_ms']:.1f} ms; peak {mib(v['ours-nosign']['peak_mib'])} "
+            f"MiB vs {mib(v['dense']['peak_mib'])} | `bench/results/{stem}.md` |")
 
 
 def host_overhead_paths_row(name: str) -> str:
@@ -541,6 +588,16 @@ def readme_h100() -> list:
                               "PyTorch's defaults, a host the GPU paces, in session 62"),
         gpt12_reglu_row(result("train_gpt_h100_s62_reglu.json"), "train_gpt_h100_s62_reglu",
                         "PyTorch's defaults"),
+        gpt12_syncs_row(result("train_gpt_h100_s64_relu2.json"), "train_gpt_h100_s64_relu2",
+                        "PyTorch's defaults, a host the GPU paces, in session 64"),
+        gpt12_reglu_row(result("train_gpt_h100_s64_reglu.json"), "train_gpt_h100_s64_reglu",
+                        "PyTorch's defaults, on session 63's kernels"),
+        budget_row(result("train_gpt_budget_h100_s64_trained.json"),
+                   "train_gpt_budget_h100_s64_trained", "the ReLU² GPT trained "
+                   f"{result('train_gpt_budget_h100_s64_trained.json')['pretrain']['steps']} "
+                   "steps first"),
+        bitident_row(result("train_gpt_bitident_h100_s64_reglu.json"),
+                     "train_gpt_bitident_h100_s64_reglu", "the ReGLU GPT"),
 
         f"| {ff['config']['layers']}-layer bf16 FFN stack as above, median of "
         f"{ff['config']['steps']} steps in turn | {ffn} | `bench/results/torch_ffn_h100.md` |",
