@@ -129,8 +129,6 @@ def readme() -> list:
     hf_zeros = round(100 * (1 - max(st["max_density"] for st in
                                     hv["converted"]["packed"]["modules"].values())))
     bu = result("train_gpt_budget.json")
-    tp = bu["throughput"]
-    common = bu["common_batch"]
     small = next(i for i in result("host_overhead.json")["inputs"] if i["size"] == "small")
     host_small = {be: [s["host_us"] for s in result("host_overhead.json")["summary"]
                        if s["backend"] == be and s["op"] != "torch_empty"
@@ -145,10 +143,7 @@ def readme() -> list:
     # a variant whose profiled steps held a recompile (its capacity moved) counts the
     # compiler's syncs there; the table says so, and they are not the ops'
     recompiled = [name for name, v in tgv.items() if v.get("compiles", {}).get("profiled")]
-    syncs = sum(v["syncs"]["per_step"][k] for name, v in tgv.items()
-                if name.startswith("ours") and name not in recompiled
-                for k in ("cudaStreamSynchronize", "cudaEventSynchronize",
-                          "cudaDeviceSynchronize", "cudaMemcpy", "item of a device tensor"))
+    syncs = ops_syncs(tg)
     tokens = sh["seq"] * sh["batch"]
     g16r = result("train_gpt16.json")
     g16, g16s = g16r["variants"], g16r["shape"]
@@ -222,13 +217,7 @@ def readme() -> list:
         f"{mib(g16['ours-nosign']['peak_mib'])} MiB vs {mib(g16['dense']['peak_mib'])} dense, "
         f"{mib(g16['checkpoint']['peak_mib'])} checkpointed | `bench/results/train_gpt16.md` |",
 
-        f"| same GPT within {mib(bu['budget_mib'])} MiB ({bu['config']['budget_factor']} × dense's "
-        f"peak) | largest batch: dense {bu['largest_batch']['dense']}, ours (nosign) "
-        f"{bu['largest_batch']['ours-nosign']}, checkpointing {bu['largest_batch']['checkpoint']}; "
-        f"at batch {common} ours {tp['ours-nosign']['tokens_per_s']:.0f} tokens/s vs "
-        f"checkpointing {tp['checkpoint']['tokens_per_s']:.0f} "
-        f"({pct(tp['ours-nosign']['tokens_per_s'] / tp['checkpoint']['tokens_per_s'], 0)}) "
-        "| `bench/results/train_gpt_budget.md` |",
+        budget_row(bu, "train_gpt_budget", "same GPT"),
 
         f"| host time per call, {small['numel']}-element bf16 tensor | public `bc.*` API on "
         f"torch tensors (torch's stream and allocator): CuPy {span(host_small['cupy'], '{:.1f}')} µs, Numba "
