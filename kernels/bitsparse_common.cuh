@@ -535,6 +535,17 @@ template <int FMT> BS_D uint4 bs_product_vec_exact(const uint4& a, const uint4& 
 template <int FMT> __device__ __noinline__ uint4 bs_product_vec_fallback(uint4 a, uint4 b) {
     return bs_product_vec_exact<FMT>(a, b);
 }
+// a b as the gated pack and product form it: per element for 8-bit formats (and under
+// BS_FUSED_PER_ELEMENT), else a word at a time with the per-element rule at a NaN.
+template <int FMT> BS_D uint4 bs_product(const uint4& a, const uint4& b) {
+    if constexpr (BS_FUSED_PER_ELEMENT || Fmt<FMT>::BITS == 8) {
+        return bs_product_vec_exact<FMT>(a, b);
+    } else {
+        uint4 o;
+        if (!bs_product_vec<FMT>(a, b, o)) o = bs_product_vec_fallback<FMT>(a, b);
+        return o;
+    }
+}
 
 // Inclusive warp scan of a u32 (packed fields add independently while they do not carry).
 BS_D u32 bs_warp_scan(u32 x, int lane) {

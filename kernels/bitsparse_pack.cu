@@ -463,10 +463,7 @@ bitsparse_pack(u64 x_ptr, u64 numel, int x_aligned,
                 const T* u = reinterpret_cast<const T*>(u_ptr);
                 const uint4 uv = whole ? *reinterpret_cast<const uint4*>(u + tile_base + o)
                                        : bs_load_vec<T>(u, tile_base + o, numel, u_aligned);
-                if constexpr (BS_FUSED_PER_ELEMENT || Fmt<FMT>::BITS == 8)
-                    yv = bs_product_vec_exact<FMT>(vec[r], uv);
-                else if (!bs_product_vec<FMT>(vec[r], uv, yv))
-                    yv = bs_product_vec_fallback<FMT>(vec[r], uv);
+                yv = bs_product<FMT>(vec[r], uv);
             } else {
                 yv = MODE == BS_MODE_RELU2 ? bs_square_vec<FMT>(vec[r]) : vec[r];
             }

@@ -389,9 +389,7 @@ bitsparse_unpack(u64 numel, int chunk_log2, int prefix_mode, u64 offsets_ptr, in
         } else if (OP == BS_OP_GATED_PRODUCT) {
             const uint4 uv = scatter ? bs_scatter_vec<BITS>(uvals, j, bits[r], &s_slot[tid])
                                      : bs_expand_vec<BITS>(uvals, j, bits[r], s_sel);
-            uint4 o;
-            if constexpr (BS_FUSED_PER_ELEMENT || BITS == 8) o = bs_product_vec_exact<FMT>(rv, uv);
-            else if (!bs_product_vec<FMT>(rv, uv, o)) o = bs_product_vec_fallback<FMT>(rv, uv);
+            const uint4 o = bs_product<FMT>(rv, uv);
             if (plain_store) orow[r * RS / V] = o;
             else bs_store_vec<T>(reinterpret_cast<T*>(out_ptr), g, numel, out_aligned, o);
         } else {

@@ -449,18 +449,21 @@ GatedGrads gated_backward_impl(const Tensor& grad_out, const Tensor& block_r,
   void* stream = current_stream(block_r.device());
   const uint64_t at_r = address(block_r), at_u = address(block_u);
   const Roles planes = gated_roles(R, at_r, U, at_u);
-  Tensor r, u;   // a clean gradient reads the packed blocks: r * u only for the weight gradient
-  if (clean && need_w) {
-    r = at::empty(a_shape, grad_out.options().dtype(a_dtype));
-    R.gated_product.run(stream, at_r, gated_product_roles(planes, r));
-  } else if (!clean) {
+  Tensor r, u;   // recomputed where the pack was not clean
+  if (!clean) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     r = at::relu(at::linear(x, wg, maybe(bg)));
     u = at::linear(x, wu, maybe(bu));
   }
-  if (need_w) {
-    o.weight = weight_grad(g2, clean ? r : r * u, mm_dtype);
-    if (clean) r.reset();   // stream-ordered: the gradients may take its memory next
+  if (need_w) {   // h = r * u, which dies here (stream-ordered: the gradients may take its memory)
+    Tensor h;
+    if (clean) {   // one kernel forms it from both packed blocks
+      h = at::empty(a_shape, grad_out.options().dtype(a_dtype));
+      R.gated_product.run(stream, at_r, gated_product_roles(planes, h));
+    } else {
+      h = r * u;
+    }
+    o.weight = weight_grad(g2, h, mm_dtype);
   }
   if (need_a) {
     const Tensor grad_h = input_grad(g2, weight, a_shape, a_dtype);
@@ -507,7 +510,7 @@ bool gated_backward_conditional(GatedGrads& o, const Tensor& grad_out, const Ten
   }
   if (need_w) o.weight = at::empty(weight.sizes(), weight.options());
   Tensor r = at::empty(a_shape, opts), u = at::empty(a_shape, opts);
-  Tensor tmp = at::empty(a_shape, opts);
+  Tensor tmp = at::empty(a_shape, opts);   // r * u, the weight gradient's input in either body
   Tensor ga2 = need_a ? as_matrix(o.g, f) : Tensor();
   const Tensor g2t = transposed(g2);
   const uint64_t at_r = address(block_r), at_u = address(block_u);
@@ -518,8 +521,8 @@ bool gated_backward_conditional(GatedGrads& o, const Tensor& grad_out, const Ten
                           replay_counter(policy), *side, device);
   // the pack was clean: the packed blocks
   if (need_w) {
-    R.gated_product.run(body, at_r, gated_product_roles(planes, r));
-    at::mm_out(o.weight, g2t, as_matrix(r, f));
+    R.gated_product.run(body, at_r, gated_product_roles(planes, tmp));
+    at::mm_out(o.weight, g2t, as_matrix(tmp, f));
   }
   if (need_a) {
     at::mm_out(ga2, g2, weight);
